@@ -1,0 +1,122 @@
+"""``p3d-train``: compose the config once (Hydra), validate it, freeze the run spec, launch workers.
+
+    p3d-train                                   # tiny Llama on dp2_pp2_tp2, 8 CPU processes
+    p3d-train mesh=tp2_pp2 train.steps=50
+    p3d-train mesh=tp8_pp8 model=llama70b dry_run=true
+    p3d-train -m mesh=dp2,tp2,pp2               # one run per mesh
+
+Exit status: 0 done; 2 a config error (one line naming the field and the fix, before any worker
+starts); 1 a worker failed (the rank is named); 128+N stopped by signal N.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from p3d.config.schema import register_configs
+from p3d.config.validate import P3DConfigError, build_plan
+
+CONFIG_PATH = str(Path(__file__).resolve().parents[1] / "conf")
+_state = {"task_started": False}
+
+
+def tokenizer_vocab(data_cfg) -> int:
+    from p3d.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(data_cfg.tokenizer).vocab_size
+    except (OSError, ValueError) as exc:
+        raise P3DConfigError(str(exc)) from None
+
+
+def prepare(cfg_node: DictConfig):
+    """Typed config and run plan, or P3DConfigError."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from p3d.config.spec import to_config
+
+    try:
+        cfg = to_config(cfg_node)
+    except OmegaConfBaseException as exc:
+        raise P3DConfigError(str(exc).splitlines()[0]) from None
+    return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
+
+
+def fail(msg: str, status: int = 2):
+    print(f"p3d: {msg}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def _run_as_worker(cfg, plan) -> int:
+    """Under torchrun / srun (RANK set): every rank composed the same spec; rank 0 writes it."""
+    from p3d import worker
+    from p3d.config.spec import write_spec
+
+    if not any(o.startswith("run.dir=") for o in HydraConfig.get().overrides.task):
+        fail("under an external launcher (RANK is set) every rank must agree on the run directory; "
+             "add run.dir=<a path all ranks share>")
+    spec = Path(cfg.run.dir) / "run_spec.yaml"
+    if int(os.environ["RANK"]) == 0:
+        write_spec(cfg, plan, cfg.run.dir)
+    worker.run(spec, cfg, plan)
+    return 0
+
+
+def train_task(cfg_node: DictConfig) -> int:
+    _state["task_started"] = True
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    try:
+        cfg, plan = prepare(cfg_node)
+    except P3DConfigError as exc:
+        if multirun:
+            print(f"p3d: skipped this point, config error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        fail(f"config error: {exc}")
+    if cfg.dry_run:
+        from p3d.dryrun import dry_run
+
+        print(dry_run(cfg, plan).render(), flush=True)
+        return 0
+    if "RANK" in os.environ:
+        return _run_as_worker(cfg, plan)
+
+    from p3d.config.spec import write_spec
+    from p3d.dist.launch import launch_local
+    from p3d.train.trainer import DS_CONFIG_NAME, deepspeed_config
+
+    spec = write_spec(cfg, plan, cfg.run.dir)
+    (spec.parent / DS_CONFIG_NAME).write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")
+    print(f"p3d: run dir {spec.parent}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
+          f"starting {plan.world_size} workers ({plan.backend}); logs in {spec.parent / 'logs'}", flush=True)
+    rc = launch_local(spec, plan)
+    if rc == 0:
+        print(f"p3d: done; metrics in {spec.parent / 'metrics.jsonl'}", flush=True)
+    elif not multirun:
+        sys.exit(rc)
+    return rc
+
+
+def _hydra_entry(task):
+    register_configs()
+    return hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(task)
+
+
+def train() -> None:
+    """Console script ``p3d-train``."""
+    try:
+        _hydra_entry(train_task)()
+    except SystemExit as exc:
+        if not _state["task_started"] and exc.code not in (0, None):
+            sys.exit(2)  # Hydra could not compose the config (unknown group option, bad override, type)
+        raise
+
+
+if __name__ == "__main__":
+    train()

@@ -1,0 +1,177 @@
+"""Structured schema of every config group.
+
+Each YAML file under ``conf/<group>/`` extends one of these dataclasses (``defaults: [base_<group>]``),
+so Hydra rejects unknown keys and wrong types at compose time. Cross-group rules (world size, head
+divisibility, batch arithmetic, ...) live in :mod:`p3d.config.validate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+
+class Arch(Enum):
+    llama = "llama"
+    gpt = "gpt"  # planned by p3d-plan (published GPT runs); the trainer builds llama only
+
+
+class Recompute(Enum):
+    none = "none"
+    selective = "selective"  # attention core only; modelled by the planner, not built by the trainer
+    full = "full"
+
+
+class Partition(Enum):
+    blocks = "blocks"  # balance transformer blocks over stages (embedding/head ride along)
+    uniform = "uniform"  # balance all pipeline layers, embedding and head counted as layers
+
+
+class DType(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class LRDecay(Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Launcher(Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+class DataSource(Enum):
+    stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
+    files = "files"  # local text / json / jsonl / parquet files or globs
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    arch: Arch = Arch.llama
+    n_layers: int = 4
+    hidden_size: int = 64
+    n_heads: int = 8
+    n_kv_heads: int = 4  # grouped-query attention: n_heads / n_kv_heads query heads share one kv head
+    ffn_hidden_size: int = 192  # SwiGLU inner size
+    vocab_size: int = 512  # before padding to a multiple of mesh.tp
+    seq_len: int = 64
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02  # std of every weight matrix at init; output projections scaled by 1/sqrt(2 L)
+
+
+@dataclass
+class MeshConfig:
+    name: str = "single"
+    tp: int = 1
+    pp: int = 1
+    dp: Any = "auto"  # an int, or "auto": world size / (tp * pp)
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "default"
+    micro_batch_size: int = 2
+    global_batch_size: int = 16  # sequences per optimizer step, over all dp replicas
+    recompute: Recompute = Recompute.none
+    partition: Partition = Partition.blocks
+    sequence_parallel: bool = False  # planner only for now
+    virtual_stages: int = 1  # interleaved 1F1B degree; planner only for now
+
+
+@dataclass
+class ZeroConfig:
+    name: str = "stage0"
+    stage: int = 0
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    launcher: Launcher = Launcher.local
+    device: str = "cpu"  # cpu, a100_40gb, a100_80gb, h100_sxm, h200, b200
+    nodes: int = 1
+    gpus_per_node: Optional[int] = None  # processes per node; None on `local`: the whole world on one node
+    peak_tflops: float = 0.5  # dense peak per device (bf16 on GPUs); a nominal figure for one CPU core
+    memory_gb: float = 24.0
+    intra_node_gbps: float = 10.0  # GB/s per device inside a node
+    inter_node_gbps: float = 10.0  # GB/s per device across nodes
+    timeout_s: int = 300  # a collective that waits longer than this fails instead of hanging
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    source: DataSource = DataSource.stdlib
+    path: Optional[str] = None  # files: a path or glob (comma-separated for several)
+    format: str = "auto"  # files: text, json, parquet, or auto (from the extension)
+    text_column: str = "text"
+    tokenizer: str = "byte"  # "byte", or the path of a HF tokenizer.json
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+    log_every: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # decay ends at lr * min_lr_ratio
+    warmup_steps: int = 2
+    decay: LRDecay = LRDecay.cosine
+    weight_decay: float = 0.1  # matrices only; norms are not decayed
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 turns clipping off
+    seed: int = 1234
+    dtype: DType = DType.fp32
+
+
+@dataclass
+class RunConfig:
+    dir: str = "outputs/run"  # run directory: run_spec.yaml, metrics.jsonl, logs/
+    name: str = "p3d"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dry_run: bool = False
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "schedule": ScheduleConfig,
+    "zero": ZeroConfig,
+    "cluster": ClusterConfig,
+    "data": DataConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, node in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=node)

@@ -1,0 +1,267 @@
+"""Cross-group rules, checked once in the launcher, and the frozen run plan derived from them.
+
+Every rule raises :class:`P3DConfigError` with one line naming the field, its value and an override
+that fixes it. ``build_plan`` returns the numbers every worker needs (dp, micro batches, padded
+vocab, stage boundaries, ...) so that no worker derives them again.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from p3d.config.schema import Arch, Config, DataSource, Launcher, Partition, Recompute
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+class P3DConfigError(ValueError):
+    """A config that cannot run. The message is one line: field, value, fix."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int  # per optimizer step, per dp replica
+    padded_vocab_size: int  # vocab rounded up to a multiple of tp; padded logits are masked
+    tokens_per_step: int
+    layer_names: list[str] = field(default_factory=list)  # the flat pipeline layer list
+    stage_bounds: list[int] = field(default_factory=list)  # stage s holds layers [b[s], b[s+1])
+    procs_per_node: int = 1
+    logging_rank: int = 0  # last stage, dp 0, tp 0: where the loss is known
+    backend: str = "gloo"
+    n_params: int = 0  # closed form, unpadded vocab, tied embedding counted once
+
+
+def _mesh_presets() -> dict[tuple[int, int, str], str]:
+    """(tp, pp, dp) -> preset name, read from conf/mesh/ to suggest a fix by name."""
+    presets: dict[tuple[int, int, str], str] = {}
+    for f in sorted((CONF_DIR / "mesh").glob("*.yaml")):
+        vals = {}
+        for line in f.read_text().splitlines():
+            if ":" in line and not line.startswith(("#", "defaults")):
+                k, v = (s.strip() for s in line.split(":", 1))
+                vals[k] = v
+        try:
+            presets[(int(vals["tp"]), int(vals["pp"]), vals["dp"])] = f.stem
+        except (KeyError, ValueError):
+            continue
+    return presets
+
+
+def suggest_mesh(tp: int, pp: int, dp: int | str = "auto") -> str:
+    """An override that sets this layout: a preset name where one exists."""
+    presets = _mesh_presets()
+    for key in ((tp, pp, str(dp)), (tp, pp, "auto")):
+        if key in presets:
+            return f"mesh={presets[key]}"
+    return f"mesh.tp={tp} mesh.pp={pp}" + (f" mesh.dp={dp}" if dp != "auto" else "")
+
+
+def _largest_divisor_at_most(n: int, limit: int, *also: int) -> int:
+    return max(d for d in range(1, limit + 1) if n % d == 0 and all(a % d == 0 for a in also))
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return math.ceil(vocab_size / tp) * tp
+
+
+def layer_names(n_layers: int) -> list[str]:
+    """The flat pipeline: embedding, blocks, final norm, head (the loss runs after the head)."""
+    return ["embed"] + [f"block{i}" for i in range(n_layers)] + ["final_norm", "head"]
+
+
+def stage_bounds(n_layers: int, pp: int, partition: Partition) -> list[int]:
+    """Layer-index boundaries of the pp stages over ``layer_names(n_layers)``.
+
+    ``blocks``: every stage gets n_layers // pp blocks; the remainder goes to the middle stages
+    first, since the first stage also holds the embedding and the last the head and the loss.
+    ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier stages taking the extra.
+    """
+    n_items = n_layers + 3
+    if partition == Partition.uniform:
+        base, extra = divmod(n_items, pp)
+        sizes = [base + (1 if s < extra else 0) for s in range(pp)]
+        return [sum(sizes[:s]) for s in range(pp + 1)]
+    base, extra = divmod(n_layers, pp)
+    order = list(range(1, pp - 1)) + [s for s in (pp - 1, 0) if s not in range(1, pp - 1)]
+    blocks = [base] * pp
+    for s in order[:extra]:
+        blocks[s] += 1
+    bounds = [0]
+    for s in range(pp):
+        size = blocks[s] + (1 if s == 0 else 0) + (2 if s == pp - 1 else 0)
+        bounds.append(bounds[-1] + size)
+    return bounds
+
+
+def count_params(m) -> int:
+    """Closed-form parameter count of a Llama (unpadded vocab)."""
+    head_dim = m.hidden_size // m.n_heads
+    attn = m.hidden_size * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)  # q, o + k, v
+    mlp = 3 * m.hidden_size * m.ffn_hidden_size  # gate, up, down
+    block = attn + mlp + 2 * m.hidden_size  # + two RMSNorm weights
+    embed = m.vocab_size * m.hidden_size
+    return m.n_layers * block + m.hidden_size + embed * (1 if m.tie_embeddings else 2)
+
+
+def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
+    """(world size, dp) from the cluster and mesh."""
+    mesh, cluster = cfg.mesh, cfg.cluster
+    if mesh.dp != "auto" and (not isinstance(mesh.dp, int) or isinstance(mesh.dp, bool) or mesh.dp < 1):
+        raise P3DConfigError(f"mesh.dp={mesh.dp!r} must be a positive integer or auto; try mesh.dp=auto")
+    if cluster.gpus_per_node is None:  # local: the mesh decides the world
+        dp = 1 if mesh.dp == "auto" else mesh.dp
+        return tp * pp * dp, dp
+    world = cluster.nodes * cluster.gpus_per_node
+    if mesh.dp == "auto":
+        if world % (tp * pp):
+            raise P3DConfigError(
+                f"mesh.tp*mesh.pp={tp * pp} must divide the world size {world} "
+                f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}); "
+                f"try cluster.nodes={math.ceil(world / (tp * pp)) * tp * pp // cluster.gpus_per_node or 1}")
+        return world, world // (tp * pp)
+    if tp * pp * mesh.dp != world:
+        raise P3DConfigError(
+            f"mesh.tp*mesh.pp*mesh.dp={tp}*{pp}*{mesh.dp}={tp * pp * mesh.dp} must equal the world size {world} "
+            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}); try mesh.dp=auto")
+    return world, mesh.dp
+
+
+def check_model(cfg: Config) -> None:
+    m = cfg.model
+    for name in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "ffn_hidden_size", "vocab_size", "seq_len"):
+        if getattr(m, name) < 1:
+            raise P3DConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.hidden_size % m.n_heads:
+        raise P3DConfigError(f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size}")
+    if (m.hidden_size // m.n_heads) % 2:
+        raise P3DConfigError(f"model.hidden_size/model.n_heads={m.hidden_size // m.n_heads} (head dim) must be even "
+                             "for rotary embeddings; change model.n_heads")
+    if m.n_heads % m.n_kv_heads:
+        raise P3DConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+                             f"(grouped-query attention); try model.n_kv_heads={math.gcd(m.n_heads, m.n_kv_heads)}")
+    if m.seq_len < 2:
+        raise P3DConfigError(f"model.seq_len={m.seq_len} must be at least 2")
+
+
+def check_mesh(cfg: Config, tp: int, pp: int) -> None:
+    m, s = cfg.model, cfg.schedule
+    for name, v in (("tp", tp), ("pp", pp)):
+        if not isinstance(v, int) or v < 1:
+            raise P3DConfigError(f"mesh.{name}={v!r} must be a positive integer")
+    if m.n_heads % tp or m.n_kv_heads % tp:
+        ok = _largest_divisor_at_most(m.n_kv_heads, tp, m.n_heads)
+        raise P3DConfigError(f"mesh.tp={tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads} "
+                             f"(attention is split by heads); try {suggest_mesh(ok, pp, cfg.mesh.dp)}")
+    if m.ffn_hidden_size % tp:
+        ok = _largest_divisor_at_most(m.ffn_hidden_size, tp, m.n_kv_heads, m.n_heads)
+        raise P3DConfigError(f"mesh.tp={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}; "
+                             f"try {suggest_mesh(ok, pp, cfg.mesh.dp)}")
+    if s.partition == Partition.blocks and m.n_layers < pp:
+        raise P3DConfigError(f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: every stage needs a block; "
+                             f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}")
+    if s.partition == Partition.uniform and m.n_layers + 3 < pp:
+        raise P3DConfigError(f"mesh.pp={pp} exceeds the {m.n_layers + 3} pipeline layers of this model; "
+                             f"try {suggest_mesh(tp, m.n_layers + 3, cfg.mesh.dp)}")
+    gpn = cfg.cluster.gpus_per_node
+    if gpn is not None and tp > gpn:
+        raise P3DConfigError(f"mesh.tp={tp} exceeds cluster.gpus_per_node={gpn}: a TP group must stay inside one node; "
+                             f"try {suggest_mesh(gpn, pp * tp // gpn)}")
+
+
+def check_schedule(cfg: Config, dp: int, pp: int) -> int:
+    """Returns the number of micro batches per step per replica."""
+    s = cfg.schedule
+    if s.micro_batch_size < 1:
+        raise P3DConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must be positive")
+    per_round = s.micro_batch_size * dp
+    if s.global_batch_size < per_round or s.global_batch_size % per_round:
+        ok = max(per_round * pp, math.ceil(s.global_batch_size / per_round) * per_round)
+        raise P3DConfigError(
+            f"schedule.global_batch_size={s.global_batch_size} must be a multiple of schedule.micro_batch_size x dp "
+            f"= {s.micro_batch_size} x {dp} = {per_round}; try schedule.global_batch_size={ok}")
+    micro_batches = s.global_batch_size // per_round
+    if micro_batches < pp:
+        raise P3DConfigError(
+            f"schedule.global_batch_size={s.global_batch_size} gives {micro_batches} micro batches per replica, fewer "
+            f"than mesh.pp={pp} stages: 1F1B needs at least pp to fill the pipeline; "
+            f"try schedule.global_batch_size={per_round * pp}")
+    if s.recompute == Recompute.selective:
+        raise P3DConfigError("schedule.recompute=selective is modelled by p3d-plan but not built by the trainer; "
+                             "try schedule.recompute=full or schedule.recompute=none")
+    if s.sequence_parallel:
+        raise P3DConfigError("schedule.sequence_parallel=true is modelled by p3d-plan but not built by the trainer; "
+                             "try schedule.sequence_parallel=false")
+    if s.virtual_stages != 1:
+        raise P3DConfigError(f"schedule.virtual_stages={s.virtual_stages}: the trainer runs DeepSpeed's plain 1F1B "
+                             "(interleaving is modelled by p3d-plan only); try schedule.virtual_stages=1")
+    return micro_batches
+
+
+def check_zero(cfg: Config, pp: int) -> None:
+    stage = cfg.zero.stage
+    if stage not in (0, 1, 2, 3):
+        raise P3DConfigError(f"zero.stage={stage} must be 0, 1, 2 or 3; try zero=stage1")
+    if stage >= 2:
+        why = (f"with mesh.pp={pp} > 1 DeepSpeed's pipeline engine cannot shard gradients or parameters"
+               if pp > 1 else "p3d runs every mesh through DeepSpeed's pipeline engine, which supports ZeRO 0-1 only")
+        raise P3DConfigError(f"zero.stage={stage} is refused: {why}; try zero=stage1")
+
+
+def check_train(cfg: Config) -> None:
+    t = cfg.train
+    if t.steps < 1:
+        raise P3DConfigError(f"train.steps={t.steps} must be at least 1")
+    if t.lr <= 0:
+        raise P3DConfigError(f"train.lr={t.lr} must be positive; try train.lr=3e-4")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise P3DConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]; try train.min_lr_ratio=0.1")
+    if not 0 <= t.warmup_steps <= t.steps:
+        raise P3DConfigError(f"train.warmup_steps={t.warmup_steps} must lie in [0, train.steps={t.steps}]; "
+                             f"try train.warmup_steps={min(max(t.warmup_steps, 0), t.steps)}")
+    if t.grad_clip < 0:
+        raise P3DConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
+
+
+def check_data(cfg: Config, tokenizer_vocab: Optional[int]) -> None:
+    d, m = cfg.data, cfg.model
+    if d.source == DataSource.files and not d.path:
+        raise P3DConfigError("data.path is not set for data.source=files; try data.path=/path/to/*.jsonl")
+    if tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
+        raise P3DConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens "
+                             f"(data.tokenizer={d.tokenizer}); try model.vocab_size={tokenizer_vocab}")
+
+
+def build_plan(cfg: Config, tokenizer_vocab: Optional[int] = None, for_training: bool = True) -> RunPlan:
+    """Check every cross-group rule and derive the run plan. Raises P3DConfigError."""
+    if cfg.model.arch != Arch.llama and for_training:
+        raise P3DConfigError(f"model.arch={cfg.model.arch.value}: the trainer builds llama only "
+                             "(gpt shapes are for p3d-plan); try model.arch=llama")
+    tp, pp = cfg.mesh.tp, cfg.mesh.pp
+    check_model(cfg)
+    check_mesh(cfg, tp, pp)
+    world, dp = _world_size(cfg, tp, pp)
+    micro_batches = check_schedule(cfg, dp, pp)
+    check_zero(cfg, pp)
+    check_train(cfg)
+    check_data(cfg, tokenizer_vocab)
+    if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
+        raise P3DConfigError(f"cluster.nodes={cfg.cluster.nodes} with cluster.launcher=local: local runs use one "
+                             "machine; try cluster.nodes=1 or cluster=slurm")
+    backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
+    return RunPlan(
+        world_size=world, tp=tp, pp=pp, dp=dp, micro_batches=micro_batches,
+        padded_vocab_size=padded_vocab(cfg.model.vocab_size, tp),
+        tokens_per_step=cfg.schedule.global_batch_size * cfg.model.seq_len,
+        layer_names=layer_names(cfg.model.n_layers),
+        stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition),
+        procs_per_node=cfg.cluster.gpus_per_node or world,
+        logging_rank=(pp - 1) * dp * tp,  # coordinates (pipe=pp-1, data=0, model=0), tp fastest
+        backend=backend,
+        n_params=count_params(cfg.model),
+    )

@@ -1,0 +1,131 @@
+"""Start tp*pp*dp worker processes on this machine and watch them.
+
+Each worker is ``python -m p3d.worker <run_spec.yaml>`` with RANK/WORLD_SIZE/LOCAL_RANK set and a
+file-store rendezvous in the run directory (no fixed port to collide). Worker output goes to
+``<run.dir>/logs/rank<N>.log``; the logging rank's output is also copied to this console. If one
+worker exits with an error, the others are stopped at once and the rank is named.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from p3d.dist.mesh import Mesh
+
+POLL_S = 0.1
+GRACE_S = 5.0
+
+
+def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(rank % plan.procs_per_node),
+               LOCAL_WORLD_SIZE=str(plan.procs_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
+               P3D_INIT_METHOD=f"file://{store}", PYTHONUNBUFFERED="1")
+    if plan.backend == "gloo":
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    return env
+
+
+def _pump(pipe, log, console) -> None:
+    for line in iter(pipe.readline, b""):
+        log.write(line)
+        log.flush()
+        console.write(line.decode(errors="replace"))
+        console.flush()
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop(procs: dict[int, subprocess.Popen], sig=signal.SIGTERM) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + GRACE_S
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        return f"was killed by {signal.Signals(-rc).name}"
+    return f"exited with status {rc}"
+
+
+def launch_local(spec_path: Path, plan, console=None) -> int:
+    """Run the workers to completion; returns 0, or 1 naming the first failed rank."""
+    console = console or sys.stdout
+    run_dir = spec_path.parent
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    store = run_dir / f".rendezvous-{uuid.uuid4().hex}"
+    procs: dict[int, subprocess.Popen] = {}
+    pumps = []
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(plan.world_size):
+            log = open(logs / f"rank{rank}.log", "wb")
+            to_console = rank == plan.logging_rank
+            p = subprocess.Popen([sys.executable, "-m", "p3d.worker", str(spec_path)], env=worker_env(plan, rank, store),
+                                 stdout=subprocess.PIPE if to_console else log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            procs[rank] = p
+            if to_console:
+                t = threading.Thread(target=_pump, args=(p.stdout, log, console), daemon=True)
+                t.start()
+                pumps.append(t)
+        while True:
+            failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
+            if failed:
+                rank, rc = failed[0]
+                break
+            if all(p.returncode == 0 for p in procs.values()):
+                for t in pumps:
+                    t.join(timeout=5)
+                return 0
+            time.sleep(POLL_S)
+        others = sum(1 for p in procs.values() if p.poll() is None)
+        _stop(procs)
+        for t in pumps:
+            t.join(timeout=5)
+        if received:
+            print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
+            return 128 + received[0]
+        dp, pp, tp = Mesh.from_plan(plan, rank).coords
+        print(f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}; stopped the other {others} "
+              f"running workers. Last lines of {logs / f'rank{rank}.log'}:\n{_tail(logs / f'rank{rank}.log')}",
+              file=console, flush=True)
+        return 1
+    finally:
+        _stop(procs, signal.SIGKILL) if any(p.poll() is None for p in procs.values()) else None
+        for s, h in old.items():
+            signal.signal(s, h)
+        store.unlink(missing_ok=True)

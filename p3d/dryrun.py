@@ -1,0 +1,113 @@
+"""``dry_run=true``: build every pipeline stage of every (pp, tp) coordinate on torch's meta device.
+
+No worker, no process group, no memory: it shows the mesh map (rank -> dp, pp, tp -> node, local
+device), the layers of each stage and the exact parameter count of each rank, and checks that the
+shards add up to the closed-form count of the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from p3d.config.validate import count_params
+from p3d.dist.mesh import Mesh
+from p3d.model.pipe import build_layer_specs
+from p3d.tp.layers import owned_by_tp_rank
+
+MAX_MAP_ROWS = 64
+
+
+@dataclass
+class DryRunReport:
+    cfg: object
+    plan: object
+    mesh_map: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)  # rank, dp, pp, tp, node, local
+    stage_layers: list[list[str]] = field(default_factory=list)
+    params: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> parameters on that rank
+    padding: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> vocab padding entries
+    owned: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> its share of the model
+
+    @property
+    def total(self) -> int:
+        """The model's parameters from the shards: each sharded slice once, each replicated tensor
+        (norms: on every tp rank; a tied embedding: on the first and last stage) once, no padding."""
+        return sum(self.owned.values())
+
+    @property
+    def closed_form(self) -> int:
+        return count_params(self.cfg.model)
+
+    def render(self) -> str:
+        plan, cfg = self.plan, self.cfg
+        out = [f"dry run: {cfg.model.name} on dp={plan.dp} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks, "
+               f"{plan.procs_per_node} per node", "", "mesh map (rank: dp pp tp -> node/local device)"]
+        for rank, dp, pp, tp, node, local in self.mesh_map[:MAX_MAP_ROWS]:
+            out.append(f"  rank {rank:>5}: dp {dp:>3} pp {pp:>3} tp {tp:>2} -> node {node:>3} device {local}")
+        if len(self.mesh_map) > MAX_MAP_ROWS:
+            out.append(f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = (pp * dp_size + dp) * tp_size + tp)")
+        out += ["", "stages (layers of the flat pipeline list)"]
+        for s, names in enumerate(self.stage_layers):
+            out.append(f"  stage {s:>3}: {_compact(names)}")
+        out += ["", "parameters per rank (same on every dp replica)"]
+        for (pp, tp), n in sorted(self.params.items()):
+            note = f" (incl. {self.padding[(pp, tp)]:,} vocab padding)" if self.padding.get((pp, tp)) else ""
+            out.append(f"  pp {pp:>3} tp {tp:>2}: {n:>15,}{note}")
+        out += ["", f"total from shards: {self.total:,} ({self.total / 1e9:.2f} B); closed form: {self.closed_form:,}; "
+                    f"{'match' if self.total == self.closed_form else 'MISMATCH'}"]
+        return "\n".join(out)
+
+
+def _compact(names: list[str]) -> str:
+    """embed, block0..block9 (10 blocks), final_norm, head"""
+    out, run = [], []
+    for n in names + [""]:
+        if n.startswith("block"):
+            run.append(n)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else f"{run[0]}..{run[-1]} ({len(run)} blocks)")
+            run = []
+        if n:
+            out.append(n)
+    return ", ".join(out)
+
+
+def dry_run(cfg, plan) -> DryRunReport:
+    report = DryRunReport(cfg, plan)
+    base = Mesh.from_plan(plan, 0)
+    for rank in range(plan.world_size):
+        dp, pp, tp = base.coords_of(rank)
+        report.mesh_map.append((rank, dp, pp, tp, base.node_of(rank), base.local_rank_of(rank)))
+    bounds = plan.stage_bounds
+    report.stage_layers = [plan.layer_names[bounds[s]:bounds[s + 1]] for s in range(plan.pp)]
+    for pp in range(plan.pp):
+        for tp in range(plan.tp):
+            mesh = Mesh.from_plan(plan, base.rank_of(0, pp, tp))
+            specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
+            n = pad = owned = 0
+            built_tied: set[str] = set()
+            with torch.device("meta"):
+                for idx in range(bounds[pp], bounds[pp + 1]):
+                    spec = specs[idx]
+                    key = getattr(spec, "key", None)
+                    if key is not None and key in built_tied:
+                        continue  # one tied module per stage, as in DeepSpeed's PipelineModule
+                    module = spec.build()
+                    if key is not None:
+                        built_tied.add(key)
+                    padding = getattr(module, "padding_numel", 0)
+                    n += sum(p.numel() for p in module.parameters())
+                    pad += padding
+                    if key is not None and pp != _first_stage_of(specs, bounds, key):
+                        continue  # the tied copy on the last stage is owned by the first
+                    owned += sum(p.numel() for p in module.parameters() if owned_by_tp_rank(p, tp)) - padding
+            report.params[(pp, tp)], report.padding[(pp, tp)], report.owned[(pp, tp)] = n, pad, owned
+    return report
+
+
+def _first_stage_of(specs, bounds, key) -> int:
+    for s in range(len(bounds) - 1):
+        if any(getattr(specs[i], "key", None) == key for i in range(bounds[s], bounds[s + 1])):
+            return s
+    raise ValueError(key)

@@ -1,0 +1,101 @@
+"""Llama blocks, tensor-parallel: RMSNorm, RoPE, grouped-query attention split by heads, SwiGLU.
+
+Shapes use b = micro batch, s = sequence, h = hidden, hd = head dim, nh/nkv = query/kv heads.
+Attention: q|k|v is one column-parallel matmul (each of q, k, v split by heads, so a rank keeps
+whole heads and the GQA pairing of its query heads with its kv heads), the output projection is
+row-parallel: one all-reduce forward and one backward per attention. The MLP likewise:
+gate|up column-parallel, down row-parallel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from p3d.tp.layers import ColumnParallelLinear, RowParallelLinear, on_meta
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32. Replicated over tp (identical grads)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim) if on_meta() else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (s, hd), frequencies repeated over both halves (the HF Llama convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (s, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (b, heads, s, hd). Rotates pairs (i, i + hd/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, mesh, prefix: str, seed: int):
+        super().__init__()
+        self.head_dim = hd = cfg.hidden_size // cfg.n_heads
+        self.local_heads = cfg.n_heads // mesh.tp
+        self.local_kv_heads = cfg.n_kv_heads // mesh.tp
+        self.rope_theta = cfg.rope_theta
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.wqkv = ColumnParallelLinear(cfg.hidden_size, [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd],
+                                         mesh, [f"{prefix}.wq", f"{prefix}.wk", f"{prefix}.wv"], cfg.init_std, seed)
+        self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.hidden_size, mesh, f"{prefix}.wo", out_std, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.wqkv.split_output(self.wqkv(x))  # (b, s, nh/tp*hd), (b, s, nkv/tp*hd) x 2
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(s, self.head_dim, self.rope_theta, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.local_heads != self.local_kv_heads)  # (b, nh/tp, s, hd)
+        return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))  # (b, s, h)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate|up fused column-parallel (ffn/tp each), down row-parallel."""
+
+    def __init__(self, cfg, mesh, prefix: str, seed: int):
+        super().__init__()
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.w_gate_up = ColumnParallelLinear(cfg.hidden_size, [cfg.ffn_hidden_size, cfg.ffn_hidden_size], mesh,
+                                              [f"{prefix}.w_gate", f"{prefix}.w_up"], cfg.init_std, seed)
+        self.w_down = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, mesh, f"{prefix}.w_down", out_std, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up.split_output(self.w_gate_up(x))  # (b, s, ffn/tp) each
+        return self.w_down(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). In and out: (b, s, h), replicated over tp."""
+
+    def __init__(self, cfg, mesh, layer_idx: int, seed: int):
+        super().__init__()
+        prefix = f"block{layer_idx}"
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))

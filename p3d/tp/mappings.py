@@ -1,0 +1,101 @@
+"""Communication into and out of the tensor-parallel region, as autograd Functions.
+
+Every function takes its process group explicitly and is the identity for a group of one rank
+(or ``None``, the single-process reference), so tp=1 runs no collective at all.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    rank, size = dist.get_rank(group), _size(group)
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (sum) the gradient over the TP group.
+
+    Placed where a replicated activation enters column-parallel layers: each rank's partial
+    gradient with respect to the shared input must be summed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce (sum) over the TP group; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """forward: all-gather along the last dim; backward: keep this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """forward: keep this rank's slice of the last dim; backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _ScatterToTP.apply(x, group)

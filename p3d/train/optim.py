@@ -1,0 +1,97 @@
+"""Optimizer, exact global gradient norm over the mesh, and the learning-rate schedule.
+
+Gradient norm: a parameter's gradient is counted once in the whole model. TP-sharded parameters
+(``model_parallel``) count on every TP rank, replicated ones (norms) on tp rank 0 only, and the
+copy of a tied embedding on the last stage (``ds_pipe_replicated``) not at all; the sum of squares
+is all-reduced over the pp x tp ranks of the replica (dp replicas hold identical gradients).
+DeepSpeed's ZeRO and bf16 optimizers count the same way; its plain fp32 path does not (it drops
+replicated parameters of every stage but the first), so for fp32 without ZeRO we clip here.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from p3d.config.schema import LRDecay, TrainConfig
+from p3d.tp.layers import owned_by_tp_rank
+
+
+def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
+    return not getattr(p, "ds_pipe_replicated", False) and owned_by_tp_rank(p, tp_rank)
+
+
+@torch.no_grad()
+def global_grad_norm(params, mesh) -> torch.Tensor:
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and counts_in_norm(p, mesh.tp_rank):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    if mesh.replica_group is not None and mesh.tp * mesh.pp > 1:
+        dist.all_reduce(sq, group=mesh.replica_group)
+    return sq.sqrt()
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW that clips to ``max_norm`` by the exact mesh-wide gradient norm before each step.
+
+    Matches ``torch.nn.utils.clip_grad_norm_``: grads *= min(1, max_norm / (norm + 1e-6)).
+    ``_global_grad_norm`` is the attribute DeepSpeed's engine reads after ``step``.
+    """
+
+    def __init__(self, params, mesh, max_norm: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self.mesh, self.max_norm = mesh, max_norm
+        self._global_grad_norm = 0.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        norm = float(global_grad_norm(params, self.mesh))
+        self._global_grad_norm = norm
+        if self.max_norm > 0:
+            coef = self.max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return super().step(closure)
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices decay; vectors (norm weights) do not."""
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def lr_factor(step: int, t: TrainConfig) -> float:
+    """Multiplier of train.lr for the optimizer step with 0-based index ``step``."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.decay == LRDecay.constant:
+        return 1.0
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    if t.decay == LRDecay.linear:
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * shape
+
+
+def build_optimizer(module: torch.nn.Module, t: TrainConfig, mesh=None, clip_here: bool = False):
+    """AdamW (+ our clipping when ``clip_here``) and its LambdaLR schedule."""
+    groups = param_groups(module, t.weight_decay)
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    if clip_here:
+        opt = ClippedAdamW(groups, mesh, t.grad_clip, **kwargs)
+    else:
+        opt = torch.optim.AdamW(groups, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, t))
+    return opt, sched

@@ -1,0 +1,44 @@
+"""The single-process reference: the ``to_sequential`` twin trained by a plain PyTorch loop.
+
+Same init (the seeded master weights), same data (the global sample order), torch's AdamW,
+``clip_grad_norm_`` and the same schedule. Every mesh must reproduce its per-step loss and
+gradient norm (tests/test_parity.py); bench/overhead.py times it against p3d.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from p3d.config.validate import padded_vocab
+from p3d.data.loader import global_batches
+from p3d.model.pipe import to_sequential
+from p3d.train.optim import build_optimizer
+
+
+def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
+    """Per-step {step, loss, grad_norm, lr, step_time_s} of the unsharded model."""
+    torch.manual_seed(cfg.train.seed)
+    model = to_sequential(cfg.model, padded_vocab(cfg.model.vocab_size, 1), cfg.train.seed)
+    opt, sched = build_optimizer(model, cfg.train)
+    batches = batches or global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size)
+    mbs = cfg.schedule.micro_batch_size
+    out = []
+    for step in range(1, (steps or cfg.train.steps) + 1):
+        batch = next(batches)
+        lr = opt.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        chunks = batch.split(mbs)
+        total = 0.0
+        for chunk in chunks:
+            loss = model.loss(chunk[:, :-1], chunk[:, 1:]) / len(chunks)
+            loss.backward()
+            total += loss.item()
+        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        out.append({"step": step, "loss": total, "grad_norm": float(grad_norm), "lr": lr,
+                    "step_time_s": time.perf_counter() - t0})
+    return out

@@ -1,0 +1,78 @@
+"""A worker process: ``python -m p3d.worker <run_spec.yaml>`` with RANK, WORLD_SIZE, LOCAL_RANK set
+(by p3d's local launcher, torchrun or srun). Any exception is logged with the rank and ends the
+process with status 1, so the launcher can stop the others and name this rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def init_process_group(plan, rank: int, timeout_s: int) -> None:
+    """gloo on CPU, nccl on GPUs; a file store when the local launcher gives one, else env://."""
+    import torch
+    import torch.distributed as dist
+
+    if plan.backend == "gloo":
+        torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # DeepSpeed JIT-compiles a shared-memory all-reduce (~30 s, for inference only) when its comm
+        # backend starts on CPU; training never uses it.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=plan.backend, init_method=os.environ.get("P3D_INIT_METHOD", "env://"),
+                            rank=rank, world_size=plan.world_size, timeout=timeout)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=plan.backend, timeout=timeout)  # adopts the group made above
+
+
+def run(spec_path: str | Path, cfg=None, plan=None) -> None:
+    from p3d.config.spec import read_spec
+    from p3d.train.trainer import train
+
+    if cfg is None:
+        cfg, plan = read_spec(spec_path)
+    rank = int(os.environ["RANK"])
+    if int(os.environ.get("WORLD_SIZE", plan.world_size)) != plan.world_size:
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the run spec needs {plan.world_size} ranks "
+                           f"(mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp})")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    init_process_group(plan, rank, cfg.cluster.timeout_s)
+    import torch.distributed as dist
+
+    try:
+        train(cfg, plan, Path(spec_path).parent, rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m p3d.worker <run_dir/run_spec.yaml>", file=sys.stderr)
+        return 2
+    try:
+        run(argv[0])
+    except BaseException as exc:  # noqa: BLE001 - every failure must name the rank and end the process
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            return 0
+        rank = os.environ.get("RANK", "?")
+        sys.stdout.flush()
+        print(f"[rank {rank}] worker failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # skip atexit hooks that may block on a process group whose peers are gone
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
