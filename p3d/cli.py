@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from p3d.config.schema import register_configs
-from p3d.config.validate import P3DConfigError, build_plan
+from p3d.config.validate import P3DConfigError, build_plan, fill_cluster
 
 CONFIG_PATH = str(Path(__file__).resolve().parents[1] / "conf")
 _state = {"task_started": False}
@@ -43,7 +43,7 @@ def prepare(cfg_node: DictConfig):
     from p3d.config.spec import to_config
 
     try:
-        cfg = to_config(cfg_node)
+        cfg = fill_cluster(to_config(cfg_node))
     except OmegaConfBaseException as exc:
         raise P3DConfigError(str(exc).splitlines()[0]) from None
     return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)

@@ -94,13 +94,14 @@ class ZeroConfig:
 class ClusterConfig:
     name: str = "local"
     launcher: Launcher = Launcher.local
-    device: str = "cpu"  # cpu, a100_40gb, a100_80gb, h100_sxm, h200, b200
+    device: str = "cpu"  # a preset of p3d/hardware.py: cpu, a100_40gb, a100_80gb, h100_sxm, h200, b200
     nodes: int = 1
-    gpus_per_node: Optional[int] = None  # processes per node; None on `local`: the whole world on one node
-    peak_tflops: float = 0.5  # dense peak per device (bf16 on GPUs); a nominal figure for one CPU core
-    memory_gb: float = 24.0
-    intra_node_gbps: float = 10.0  # GB/s per device inside a node
-    inter_node_gbps: float = 10.0  # GB/s per device across nodes
+    # The numbers below come from the device preset when left null; set any to override it.
+    gpus_per_node: Optional[int] = None  # processes per node; null on cpu: the whole world on one node
+    peak_tflops: Optional[float] = None  # dense peak per device (bf16 on GPUs)
+    memory_gb: Optional[float] = None
+    intra_node_gbps: Optional[float] = None  # GB/s per device, one direction, inside a node
+    inter_node_gbps: Optional[float] = None  # GB/s per device, one direction, across nodes
     timeout_s: int = 300  # a collective that waits longer than this fails instead of hanging
 
 
@@ -143,6 +144,13 @@ class RunConfig:
 
 
 @dataclass
+class PlanConfig:
+    """Options of the analytic planner (p3d-plan, and the pre-flight check of p3d-train)."""
+
+    force: bool = False  # launch even when the planner predicts the layout does not fit device memory
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -153,7 +161,9 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     dry_run: bool = False
+    format: str = "text"  # p3d-plan output: text or json
 
 
 GROUPS = {

@@ -6,6 +6,7 @@ vocab, stage boundaries, ...) so that no worker derives them again.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,20 @@ def count_params(m) -> int:
     block = attn + mlp + 2 * m.hidden_size  # + two RMSNorm weights
     embed = m.vocab_size * m.hidden_size
     return m.n_layers * block + m.hidden_size + embed * (1 if m.tie_embeddings else 2)
+
+
+def fill_cluster(cfg: Config) -> Config:
+    """The config with every unset cluster number taken from the ``cluster.device`` preset."""
+    from p3d.hardware import DEVICES
+
+    c = cfg.cluster
+    if c.device not in DEVICES:
+        raise P3DConfigError(f"cluster.device={c.device} is not a known device; try one of: "
+                             + ", ".join(f"cluster.device={d}" for d in sorted(DEVICES)))
+    preset = DEVICES[c.device]
+    filled = {f: getattr(preset, f) for f in ("gpus_per_node", "peak_tflops", "memory_gb", "intra_node_gbps",
+                                               "inter_node_gbps") if getattr(c, f) is None}
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(c, **filled))
 
 
 def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
