@@ -80,7 +80,8 @@ def stage_bounds(n_layers: int, pp: int, partition: Partition) -> list[int]:
     """Layer-index boundaries of the pp stages over ``layer_names(n_layers)``.
 
     ``blocks``: every stage gets n_layers // pp blocks; the remainder goes to the middle stages
-    first, since the first stage also holds the embedding and the last the head and the loss.
+    first, since the first stage also holds the embedding and the last the head and the loss
+    (as Llama 3 405B's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere).
     ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier stages taking the extra.
     """
     n_items = n_layers + 3
@@ -89,7 +90,7 @@ def stage_bounds(n_layers: int, pp: int, partition: Partition) -> list[int]:
         sizes = [base + (1 if s < extra else 0) for s in range(pp)]
         return [sum(sizes[:s]) for s in range(pp + 1)]
     base, extra = divmod(n_layers, pp)
-    order = list(range(1, pp - 1)) + [s for s in (pp - 1, 0) if s not in range(1, pp - 1)]
+    order = list(range(1, pp - 1)) + ([0, pp - 1] if pp > 1 else [0])  # middle, then first (the head is heavier)
     blocks = [base] * pp
     for s in order[:extra]:
         blocks[s] += 1

@@ -1,0 +1,46 @@
+"""Shared test helpers: Hydra compose, p3d-train as a subprocess, gloo process groups."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def compose(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
+    """The composed DictConfig for these overrides, through Hydra's compose API."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from p3d.config.schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("config", overrides=[f"run.dir={run_dir}", *overrides])
+
+
+def typed(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
+    """(Config, RunPlan) exactly as p3d-train prepares them."""
+    from p3d.cli import prepare
+
+    return prepare(compose(*overrides, run_dir=run_dir))
+
+
+def p3d_train(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run p3d-train as a user would; output captured."""
+    return subprocess.run([sys.executable, "-m", "p3d.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return tmp_path / "run"

@@ -1,0 +1,54 @@
+"""Run a function in N gloo processes (spawn, file-store rendezvous, one thread each, a timeout)."""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, store: str, fn, args, errors) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args, timeout: float = 120.0) -> None:
+    """fn(rank, world, *args) on ``world`` processes; raises with the failing rank's traceback.
+
+    ``fn`` must be importable (a module-level function of a test module)."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(r, world, store, fn, args, errors)) for r in range(world)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if not errors.empty():
+            raise AssertionError(errors.get())
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s")
+        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if failed:
+            raise AssertionError(f"ranks exited with errors (rank, status): {failed}")

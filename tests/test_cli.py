@@ -1,0 +1,154 @@
+"""p3d-train as a user runs it: config errors, the default job, the dry run, a dying worker, torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p3d.config.validate import count_params
+from p3d.metrics import read_metrics
+from tests.conftest import ROOT, p3d_train, typed
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4 must divide model.n_heads=8 and model.n_kv_heads=2 (attention is split by heads); try mesh=tp2"),
+    (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 must be a multiple of"),
+    (["mesh=pp4", "schedule.global_batch_size=6", "schedule.micro_batch_size=2"], "gives 3 micro batches"),
+    (["mesh=tp3"], "mesh"),  # no such preset: Hydra lists the available ones
+    (["model.hiden_size=3"], "hiden_size"),
+])
+def test_bad_override_exits_2_before_any_worker(args, needle, tmp_path):
+    t0 = time.monotonic()
+    result = p3d_train(*args, f"run.dir={tmp_path}", timeout=60)
+    elapsed = time.monotonic() - t0
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    assert elapsed < 15, f"took {elapsed:.1f}s"
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "run_spec.yaml").exists()
+
+
+def test_validation_error_is_one_line(tmp_path):
+    result = p3d_train("mesh=tp4", "model.n_kv_heads=2", f"run.dir={tmp_path}", timeout=60)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("p3d: config error: mesh.tp=4"), result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_default_job_end_to_end(tmp_path):
+    """No overrides but the step count: tiny Llama, dp2 x pp2 x tp2 = 8 processes, stdlib text."""
+    result = p3d_train("train.steps=4", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(progress) == 4
+    for field in ("loss", "lr", "grad_norm", "tok/s", "step"):
+        assert field in progress[-1]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert (tmp_path / "run_spec.yaml").is_file()
+    ds = json.loads((tmp_path / "deepspeed_config.json").read_text())
+    assert ds["gradient_accumulation_steps"] == 4 and ds["train_batch_size"] == 16
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [f"rank{r}.log" for r in range(8)]
+
+
+def _expected_rank_params(m, tp, pp_rank, n_blocks, last):
+    """Independent closed form of one rank's parameters under Megatron-style sharding."""
+    hd = m.hidden_size // m.n_heads
+    sharded = m.hidden_size * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.hidden_size * m.ffn_hidden_size
+    n = n_blocks * (sharded // tp + 2 * m.hidden_size)
+    vocab_rows = -(-m.vocab_size // tp)
+    if pp_rank == 0:
+        n += vocab_rows * m.hidden_size
+    if last:
+        n += m.hidden_size + vocab_rows * m.hidden_size
+    return n
+
+
+def test_dry_run_llama70b_tp8_pp8_counts():
+    from p3d.dryrun import dry_run
+
+    cfg, plan = typed("mesh=tp8_pp8", "model=llama70b", "dry_run=true", "schedule=large")
+    report = dry_run(cfg, plan)
+    assert report.total == count_params(cfg.model) == 70_553_706_496
+    assert len(report.params) == 64 and len(report.mesh_map) == 64
+    for (pp, tp), n in report.params.items():
+        blocks = sum(name.startswith("block") for name in report.stage_layers[pp])
+        assert blocks == 10
+        assert n == _expected_rank_params(cfg.model, 8, pp, blocks, pp == 7), (pp, tp)
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
+    t0 = time.monotonic()
+    result = p3d_train("mesh=tp8_pp8", "model=llama70b", "dry_run=true", f"run.dir={tmp_path}", timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - t0 < 60
+    out = result.stdout
+    assert "rank    63: dp   0 pp   7 tp  7 -> node   0 device 63" in out
+    assert "stage   7: block70..block79 (10 blocks), final_norm, head" in out
+    assert "total from shards: 70,553,706,496 (70.55 B); closed form: 70,553,706,496; match" in out
+    assert not (tmp_path / "logs").exists()
+
+
+def _worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the p3d workers of this run (read from /proc)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            if b"p3d.worker" not in cmd or str(run_dir).encode() not in cmd:
+                continue
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
+            pids[int(env["RANK"])] = int(proc.name)
+        except (OSError, KeyError, ValueError):
+            continue
+    return pids
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_worker_stops_the_run_and_is_named(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "p3d.cli", "train.steps=500", f"run.dir={tmp_path}"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            metrics = tmp_path / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("training did not start")
+        pids = _worker_pids(tmp_path)
+        assert sorted(pids) == list(range(8))
+        os.kill(pids[5], signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = launcher.communicate(timeout=60)
+        assert time.monotonic() - t0 < 60
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1
+    assert "rank 5 (dp 0, pp 1, tp 1) was killed by SIGKILL" in out
+    time.sleep(1)
+    assert _worker_pids(tmp_path) == {}  # no orphan keeps running
+
+
+@pytest.mark.timeout(240)
+def test_runs_as_worker_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "p3d.cli", "mesh=pp2",
+                             "train.steps=3", f"run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert (tmp_path / "run_spec.yaml").is_file()

@@ -1,0 +1,131 @@
+"""Every config file composes through Hydra; every cross-group rule refuses with a one-line fix."""
+from __future__ import annotations
+
+import pytest
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from p3d.config.schema import Partition
+from p3d.config.spec import read_spec, write_spec
+from p3d.config.validate import P3DConfigError, count_params, padded_vocab, stage_bounds
+from tests.conftest import CONF, compose, typed
+
+GROUP_FILES = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
+# Valid companions so that each file composes into a config that passes validation.
+COMPANIONS = {
+    ("mesh", "tp8_pp8"): ["model=llama70b", "schedule=large"],
+    ("mesh", "tp8_pp16"): ["model=llama3_405b", "schedule=large"],
+    ("mesh", "tp4_pp4"): ["model=llama3_8b", "schedule=large"],
+    ("mesh", "tp8_pp1"): ["model=llama3_8b"],
+    ("mesh", "tp4_pp2"): ["model=llama3_8b"],
+    ("mesh", "tp2_pp4"): ["model=llama3_8b"],
+    ("data", "files"): ["data.path=/tmp/x.jsonl"],
+}
+
+
+def test_every_group_has_files():
+    groups = {g for g, _ in GROUP_FILES}
+    assert {"model", "mesh", "schedule", "zero", "cluster", "data", "logger"} <= groups
+
+
+@pytest.mark.parametrize("group,name", GROUP_FILES, ids=[f"{g}/{n}" for g, n in GROUP_FILES])
+def test_every_config_file_composes_and_validates(group, name):
+    from p3d.cli import prepare
+
+    node = compose(f"{group}={name}", *COMPANIONS.get((group, name), []))
+    cfg, plan = prepare(node)
+    assert getattr(cfg, group).name == name  # each file names itself
+    assert plan.world_size == plan.tp * plan.pp * plan.dp
+
+
+def test_default_job_is_tiny_on_dp2_pp2_tp2():
+    cfg, plan = typed()
+    assert (cfg.model.name, cfg.mesh.name, cfg.data.name, cfg.logger.name) == ("tiny", "dp2_pp2_tp2", "stdlib", "none")
+    assert (plan.world_size, plan.dp, plan.pp, plan.tp, plan.micro_batches) == (8, 2, 2, 2, 4)
+    assert plan.logging_rank == 4
+    assert cfg.cluster.peak_tflops is not None  # filled from the device preset
+
+
+@pytest.mark.parametrize("override", ["model.hiden_size=3", "mesh=tp3", "train.steps=many", "model=gpt9"])
+def test_unknown_or_mistyped_overrides_fail_at_compose(override):
+    with pytest.raises((HydraException, OmegaConfBaseException)):
+        typed(override)
+
+
+RULES = [
+    (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4 must divide model.n_heads=8 and model.n_kv_heads=2", "mesh=tp2"),
+    (["mesh=tp2", "model.ffn_hidden_size=191"], "mesh.tp=2 must divide model.ffn_hidden_size=191", "mesh=single"),
+    (["mesh.pp=8", "mesh.tp=1", "mesh.dp=1"], "mesh.pp=8 exceeds model.n_layers=4", "mesh=pp4"),
+    (["model.n_heads=6"], "model.n_heads=6 must divide model.hidden_size=64", ""),
+    (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=8", "model.n_kv_heads=1"),
+    (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 must be a multiple of", "global_batch_size=12"),
+    (["schedule.global_batch_size=4"], "gives 1 micro batches per replica, fewer than mesh.pp=2",
+     "schedule.global_batch_size=8"),
+    (["zero.stage=2"], "zero.stage=2 is refused: with mesh.pp=2 > 1", "zero=stage1"),
+    (["mesh=dp2", "zero.stage=3"], "zero.stage=3 is refused", "zero=stage1"),
+    (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 257", "model.vocab_size=257"),
+    (["mesh.dp=two"], "mesh.dp='two' must be a positive integer or auto", "mesh.dp=auto"),
+    (["cluster.gpus_per_node=4"], "must equal the world size 4", "mesh.dp=auto"),
+    (["mesh=tp4", "cluster.gpus_per_node=2", "mesh.dp=auto"], "mesh.tp=4 exceeds cluster.gpus_per_node=2",
+     "mesh.tp=2"),
+    (["train.warmup_steps=500", "train.steps=10"], "train.warmup_steps=500 must lie in [0, train.steps=10]",
+     "train.warmup_steps=10"),
+    (["schedule.recompute=selective"], "schedule.recompute=selective", "schedule.recompute=full"),
+    (["schedule.sequence_parallel=true"], "schedule.sequence_parallel=true", "sequence_parallel=false"),
+    (["schedule.virtual_stages=2"], "schedule.virtual_stages=2", "schedule.virtual_stages=1"),
+    (["model.arch=gpt"], "model.arch=gpt", "model.arch=llama"),
+    (["data=files"], "data.path", ""),
+    (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer=/nonexistent/tokenizer.json", "data.tokenizer=byte"),
+    (["cluster.device=h100"], "cluster.device=h100 is not a known device", "cluster.device=h100_sxm"),
+    (["cluster.nodes=2"], "cluster.nodes=2 with cluster.launcher=local", "cluster.nodes=1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message,fix", RULES, ids=[r[1][:40] for r in RULES])
+def test_each_rule_names_field_value_and_fix(overrides, message, fix):
+    with pytest.raises(P3DConfigError) as err:
+        typed(*overrides)
+    text = str(err.value)
+    assert "\n" not in text
+    assert message in text
+    assert fix in text
+
+
+def test_vocab_is_padded_to_a_multiple_of_tp():
+    assert padded_vocab(257, 4) == 260 and padded_vocab(512, 8) == 512 and padded_vocab(128256, 8) == 128256
+    _, plan = typed("mesh=tp4", "model.vocab_size=257")
+    assert plan.padded_vocab_size == 260
+
+
+def test_stage_bounds():
+    names_len = lambda L: L + 3  # embed, L blocks, final_norm, head  # noqa: E731
+    assert stage_bounds(4, 2, Partition.blocks) == [0, 3, 7]
+    assert stage_bounds(3, 2, Partition.blocks) == [0, 3, 6]  # the extra block goes to the first stage
+    assert stage_bounds(4, 4, Partition.uniform) == [0, 2, 4, 6, 7]
+    b = stage_bounds(126, 16, Partition.blocks)  # Llama 3 405B: 7 blocks on the end stages, 8 elsewhere
+    blocks = [b[s + 1] - b[s] - (s == 0) - 2 * (s == 15) for s in range(16)]
+    assert blocks[0] == blocks[-1] == 7 and set(blocks[1:-1]) == {8} and b[-1] == names_len(126)
+
+
+@pytest.mark.parametrize("model,published", [
+    ("llama2_7b", 6_738_415_616),  # meta-llama/Llama-2-7b-hf, safetensors total
+    ("llama3_8b", 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
+    ("llama70b", 70_553_706_496),  # meta-llama/Meta-Llama-3-70B ("70.6B")
+    ("llama3_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
+])
+def test_closed_form_parameter_counts_match_published(model, published):
+    cfg, _ = typed(f"model={model}", "mesh=single", "schedule=large", "schedule.global_batch_size=8")
+    assert count_params(cfg.model) == published
+
+
+def test_small_is_about_125m():
+    cfg, _ = typed("model=small")
+    assert 120e6 < count_params(cfg.model) < 130e6
+
+
+def test_run_spec_round_trip(tmp_path):
+    cfg, plan = typed("mesh=tp2_pp2", "zero=stage1", run_dir=str(tmp_path))
+    path = write_spec(cfg, plan, tmp_path)
+    cfg2, plan2 = read_spec(path)
+    assert cfg2 == cfg and plan2 == plan
+    assert "${" not in path.read_text()  # fully resolved

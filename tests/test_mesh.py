@@ -1,0 +1,65 @@
+"""Mesh rank arithmetic, no processes: tp fastest, then dp, then pp (DeepSpeed's pipe/data/model axes)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from p3d.dist.mesh import Mesh
+
+
+def test_dp2_pp2_tp2_coordinates():
+    mesh = Mesh(tp=2, pp=2, dp=2)
+    # rank = (pp * dp_size + dp) * tp_size + tp
+    expected = {0: (0, 0, 0), 1: (0, 0, 1), 2: (1, 0, 0), 3: (1, 0, 1),
+                4: (0, 1, 0), 5: (0, 1, 1), 6: (1, 1, 0), 7: (1, 1, 1)}
+    assert {r: mesh.coords_of(r) for r in range(8)} == expected
+    assert mesh.tp_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]  # adjacent: one node, fastest links
+    assert mesh.pp_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.dp_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.replica_ranks() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 2), (8, 8, 2), (4, 2, 3)])
+def test_rank_arithmetic_is_a_bijection(tp, pp, dp):
+    mesh = Mesh(tp=tp, pp=pp, dp=dp)
+    seen = set()
+    for d, p, t in itertools.product(range(dp), range(pp), range(tp)):
+        r = mesh.rank_of(d, p, t)
+        assert r == (p * dp + d) * tp + t
+        assert mesh.coords_of(r) == (d, p, t)
+        seen.add(r)
+    assert seen == set(range(tp * pp * dp))
+    for groups, axis in ((mesh.tp_ranks(), 2), (mesh.pp_ranks(), 1), (mesh.dp_ranks(), 0)):
+        assert sorted(r for g in groups for r in g) == list(range(mesh.world_size))
+        for g in groups:  # a group varies along its own axis only
+            coords = [mesh.coords_of(r) for r in g]
+            for other in {0, 1, 2} - {axis}:
+                assert len({c[other] for c in coords}) == 1
+
+
+def test_stage_flags_and_nodes():
+    mesh = Mesh(tp=8, pp=8, dp=2, rank=0, procs_per_node=8)
+    last = Mesh(tp=8, pp=8, dp=2, rank=mesh.rank_of(1, 7, 3), procs_per_node=8)
+    assert mesh.is_first_stage and not mesh.is_last_stage
+    assert last.is_last_stage and last.coords == (1, 7, 3) and last.tp_rank == 3
+    # a TP group of 8 fills exactly one node of 8
+    for group in mesh.tp_ranks():
+        assert len({mesh.node_of(r) for r in group}) == 1
+    assert mesh.node_of(17) == 2 and mesh.local_rank_of(17) == 1
+
+
+def test_logging_rank_is_last_stage_dp0_tp0():
+    from tests.conftest import typed
+
+    for name in ("dp2_pp2_tp2", "pp4", "tp2", "single"):
+        _, plan = typed(f"mesh={name}")
+        mesh = Mesh.from_plan(plan, plan.logging_rank)
+        assert mesh.coords == (0, plan.pp - 1, 0)
+
+
+def test_bad_sizes_refused():
+    with pytest.raises(ValueError, match="Mesh.tp=0"):
+        Mesh(tp=0, pp=1, dp=1)
+    with pytest.raises(ValueError, match="rank=8"):
+        Mesh(tp=2, pp=2, dp=2, rank=8)
