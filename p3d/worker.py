@@ -8,7 +8,17 @@ import datetime
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
+
+
+def skip_cpu_shm_build() -> None:
+    """DeepSpeed JIT-compiles a shared-memory all-reduce (30 s to minutes, needs g++) when its comm
+    backend starts on CPU; it serves inference only, never training, so mark it unavailable."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def init_process_group(plan, rank: int, timeout_s: int) -> None:
@@ -18,12 +28,7 @@ def init_process_group(plan, rank: int, timeout_s: int) -> None:
 
     if plan.backend == "gloo":
         torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        # DeepSpeed JIT-compiles a shared-memory all-reduce (~30 s, for inference only) when its comm
-        # backend starts on CPU; training never uses it.
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        skip_cpu_shm_build()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m p3d.worker <run_dir/run_spec.yaml>", file=sys.stderr)
         return 2
+    # DeepSpeed still calls torch.distributed APIs that torch marks deprecated; say it once per run, not per step.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use.*", category=FutureWarning)
     try:
         run(argv[0])
     except BaseException as exc:  # noqa: BLE001 - every failure must name the rank and end the process

@@ -13,8 +13,11 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world: int, store: str, fn, args, errors) -> None:
+    from p3d.worker import skip_cpu_shm_build
+
     torch.set_num_threads(1)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    skip_cpu_shm_build()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:

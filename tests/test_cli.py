@@ -145,10 +145,11 @@ def test_a_dead_worker_stops_the_run_and_is_named(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_runs_as_worker_under_torchrun(tmp_path):
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "p3d.cli", "mesh=pp2",
-                             "train.steps=3", f"run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """recipes/torchrun.sh: p3d-train under an external launcher acts as a worker."""
+    env = {**os.environ, "NPROC": "2", "RUN_DIR": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "recipes/torchrun.sh", "mesh=pp2", "train.steps=3"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=200, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "run_spec.yaml").is_file()

@@ -18,6 +18,7 @@ from tests.conftest import p3d_train, typed
 
 STEPS = 10
 RTOL = 1e-5
+COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2")
 
 CASES = {
     "single": ["mesh=single"],
@@ -37,7 +38,7 @@ MODEL_KEYS = ("model.", "train.", "data.")  # overrides that change the referenc
 
 @functools.lru_cache(maxsize=None)
 def reference(model_overrides: tuple[str, ...]) -> list[dict]:
-    cfg, _ = typed("mesh=single", f"train.steps={STEPS}", *model_overrides)
+    cfg, _ = typed("mesh=single", *COMMON, *model_overrides)
     return reference_run(cfg)
 
 
@@ -45,7 +46,7 @@ def reference(model_overrides: tuple[str, ...]) -> list[dict]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_mesh_matches_single_process(case, tmp_path):
     overrides = CASES[case]
-    result = p3d_train(f"train.steps={STEPS}", f"run.dir={tmp_path}", *overrides)
+    result = p3d_train(*COMMON, f"run.dir={tmp_path}", *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     got = read_metrics(tmp_path)
     ref = reference(tuple(o for o in overrides if o.startswith(MODEL_KEYS)))

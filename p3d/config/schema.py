@@ -123,10 +123,10 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 20
+    steps: int = 300
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # decay ends at lr * min_lr_ratio
-    warmup_steps: int = 2
+    warmup_steps: int = 20
     decay: LRDecay = LRDecay.cosine
     weight_decay: float = 0.1  # matrices only; norms are not decayed
     beta1: float = 0.9
@@ -148,6 +148,13 @@ class PlanConfig:
     """Options of the analytic planner (p3d-plan, and the pre-flight check of p3d-train)."""
 
     force: bool = False  # launch even when the planner predicts the layout does not fit device memory
+    efficiency: Optional[float] = None  # achieved fraction of cluster.peak_tflops in matmuls; null: the device's default
+    hbm_gbps: Optional[float] = None  # device memory bandwidth (GB/s) for memory-bound kernels; null: the datasheet's
+    flash_attention: bool = True  # attention keeps O(s) per token (flash kernels); false: the s x s probabilities
+    overlap_dp: bool = False  # dp / ZeRO collectives overlap compute (DeepSpeed's pipeline engine: they do not)
+    overlap_tp: bool = False  # tp collectives overlap the matmuls (p3d's tp layers: they do not)
+    overlap_pp: bool = False  # pipeline sends overlap compute (DeepSpeed's pipeline engine blocks on them)
+    top: int = 5  # mesh=auto: how many ranked layouts to print
 
 
 @dataclass

@@ -237,9 +237,8 @@ def check_train(cfg: Config) -> None:
         raise P3DConfigError(f"train.lr={t.lr} must be positive; try train.lr=3e-4")
     if not 0 <= t.min_lr_ratio <= 1:
         raise P3DConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]; try train.min_lr_ratio=0.1")
-    if not 0 <= t.warmup_steps <= t.steps:
-        raise P3DConfigError(f"train.warmup_steps={t.warmup_steps} must lie in [0, train.steps={t.steps}]; "
-                             f"try train.warmup_steps={min(max(t.warmup_steps, 0), t.steps)}")
+    if t.warmup_steps < 0:
+        raise P3DConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0; try train.warmup_steps=0")
     if t.grad_clip < 0:
         raise P3DConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
 

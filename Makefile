@@ -1,0 +1,36 @@
+# p3d: two commands on a fresh machine.
+#   make train   create the environment if missing, then run the default training job
+#   make test    create the environment if missing, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.p3d-installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install train test bench dry-run clean
+
+$(STAMP): pyproject.toml requirements-cpu.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first: the CPU wheel (any other torch pulls a multi-GB CUDA build), then the rest pinned
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -r requirements-cpu.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/p3d-train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/overhead.py
+
+dry-run: $(STAMP)
+	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b dry_run=true
+
+clean:
+	rm -rf outputs multirun .pytest_cache

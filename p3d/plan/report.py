@@ -1,0 +1,202 @@
+"""The plan of one config: memory per stage, step time, throughput, and what p3d-train would say.
+
+``plan(cfg)`` is the entry point (``cfg`` a typed Config after ``fill_cluster``); ``mesh=auto``
+plans the best layout of :mod:`p3d.plan.search` and keeps the ranking.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from p3d.config.schema import Config, DType, Recompute
+from p3d.config.validate import P3DConfigError, build_plan
+from p3d.plan import memory, time
+from p3d.plan.shapes import Layout, layout_of, model_flops_per_token, recompute_flops_per_token, total_params
+
+GB = memory.GB
+
+
+@dataclass
+class PlanReport:
+    cfg: Config
+    layout: Layout
+    stages: list[memory.StageMemory]
+    stage_times: list[time.StageTime]
+    step_time_s: float
+    breakdown: dict[str, float]  # seconds per step
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    ranking: list["PlanReport"] = field(default_factory=list)  # mesh=auto: the best layouts, best first
+
+    # ---- figures
+    @property
+    def capacity_bytes(self) -> float:
+        return self.cfg.cluster.memory_gb * GB
+
+    @property
+    def worst(self) -> memory.StageMemory:
+        """The most loaded stage (its every rank holds the same bytes)."""
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.capacity_bytes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.schedule.global_batch_size * self.cfg.model.seq_len
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return model_flops_per_token(self.cfg.model) * self.tokens_per_s / self.layout.world_size / 1e12
+
+    @property
+    def hfu_tflops_per_gpu(self) -> float:
+        extra = recompute_flops_per_token(self.cfg.model, self.cfg.schedule.recompute.value)
+        return self.tflops_per_gpu * (1 + extra / model_flops_per_token(self.cfg.model))
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu / self.cfg.cluster.peak_tflops
+
+    @property
+    def hfu(self) -> float:
+        return self.hfu_tflops_per_gpu / self.cfg.cluster.peak_tflops
+
+    @property
+    def bubble(self) -> float:
+        """Pipeline idle time relative to the useful time: (p - 1) / (v m)."""
+        return (self.layout.pp - 1) / (self.layout.virtual_stages * self.layout.micro_batches)
+
+    # ---- output
+    def summary(self) -> dict[str, Any]:
+        w = self.worst
+        return {
+            "fits": self.fits,
+            "memory_gb": {"params": w.params_bytes / GB, "grads": w.grads_bytes / GB,
+                          "optimizer": w.optimizer_bytes / GB, "activations": w.activations_total / GB,
+                          "total": w.total / GB, "loss_buffer": w.loss_bytes / GB,
+                          "capacity": self.cfg.cluster.memory_gb, "stage": w.stage},
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu, "hfu_tflops_per_gpu": self.hfu_tflops_per_gpu,
+            "mfu": self.mfu, "hfu": self.hfu, "bubble": self.bubble,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        out = self.summary()
+        out["warnings"] = list(self.warnings)
+        out["layout"] = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
+                         "micro_batches": lay.micro_batches, "virtual_stages": lay.virtual_stages,
+                         "world_size": lay.world_size}
+        m = self.cfg.model
+        out["model"] = {"name": m.name, "arch": m.arch.value, "params": total_params(m),
+                        "flops_per_token": model_flops_per_token(m)}
+        out["time_s"] = dict(self.breakdown)
+        out["stages"] = [{"stage": s.stage, "blocks": s.params.blocks, "params": s.params.total,
+                          "in_flight": s.in_flight, "time_per_micro_batch_s": t.total,
+                          "memory_gb": {"params": s.params_bytes / GB, "grads": s.grads_bytes / GB,
+                                        "optimizer": s.optimizer_bytes / GB,
+                                        "activations": s.activations_total / GB, "total": s.total / GB}}
+                         for s, t in zip(self.stages, self.stage_times)]
+        out["assumptions"] = assumptions(self.cfg)
+        out["notes"] = list(self.notes)
+        if self.ranking:
+            out["ranking"] = [{**r.to_json()["layout"], **r.summary()} for r in self.ranking]
+        return out
+
+    def render(self) -> str:
+        from p3d.plan.render import render
+
+        return render(self)
+
+
+def assumptions(cfg: Config) -> dict[str, Any]:
+    return {"efficiency": time.efficiency(cfg), "hbm_gbps": time.hbm_bytes_per_s(cfg) / time.HBM_EFFICIENCY / 1e9,
+            "peak_tflops": cfg.cluster.peak_tflops, "intra_node_gbps": cfg.cluster.intra_node_gbps,
+            "inter_node_gbps": cfg.cluster.inter_node_gbps, "comm_efficiency": time.COMM_EFFICIENCY,
+            "flash_attention": cfg.plan.flash_attention, "overlap_dp": cfg.plan.overlap_dp,
+            "overlap_tp": cfg.plan.overlap_tp, "overlap_pp": cfg.plan.overlap_pp}
+
+
+def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True) -> PlanReport:
+    """Memory and time of ``cfg`` (its layout, or ``layout``); ``check`` adds p3d-train's verdict."""
+    layout = layout or layout_of(cfg)
+    stages = memory.stage_memory(cfg, layout)
+    times = time.stage_times(cfg, layout, [s.params for s in stages])
+    slow = max(range(layout.pp), key=lambda i: times[i].total)
+    t_mb = times[slow].total
+    fill = (layout.pp - 1) / layout.virtual_stages
+    tails = []
+    for s, (mem, t) in enumerate(zip(stages, times)):
+        dp = time.dp_seconds(cfg, layout, mem.params)
+        if cfg.plan.overlap_dp:
+            hide = layout.micro_batches * t.total if cfg.zero.stage >= 3 else t.forward_compute + t.backward_compute
+            dp = max(0.0, dp - hide)
+        tails.append((dp + time.optimizer_seconds(cfg, layout, mem.params), dp))
+    tail, dp_exposed = max(tails)
+    tied = time.tied_seconds(cfg, layout)
+    m = layout.micro_batches
+    step = (m + fill) * t_mb + tail + tied
+    breakdown = {"compute": m * times[slow].compute, "recompute": m * times[slow].recompute,
+                 "tp_comm": m * times[slow].tp_comm, "pp_comm": m * times[slow].pp_comm, "bubble": fill * t_mb,
+                 "dp_comm": dp_exposed, "optimizer": tail - dp_exposed, "tied_embedding": tied, "step": step}
+    report = PlanReport(cfg, layout, stages, times, step, breakdown)
+    if check:
+        report.warnings, report.notes = _verdict(report)
+    return report
+
+
+def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
+    cfg, lay, warnings, notes = r.cfg, r.layout, [], []
+    try:
+        build_plan(cfg, None, for_training=True)
+    except P3DConfigError as exc:
+        warnings.append(f"p3d-train would refuse this config: {exc}")
+    w = r.worst
+    if not r.fits:
+        warnings.append(f"does not fit: stage {w.stage} needs {w.total / GB:.1f} GB of {cfg.cluster.memory_gb:g} GB "
+                        f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
+                        f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})")
+    gpn = cfg.cluster.gpus_per_node
+    if gpn is not None and lay.tp > gpn:
+        warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
+    if r.bubble > 0.1:
+        warnings.append(f"pipeline bubble {r.bubble:.0%} ((p-1)/(v m) with m={lay.micro_batches}): raise "
+                        "schedule.global_batch_size or lower schedule.micro_batch_size")
+    if cfg.cluster.device == "cpu":
+        notes.append("cluster.device=cpu: memory figures are exact, times use a nominal CPU peak")
+    if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 0:
+        notes.append("bf16 with zero.stage=0: DeepSpeed's BF16_Optimizer shards master weights and Adam moments "
+                     "over dp anyway and keeps a second bf16 gradient buffer")
+    if cfg.schedule.recompute == Recompute.full:
+        notes.append("full recompute: each block keeps its input; one block's activations are rebuilt at a time")
+    return warnings, notes
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    """``cfg`` with the mesh and micro batch of ``layout`` (what p3d-train runs for mesh=auto)."""
+    mesh = dataclasses.replace(cfg.mesh, name=f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}", tp=layout.tp,
+                               pp=layout.pp, dp=layout.dp)
+    sched = dataclasses.replace(cfg.schedule, micro_batch_size=layout.micro_batch_size)
+    return dataclasses.replace(cfg, mesh=mesh, schedule=sched)
+
+
+def plan(cfg: Config) -> PlanReport:
+    """The planner's report for a typed config (after ``fill_cluster``); mesh=auto picks the best layout.
+
+    Raises P3DConfigError where nothing can be modelled (a layout that does not divide the cluster,
+    or mesh=auto without a fitting layout)."""
+    if cfg.mesh.name == "auto":
+        from p3d.plan.search import search
+
+        ranked = search(cfg)
+        best = evaluate(apply_layout(cfg, ranked[0].layout))
+        best.ranking = ranked[:max(1, cfg.plan.top)]
+        return best
+    return evaluate(cfg)

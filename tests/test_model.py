@@ -1,0 +1,74 @@
+"""The Llama twin, its init, and how the pipeline engine builds and runs it."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from p3d.config.schema import ModelConfig
+from p3d.dist.mesh import Mesh
+from p3d.model.pipe import build_layer_specs, to_sequential
+from tests.conftest import typed
+from tests.dist import run_distributed
+
+
+def test_sequential_loss_is_plain_cross_entropy():
+    cfg = ModelConfig()
+    model = to_sequential(cfg, cfg.vocab_size, seed=3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(ids)
+    assert logits.shape == (2, 16, cfg.vocab_size)
+    expected = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+    torch.testing.assert_close(model.loss(ids, ids), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_init_depends_on_seed_and_parameter_not_on_mesh():
+    cfg = ModelConfig()
+    a = dict(to_sequential(cfg, 512, seed=1).named_parameters())
+    b = dict(to_sequential(cfg, 512, seed=1).named_parameters())
+    c = dict(to_sequential(cfg, 512, seed=2).named_parameters())
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert not torch.equal(a["layers.1.attn.wqkv.weight"], c["layers.1.attn.wqkv.weight"])
+    assert not torch.equal(a["layers.1.attn.wqkv.weight"], a["layers.2.attn.wqkv.weight"])
+    # tp=2 shards (built without any process group) slice the very same master weights
+    for rank in range(2):
+        specs = build_layer_specs(cfg, 512, Mesh(tp=2, pp=1, dp=1, rank=rank), seed=1)
+        down = specs[2].build().mlp.w_down.weight  # block1
+        torch.testing.assert_close(down, a["layers.2.mlp.w_down.weight"].chunk(2, dim=1)[rank])
+        head = specs[-1].build().weight
+        torch.testing.assert_close(head, a["layers.6.weight"].chunk(2, dim=0)[rank])
+
+
+def _count_block_forwards(rank, world, recompute, counts):
+    import deepspeed
+
+    from p3d.model.llama import TransformerBlock
+    from p3d.train.optim import build_optimizer
+    from p3d.train.trainer import build_pipeline, deepspeed_config
+
+    deepspeed.init_distributed("gloo")
+    over = ["mesh=pp2" if world == 2 else "mesh=single", "train.steps=1", "model.n_layers=2"]
+    cfg, plan = typed(*over, *(["schedule=recompute"] if recompute else []))
+    mesh = Mesh.from_plan(plan, rank).with_groups()
+    module = build_pipeline(cfg, plan, mesh)
+    assert module.parts == plan.stage_bounds
+    calls = []
+    for m in module.modules():
+        if isinstance(m, TransformerBlock):
+            m.register_forward_hook(lambda *_: calls.append(1))
+    opt, sched = build_optimizer(module, cfg.train, mesh)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
+                                      config=deepspeed_config(cfg, plan))
+    x = torch.randint(0, 257, (cfg.schedule.micro_batch_size, cfg.model.seq_len))
+    engine.train_batch(data_iter=iter([(x, x)] * plan.micro_batches))
+    blocks_here = sum(isinstance(m, TransformerBlock) for m in module.modules())
+    assert blocks_here == 1
+    assert len(calls) == plan.micro_batches * (2 if recompute else 1), (recompute, len(calls))
+
+
+def test_full_recompute_reruns_every_block_in_backward():
+    run_distributed(_count_block_forwards, 2, True, None, timeout=180)
+
+
+def test_no_recompute_runs_each_block_once():
+    run_distributed(_count_block_forwards, 2, False, None, timeout=180)
