@@ -49,6 +49,22 @@ def prepare(cfg_node: DictConfig):
     return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
 
 
+def _with_source(message: str) -> str:
+    """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
+    head, _, rest = message.partition(" ")
+    field = head.split("=", 1)[0]
+    if "=" not in head or "." not in field:
+        return message
+    hc = HydraConfig.get()
+    if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):
+        where = "command line"
+    else:
+        group = field.split(".", 1)[0]
+        choice = hc.runtime.choices.get(group)
+        where = f"{group}/{choice}.yaml" if choice else "config.yaml"
+    return f"{head} ({where}) {rest}"
+
+
 def fail(msg: str, status: int = 2):
     print(f"p3d: {msg}", file=sys.stderr, flush=True)
     sys.exit(status)
@@ -75,10 +91,11 @@ def train_task(cfg_node: DictConfig) -> int:
     try:
         cfg, plan = prepare(cfg_node)
     except P3DConfigError as exc:
+        msg = _with_source(str(exc))
         if multirun:
-            print(f"p3d: skipped this point, config error: {exc}", file=sys.stderr, flush=True)
+            print(f"p3d: skipped this point, config error: {msg}", file=sys.stderr, flush=True)
             return 2
-        fail(f"config error: {exc}")
+        fail(f"config error: {msg}")
     if cfg.dry_run:
         from p3d.dryrun import dry_run
 

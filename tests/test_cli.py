@@ -17,8 +17,9 @@ from tests.conftest import ROOT, p3d_train, typed
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4 must divide model.n_heads=8 and model.n_kv_heads=2 (attention is split by heads); try mesh=tp2"),
-    (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 must be a multiple of"),
+    (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4 (mesh/tp4.yaml) must divide model.n_heads=8 and model.n_kv_heads=2 (attention is split by heads); "
+                                        "try mesh=tp2"),
+    (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 (command line) must be a multiple of"),
     (["mesh=pp4", "schedule.global_batch_size=6", "schedule.micro_batch_size=2"], "gives 3 micro batches"),
     (["mesh=tp3"], "mesh"),  # no such preset: Hydra lists the available ones
     (["model.hiden_size=3"], "hiden_size"),

@@ -125,7 +125,8 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
               file=console, flush=True)
         return 1
     finally:
-        _stop(procs, signal.SIGKILL) if any(p.poll() is None for p in procs.values()) else None
+        if any(p.poll() is None for p in procs.values()):  # an exception in this function: leave no orphans
+            _stop(procs, signal.SIGKILL)
         for s, h in old.items():
             signal.signal(s, h)
         store.unlink(missing_ok=True)
