@@ -66,6 +66,22 @@ def _stop(procs: dict[int, subprocess.Popen], sig=signal.SIGTERM) -> None:
             p.wait()
 
 
+# What a worker prints when a peer, not itself, went away first.
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+              "ProcessGroupGloo", "DistNetworkError", "Socket Timeout")
+
+
+def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
+    """Of the workers found dead in one poll, the one that failed first: its peers die of the lost
+    connection a moment later. A signal death beats an error exit; an error that is not a lost
+    peer beats one that is; then the lowest rank."""
+    def secondary(rank: int) -> bool:
+        tail = _tail(logs / f"rank{rank}.log", 40)
+        return any(marker in tail for marker in _PEER_LOSS)
+
+    return min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), f[0]))
+
+
 def describe_exit(rc: int) -> str:
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
@@ -105,7 +121,7 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
         while True:
             failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
             if failed:
-                rank, rc = failed[0]
+                rank, rc = _first_cause(failed, logs)
                 break
             if all(p.returncode == 0 for p in procs.values()):
                 for t in pumps:
@@ -114,13 +130,15 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
             time.sleep(POLL_S)
         others = sum(1 for p in procs.values() if p.poll() is None)
         _stop(procs)
+        also = sorted(r for r, _ in failed if r != rank)
         for t in pumps:
             t.join(timeout=5)
         if received:
             print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
             return 128 + received[0]
         dp, pp, tp = Mesh.from_plan(plan, rank).coords
-        print(f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}; stopped the other {others} "
+        then = f" (ranks {', '.join(map(str, also))} failed with it)" if also else ""
+        print(f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}{then}; stopped the other {others} "
               f"running workers. Last lines of {logs / f'rank{rank}.log'}:\n{_tail(logs / f'rank{rank}.log')}",
               file=console, flush=True)
         return 1
