@@ -24,7 +24,6 @@ from p3d.config.schema import register_configs
 from p3d.config.validate import P3DConfigError, build_plan, fill_cluster
 
 CONFIG_PATH = str(Path(__file__).resolve().parents[1] / "conf")
-_state = {"task_started": False}
 
 
 def tokenizer_vocab(data_cfg) -> int:
@@ -36,8 +35,8 @@ def tokenizer_vocab(data_cfg) -> int:
         raise P3DConfigError(str(exc)) from None
 
 
-def prepare(cfg_node: DictConfig):
-    """Typed config and run plan, or P3DConfigError."""
+def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
+    """The typed Config with the device preset filled in and ``mesh=auto`` resolved by the planner."""
     from omegaconf.errors import OmegaConfBaseException
 
     from p3d.config.spec import to_config
@@ -46,7 +45,32 @@ def prepare(cfg_node: DictConfig):
         cfg = fill_cluster(to_config(cfg_node))
     except OmegaConfBaseException as exc:
         raise P3DConfigError(str(exc).splitlines()[0]) from None
+    if cfg.mesh.name == "auto" and resolve_auto:
+        from p3d.plan import apply_layout, best_layout
+
+        cfg = apply_layout(cfg, best_layout(cfg))
+    return cfg
+
+
+def prepare(cfg_node: DictConfig):
+    """Typed config and run plan, or P3DConfigError."""
+    cfg = typed_config(cfg_node)
     return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
+
+
+def preflight(cfg) -> None:
+    """Refuse a layout the planner predicts not to fit device memory (plan.force=true skips this)."""
+    from p3d.plan import plan as plan_memory
+
+    report = plan_memory(cfg)
+    if report.fits or cfg.plan.force:
+        return
+    print(report.render(), file=sys.stderr)
+    mem = report.to_json()["memory_gb"]
+    raise P3DConfigError(f"mesh=tp{cfg.mesh.tp}_pp{cfg.mesh.pp} is predicted to need {mem['total']:.1f} GB on its most "
+                         f"loaded device, more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
+                         "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
+                         "or plan.force=true")
 
 
 def _with_source(message: str) -> str:
@@ -86,10 +110,11 @@ def _run_as_worker(cfg, plan) -> int:
 
 
 def train_task(cfg_node: DictConfig) -> int:
-    _state["task_started"] = True
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         cfg, plan = prepare(cfg_node)
+        if not cfg.dry_run:
+            preflight(cfg)
     except P3DConfigError as exc:
         msg = _with_source(str(exc))
         if multirun:
@@ -120,19 +145,27 @@ def train_task(cfg_node: DictConfig) -> int:
     return rc
 
 
-def _hydra_entry(task):
+def run_hydra(task) -> None:
+    """Compose with Hydra and run ``task``; a config Hydra cannot compose (unknown group option,
+    bad override, wrong type) exits 2, like every other config error."""
+    started = []
+
+    def task_started(cfg_node: DictConfig):
+        started.append(True)
+        return task(cfg_node)
+
     register_configs()
-    return hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(task)
+    try:
+        hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(task_started)()
+    except SystemExit as exc:
+        if not started and exc.code not in (0, None):
+            sys.exit(2)
+        raise
 
 
 def train() -> None:
     """Console script ``p3d-train``."""
-    try:
-        _hydra_entry(train_task)()
-    except SystemExit as exc:
-        if not _state["task_started"] and exc.code not in (0, None):
-            sys.exit(2)  # Hydra could not compose the config (unknown group option, bad override, type)
-        raise
+    run_hydra(train_task)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ METRICS_NAME = "metrics.jsonl"
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+    """Peak resident memory of this process in GB (1e9 bytes; ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 class MetricsLogger:

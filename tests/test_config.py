@@ -20,6 +20,12 @@ COMPANIONS = {
     ("mesh", "tp4_pp2"): ["model=llama3_8b"],
     ("mesh", "tp2_pp4"): ["model=llama3_8b"],
     ("data", "files"): ["data.path=/tmp/x.jsonl"],
+    ("mesh", "auto"): ["cluster.device=h100_sxm", "model=llama3_8b", "schedule=large"],  # one 8-GPU node
+    # gpt shapes are for p3d-plan (published runs); the trainer builds llama only, a dry run composes them
+    ("model", "gpt_175b"): ["dry_run=true"],
+    ("model", "gpt_530b"): ["dry_run=true"],
+    ("model", "gpt_neox_20b"): ["dry_run=true"],
+    ("model", "gpt_bloom_176b"): ["dry_run=true"],
 }
 
 
@@ -34,7 +40,10 @@ def test_every_config_file_composes_and_validates(group, name):
 
     node = compose(f"{group}={name}", *COMPANIONS.get((group, name), []))
     cfg, plan = prepare(node)
-    assert getattr(cfg, group).name == name  # each file names itself
+    if (group, name) == ("mesh", "auto"):  # the planner picked a concrete layout of the 8 GPUs
+        assert cfg.mesh.name == f"tp{plan.tp}_pp{plan.pp}_dp{plan.dp}" and plan.world_size == 8
+    else:
+        assert getattr(cfg, group).name == name  # each file names itself
     assert plan.world_size == plan.tp * plan.pp * plan.dp
 
 

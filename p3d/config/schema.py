@@ -28,6 +28,7 @@ class Partition(Enum):
 
 
 class DType(Enum):
+    auto = "auto"  # fp32 on cpu, bf16 on GPUs (resolved when the run spec is frozen)
     fp32 = "fp32"
     bf16 = "bf16"
 
@@ -134,7 +135,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 turns clipping off
     seed: int = 1234
-    dtype: DType = DType.fp32
+    dtype: DType = DType.auto
 
 
 @dataclass

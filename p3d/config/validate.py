@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from p3d.config.schema import Arch, Config, DataSource, Launcher, Partition, Recompute
+from p3d.config.schema import Arch, Config, DataSource, DType, Launcher, Partition, Recompute
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -112,7 +112,8 @@ def count_params(m) -> int:
 
 
 def fill_cluster(cfg: Config) -> Config:
-    """The config with every unset cluster number taken from the ``cluster.device`` preset."""
+    """The config with every unset cluster number taken from the ``cluster.device`` preset, and
+    ``train.dtype=auto`` made fp32 on cpu, bf16 on GPUs."""
     from p3d.hardware import DEVICES
 
     c = cfg.cluster
@@ -122,7 +123,10 @@ def fill_cluster(cfg: Config) -> Config:
     preset = DEVICES[c.device]
     filled = {f: getattr(preset, f) for f in ("gpus_per_node", "peak_tflops", "memory_gb", "intra_node_gbps",
                                                "inter_node_gbps") if getattr(c, f) is None}
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(c, **filled))
+    train = cfg.train
+    if train.dtype == DType.auto:
+        train = dataclasses.replace(train, dtype=DType.fp32 if c.device == "cpu" else DType.bf16)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(c, **filled), train=train)
 
 
 def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:

@@ -1,9 +1,11 @@
 """The device mesh: G = dp x pp x tp ranks, tp fastest.
 
 A rank's coordinates follow DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model;
-the last varies fastest), so a TP group is a run of adjacent ranks (one node, the fastest links),
-pipeline neighbours come next, and data-parallel replicas are spread furthest. The rank arithmetic
-needs no process group and is unit-tested; ``with_groups`` creates the process groups.
+the last varies fastest): rank = (pp * dp_size + dp) * tp_size + tp. A TP group is a run of adjacent
+ranks (one node, the fastest links); the dp replicas of a stage come next (stride tp) and pipeline
+stages are furthest apart (stride tp * dp). With tp = GPUs per node each node holds one TP group,
+and both the dp all-reduce and the pp sends cross nodes. The rank arithmetic needs no process
+group and is unit-tested; ``with_groups`` creates the process groups.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ what the p3d model saves for backward, checked against torch's saved-tensor hook
                  mlp        4 c f / t                 gate|up, silu(gate), silu(gate) * up
                  rope       2 s hd c per micro batch  cos, sin
     gpt block    Korthikanti et al. (2022), Eq. 2 with c bytes: (4 c + 2) h replicated
-                 + c (2 q + 2 kv + 2 f) / t + (4 c + 1) a s / t  (softmax, dropout mask and output)
+                 + c (2 q + 2 kv + 2 f) / t + (2 c + 1) a s / t  (softmax, dropout mask and output)
 
 Sequence parallelism divides the replicated terms (norms, residual-side tensors) by t too.
 Without flash attention a llama also keeps the (a/t) s x s probabilities; selective recompute
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from p3d.config.schema import Arch, Config, DType, Recompute
 from p3d.config.validate import padded_vocab
-from p3d.plan.shapes import Layout, StageParams, head_dims, stage_params
+from p3d.plan.shapes import Layout, StageParams, block_matmul_params, head_dims, stage_params
 
 GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables and of device datasheets
 
@@ -120,7 +120,7 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None)
         return b * s * per_token + 2 * s * (h // a) * c
     per_token = (4 * c + 2) * h / sp + c * (2 * q + 2 * kv + 2 * f) / t
     if recompute != Recompute.selective:
-        per_token += 4 * a / t if flash else (4 * c + 1) * a * s / t
+        per_token += 4 * a / t if flash else (2 * c + 1) * a * s / t
     return b * s * per_token
 
 
@@ -190,8 +190,6 @@ def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
     for s, sp in enumerate(stage_params(cfg, layout)):
         params, grads, opt = state_bytes(cfg, layout, sp)
         if cfg.zero.stage >= 3:  # gathered full-size weights: the block in use and the prefetched one
-            from p3d.plan.shapes import block_matmul_params
-
             params += 2 * block_matmul_params(cfg.model, layout.tp) * dtype_bytes(cfg)
         act = sp.blocks * per_block
         if "embed" in sp.layers:

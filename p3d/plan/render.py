@@ -26,10 +26,12 @@ def _layers(names: tuple[str, ...]) -> str:
 
 def render(report) -> str:
     cfg, lay = report.cfg, report.layout
+    unit, scale = ("GB", GB) if report.worst.total >= 0.1 * GB else ("MB", 1e6)
     m = cfg.model
     out = []
     if report.ranking:
-        out += [f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x {cfg.cluster.device}",
+        out += [f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x "
+                f"{cfg.cluster.device}",
                 f"  {'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>4} {'m':>5} {'mem GB':>7} {'step s':>9} {'tokens/s':>12} "
                 f"{'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}"]
         for r in report.ranking:
@@ -43,16 +45,22 @@ def render(report) -> str:
     out.append(f"  {cfg.train.dtype.value}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
                f"sequence_parallel={cfg.schedule.sequence_parallel}, global batch {cfg.schedule.global_batch_size} "
                f"x {m.seq_len} tokens")
-    out += ["", f"memory per GPU (GB; capacity {cfg.cluster.memory_gb:g})",
-            f"  {'stage':>5} {'layers':<22} {'params':>8} {'grads':>8} {'optim':>8} {'act/mb':>8} {'in flight':>9} "
+    out += ["", f"memory per GPU ({unit}; capacity {cfg.cluster.memory_gb:g} GB)",
+            f"  {'stage':>5} {'layers':<26} {'params':>8} {'grads':>8} {'optim':>8} {'act/mb':>8} {'in flight':>9} "
             f"{'loss':>7} {'total':>8}"]
     for s in _stage_rows(report):
         flag = "  <- most loaded" if s.stage == report.worst.stage and len(report.stages) > 1 else ""
-        out.append(f"  {s.stage:>5} {_layers(s.params.layers):<22} {s.params_bytes / GB:>8.2f} {s.grads_bytes / GB:>8.2f} "
-                   f"{s.optimizer_bytes / GB:>8.2f} {s.activation_bytes / GB:>8.2f} {s.in_flight:>9.2f} "
-                   f"{s.loss_bytes / GB:>7.2f} {s.total / GB:>8.2f}{flag}")
+        out.append(f"  {s.stage:>5} {_layers(s.params.layers):<26} {s.params_bytes / scale:>8.2f} "
+                   f"{s.grads_bytes / scale:>8.2f} {s.optimizer_bytes / scale:>8.2f} "
+                   f"{s.activation_bytes / scale:>8.2f} "
+                   f"{s.in_flight:>9.2f} {s.loss_bytes / scale:>7.2f} {s.total / scale:>8.2f}{flag}")
     verdict = "fits" if report.fits else "DOES NOT FIT"
-    out.append(f"  -> {verdict}: {report.worst.total / GB:.2f} of {cfg.cluster.memory_gb:g} GB on the most loaded GPU")
+    if report.shared_host:
+        out.append(f"  -> {verdict}: {report.all_ranks_bytes / scale:.2f} {unit} for all {lay.world_size} workers of "
+                   f"{cfg.cluster.memory_gb:g} GB host memory")
+    else:
+        out.append(f"  -> {verdict}: {report.worst.total / scale:.2f} {unit} of {cfg.cluster.memory_gb:g} GB on the "
+                   "most loaded GPU")
     b = report.breakdown
     out += ["", "time per step (s; slowest stage)"]
     for key in ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer", "tied_embedding"):
@@ -65,9 +73,11 @@ def render(report) -> str:
     from p3d.plan.report import assumptions
 
     a = assumptions(cfg)
-    out.append(f"assumed: {a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls, HBM {a['hbm_gbps']:g} GB/s, "
+    out.append(f"assumed: {a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls, "
+               f"HBM {a['hbm_gbps']:g} GB/s, "
                f"links {a['intra_node_gbps']:g}/{a['inter_node_gbps']:g} GB/s x {a['comm_efficiency']:g}, "
-               f"flash_attention={a['flash_attention']}, overlap_dp={a['overlap_dp']}, overlap_tp={a['overlap_tp']}")
+               f"flash_attention={a['flash_attention']}, overlap tp/pp/dp={a['overlap_tp']}/{a['overlap_pp']}/"
+               f"{a['overlap_dp']}")
     for n in report.notes:
         out.append(f"note: {n}")
     for w in report.warnings:

@@ -19,6 +19,12 @@ GB = memory.GB
 
 @dataclass
 class PlanReport:
+    """Memory per stage, time per step and the derived figures of one config and layout.
+
+    ``fits``, ``step_time_s``, ``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``hfu_tflops_per_gpu``
+    (with recompute), ``mfu``, ``hfu``, ``bubble`` and ``warnings`` are what p3d-plan prints;
+    ``to_json()`` is the same as one dict, ``render()`` as text."""
+
     cfg: Config
     layout: Layout
     stages: list[memory.StageMemory]
@@ -40,12 +46,26 @@ class PlanReport:
         return max(self.stages, key=lambda s: s.total)
 
     @property
+    def all_ranks_bytes(self) -> float:
+        """Memory of every rank together (each stage has tp x dp ranks)."""
+        return sum(s.total for s in self.stages) * self.layout.tp * self.layout.dp
+
+    @property
+    def shared_host(self) -> bool:
+        """cpu workers (gpus_per_node unset) share one machine's memory."""
+        return self.cfg.cluster.gpus_per_node is None
+
+    @property
     def fits(self) -> bool:
+        if self.shared_host:
+            return self.all_ranks_bytes <= self.capacity_bytes
         return self.worst.total <= self.capacity_bytes
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.schedule.global_batch_size * self.cfg.model.seq_len
+        """m micro batches of b sequences on each of d replicas (= global_batch x s when the batch divides)."""
+        lay = self.layout
+        return lay.micro_batches * lay.micro_batch_size * lay.dp * self.cfg.model.seq_len
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,7 +101,8 @@ class PlanReport:
             "memory_gb": {"params": w.params_bytes / GB, "grads": w.grads_bytes / GB,
                           "optimizer": w.optimizer_bytes / GB, "activations": w.activations_total / GB,
                           "total": w.total / GB, "loss_buffer": w.loss_bytes / GB,
-                          "capacity": self.cfg.cluster.memory_gb, "stage": w.stage},
+                          "capacity": self.cfg.cluster.memory_gb, "stage": w.stage,
+                          "all_ranks": self.all_ranks_bytes / GB},
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu, "hfu_tflops_per_gpu": self.hfu_tflops_per_gpu,
             "mfu": self.mfu, "hfu": self.hfu, "bubble": self.bubble,
@@ -159,7 +180,10 @@ def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
     except P3DConfigError as exc:
         warnings.append(f"p3d-train would refuse this config: {exc}")
     w = r.worst
-    if not r.fits:
+    if not r.fits and r.shared_host:
+        warnings.append(f"does not fit: the {lay.world_size} cpu workers need {r.all_ranks_bytes / GB:.1f} GB "
+                        f"together, cluster.memory_gb={cfg.cluster.memory_gb:g}")
+    elif not r.fits:
         warnings.append(f"does not fit: stage {w.stage} needs {w.total / GB:.1f} GB of {cfg.cluster.memory_gb:g} GB "
                         f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
                         f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})")
@@ -170,7 +194,8 @@ def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
         warnings.append(f"pipeline bubble {r.bubble:.0%} ((p-1)/(v m) with m={lay.micro_batches}): raise "
                         "schedule.global_batch_size or lower schedule.micro_batch_size")
     if cfg.cluster.device == "cpu":
-        notes.append("cluster.device=cpu: memory figures are exact, times use a nominal CPU peak")
+        notes.append(f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
+                     f"(together {r.all_ranks_bytes / GB:.2f} GB); times use a nominal CPU peak")
     if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 0:
         notes.append("bf16 with zero.stage=0: DeepSpeed's BF16_Optimizer shards master weights and Adam moments "
                      "over dp anyway and keeps a second bf16 gradient buffer")
@@ -187,11 +212,28 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
     return dataclasses.replace(cfg, mesh=mesh, schedule=sched)
 
 
+def check_options(cfg: Config) -> None:
+    """The numbers the model divides by must be positive; efficiency is a fraction of the peak."""
+    p, c = cfg.plan, cfg.cluster
+    if p.efficiency is not None and not 0 < p.efficiency <= 1:
+        raise P3DConfigError(f"plan.efficiency={p.efficiency} must lie in (0, 1]; try plan.efficiency=0.6")
+    if p.hbm_gbps is not None and p.hbm_gbps <= 0:
+        raise P3DConfigError(f"plan.hbm_gbps={p.hbm_gbps} must be positive")
+    if p.top < 1:
+        raise P3DConfigError(f"plan.top={p.top} must be at least 1")
+    for name in ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps"):
+        if getattr(c, name) is None or getattr(c, name) <= 0:
+            raise P3DConfigError(f"cluster.{name}={getattr(c, name)} must be positive")
+    if c.gpus_per_node is not None and c.gpus_per_node < 1 or c.nodes < 1:
+        raise P3DConfigError(f"cluster.nodes={c.nodes} and cluster.gpus_per_node={c.gpus_per_node} must be positive")
+
+
 def plan(cfg: Config) -> PlanReport:
     """The planner's report for a typed config (after ``fill_cluster``); mesh=auto picks the best layout.
 
     Raises P3DConfigError where nothing can be modelled (a layout that does not divide the cluster,
     or mesh=auto without a fitting layout)."""
+    check_options(cfg)
     if cfg.mesh.name == "auto":
         from p3d.plan.search import search
 

@@ -45,7 +45,7 @@ class Layout:
 
     def describe(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} GPUs), micro batch "
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), micro batch "
                 f"{self.micro_batch_size} x {self.micro_batches}{v}")
 
 
@@ -63,7 +63,8 @@ def layout_of(cfg: Config) -> Layout:
     """
     tp, pp, s = cfg.mesh.tp, cfg.mesh.pp, cfg.schedule
     for name, val in (("mesh.tp", tp), ("mesh.pp", pp), ("schedule.micro_batch_size", s.micro_batch_size),
-                      ("schedule.global_batch_size", s.global_batch_size), ("schedule.virtual_stages", s.virtual_stages)):
+                      ("schedule.global_batch_size", s.global_batch_size),
+                      ("schedule.virtual_stages", s.virtual_stages)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise P3DConfigError(f"{name}={val!r} must be a positive integer")
     dp = cfg.mesh.dp

@@ -36,9 +36,11 @@ from p3d.config.validate import padded_vocab
 from p3d.plan.memory import dtype_bytes, optimizer_sharded
 from p3d.plan.shapes import Layout, StageParams, block_matmul_params, head_dims
 
-# Achieved fraction of the dense bf16 peak in the large matmuls of a transformer block, one figure
-# per device generation (see docs/planner.md for the calibration run and the sources).
-DEFAULT_EFFICIENCY = {"a100_40gb": 0.75, "a100_80gb": 0.75, "h100_sxm": 0.62, "h200": 0.62, "b200": 0.62,
+# Achieved fraction of the dense bf16 peak in the matmuls of a transformer block: the one fitted
+# constant, one per device generation, each set from one published run (MosaicML MPT-70B on 64 GPUs,
+# FSDP + activation checkpointing: MFU 53.33% on A100-80GB, 42.57% on H100) and used unchanged for
+# every other prediction (docs/planner.md). H200 / B200: H100's figure, no reference run.
+DEFAULT_EFFICIENCY = {"a100_40gb": 0.73, "a100_80gb": 0.73, "h100_sxm": 0.60, "h200": 0.60, "b200": 0.60,
                       "cpu": 0.5}
 # HBM bandwidth, GB/s, datasheets: A100 40GB / 80GB SXM, H100 SXM, H200, B200; cpu: a DDR4/5 socket.
 DEFAULT_HBM_GBPS = {"a100_40gb": 1555.0, "a100_80gb": 2039.0, "h100_sxm": 3350.0, "h200": 4800.0, "b200": 8000.0,

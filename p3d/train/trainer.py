@@ -28,6 +28,10 @@ def deepspeed_config(cfg, plan) -> dict:
         "gradient_clipping": cfg.train.grad_clip if ds_clips else 0.0,
         "zero_optimization": {"stage": cfg.zero.stage},
         "bf16": {"enabled": cfg.train.dtype == DType.bf16},
+        # bf16 with ZeRO-1: accumulate micro-batch gradients in fp32 (DeepSpeed allows this mix only with
+        # ZeRO-1; with ZeRO 0 its BF16_Optimizer accumulates in bf16 and warns)
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 1
+           else {}),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -1,0 +1,71 @@
+"""``p3d-plan``: memory per GPU and step time of a config, composed exactly as p3d-train composes it.
+
+    p3d-plan mesh=tp8_pp8 model=llama70b cluster.device=h100_sxm cluster.nodes=8
+    p3d-plan model=llama3_405b mesh=auto cluster.device=h100_sxm cluster.nodes=1024 format=json
+    p3d-plan -m mesh=tp2_pp2,tp4_pp2 model=small          # one plan per point
+
+Exit status: 0 a plan was made (whether or not it fits: read ``fits``); 2 a config error, one line,
+before anything else. Never starts a worker; imports neither torch nor deepspeed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from p3d.cli import _with_source, fail, run_hydra, typed_config
+from p3d.config.validate import P3DConfigError
+
+FORMATS = ("text", "json")
+
+
+def plan_task(cfg_node: DictConfig) -> int:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from p3d.plan.report import plan
+
+    try:
+        cfg = typed_config(cfg_node, resolve_auto=False)  # plan() ranks the layouts itself
+        if cfg.format not in FORMATS:
+            raise P3DConfigError(f"format={cfg.format} is not one of {', '.join(FORMATS)}; try format=json")
+        report = plan(cfg)
+    except P3DConfigError as exc:
+        msg = _with_source(str(exc))  # 'mesh.tp=4 (mesh/tp4.yaml) ...', as p3d-train says it
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweep goes on to its next point
+            print(f"p3d: skipped this point, config error: {msg}", file=sys.stderr, flush=True)
+            return 2
+        fail(f"config error: {msg}")
+    text = json.dumps(report.to_json(), indent=2) if cfg.format == "json" else report.render()
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # p3d-plan ... | head
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _quiet_hydra(argv: list[str]) -> list[str]:
+    """Keep Hydra from creating output directories for a command that writes nothing."""
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
+    extra = []
+    if "hydra.output_subdir" not in keys:
+        extra.append("hydra.output_subdir=null")
+    if "hydra.run.dir" not in keys:
+        extra.append("hydra.run.dir=.")
+    if "hydra.sweep.dir" not in keys:
+        extra.append(f"hydra.sweep.dir={Path(tempfile.gettempdir()) / 'p3d-plan'}")
+    return argv + extra
+
+
+def main() -> None:
+    """Console script ``p3d-plan``."""
+    sys.argv = [sys.argv[0]] + _quiet_hydra(sys.argv[1:])
+    run_hydra(plan_task)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Activation memory: predicted bytes per micro batch against what autograd actually keeps on CPU.
+
+Measured independently of the planner: every tensor saved for backward during one forward + loss
+(``torch.autograd.graph.saved_tensors_hooks``), counted once per storage, parameters excluded; with
+full recompute also the inputs DeepSpeed's checkpoint function keeps (``deepspeed_saved_tensors``).
+The issue's target is 10 %; the inventory in p3d.plan.memory is meant to be exact.
+"""
+from __future__ import annotations
+
+import pytest
+
+from p3d.plan.memory import stage_memory
+from p3d.plan.shapes import layout_of
+
+
+def saved_bytes(cfg, checkpoint_blocks: bool = False) -> int:
+    import torch
+
+    from p3d.config.schema import DType
+    from p3d.config.validate import padded_vocab
+    from p3d.model.llama import TransformerBlock
+    from p3d.model.pipe import to_sequential
+
+    m = cfg.model
+    dtype = torch.bfloat16 if cfg.train.dtype == DType.bf16 else torch.float32
+    model = to_sequential(m, padded_vocab(m.vocab_size, 1), cfg.train.seed).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    shape = (cfg.schedule.micro_batch_size, m.seq_len)
+    ids = torch.randint(0, m.vocab_size, shape, generator=gen)
+    labels = torch.randint(0, m.vocab_size, shape, generator=gen)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: dict[int, int] = {}
+
+    def keep(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            held.setdefault(storage.data_ptr(), storage.nbytes())
+
+    def pack(t):
+        keep(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if checkpoint_blocks:  # what DeepSpeed's PipelineModule does with activation_checkpoint_interval=1
+            from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+
+            x = ids
+            for f, layer in zip(model._funcs, model.layers):
+                x = checkpoint(f, x) if isinstance(layer, TransformerBlock) else f(x)
+            loss = model.loss_fn(x, labels)
+        else:
+            loss = model.loss(ids, labels)
+    stack, seen = [loss.grad_fn], set()
+    while stack:  # DeepSpeed's CheckpointFunction keeps its inputs on the node, not through save_for_backward
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for t in getattr(fn, "deepspeed_saved_tensors", None) or ():
+            if torch.is_tensor(t):
+                keep(t)
+        stack.extend(n for n, _ in fn.next_functions)
+    return sum(held.values())
+
+
+CASES = [
+    ("model=tiny", "mesh=single"),
+    ("model=tiny", "mesh=single", "train.dtype=bf16"),  # fp32 norm internals, bf16 elsewhere
+    ("model=tiny", "mesh=single", "schedule=recompute"),  # full recompute: block inputs only
+    ("model=tiny", "mesh=single", "schedule.micro_batch_size=4", "model.n_kv_heads=8"),  # no GQA
+    ("model=small", "mesh=single", "schedule.micro_batch_size=1"),  # seq 1024, vocab 50304, tied
+    ("model=small", "mesh=single", "schedule.micro_batch_size=1", "train.dtype=bf16", "model.seq_len=256"),
+]
+
+
+@pytest.mark.parametrize("overrides", CASES, ids=lambda o: "-".join(x.split("=")[1] for x in o[:1] + o[2:]))
+def test_activation_bytes_per_micro_batch(make_cfg, overrides):
+    cfg = make_cfg(*overrides)
+    (stage,) = stage_memory(cfg, layout_of(cfg))  # pp=1: embedding, every block, norm, head and loss
+    measured = saved_bytes(cfg, checkpoint_blocks=cfg.schedule.recompute.value == "full")
+    assert stage.activation_bytes == pytest.approx(measured, rel=0.10)
+    assert stage.activation_bytes == pytest.approx(measured, rel=1e-9), "the inventory drifted from the model"
+
+
+def test_korthikanti_activation_table(make_cfg):
+    """Korthikanti et al. (2022), Table 2: activation bytes per layer of a GPT block (16-bit, dropout):
+    sbh(34 + 5as/h) with no parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
+    sbh/t (34 + 5as/h) adding sequence parallelism, sbh(10 + 24/t) with selective recompute,
+    34 sbh / t with both, and 2 sbh with full recompute."""
+    from p3d.plan.memory import block_bytes
+    from p3d.plan.shapes import Layout
+
+    s, b, h, a = 2048, 2, 12288, 96
+    base = ["model=gpt_175b", "train.dtype=bf16", "plan.flash_attention=false", f"schedule.micro_batch_size={b}"]
+    for t in (1, 2, 8):
+        lay = Layout(t, 1, 1, b, 1)
+
+        def per_layer(*extra):
+            return block_bytes(make_cfg(*base, *extra), lay)
+
+        assert per_layer() == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+        assert per_layer("schedule.recompute=selective") == pytest.approx(s * b * h * (10 + 24 / t))
+        assert per_layer("schedule.recompute=full") == pytest.approx(2 * s * b * h)
+        if t > 1:
+            assert per_layer("schedule.sequence_parallel=true") == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+            assert per_layer("schedule.sequence_parallel=true", "schedule.recompute=selective") == \
+                pytest.approx(34 * s * b * h / t)
+
+
+def test_interleaved_first_stage_holds_korthikanti_factor():
+    """Korthikanti et al. (2022), Sec. 4.2.3 / Narayanan et al. (2021): with v virtual stages the first
+    stage holds p (1 + (p - 1) / (p v)) micro batches' worth of activations; 1F1B holds p."""
+    from p3d.plan.memory import in_flight
+    from p3d.plan.shapes import Layout
+
+    for p, v in ((4, 2), (8, 4), (16, 8)):
+        assert in_flight(Layout(1, p, 1, 1, 64, 1), 0) == p
+        assert in_flight(Layout(1, p, 1, 1, 64, v), 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+        assert in_flight(Layout(1, p, 1, 1, 64, 1), p - 1) == 1
