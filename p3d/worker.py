@@ -39,12 +39,23 @@ def init_process_group(plan, rank: int, timeout_s: int) -> None:
     deepspeed.init_distributed(dist_backend=plan.backend, timeout=timeout)  # adopts the group made above
 
 
+def rank_env_from_slurm() -> None:
+    """Under ``srun`` (one task per device) take RANK, WORLD_SIZE, LOCAL_RANK from SLURM_*; the
+    recipe sets MASTER_ADDR / MASTER_PORT."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_NPROCS", "1"))
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
 def run(spec_path: str | Path, cfg=None, plan=None) -> None:
     from p3d.config.spec import read_spec
     from p3d.train.trainer import train
 
     if cfg is None:
         cfg, plan = read_spec(spec_path)
+    rank_env_from_slurm()
     rank = int(os.environ["RANK"])
     if int(os.environ.get("WORLD_SIZE", plan.world_size)) != plan.world_size:
         raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the run spec needs {plan.world_size} ranks "
