@@ -1,0 +1,6 @@
+"""Exit statuses of p3d-train and its workers, for scripts and requeueing recipes."""
+
+OK = 0
+WORKER_FAILED = 1  # a worker raised or died; the launcher names the rank
+CONFIG_ERROR = 2  # refused before any worker started; one line names the field and the fix
+PREEMPTED = 75  # (EX_TEMPFAIL) SIGTERM/SIGUSR1: the step finished, a checkpoint was saved; requeue and resume
