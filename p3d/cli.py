@@ -73,6 +73,39 @@ def preflight(cfg) -> None:
                          "or plan.force=true")
 
 
+def check_run(cfg, multirun: bool = False):
+    """What needs the disk and the data, before any worker starts: the checkpoint to resume (``auto``
+    resolved to a directory, checked complete and of this model), a run directory that already holds a
+    run (never overwritten without ``train.resume``), the data (opens, has the text column, has enough
+    tokens), and the W&B group of a sweep."""
+    import dataclasses
+
+    from p3d.data.check import check_data
+    from p3d.train import checkpoint
+
+    run_dir = Path(cfg.run.dir)
+    try:
+        found = checkpoint.find(run_dir, cfg.train.resume)
+        if found is not None:
+            checkpoint.check_compatible(checkpoint.verify(found), cfg, found)
+    except checkpoint.CheckpointError as exc:
+        raise P3DConfigError(str(exc)) from None
+    if cfg.train.resume == "none" and ((run_dir / "metrics.jsonl").exists() or checkpoint.find(run_dir, "auto")):
+        raise P3DConfigError(f"run.dir={run_dir} already holds a run (metrics.jsonl / checkpoints); resume it with "
+                             "train.resume=auto, or choose a new run.dir")
+    try:
+        check_data(cfg.data, cfg.model.seq_len, need_val=cfg.train.eval_every > 0)
+    except (OSError, ValueError, KeyError) as exc:
+        raise P3DConfigError(str(exc).strip("'\"")) from None
+    if found is None and cfg.train.resume == "auto":
+        print(f"p3d: no checkpoint in {checkpoint.root(run_dir)}; starting from step 0", flush=True)
+    train = dataclasses.replace(cfg.train, resume=str(found) if found else "none")
+    logger = cfg.logger
+    if multirun and logger.group is None:
+        logger = dataclasses.replace(logger, group=Path(HydraConfig.get().sweep.dir).name)
+    return dataclasses.replace(cfg, train=train, logger=logger)
+
+
 def _with_source(message: str) -> str:
     """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
     head, _, rest = message.partition(" ")
@@ -105,8 +138,10 @@ def _run_as_worker(cfg, plan) -> int:
     spec = Path(cfg.run.dir) / "run_spec.yaml"
     if int(os.environ["RANK"]) == 0:
         write_spec(cfg, plan, cfg.run.dir)
-    worker.run(spec, cfg, plan)
-    return 0
+    status = worker.run(spec, cfg, plan)
+    if status:
+        sys.exit(status)
+    return status
 
 
 def train_task(cfg_node: DictConfig) -> int:
@@ -115,6 +150,7 @@ def train_task(cfg_node: DictConfig) -> int:
         cfg, plan = prepare(cfg_node)
         if not cfg.dry_run:
             preflight(cfg)
+            cfg = check_run(cfg, multirun)
     except P3DConfigError as exc:
         msg = _with_source(str(exc))
         if multirun:

@@ -49,7 +49,7 @@ def rank_env_from_slurm() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
-def run(spec_path: str | Path, cfg=None, plan=None) -> None:
+def run(spec_path: str | Path, cfg=None, plan=None) -> int:
     from p3d.config.spec import read_spec
     from p3d.train.trainer import train
 
@@ -65,10 +65,11 @@ def run(spec_path: str | Path, cfg=None, plan=None) -> None:
     import torch.distributed as dist
 
     try:
-        train(cfg, plan, Path(spec_path).parent, rank)
+        status = train(cfg, plan, Path(spec_path).parent, rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     # DeepSpeed still calls torch.distributed APIs that torch marks deprecated; say it once per run, not per step.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use.*", category=FutureWarning)
     try:
-        run(argv[0])
+        return run(argv[0])
     except BaseException as exc:  # noqa: BLE001 - every failure must name the rank and end the process
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return 0

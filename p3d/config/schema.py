@@ -47,6 +47,7 @@ class Launcher(Enum):
 class DataSource(Enum):
     stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
     files = "files"  # local text / json / jsonl / parquet files or globs
+    hub = "hub"  # a Hugging Face hub dataset by name (needs network access), streamed
 
 
 @dataclass
@@ -104,22 +105,45 @@ class ClusterConfig:
     intra_node_gbps: Optional[float] = None  # GB/s per device, one direction, inside a node
     inter_node_gbps: Optional[float] = None  # GB/s per device, one direction, across nodes
     timeout_s: int = 300  # a collective that waits longer than this fails instead of hanging
+    # Slurm (launcher=slurm): sbatch options of the job (p3d.dist.slurm); null leaves Slurm's default.
+    partition: Optional[str] = None  # --partition
+    account: Optional[str] = None  # --account
+    qos: Optional[str] = None  # --qos
+    cpus_per_task: Optional[int] = None  # --cpus-per-task: CPUs per rank (one rank per GPU)
+    time: Optional[str] = None  # --time: wall-clock limit, Slurm's format (MM, HH:MM:SS, D-HH:MM:SS)
+    constraint: Optional[str] = None  # --constraint: node features
+    extra_sbatch: list[str] = field(default_factory=list)  # more sbatch options, e.g. ["--exclusive", "--mem=0"]
+    setup: list[str] = field(default_factory=list)  # shell lines the job runs first (module load ..., source ...)
+    job_name: str = "p3d"  # --job-name
+    signal_s: int = 300  # SIGUSR1 this many seconds before the time limit: checkpoint, exit 75, requeue
+    requeue: bool = True  # --requeue; a job whose workers exit 75 (preempted) requeues itself
+    max_requeues: int = 20  # a job requeues itself at most this many times
+    recipe: str = "recipes/slurm/train.sbatch"  # the batch script p3d-train submits (relative: to the repo)
 
 
 @dataclass
 class DataConfig:
     name: str = "stdlib"
     source: DataSource = DataSource.stdlib
-    path: Optional[str] = None  # files: a path or glob (comma-separated for several)
+    path: Optional[str] = None  # files: a path or glob (comma-separated for several); hub: the dataset name
+    subset: Optional[str] = None  # hub: the dataset's config name (e.g. sample-10BT)
+    split: str = "train"  # hub: the split to stream
     format: str = "auto"  # files: text, json, parquet, or auto (from the extension)
     text_column: str = "text"
-    tokenizer: str = "byte"  # "byte", or the path of a HF tokenizer.json
+    tokenizer: str = "byte"  # "byte", or the path of a HF tokenizer.json (see p3d-tokenizer)
+    shuffle_buffer: int = 1024  # windows; 0 keeps the corpus order. Seeded by train.seed and the epoch
+    val_fraction: float = 0.005  # share of documents held out for validation (chosen by a hash of the text)
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"
-    log_every: int = 1
+    name: str = "none"  # none: console + metrics.jsonl; wandb: also Weights & Biases
+    log_every: int = 1  # console line every N steps (metrics.jsonl gets every step)
+    progress: str = "auto"  # auto: a live progress bar when the console is a terminal; bar; lines
+    project: str = "p3d"  # wandb project
+    entity: Optional[str] = None  # wandb entity (team or user)
+    mode: str = "auto"  # wandb: auto (online with an API key, else offline), online, offline
+    group: Optional[str] = None  # wandb group; a -m sweep sets it to the sweep's name
 
 
 @dataclass
@@ -136,6 +160,11 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 turns clipping off
     seed: int = 1234
     dtype: DType = DType.auto
+    eval_every: int = 0  # steps between validation passes; 0: none
+    eval_batches: int = 2  # global batches of held-out data per validation pass
+    save_every: int = 0  # steps between checkpoints (<run.dir>/checkpoints); 0: only on SIGTERM/SIGUSR1 and at the end
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
 
 
 @dataclass

@@ -1,22 +1,40 @@
-"""Documents as a streaming HF ``datasets.IterableDataset``: nothing is materialised in full.
+"""Documents streamed through HF ``datasets`` (``streaming=True``): nothing is materialised in full.
 
 ``stdlib``: Python's standard library English documentation (pydoc topics) and its ``.py`` sources,
-present on every machine with Python, read in a fixed order. ``files``: local text, json/jsonl or
-parquet files and globs through the matching ``datasets`` builder.
+present on every machine with Python, in a fixed order. ``files``: local text, json/jsonl or
+parquet files and globs through the matching ``datasets`` builder, one file after another.
+``hub``: a hub dataset by name (``data.path``, ``data.subset``, ``data.split``); same code path.
+
+A document goes to the validation split when a hash of its text falls below ``data.val_fraction``,
+so the split is the same on every machine and needs no index. A record that cannot be read (bad
+bytes, no text) is skipped, counted and reported; a file that fails mid-way is skipped from there.
 """
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sysconfig
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from p3d.config.schema import DataConfig, DataSource
 
+log = logging.getLogger("p3d.data")
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
             ".parquet": "parquet"}
+
+
+@dataclass
+class DataStats:
+    """Records skipped while streaming (bad bytes, missing or empty text, a file that failed)."""
+
+    skipped_records: int = 0
+    failed_files: int = 0
 
 
 def stdlib_documents() -> Iterator[dict]:
@@ -49,28 +67,73 @@ def file_format(cfg: DataConfig, files: list[str]) -> str:
     suffixes = {Path(f).suffix.lower() for f in files}
     fmts = {_FORMATS.get(s) for s in suffixes}
     if len(fmts) != 1 or None in fmts:
-        raise ValueError(f"data.format=auto cannot tell the format of {sorted(suffixes)}; set data.format=text|json|parquet")
+        raise ValueError(f"data.format=auto cannot tell the format of {sorted(suffixes)}; "
+                         "set data.format=text|json|parquet")
     return fmts.pop()
 
 
-def open_documents(cfg: DataConfig):
-    """A streaming ``datasets.IterableDataset`` of documents with a ``cfg.text_column`` column."""
+def _datasets(cfg: DataConfig):
+    if cfg.source != DataSource.hub:  # local data: no DNS look-ups for the hub
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 
     datasets.logging.disable_progress_bar()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def iter_records(cfg: DataConfig, stats: DataStats | None = None) -> Iterator[dict]:
+    """Raw records of the whole corpus, in its fixed order."""
+    datasets = _datasets(cfg)
+    stats = stats if stats is not None else DataStats()
     if cfg.source == DataSource.stdlib:
-        return datasets.IterableDataset.from_generator(stdlib_documents)
+        yield from datasets.IterableDataset.from_generator(stdlib_documents)
+        return
+    if cfg.source == DataSource.hub:
+        yield from datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True)
+        return
     files = resolve_files(cfg.path or "")
     if not files:
         raise FileNotFoundError(f"data.path={cfg.path} matches no file")
-    return datasets.load_dataset(file_format(cfg, files), data_files=files, split="train", streaming=True)
+    fmt = file_format(cfg, files)
+    extra = {"encoding_errors": "replace"} if fmt == "text" else {}
+    for f in files:
+        n = 0
+        try:
+            for record in datasets.load_dataset(fmt, data_files=[f], split="train", streaming=True, **extra):
+                n += 1
+                if extra and "\ufffd" in record.get("text", ""):  # a line whose bytes were not UTF-8
+                    _skip(stats)
+                    continue
+                yield record
+        except Exception as exc:  # noqa: BLE001 - a broken file must not end the run; it is counted and named
+            stats.failed_files += 1
+            log.warning("skipped %s after %d records: %s", f, n, str(exc).splitlines()[0] if str(exc) else exc)
 
 
-def iter_texts(cfg: DataConfig) -> Iterator[str]:
-    column = cfg.text_column if cfg.source == DataSource.files else "text"
-    for record in open_documents(cfg):
+def _skip(stats: DataStats) -> None:
+    stats.skipped_records += 1
+    if stats.skipped_records in (1, 10, 100, 1000, 10000):
+        log.warning("skipped %d records so far (empty, not text, or not UTF-8)", stats.skipped_records)
+
+
+def in_split(text: str, val_fraction: float, split: str) -> bool:
+    is_val = val_fraction > 0 and zlib.crc32(text.encode("utf-8", "replace")) / 2**32 < val_fraction
+    return is_val == (split == "val")
+
+
+def iter_texts(cfg: DataConfig, split: str = "train", stats: DataStats | None = None) -> Iterator[str]:
+    """Texts of one split. A missing text column is an error; an unreadable record is skipped."""
+    stats = stats if stats is not None else DataStats()
+    column = "text" if cfg.source == DataSource.stdlib else cfg.text_column
+    for record in iter_records(cfg, stats):
         if column not in record:
-            raise KeyError(f"data.text_column={column} is not a column of the data (columns: {sorted(record)})")
+            raise KeyError(f"data.text_column={column} is not a column of the data (columns: {sorted(record)}); "
+                           f"try data.text_column={sorted(record)[0] if record else 'text'}")
         text = record[column]
-        if text:
+        if not isinstance(text, str) or not text:
+            _skip(stats)
+            continue
+        if in_split(text, cfg.val_fraction, split):
             yield text

@@ -3,19 +3,21 @@
 Documents are tokenized, each followed by the end-of-document id, concatenated, and cut into
 windows of seq_len + 1 tokens (inputs = window[:-1], labels = window[1:]); documents cross window
 borders as in standard LM pre-training, and no token is dropped or repeated within an epoch.
-Windows are numbered by a global sample index. Step k consumes samples [k B, (k+1) B) with
-B = global_batch_size; dp rank d takes the d-th contiguous slice of B / dp samples, cut into
-micro batches. Every TP and PP peer of a replica therefore reads the same batch, and the samples
-of a step do not depend on the mesh.
+Training windows pass a shuffle buffer seeded by (train.seed, epoch), then are numbered by a
+global sample index: step k consumes samples [k B, (k+1) B) with B = global_batch_size, and dp rank
+d takes the d-th contiguous slice of B / dp of them. So every TP and PP peer of a replica reads the
+same batch, the samples of a step do not depend on the mesh, and the data position of a run is
+one number (steps done x B): a resumed run skips exactly that many samples.
 """
 from __future__ import annotations
 
+import random
 from itertools import islice
 from typing import Iterable, Iterator
 
 import torch
 
-from p3d.data.corpus import iter_texts
+from p3d.data.corpus import DataStats, iter_texts
 from p3d.data.tokenizer import load_tokenizer
 
 
@@ -29,33 +31,67 @@ def pack(token_docs: Iterable[list[int]], window: int, eos_id: int) -> Iterator[
             del buf[:window]
 
 
-def sample_stream(data_cfg, seq_len: int) -> Iterator[torch.Tensor]:
-    """Windows (seq_len + 1,) in global sample order, epoch after epoch."""
+def shuffled(items: Iterable, buffer: int, rng: random.Random) -> Iterator:
+    """A deterministic streaming shuffle: each item leaves a buffer of ``buffer`` items at random."""
+    pool = []
+    for item in items:
+        if len(pool) < buffer:
+            pool.append(item)
+            continue
+        j = rng.randrange(buffer)
+        pool[j], item = item, pool[j]
+        yield item
+    rng.shuffle(pool)
+    yield from pool
+
+
+def sample_stream(data_cfg, seq_len: int, seed: int, split: str = "train", start: int = 0,
+                  stats: DataStats | None = None) -> Iterator[torch.Tensor]:
+    """Windows (seq_len + 1,) in global sample order from sample index ``start``, epoch after epoch."""
     tok = load_tokenizer(data_cfg.tokenizer)
-    epoch_samples = 0
-    while True:
-        n = 0
-        for w in pack((tok.encode(t) for t in iter_texts(data_cfg)), seq_len + 1, tok.eos_id):
-            n += 1
-            yield torch.tensor(w, dtype=torch.long)
-        if n == 0:
-            raise ValueError(f"the data ({data_cfg.source.value} {data_cfg.path or ''}) holds fewer than "
-                             f"model.seq_len+1={seq_len + 1} tokens")
-        epoch_samples = n
+
+    def epochs():
+        epoch = 0
+        while True:
+            windows = pack((tok.encode(t) for t in iter_texts(data_cfg, split, stats)), seq_len + 1, tok.eos_id)
+            if split == "train" and data_cfg.shuffle_buffer > 0:
+                windows = shuffled(windows, data_cfg.shuffle_buffer, random.Random(f"{seed}/{epoch}"))
+            n = 0
+            for w in windows:
+                n += 1
+                yield w
+            if n == 0:
+                raise ValueError(f"the {split} split of the data ({data_cfg.source.value} {data_cfg.path or ''}) holds "
+                                 f"fewer than model.seq_len+1={seq_len + 1} tokens")
+            epoch += 1
+
+    return (torch.tensor(w, dtype=torch.long) for w in islice(epochs(), start, None))
 
 
-def global_batches(data_cfg, seq_len: int, global_batch_size: int) -> Iterator[torch.Tensor]:
-    """(B, seq_len + 1) per optimizer step: what the single-process reference trains on."""
-    stream = sample_stream(data_cfg, seq_len)
+def global_batches(data_cfg, seq_len: int, global_batch_size: int, seed: int, start_step: int = 0,
+                   split: str = "train", stats: DataStats | None = None) -> Iterator[torch.Tensor]:
+    """(B, seq_len + 1) per optimizer step from step ``start_step``: what the single-process reference
+    trains on."""
+    stream = sample_stream(data_cfg, seq_len, seed, split, start_step * global_batch_size, stats)
     while True:
         yield torch.stack(list(islice(stream, global_batch_size)))
 
 
-def micro_batches(data_cfg, seq_len: int, global_batch_size: int, micro_batch_size: int, dp: int,
-                  dp_rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def rank_slice(batch: torch.Tensor, micro_batch_size: int, dp: int, dp_rank: int):
+    """(inputs, labels) micro batches of one global batch for dp rank ``dp_rank``."""
+    per_rank = batch.shape[0] // dp
+    mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    for chunk in mine.split(micro_batch_size):
+        yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def micro_batches(data_cfg, seq_len: int, global_batch_size: int, micro_batch_size: int, dp: int, dp_rank: int,
+                  seed: int, start_step: int = 0, stats: DataStats | None = None):
     """(inputs, labels), each (micro_batch_size, seq_len): this replica's micro batches, step after step."""
-    per_rank = global_batch_size // dp
-    for batch in global_batches(data_cfg, seq_len, global_batch_size):
-        mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        for chunk in mine.split(micro_batch_size):
-            yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+    for batch in global_batches(data_cfg, seq_len, global_batch_size, seed, start_step, stats=stats):
+        yield from rank_slice(batch, micro_batch_size, dp, dp_rank)
+
+
+def validation_batches(data_cfg, seq_len: int, global_batch_size: int, n_batches: int) -> list[torch.Tensor]:
+    """The first ``n_batches`` global batches of the held-out split: the same set at every evaluation."""
+    return list(islice(global_batches(data_cfg, seq_len, global_batch_size, seed=0, split="val"), n_batches))

@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+from p3d import exit_codes
 from p3d.dist.mesh import Mesh
 
 POLL_S = 0.1
@@ -29,14 +30,19 @@ def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
                P3D_INIT_METHOD=f"file://{store}", PYTHONUNBUFFERED="1")
     if plan.backend == "gloo":
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    if sys.stdout.isatty():
+        env["P3D_TTY"] = "1"  # the logging rank may draw a progress bar
     return env
 
 
 def _pump(pipe, log, console) -> None:
-    for line in iter(pipe.readline, b""):
-        log.write(line)
+    """Copy the logging rank's output to its log and the console as it comes (a progress bar's
+    carriage returns included)."""
+    fd = pipe.fileno()
+    while chunk := os.read(fd, 65536):
+        log.write(chunk)
         log.flush()
-        console.write(line.decode(errors="replace"))
+        console.write(chunk.decode(errors="replace"))
         console.flush()
 
 
@@ -89,7 +95,8 @@ def describe_exit(rc: int) -> str:
 
 
 def launch_local(spec_path: Path, plan, console=None) -> int:
-    """Run the workers to completion; returns 0, or 1 naming the first failed rank."""
+    """Run the workers to completion. Returns 0; PREEMPTED when they stopped on SIGTERM / SIGUSR1
+    (forwarded to them) after saving a checkpoint; or 1 naming the first failed rank."""
     console = console or sys.stdout
     run_dir = spec_path.parent
     logs = run_dir / "logs"
@@ -105,7 +112,7 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
             if p.poll() is None:
                 os.killpg(p.pid, signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         for rank in range(plan.world_size):
             log = open(logs / f"rank{rank}.log", "wb")
@@ -118,15 +125,17 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
                 t = threading.Thread(target=_pump, args=(p.stdout, log, console), daemon=True)
                 t.start()
                 pumps.append(t)
+        ok = (exit_codes.OK, exit_codes.PREEMPTED)
         while True:
-            failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
+            failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, *ok)]
             if failed:
                 rank, rc = _first_cause(failed, logs)
                 break
-            if all(p.returncode == 0 for p in procs.values()):
+            if all(p.returncode in ok for p in procs.values()):
                 for t in pumps:
                     t.join(timeout=5)
-                return 0
+                preempted = any(p.returncode == exit_codes.PREEMPTED for p in procs.values())
+                return exit_codes.PREEMPTED if preempted else exit_codes.OK
             time.sleep(POLL_S)
         others = sum(1 for p in procs.values() if p.poll() is None)
         _stop(procs)

@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         padded = list(padded_rows or out_features)  # rows after padding (vocab), a multiple of tp
         if any(o % tp for o in padded):
             raise ValueError(f"out_features {padded} not divisible by tp={tp}")
-        self.local_out = [o // tp for o in padded]
+        self.tp, self.real_out, self.local_out = tp, list(out_features), [o // tp for o in padded]
 
         def make():
             shards = []
@@ -74,6 +74,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight)  # (b, s, sum(out)/tp)
+
+    def shard_spec(self) -> dict:
+        """How the full weight is cut: rows of each fused block (before padding) split over tp."""
+        return {"kind": "rows", "blocks": list(self.real_out), "padded": [o * self.tp for o in self.local_out]}
 
     def split_output(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.local_out, dim=-1)
@@ -98,6 +102,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(F.linear(x, self.weight), self.group)  # (b, s, out)
+
+    def shard_spec(self) -> dict:
+        return {"kind": "cols"}
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -129,6 +136,9 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
+
+    def shard_spec(self) -> dict:
+        return {"kind": "rows", "blocks": [self.vocab_size], "padded": [self.rows * self.tp]}
 
     @property
     def padding_numel(self) -> int:

@@ -21,7 +21,7 @@ def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
     model = to_sequential(cfg.model, padded_vocab(cfg.model.vocab_size, 1), cfg.train.seed)
     opt, sched = build_optimizer(model, cfg.train)
-    batches = batches or global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size)
+    batches = batches or global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.seed)
     mbs = cfg.schedule.micro_batch_size
     out = []
     for step in range(1, (steps or cfg.train.steps) + 1):

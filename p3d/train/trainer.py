@@ -1,18 +1,26 @@
-"""One worker's training run: mesh, pipeline model, DeepSpeed engine, data, the step loop."""
+"""One worker's training run: mesh, pipeline model, DeepSpeed engine, data, the step loop,
+validation, checkpoints, and a clean stop on SIGTERM / SIGUSR1 (what Slurm sends before a time
+limit or preemption): finish the step, save, exit with p3d.exit_codes.PREEMPTED."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from p3d import exit_codes
 from p3d.config.schema import DType, Recompute
-from p3d.data.loader import micro_batches
+from p3d.data.corpus import DataStats
+from p3d.data.loader import micro_batches, rank_slice, validation_batches
 from p3d.dist.mesh import Mesh
-from p3d.metrics import MetricsLogger
+from p3d.metrics import MetricsLogger, peak_memory_gb
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
+from p3d.train import checkpoint
 from p3d.train.optim import build_optimizer
+from p3d.train.timing import StageTimer, theoretical_bubble
 
 DS_CONFIG_NAME = "deepspeed_config.json"
 
@@ -49,10 +57,43 @@ def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
     )
 
 
-def train(cfg, plan, run_dir: str | Path, rank: int) -> None:
+class Stopper:
+    """Remembers a SIGTERM / SIGUSR1; the loop stops after the step in flight, on every rank at once."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.signum = signum
+
+
+def step_stats(stopper: Stopper, wait_share: float, device) -> tuple[bool, float, float]:
+    """(stop, mean bubble, max peak memory) over all ranks: one small all-gather per step."""
+    mine = torch.tensor([float(stopper.signum), wait_share, peak_memory_gb()], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    every = torch.stack(parts).cpu()
+    return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max())
+
+
+def evaluate(engine, val_batches, cfg, plan, mesh) -> float:
+    """Mean loss over the fixed held-out batches (forward only, the same 1F1B stage order)."""
+    losses = []
+    for batch in val_batches:
+        it = rank_slice(batch, cfg.schedule.micro_batch_size, plan.dp, mesh.dp_rank) if batch is not None else None
+        losses.append(float(engine.eval_batch(data_iter=it)))
+    engine.module.train()
+    return sum(losses) / len(losses)
+
+
+def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
+    """Returns p3d.exit_codes.OK, or PREEMPTED after a signal-triggered checkpoint."""
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    run_dir = Path(run_dir)
     mesh = Mesh.from_plan(plan, rank).with_groups()
     torch.manual_seed(cfg.train.seed)
     module = build_pipeline(cfg, plan, mesh)  # fp32; DeepSpeed casts to bf16 when the config asks
@@ -60,22 +101,58 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> None:
     optimizer, scheduler = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, plan))
-    data = None
-    if mesh.is_first_stage or mesh.is_last_stage:
-        data = micro_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size,
-                             cfg.schedule.micro_batch_size, plan.dp, mesh.dp_rank)
-    metrics = MetricsLogger(run_dir, cfg, plan) if rank == plan.logging_rank else None
-    if metrics:
-        print(f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
-              f"{plan.micro_batches} micro batches of {cfg.schedule.micro_batch_size} x {cfg.model.seq_len} "
-              f"per replica, {cfg.train.steps} steps", flush=True)
-    for step in range(1, cfg.train.steps + 1):
+    timer = StageTimer(engine)
+    device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
+    start_step = 0
+    if cfg.train.resume != "none":
+        meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, scheduler)
+        start_step = meta["step"]
+        engine.global_steps, engine.global_samples = start_step, meta["samples"]
+    stats = DataStats()
+    reads_data = mesh.is_first_stage or mesh.is_last_stage
+    s = cfg.schedule
+    data = micro_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, s.micro_batch_size, plan.dp, mesh.dp_rank,
+                         cfg.train.seed, start_step, stats) if reads_data else None
+    val = []
+    if cfg.train.eval_every > 0:
+        val = validation_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, cfg.train.eval_batches) \
+            if reads_data else [None] * cfg.train.eval_batches
+    stopper = Stopper()
+    metrics = None
+    if rank == plan.logging_rank:
+        from p3d.config.spec import spec_dict
+
+        metrics = MetricsLogger(run_dir, cfg, plan, start_step, spec=spec_dict(cfg, plan))
+        resumed = f", resumed from step {start_step}" if start_step else ""
+        metrics.print(f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
+                      f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
+                      f"{cfg.train.steps} steps{resumed}")
+    bubble_theory = theoretical_bubble(plan.pp, plan.micro_batches)
+    status = exit_codes.OK
+    for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
+        stop, bubble, mem = step_stats(stopper, timer.take() / step_time, device)
+        extra = {}
+        if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+            extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
         if metrics:
-            grad_norm = engine.get_global_grad_norm()
-            metrics.log(step, loss=float(loss), lr=float(lr), grad_norm=float(grad_norm), step_time_s=step_time)
+            metrics.log(step, loss=float(loss), lr=float(lr), grad_norm=float(engine.get_global_grad_norm()),
+                        step_time_s=step_time, samples=step * s.global_batch_size, bubble=bubble,
+                        bubble_theory=bubble_theory, peak_mem_gb=mem, **extra)
+        every = cfg.train.save_every
+        if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
+            path = checkpoint.save(engine, module, mesh, cfg, plan, run_dir, step, step * s.global_batch_size,
+                                   scheduler, {"skipped_records": stats.skipped_records})
+            if metrics:
+                metrics.print(f"saved checkpoint {path}" + (" after a stop signal" if stop else ""))
+        if stop:
+            status = exit_codes.PREEMPTED
+            break
     if metrics:
+        if stats.skipped_records or stats.failed_files:
+            metrics.print(f"data: skipped {stats.skipped_records} unreadable records and {stats.failed_files} files")
         metrics.close()
+    return status

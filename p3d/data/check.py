@@ -1,0 +1,41 @@
+"""Open the data before any worker starts, so that bad input is one clear error, not a traceback
+from deep inside a worker: the path matches files, the format is known, the text column exists,
+and the train (and, with evaluation, the validation) split holds at least one window of tokens."""
+from __future__ import annotations
+
+from itertools import islice
+
+from p3d.config.schema import DataConfig, DataSource
+from p3d.data.corpus import file_format, iter_texts, resolve_files
+from p3d.data.tokenizer import load_tokenizer
+
+MAX_DOCS = 20000  # how far to look for a first validation window before giving up
+
+
+def check_data(cfg: DataConfig, seq_len: int, need_val: bool = False) -> None:
+    if cfg.source == DataSource.files:
+        files = resolve_files(cfg.path or "")
+        if not files:
+            raise FileNotFoundError(f"data.path={cfg.path} matches no file; check the path or glob")
+        file_format(cfg, files)
+    elif cfg.source == DataSource.hub and not cfg.path:
+        raise ValueError("data.path is not set for data.source=hub; try data.path=HuggingFaceFW/fineweb-edu")
+    tok = load_tokenizer(cfg.tokenizer)
+    for split in ("train", "val") if need_val else ("train",):
+        try:
+            tokens = 0
+            for text in islice(iter_texts(cfg, split), MAX_DOCS):
+                tokens += len(tok.encode(text)) + 1
+                if tokens > seq_len:
+                    break
+        except (KeyError, FileNotFoundError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the datasets library raises many kinds; say which input failed
+            raise ValueError(f"cannot read data.path={cfg.path} ({cfg.source.value}): "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        if tokens <= seq_len:
+            where = f"data.path={cfg.path}" if cfg.path else f"data.source={cfg.source.value}"
+            fix = ("raise data.val_fraction or set train.eval_every=0" if split == "val"
+                   else "point data.path at more text or lower model.seq_len")
+            raise ValueError(f"the {split} split of {where} holds {tokens} tokens, fewer than one window of "
+                             f"model.seq_len+1={seq_len + 1}; {fix}")
