@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -171,6 +172,10 @@ def train_task(cfg_node: DictConfig) -> int:
 
     spec = write_spec(cfg, plan, cfg.run.dir)
     (spec.parent / DS_CONFIG_NAME).write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")
+    if cfg.cluster.launcher.value == "slurm":
+        from p3d.dist.slurm import dispatch
+
+        return dispatch(cfg, plan, spec, multirun)
     print(f"p3d: run dir {spec.parent}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
           f"starting {plan.world_size} workers ({plan.backend}); logs in {spec.parent / 'logs'}", flush=True)
     rc = launch_local(spec, plan)
@@ -181,9 +186,19 @@ def train_task(cfg_node: DictConfig) -> int:
     return rc
 
 
-def run_hydra(task) -> None:
+def _no_hydra_outputs(argv: list[str], name: str) -> list[str]:
+    """Keep Hydra from creating output directories for a command that writes no run."""
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
+    defaults = {"hydra.output_subdir": "null", "hydra.run.dir": ".",
+                "hydra.sweep.dir": str(Path(tempfile.gettempdir()) / name)}
+    return argv + [f"{k}={v}" for k, v in defaults.items() if k not in keys]
+
+
+def run_hydra(task, writes_outputs: bool = True) -> None:
     """Compose with Hydra and run ``task``; a config Hydra cannot compose (unknown group option,
     bad override, wrong type) exits 2, like every other config error."""
+    if not writes_outputs:
+        sys.argv = [sys.argv[0]] + _no_hydra_outputs(sys.argv[1:], Path(sys.argv[0]).name)
     started = []
 
     def task_started(cfg_node: DictConfig):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import secrets
 import sys
 from pathlib import Path
 
@@ -39,14 +40,14 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 class WandbSink:
     """W&B run on the logging rank: online with an API key, else offline files under run.dir (``wandb sync``)."""
 
-    def __init__(self, run_dir: Path, cfg, spec: dict, start_step: int):
+    def __init__(self, run_dir: Path, cfg, spec: dict):
         import wandb
 
         mode = cfg.logger.mode
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb() else "offline"
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)  # resume: same W&B run
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
                               name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), mode=mode,
@@ -81,7 +82,7 @@ class MetricsLogger:
         self._file = open(self.path, "w", buffering=1)
         for r in kept:
             self._file.write(json.dumps(r) + "\n")
-        self.wandb = WandbSink(self.run_dir, cfg, spec or {}, start_step) if cfg.logger.name == "wandb" else None
+        self.wandb = WandbSink(self.run_dir, cfg, spec or {}) if cfg.logger.name == "wandb" else None
         progress = cfg.logger.progress
         self.bar = None
         if progress == "bar" or (progress == "auto" and os.environ.get("P3D_TTY") == "1"):

@@ -65,3 +65,69 @@ def test_bad_data_input_is_named(tmp_path):
         list(iter_texts(DataConfig(source=DataSource.files, path=str(tmp_path / "a.jsonl"))))
     with pytest.raises(FileNotFoundError, match="matches no file"):
         list(iter_texts(DataConfig(source=DataSource.files, path=str(tmp_path / "missing*.jsonl"))))
+
+
+def test_parquet_streams(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["alpha doc", "beta doc"], "id": [1, 2]}), tmp_path / "p.parquet")
+    cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "*.parquet"), text_column="content", val_fraction=0)
+    assert list(iter_texts(cfg)) == ["alpha doc", "beta doc"]
+
+
+def test_undecodable_lines_are_skipped_and_counted(tmp_path):
+    from p3d.data.corpus import DataStats
+
+    (tmp_path / "t.txt").write_bytes(b"good line\n\xff\xfe bad bytes\nanother good\n")
+    stats = DataStats()
+    cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "t.txt"), val_fraction=0)
+    assert list(iter_texts(cfg, stats=stats)) == ["good line", "another good"]
+    assert stats.skipped_records == 1
+
+
+def test_validation_split_is_disjoint_and_stable():
+    cfg = DataConfig()
+    val = list(islice(iter_texts(cfg, "val"), 5))
+    train = set(islice(iter_texts(cfg, "train"), 3000))
+    assert val and not set(val) & train
+    assert val == list(islice(iter_texts(cfg, "val"), 5))
+
+
+def test_resumed_stream_continues_with_the_next_samples():
+    """The data position is steps x global batch: a stream started at step k is the tail of one from 0."""
+    cfg = DataConfig()
+    full = list(islice(global_batches(cfg, 32, 4, seed=5), 6))
+    tail = list(islice(global_batches(cfg, 32, 4, seed=5, start_step=3), 3))
+    for a, b in zip(full[3:], tail):
+        assert torch.equal(a, b)
+    other_seed = next(global_batches(cfg, 32, 4, seed=6))
+    assert not torch.equal(full[0], other_seed)  # the shuffle depends on train.seed
+
+
+def test_epochs_repeat_a_small_corpus(tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": "x" * 40}) for _ in range(3)))
+    cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "a.jsonl"), val_fraction=0, shuffle_buffer=0)
+    batches = list(islice(global_batches(cfg, 15, 2, seed=0), 6))  # 123 tokens = 7 windows of 16 per epoch
+    assert len(batches) == 6 and all(b.shape == (2, 16) for b in batches)
+
+
+@pytest.mark.parametrize("setup,overrides,needle", [
+    (None, ["data=files", "data.path={tmp}/missing*.jsonl"], "matches no file"),
+    ("empty", ["data=files", "data.path={tmp}/empty.jsonl"], "holds 0 tokens"),
+    ("column", ["data=files", "data.path={tmp}/col.jsonl"], "is not a column of the data (columns: ['body']); try data.text_column=body"),
+    ("column", ["data=files", "data.path={tmp}/col.jsonl", "data.format=xml"], "data.format=xml (command line) is not one of auto, csv"),
+    (None, ["data=files", "data.path={tmp}/a.csv"], "data.path"),
+    (None, ["data.source=hub", "data.path=no-such-org/no-such-dataset"], "cannot read data.path=no-such-org"),
+])
+def test_bad_data_is_one_line_before_any_worker(tmp_path, setup, overrides, needle):
+    from tests.conftest import p3d_train
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "col.jsonl").write_text(json.dumps({"body": "hello " * 50}))
+    args = [o.format(tmp=tmp_path) for o in overrides]
+    result = p3d_train(f"run.dir={tmp_path / 'run'}", *args, timeout=90, env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2, result.stdout[-1500:] + result.stderr[-1500:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert not (tmp_path / "run" / "logs").exists()

@@ -174,6 +174,16 @@ class RunConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    """What ``p3d-tokenizer`` trains: a byte-level BPE on the ``data`` group's train split."""
+
+    vocab_size: int = 8192  # including the end-of-text token
+    out: str = "tokenizer.json"  # where tokenizer.json is written
+    max_documents: Optional[int] = None  # train on the first N documents only
+    min_frequency: int = 2  # a merge must occur at least this often
+
+
+@dataclass
 class PlanConfig:
     """Options of the analytic planner (p3d-plan, and the pre-flight check of p3d-train)."""
 
@@ -199,6 +209,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     dry_run: bool = False
     format: str = "text"  # p3d-plan output: text or json
 

@@ -3,6 +3,7 @@ from deep inside a worker: the path matches files, the format is known, the text
 and the train (and, with evaluation, the validation) split holds at least one window of tokens."""
 from __future__ import annotations
 
+import logging
 from itertools import islice
 
 from p3d.config.schema import DataConfig, DataSource
@@ -13,6 +14,18 @@ MAX_DOCS = 20000  # how far to look for a first validation window before giving 
 
 
 def check_data(cfg: DataConfig, seq_len: int, need_val: bool = False) -> None:
+    """Raises FileNotFoundError / KeyError / ValueError with one line naming the field and the fix.
+    Warnings about single records are left to the workers, which count them."""
+    quiet = logging.getLogger("p3d.data")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        _check(cfg, seq_len, need_val)
+    finally:
+        quiet.setLevel(level)
+
+
+def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
     if cfg.source == DataSource.files:
         files = resolve_files(cfg.path or "")
         if not files:

@@ -26,7 +26,7 @@ log = logging.getLogger("p3d.data")
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-            ".parquet": "parquet"}
+            ".parquet": "parquet", ".csv": "csv"}
 
 
 @dataclass
@@ -48,9 +48,11 @@ def stdlib_documents() -> Iterator[dict]:
         if _SKIP_DIRS.intersection(path.relative_to(root).parts):
             continue
         try:
-            yield {"text": path.read_text(encoding="utf-8")}
+            text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # a handful of stdlib test fixtures are not UTF-8 on purpose
+        if text.strip():  # many __init__.py files are empty
+            yield {"text": text}
 
 
 def resolve_files(path: str) -> list[str]:
@@ -63,12 +65,15 @@ def resolve_files(path: str) -> list[str]:
 
 def file_format(cfg: DataConfig, files: list[str]) -> str:
     if cfg.format != "auto":
+        if cfg.format not in set(_FORMATS.values()):
+            raise ValueError(f"data.format={cfg.format} is not one of auto, {', '.join(sorted(set(_FORMATS.values())))}; "
+                             "try data.format=auto")
         return cfg.format
     suffixes = {Path(f).suffix.lower() for f in files}
     fmts = {_FORMATS.get(s) for s in suffixes}
     if len(fmts) != 1 or None in fmts:
         raise ValueError(f"data.format=auto cannot tell the format of {sorted(suffixes)}; "
-                         "set data.format=text|json|parquet")
+                         "set data.format=text|json|parquet|csv")
     return fmts.pop()
 
 
@@ -107,15 +112,18 @@ def iter_records(cfg: DataConfig, stats: DataStats | None = None) -> Iterator[di
                     _skip(stats)
                     continue
                 yield record
+        except StopIteration:  # datasets raises it for an empty json file: no records, not an error
+            continue
         except Exception as exc:  # noqa: BLE001 - a broken file must not end the run; it is counted and named
             stats.failed_files += 1
-            log.warning("skipped %s after %d records: %s", f, n, str(exc).splitlines()[0] if str(exc) else exc)
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.warning("p3d data: skipped the rest of %s after %d records: %s", f, n, why)
 
 
 def _skip(stats: DataStats) -> None:
     stats.skipped_records += 1
     if stats.skipped_records in (1, 10, 100, 1000, 10000):
-        log.warning("skipped %d records so far (empty, not text, or not UTF-8)", stats.skipped_records)
+        log.warning("p3d data: skipped %d records so far (empty, not text, or not UTF-8)", stats.skipped_records)
 
 
 def in_split(text: str, val_fraction: float, split: str) -> bool:

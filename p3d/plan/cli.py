@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -48,23 +46,9 @@ def plan_task(cfg_node: DictConfig) -> int:
     return 0
 
 
-def _quiet_hydra(argv: list[str]) -> list[str]:
-    """Keep Hydra from creating output directories for a command that writes nothing."""
-    keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
-    extra = []
-    if "hydra.output_subdir" not in keys:
-        extra.append("hydra.output_subdir=null")
-    if "hydra.run.dir" not in keys:
-        extra.append("hydra.run.dir=.")
-    if "hydra.sweep.dir" not in keys:
-        extra.append(f"hydra.sweep.dir={Path(tempfile.gettempdir()) / 'p3d-plan'}")
-    return argv + extra
-
-
 def main() -> None:
     """Console script ``p3d-plan``."""
-    sys.argv = [sys.argv[0]] + _quiet_hydra(sys.argv[1:])
-    run_hydra(plan_task)
+    run_hydra(plan_task, writes_outputs=False)
 
 
 if __name__ == "__main__":

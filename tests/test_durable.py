@@ -1,0 +1,179 @@
+"""Durable runs: exact resume after an interruption, atomic saves, and clear refusals of bad checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p3d import exit_codes
+from p3d.metrics import read_metrics
+from p3d.train import checkpoint
+from tests.conftest import ROOT, p3d_train
+
+STEPS = 10
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    pytest.fail("training did not reach the expected step")
+
+
+def _assert_same_curve(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, STEPS + 1))
+    for x, y in zip(a, b):
+        assert y["samples"] == x["samples"], x["step"]  # the same data position at every step
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6, abs=0), x["step"]
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6, abs=0), x["step"]
+        assert y["lr"] == pytest.approx(x["lr"], rel=1e-12), x["step"]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("zero", ["stage0", "stage1"])
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run(zero, tmp_path):
+    """2N steps straight vs. a run stopped by SIGTERM (what Slurm sends) and resumed: same per-step losses."""
+    common = (f"train.steps={STEPS}", "train.warmup_steps=3", "mesh=dp2_pp2_tp2", f"zero={zero}")
+    straight = p3d_train(f"run.dir={tmp_path / 'a'}", *common)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+
+    run = tmp_path / "b"
+    proc = _start(run, *common)
+    _wait_for_steps(run, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == exit_codes.PREEMPTED, out[-3000:]
+    stopped = checkpoint.find(run, "auto")
+    assert stopped is not None and "after a stop signal" in out
+    stopped_at = json.loads((stopped / "meta.json").read_text())["step"]
+    assert 3 <= stopped_at < STEPS
+
+    resumed = p3d_train(f"run.dir={run}", *common, "train.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from step {stopped_at}" in resumed.stdout
+    _assert_same_curve(read_metrics(tmp_path / "a"), read_metrics(run))
+
+
+def _worker_pids(run_dir: Path) -> list[int]:
+    from tests.test_cli import _worker_pids as pids
+
+    return list(pids(run_dir).values())
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "train.steps=200", "train.save_every=1", "train.keep_last=3", "mesh=tp2_pp2")
+    caught = None
+    end = time.monotonic() + 150
+    try:
+        _wait_for_steps(run, 2, proc)
+        pids = _worker_pids(run)
+        ckpts = run / "checkpoints"
+        while time.monotonic() < end and caught is None:
+            partial = list(ckpts.glob(".step_*.tmp"))
+            if partial and (ckpts / "latest").exists():
+                for pid in pids:  # freeze everyone mid-save, then look
+                    os.kill(pid, signal.SIGSTOP)
+                if any(p.exists() for p in partial):
+                    caught = partial[0]
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                if caught is None:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+            time.sleep(0.002)
+    finally:
+        proc.kill()
+        proc.communicate()
+        for pid in _worker_pids(run):
+            os.kill(pid, signal.SIGKILL)
+    assert caught is not None, "never caught a save in progress"
+    found = checkpoint.find(run, "auto")
+    meta = checkpoint.verify(found)  # complete, every file at its recorded size
+    assert meta["step"] < int(caught.name[len(".step_"):-len(".tmp")])  # the one before the interrupted save
+    (run / "metrics.jsonl").unlink(missing_ok=True)
+    resumed = p3d_train(f"run.dir={run}", f"train.steps={meta['step'] + 2}", "mesh=tp2_pp2", "train.resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run)] == [meta["step"] + 1, meta["step"] + 2]
+    assert not list((run / "checkpoints").glob(".step_*.tmp"))  # the next save swept the debris
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("saved") / "run"
+    result = p3d_train(f"run.dir={run}", "train.steps=2", "mesh=tp2_pp2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    return run
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncate", "is truncated"),
+    ("delete", "is missing"),
+])
+def test_a_damaged_checkpoint_is_refused_before_any_worker(saved_run, tmp_path, damage, needle):
+    run = _copy(saved_run, tmp_path)
+    shard = checkpoint.step_dir(run, 2) / "optim" / "pp1_tp0.pt"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        shard.unlink()
+    result = p3d_train(f"run.dir={run}", "train.steps=4", "mesh=tp2_pp2", "train.resume=auto", timeout=60)
+    assert result.returncode == exit_codes.CONFIG_ERROR
+    assert f"checkpoint file {shard} {needle}" in result.stderr
+
+
+def test_a_corrupt_checkpoint_file_is_named_by_the_worker(saved_run, tmp_path):
+    run = _copy(saved_run, tmp_path)
+    shard = checkpoint.step_dir(run, 2) / "model" / "pp0_tp1.pt"
+    shard.write_bytes(b"\0" * shard.stat().st_size)  # right size, garbage inside
+    result = p3d_train(f"run.dir={run}", "train.steps=4", "mesh=tp2_pp2", "train.resume=auto", timeout=120)
+    assert result.returncode == exit_codes.WORKER_FAILED
+    assert f"checkpoint file {shard} cannot be read" in result.stdout
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.n_layers=6"], "holds another model: model.n_layers=4 there, 6 here; resume with model.n_layers=4"),
+    (["mesh=pp2"], "was saved with mesh.tp=2 mesh.pp=2"),
+    (["data.tokenizer=/nonexistent.json"], "data.tokenizer=/nonexistent.json"),
+    (["train.resume=/nonexistent/step_1"], "no complete checkpoint there"),
+    (["train.resume=none"], "already holds a run"),
+])
+def test_an_incompatible_resume_is_refused(saved_run, tmp_path, overrides, needle):
+    run = _copy(saved_run, tmp_path)
+    args = [f"run.dir={run}", "train.steps=4", "mesh=tp2_pp2", "train.resume=auto", *overrides]
+    result = p3d_train(*args, timeout=60)
+    assert result.returncode == exit_codes.CONFIG_ERROR, result.stdout[-1000:]
+    assert needle in result.stderr
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]  # nothing already written is lost
+
+
+def test_resume_from_a_named_checkpoint_under_another_dp(saved_run, tmp_path):
+    run = _copy(saved_run, tmp_path)
+    target = checkpoint.step_dir(run, 2)
+    result = p3d_train(f"run.dir={run}", "train.steps=3", "mesh=dp2_pp2_tp2", f"train.resume={target}", timeout=200)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
