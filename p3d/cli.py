@@ -46,11 +46,36 @@ def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
         cfg = fill_cluster(to_config(cfg_node))
     except OmegaConfBaseException as exc:
         raise P3DConfigError(str(exc).splitlines()[0]) from None
+    if cfg.model.init_from:
+        cfg = with_hf_shape(cfg)
     if cfg.mesh.name == "auto" and resolve_auto:
         from p3d.plan import apply_layout, best_layout
 
         cfg = apply_layout(cfg, best_layout(cfg))
     return cfg
+
+
+def with_hf_shape(cfg):
+    """``model.init_from``: the model shape comes from the HF config.json; a field also set on the
+    command line must agree with it."""
+    import dataclasses
+
+    from p3d.hf import HFImportError, SafetensorsDir, model_fields, read_config
+
+    where = cfg.model.init_from
+    try:
+        fields = model_fields(read_config(where), where)
+        SafetensorsDir(where)  # every shard present
+    except HFImportError as exc:
+        raise P3DConfigError(str(exc)) from None
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    for key, value in fields.items():
+        given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"model.{key}=")]
+        if given and str(getattr(cfg.model, key)) != str(value):
+            raise P3DConfigError(f"model.{key}={given[-1]} disagrees with {where}/config.json ({value}); drop the "
+                                 f"override or set model.{key}={value}")
+    name = f"hf:{Path(where).name}"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, **fields))
 
 
 def prepare(cfg_node: DictConfig):

@@ -157,7 +157,6 @@ def test_a_corrupt_checkpoint_file_is_named_by_the_worker(saved_run, tmp_path):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["model.n_layers=6"], "holds another model: model.n_layers=4 there, 6 here; resume with model.n_layers=4"),
-    (["mesh=pp2"], "was saved with mesh.tp=2 mesh.pp=2"),
     (["data.tokenizer=/nonexistent.json"], "data.tokenizer=/nonexistent.json"),
     (["train.resume=/nonexistent/step_1"], "no complete checkpoint there"),
     (["train.resume=none"], "already holds a run"),

@@ -65,6 +65,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix at init; output projections scaled by 1/sqrt(2 L)
+    init_from: Optional[str] = None  # a HF Llama checkpoint dir: its config.json sets the shape, its weights the init
 
 
 @dataclass

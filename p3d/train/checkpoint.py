@@ -206,7 +206,7 @@ def verify(path: Path) -> dict:
 
 
 def check_compatible(meta: dict, cfg, path: Path) -> None:
-    """Refuse a checkpoint of another model or tokenizer, or (for now) another tp x pp layout."""
+    """Refuse a checkpoint of another model or tokenizer; any mesh and ZeRO stage may resume it."""
     want = _model_identity(cfg)
     diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
     if diff:
@@ -216,41 +216,56 @@ def check_compatible(meta: dict, cfg, path: Path) -> None:
     if meta.get("tokenizer") != cfg.data.tokenizer:
         raise CheckpointError(f"checkpoint {path} was trained with data.tokenizer={meta.get('tokenizer')}, "
                               f"this run uses {cfg.data.tokenizer}; resume with data.tokenizer={meta.get('tokenizer')}")
-    saved = meta["mesh"]
-    if (saved["tp"], saved["pp"]) != (cfg.mesh.tp, cfg.mesh.pp):
-        raise CheckpointError(f"checkpoint {path} was saved with mesh.tp={saved['tp']} mesh.pp={saved['pp']}; "
-                              f"resuming under another tp x pp is not supported yet (dp may change); "
-                              f"try mesh.tp={saved['tp']} mesh.pp={saved['pp']}")
 
 
 # ---- loading (workers)
 
 def _load_file(path: Path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc}); "
                               "resume an earlier checkpoint with train.resume=<its directory>") from None
 
 
-def load(path: Path, engine, module, mesh, scheduler) -> dict:
-    """Restore parameters, optimizer states, scheduler and RNG; returns meta.json."""
+def _local_states(path: Path, meta: dict, module, mesh, plan):
+    """name -> this rank's {master, exp_avg, exp_avg_sq}. The saving layout's own file when tp and the
+    stage boundaries are unchanged; else assembled from the saved shards and re-cut for this mesh."""
+    from p3d.train.reshard import ShardedCheckpoint, shard_from_full
+
+    same_layout = meta["mesh"]["tp"] == mesh.tp and meta["stage_bounds"] == list(plan.stage_bounds)
+    if same_layout:
+        optim = _load_file(path / "optim" / f"pp{mesh.pp_rank}_tp{mesh.tp_rank}.pt")
+        return lambda name: optim[name]
+    source = ShardedCheckpoint(path, meta, _load_file)
+    specs = shard_specs(module)
+
+    def resharded(name: str) -> dict:
+        return {k: shard_from_full(v, specs[name], mesh.tp, mesh.tp_rank) for k, v in source.optim(name).items()}
+
+    return resharded
+
+
+def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
+    """Restore parameters, optimizer states, scheduler and RNG under this run's mesh; returns meta.json."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     meta = json.loads((path / "meta.json").read_text())
-    coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}"
-    params = _load_file(path / "model" / f"{coord}.pt")["params"]
-    optim = _load_file(path / "optim" / f"{coord}.pt")
+    states = _local_states(path, meta, module, mesh, plan)
     hp = _uses_hp_mapping(module)
     if hp:
         _link_optimizer_states(engine)
     step_t = torch.tensor(float(meta["step"]))
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name not in params:
-                raise CheckpointError(f"checkpoint {path} has no parameter {name} for {coord}")
-            state = optim[name]
-            p.copy_(state["master"].to(p.dtype) if "master" in state else params[name].to(p.dtype))
+            try:
+                state = states(name)
+            except KeyError:
+                raise CheckpointError(f"checkpoint {path} has no parameter {name}") from None
+            if tuple(state["master"].shape) != tuple(p.shape):
+                raise CheckpointError(f"checkpoint {path}: {name} has shape {tuple(state['master'].shape)}, this "
+                                      f"rank needs {tuple(p.shape)}")
+            p.copy_(state["master"].to(p.dtype))
             if hp:
                 safe_set_full_fp32_param(p, state["master"].to(p.device))
                 for k in ADAM_KEYS:

@@ -97,6 +97,10 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     mesh = Mesh.from_plan(plan, rank).with_groups()
     torch.manual_seed(cfg.train.seed)
     module = build_pipeline(cfg, plan, mesh)  # fp32; DeepSpeed casts to bf16 when the config asks
+    if cfg.model.init_from and cfg.train.resume == "none":
+        from p3d.hf import load_into
+
+        load_into(module, cfg.model.init_from, cfg.model.n_layers, mesh)  # only this rank's slices
     clip_here = cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32
     optimizer, scheduler = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
@@ -105,7 +109,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
     start_step = 0
     if cfg.train.resume != "none":
-        meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, scheduler)
+        meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
         start_step = meta["step"]
         engine.global_steps, engine.global_samples = start_step, meta["samples"]
     stats = DataStats()
