@@ -22,12 +22,18 @@ def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
     return not getattr(p, "ds_pipe_replicated", False) and owned_by_tp_rank(p, tp_rank)
 
 
+NORM_CHUNK = 1 << 16
+
+
 @torch.no_grad()
 def global_grad_norm(params, mesh) -> torch.Tensor:
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None and counts_in_norm(p, mesh.tp_rank):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+    """L2 norm of the whole model's gradient. Per-chunk fp32 norms (one fused kernel), their squares
+    summed in fp64 (so a sum over 10^11 elements keeps its digits), on the gradients' device."""
+    chunks = [c for p in params if p.grad is not None and counts_in_norm(p, mesh.tp_rank)
+              for c in p.grad.detach().reshape(-1).split(NORM_CHUNK)]
+    device = chunks[0].device if chunks else torch.device("cpu")
+    sq = torch.stack(torch._foreach_norm(chunks, 2.0)).double().pow(2).sum() if chunks else \
+        torch.zeros((), dtype=torch.float64, device=device)
     if mesh.replica_group is not None and mesh.tp * mesh.pp > 1:
         dist.all_reduce(sq, group=mesh.replica_group)
     return sq.sqrt()

@@ -105,6 +105,10 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     optimizer, scheduler = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, plan))
+    if plan.dp == 1 and cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32:
+        # nothing to all-reduce over one replica; DeepSpeed would still flatten, "reduce" over a group of
+        # one and copy back every gradient each step (0.4 s per step for model=small on a CPU core)
+        engine.pipeline_enable_backward_allreduce = False
     timer = StageTimer(engine)
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
     start_step = 0
