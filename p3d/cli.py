@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -136,7 +137,7 @@ def _with_source(message: str) -> str:
     """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
     head, _, rest = message.partition(" ")
     field = head.split("=", 1)[0]
-    if "=" not in head or "." not in field:
+    if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z_]+", field):  # not one field (e.g. tp*pp*dp)
         return message
     hc = HydraConfig.get()
     if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):

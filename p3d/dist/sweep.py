@@ -1,0 +1,143 @@
+"""Sweeps: ``p3d-train -m mesh=dp4,tp2_pp2,pp4 ...``.
+
+- :class:`P3DSlurmLauncher` (``hydra/launcher=p3d_slurm``, picked by ``cluster=slurm``): Hydra's
+  submitit Slurm launcher, one job per point, each sized from that point's mesh and cluster config by
+  the same rules as ``p3d-train cluster=slurm`` (:func:`p3d.dist.slurm.layout`), since the world size
+  differs between points (a submitit array would give every point the same resources). Every point
+  is validated before submission; an infeasible one is reported, recorded and never submitted. The
+  job runs p3d-train in its batch step (no srun around it), which starts the workers as one srun step.
+The callback that records each point's outcome and prints the report at the end is
+:class:`p3d.report.SweepCallback`.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from p3d.config.validate import P3DConfigError
+from p3d.dist.slurm import check_fits, layout, partition_info, time_minutes, write_status
+from p3d.report import mesh_label
+
+def _resume_auto(overrides: list[str]) -> list[str]:
+    """A requeued sweep job runs the same point again: let it resume its own checkpoint."""
+    from p3d.config.schema import TrainConfig
+
+    if "resume" not in TrainConfig.__dataclass_fields__ or any(o.lstrip("+~").startswith("train.resume=")
+                                                               for o in overrides):
+        return overrides
+    return [*overrides, "train.resume=auto"]
+
+
+class P3DSlurmLauncher(SlurmLauncher):
+    """One submitit Slurm job per feasible sweep point, resources derived per point."""
+
+    def _point_config(self, overrides: list[str], idx: int) -> tuple[DictConfig, DictConfig, Path]:
+        """(full config, task config, output dir) of one point, as run_job will see them."""
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(cfg.hydra.job):
+            cfg.hydra.job.num = idx
+            cfg.hydra.job.id = f"job_id_for_{idx}"
+        HydraConfig.instance().set_config(cfg)
+        out = Path(str(cfg.hydra.sweep.dir)) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+        with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
+            cfg.hydra.runtime.output_dir = str(out.resolve())
+        HydraConfig.instance().set_config(cfg)
+        task_cfg = copy.deepcopy(cfg)
+        with read_write(task_cfg), open_dict(task_cfg):
+            del task_cfg["hydra"]
+        return cfg, task_cfg, out
+
+    def _params(self, cfg, lay) -> dict[str, Any]:
+        c = cfg.cluster
+        # The job is one submitit task (its result pickle) that runs p3d-train in the batch step; the
+        # allocation it starts the workers in is given here, out of submitit's sight: nodes and tasks.
+        extra: dict[str, Any] = {"nodes": lay.nodes, "ntasks_per_node": lay.ntasks_per_node, "open-mode": "append"}
+        if lay.gpus_per_node:
+            extra["gpus_per_node"] = lay.gpus_per_node
+        if lay.cpus_per_task:
+            extra["cpus_per_task"] = lay.cpus_per_task
+        if c.requeue:
+            extra["requeue"] = True
+        if c.signal_s > 0:  # to the worker step (not the batch step): they checkpoint, exit 75, the job requeues
+            extra["signal"] = f"USR1@{c.signal_s}"
+        for line in c.extra_sbatch:
+            key, eq, value = line.lstrip("-").partition("=")
+            extra[key] = value if eq else True
+        params: dict[str, Any] = dict(
+            nodes=1, tasks_per_node=1, name=c.job_name,
+            timeout_min=time_minutes(c.time) if c.time else self.params.get("timeout_min", 60),
+            slurm_use_srun=False, slurm_stderr_to_stdout=True, slurm_additional_parameters=extra)
+        for key in ("partition", "account", "qos", "constraint"):
+            if getattr(c, key) is not None:
+                params[f"slurm_{key}"] = getattr(c, key)
+        if c.setup:
+            params["slurm_setup"] = list(c.setup)
+        return params
+
+    def _skip(self, overrides, task_cfg, cfg, out: Path, idx: int, msg: str) -> JobReturn:
+        print(f"p3d: point #{idx} ({' '.join(filter_overrides(overrides))}) skipped, not submitted: {msg}",
+              file=sys.stderr, flush=True)
+        write_status(out, "skipped", 2, reason=msg, mesh=mesh_label(task_cfg), overrides=list(overrides))
+        return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),
+                         task_name=cfg.hydra.job.name, status=JobStatus.COMPLETED, _return_value=2)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import submitit
+
+        from p3d.cli import _with_source, prepare, preflight
+
+        assert self.config is not None and self.hydra_context is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        executor = submitit.AutoExecutor(folder=self.params["submitit_folder"], cluster="slurm",
+                                         slurm_max_num_timeout=self.params.get("max_num_timeout", 0))
+        partitions: dict[Any, Any] = {}
+        original = HydraConfig.instance().cfg
+        slots: list[Any] = []
+        try:
+            for i, point in enumerate(job_overrides):
+                idx = initial_job_idx + i
+                overrides = _resume_auto(list(point))
+                cfg_full, task_cfg, out = self._point_config(overrides, idx)
+                try:
+                    cfg, plan = prepare(task_cfg)
+                    preflight(cfg)
+                    lay = layout(cfg, plan)
+                    if cfg.cluster.partition not in partitions:
+                        partitions[cfg.cluster.partition] = partition_info(cfg.cluster.partition)
+                    check_fits(lay, partitions[cfg.cluster.partition], plan)
+                    params = self._params(cfg, lay)
+                except P3DConfigError as exc:
+                    slots.append(self._skip(overrides, task_cfg, cfg_full, out, idx, _with_source(str(exc))))
+                    continue
+                executor.update_parameters(**params)
+                job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}",
+                                      Singleton.get_state())
+                print(f"p3d: point #{idx} ({' '.join(filter_overrides(overrides))}): Slurm job {job.job_id}, "
+                      f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks; run dir {out}", flush=True)
+                slots.append((job, overrides, task_cfg, cfg_full, out))
+        finally:
+            HydraConfig.instance().cfg = original
+        return [s if isinstance(s, JobReturn) else self._wait(*s) for s in slots]
+
+    @staticmethod
+    def _wait(job, overrides, task_cfg, cfg, out: Path) -> JobReturn:
+        """The job's JobReturn; a job that died without one (cancelled, killed, node failure) is
+        reported as failed in the table instead of ending the sweep."""
+        try:
+            return job.results()[0]
+        except Exception as exc:  # noqa: BLE001 - submitit raises several kinds
+            reason = f"Slurm job {job.job_id} {job.state}: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
+            print(f"p3d: {reason}", file=sys.stderr, flush=True)
+            write_status(out, "failed", 1, reason=reason, job_id=job.job_id, mesh=mesh_label(task_cfg))
+            return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),
+                             task_name=cfg.hydra.job.name, status=JobStatus.COMPLETED, _return_value=1)

@@ -1,0 +1,303 @@
+"""``p3d-report <sweep dir>``: which layout is fastest. One row per sweep point (or one run dir):
+
+    point  mesh                 tokens/s   MFU  peak GB  bubble  final loss  steps  status
+
+read from each point's ``run_spec.yaml``, ``metrics.jsonl`` and ``p3d_status.json``; printed, and
+written to ``<sweep dir>/report.csv`` and ``<sweep dir>/report.png`` (throughput per layout).
+tokens/s, MFU and bubble are medians over the steps after the first (which pays for warm-up); peak
+memory is the largest step's; the final loss is the last step's. ``p3d-train -m`` prints this at the
+end of every sweep (:class:`SweepCallback`, registered in conf/config.yaml).
+
+Exit status: 0 a report was written; 2 no run found under the directory.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+STATUS_NAME = "p3d_status.json"  # also p3d.dist.slurm.STATUS_NAME
+STATUS_BY_CODE = {0: "done", 1: "failed", 2: "skipped", 75: "preempted"}
+
+
+@dataclass
+class Row:
+    point: str
+    mesh: str
+    dp: Optional[int] = None
+    pp: Optional[int] = None
+    tp: Optional[int] = None
+    tokens_per_s: Optional[float] = None
+    mfu: Optional[float] = None
+    peak_mem_gb: Optional[float] = None
+    bubble: Optional[float] = None
+    final_loss: Optional[float] = None
+    steps: Optional[int] = None
+    total_steps: Optional[int] = None
+    status: str = "?"
+    reason: str = ""
+    run_dir: str = ""
+
+
+def mesh_label(task_cfg) -> str:
+    """'tp2_pp2 (tp=2 pp=2 dp=auto)' from a composed config; '?' when it cannot be read."""
+    try:
+        m = task_cfg.mesh
+        return f"{m.name} (tp={m.tp} pp={m.pp} dp={m.dp})"
+    except Exception:  # noqa: BLE001 - a label only
+        return "?"
+
+
+def _median(values: list[float]) -> Optional[float]:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+def _read_json_lines(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written while we read
+            continue
+    return rows
+
+
+def slurm_state(job_id: str) -> Optional[str]:
+    """The job's state from sacct (the last run of a requeued job), or None."""
+    try:
+        out = subprocess.run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"], capture_output=True,
+                             text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    states = [s.split()[0] for s in out.stdout.split("\n") if s.strip()]
+    return states[-1] if out.returncode == 0 and states else None
+
+
+def read_point(point: Path, name: str) -> Row:
+    from omegaconf import OmegaConf
+
+    status = json.loads((point / STATUS_NAME).read_text()) if (point / STATUS_NAME).is_file() else {}
+    row = Row(point=name, mesh=status.get("mesh", "?"), run_dir=str(point))
+    spec_path = point / "run_spec.yaml"
+    if spec_path.is_file():
+        spec = OmegaConf.to_container(OmegaConf.load(spec_path))
+        plan, mesh = spec.get("plan", {}), spec.get("mesh", {})
+        row.dp, row.pp, row.tp = plan.get("dp"), plan.get("pp"), plan.get("tp")
+        row.mesh = mesh.get("name", "?")
+        row.total_steps = spec.get("train", {}).get("steps")
+    elif row.mesh == "?" and (point / ".hydra" / "overrides.yaml").is_file():
+        overrides = OmegaConf.load(point / ".hydra" / "overrides.yaml")
+        row.mesh = " ".join(o for o in overrides if str(o).startswith("mesh")) or "?"
+    records = _read_json_lines(point / "metrics.jsonl") if (point / "metrics.jsonl").is_file() else []
+    if records:
+        steady = records[1:] or records
+        row.tokens_per_s = _median([r.get("tokens_per_s") for r in steady])
+        row.mfu = _median([r.get("mfu") for r in steady])
+        row.bubble = _median([r.get("bubble") for r in steady])
+        mems = [r["peak_mem_gb"] for r in records if isinstance(r.get("peak_mem_gb"), (int, float))]
+        row.peak_mem_gb = max(mems) if mems else None
+        row.final_loss = records[-1].get("loss")
+        row.steps = records[-1].get("step")
+    complete = bool(records) and row.total_steps is not None and row.steps == row.total_steps
+    row.status, row.reason = status.get("status", ""), status.get("reason", "") or ""
+    if row.status == "submitted":  # p3d-train cluster=slurm: ask Slurm how the job is doing
+        job = status.get("job_id")
+        state = slurm_state(job) if job else None
+        row.status = "done" if complete and state in (None, "COMPLETED") else f"job {job} {state or '?'}"
+    elif not row.status:
+        row.status = "done" if complete else ("incomplete" if records else "not run")
+    elif row.status == "done" and not complete:
+        row.status = "incomplete"
+    return row
+
+
+def _point_key(path: Path):
+    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
+
+
+def collect(sweep_dir: Path) -> list[Row]:
+    """Rows of every point under ``sweep_dir`` (or of the run in it), in sweep order."""
+    if (sweep_dir / "run_spec.yaml").is_file() or (sweep_dir / STATUS_NAME).is_file():
+        return [read_point(sweep_dir, sweep_dir.name)]
+    points = [d for d in sweep_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
+              and any((d / f).exists() for f in ("run_spec.yaml", STATUS_NAME, "metrics.jsonl", ".hydra"))]
+    return [read_point(d, d.name) for d in sorted(points, key=_point_key)]
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    return {"int": f"{value:,.0f}", "pct": f"{value:.1%}", "gb": f"{value:.2f}", "loss": f"{value:.4f}"}[kind]
+
+
+HEADER = ("point", "mesh", "dp x pp x tp", "tokens/s", "MFU", "peak GB", "bubble", "final loss", "steps", "status")
+
+
+def table(rows: list[Row]) -> str:
+    lines = [HEADER]
+    for r in rows:
+        dims = f"{r.dp} x {r.pp} x {r.tp}" if r.dp is not None else "-"
+        steps = f"{r.steps}/{r.total_steps}" if r.steps is not None else "-"
+        status = r.status + (f": {r.reason}" if r.reason and r.status != "done" else "")
+        lines.append((r.point, r.mesh, dims, _fmt(r.tokens_per_s, "int"), _fmt(r.mfu, "pct"), _fmt(r.peak_mem_gb, "gb"),
+                      _fmt(r.bubble, "pct"), _fmt(r.final_loss, "loss"), steps, status))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER) - 1)]
+    right = {3, 4, 5, 6, 7, 8}
+    out = []
+    for line in lines:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        out.append("  ".join(cells + [line[-1]]).rstrip())
+    done = [r for r in rows if r.status == "done" and r.tokens_per_s]
+    if done:
+        best = max(done, key=lambda r: r.tokens_per_s)
+        out.append(f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}): "
+                   f"{best.tokens_per_s:,.0f} tokens/s")
+    return "\n".join(out)
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row)])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(asdict(r))
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    """Horizontal bars: median tokens/s per layout; points without a throughput are named, empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"#{r.point} {r.mesh}" + (f" (dp{r.dp} pp{r.pp} tp{r.tp})" if r.dp is not None else "") for r in rows]
+    values = [r.tokens_per_s or 0.0 for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(rows)))
+    colors = ["tab:blue" if r.status == "done" else "tab:gray" for r in rows]
+    bars = ax.barh(range(len(rows)), values, color=colors)
+    for bar, r in zip(bars, rows):
+        note = (f" {r.tokens_per_s:,.0f}" + (f", MFU {r.mfu:.1%}" if r.mfu is not None else "")) if r.tokens_per_s \
+            else f" {r.status}"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s (median over steps after the first)")
+    ax.set_title(title, fontsize=10)
+    ax.margins(x=0.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(sweep_dir: Path, csv_path: Optional[Path] = None, png_path: Optional[Path] = None,
+           make_plot: bool = True, stream=None) -> list[Row]:
+    stream = stream or sys.stdout
+    rows = collect(sweep_dir)
+    if not rows:
+        return rows
+    csv_path = csv_path or sweep_dir / "report.csv"
+    png_path = png_path or sweep_dir / "report.png"
+    print(f"p3d-report: {sweep_dir} ({len(rows)} point{'s' if len(rows) != 1 else ''})", file=stream)
+    print(table(rows), file=stream)
+    write_csv(rows, csv_path)
+    written = [str(csv_path)]
+    if make_plot:
+        plot(rows, png_path, f"p3d sweep {sweep_dir}")
+        written.append(str(png_path))
+    print(f"p3d-report: wrote {', '.join(written)}", file=stream, flush=True)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="p3d-report", description="Table, CSV and plot of a p3d sweep (or run).")
+    parser.add_argument("sweep_dir", type=Path, help="a p3d-train -m sweep directory, or one run directory")
+    parser.add_argument("--csv", type=Path, help="where to write the CSV (default: <sweep_dir>/report.csv)")
+    parser.add_argument("--png", type=Path, help="where to write the plot (default: <sweep_dir>/report.png)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        print(f"p3d-report: {args.sweep_dir} is not a directory", file=sys.stderr)
+        return 2
+    if not report(args.sweep_dir, args.csv, args.png, make_plot=not args.no_plot):
+        print(f"p3d-report: no p3d run under {args.sweep_dir} (no run_spec.yaml, metrics.jsonl or "
+              f"{STATUS_NAME})", file=sys.stderr)
+        return 2
+    return 0
+
+
+# ---- the Hydra callback (hydra.callbacks in conf/config.yaml)
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra-core < 1.1
+    Callback = object
+
+
+def _skip_reason(task_cfg) -> str:
+    """Why p3d-train skipped a point (it returned 2): the same checks again, their message."""
+    from p3d.cli import _with_source, prepare, preflight
+    from p3d.config.validate import P3DConfigError
+
+    try:
+        cfg, _ = prepare(task_cfg)
+        preflight(cfg)
+        from p3d.cli import check_run
+
+        check_run(cfg)
+    except P3DConfigError as exc:
+        return _with_source(str(exc))
+    except Exception as exc:  # noqa: BLE001 - a reason only
+        return f"{type(exc).__name__}: {exc}"
+    return "config error (see the point's output)"
+
+
+class SweepCallback(Callback):
+    """Per sweep point: ``p3d_status.json`` (done / failed / skipped + why / preempted / stopped).
+    At the end of a sweep: the report. Inactive for p3d-plan, which writes no output directories."""
+
+    def on_job_end(self, config, job_return, **kwargs: Any) -> None:
+        import os
+
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
+
+        from p3d.dist.slurm import write_status
+
+        if config.hydra.output_subdir is None or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return
+        out = Path(config.hydra.runtime.output_dir)
+        path = out / STATUS_NAME
+        before = json.loads(path.read_text()) if path.is_file() else {}
+        mesh = mesh_label(job_return.cfg)
+        if job_return.status != JobStatus.COMPLETED:
+            exc = job_return._return_value
+            write_status(out, "failed", 1, reason=f"{type(exc).__name__}: {exc}", mesh=mesh)
+            return
+        rc = job_return._return_value if isinstance(job_return._return_value, int) else 0
+        if before.get("status") in ("submitted", "skipped") and rc in (0, 2):
+            return  # recorded by the Slurm dispatch: the job id, or why the partition cannot hold the point
+        extra = {"reason": _skip_reason(job_return.cfg)} if rc == 2 else {}
+        if os.environ.get("SLURM_JOB_ID"):
+            extra["job_id"] = os.environ["SLURM_JOB_ID"]
+        write_status(out, STATUS_BY_CODE.get(rc, "stopped" if rc >= 128 else "failed"), rc, mesh=mesh, **extra)
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        if config.hydra.output_subdir is None:
+            return
+        try:
+            report(Path(str(config.hydra.sweep.dir)))
+        except Exception as exc:  # noqa: BLE001 - a report must never fail the sweep
+            print(f"p3d-report: could not report {config.hydra.sweep.dir}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
