@@ -148,7 +148,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_worker(saved_run, tmp_path, 
 
 def test_a_corrupt_checkpoint_file_is_named_by_the_worker(saved_run, tmp_path):
     run = _copy(saved_run, tmp_path)
-    shard = checkpoint.step_dir(run, 2) / "model" / "pp0_tp1.pt"
+    shard = checkpoint.step_dir(run, 2) / "optim" / "pp0_tp1.pt"  # master weights and Adam moments
     shard.write_bytes(b"\0" * shard.stat().st_size)  # right size, garbage inside
     result = p3d_train(f"run.dir={run}", "train.steps=4", "mesh=tp2_pp2", "train.resume=auto", timeout=120)
     assert result.returncode == exit_codes.WORKER_FAILED
