@@ -1,6 +1,6 @@
 """p3d's overhead over a plain PyTorch loop, on one CPU worker (issue 2, "Benchmark").
 
-    .venv/bin/python bench/overhead.py                       # model=small shapes, ~5 min on an idle 2-core box
+    .venv/bin/python bench/overhead.py                       # model=small shapes, ~12 min on an idle 2-core box
     .venv/bin/python bench/overhead.py --steps 10 --rounds 3 --set model.n_layers=6 --json out.json
 
 Both sides train the same model (``model=small`` with a short sequence and a small batch by default,
@@ -244,9 +244,9 @@ def spec_diff(a: Path, b: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=7, help="optimizer steps per run (default 7)")
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the medians (default 2)")
-    ap.add_argument("--rounds", type=int, default=2, help="runs per side, alternating ABBA (default 2)")
+    ap.add_argument("--rounds", type=int, default=4, help="runs per side, alternating ABBA (default 4)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the plain side (default 1: what p3d's gloo worker uses, p3d/worker.py)")
     ap.add_argument("--model", default="small", help="model preset (default small)")

@@ -1,7 +1,6 @@
 """Where p3d's single-rank overhead goes: one process, both trainers, alternating steps, per phase.
 
     .venv/bin/python bench/overhead_breakdown.py                 # p3d as it is
-    .venv/bin/python bench/overhead_breakdown.py --fixed         # with the two fixes of the report applied
 
 A diagnostic companion of bench/overhead.py (which times the real ``p3d-train`` subprocess). Here
 one process builds the p3d DeepSpeed pipeline engine exactly as ``p3d.train.trainer.train`` does
@@ -10,12 +9,10 @@ optimizer steps (p3d, plain, plain, p3d, ...), so machine noise hits both alike.
 pipeline instruction is timed (wall and process CPU time; CPU time is the steadier figure on a
 shared machine), and the plain loop's matching phases.
 
-``--fixed`` monkeypatches, for this process only (p3d/ is not touched):
-  1. ``p3d.train.optim.global_grad_norm``: fp32 norms of 64K-element chunks through
-     ``torch._foreach_norm``, squared and summed in float64 (no float64 copy of every gradient);
-  2. ``engine.pipeline_enable_backward_allreduce = False`` when dp == 1 (fp32, ZeRO-0): DeepSpeed
-     otherwise flattens every gradient into one buffer, all-reduces it over a group of one rank,
-     scales it by 1/1 and copies it back, every step.
+The p3d side is ``p3d.train.trainer.build_engine``, the very function a p3d worker calls, so what is
+measured here is what runs (including the two overhead fixes that came out of this diagnostic: the
+chunked fused gradient norm in ``p3d.train.optim`` and, over a single replica, skipping DeepSpeed's
+flatten / all-reduce-over-one-rank / copy-back of every gradient).
 """
 from __future__ import annotations
 
@@ -29,28 +26,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-NORM_CHUNK = 1 << 16
-
-
-def apply_fixes(optim_mod) -> None:
-    import torch
-    import torch.distributed as dist
-
-    @torch.no_grad()
-    def global_grad_norm(params, mesh):
-        chunks = [c for p in params if p.grad is not None and optim_mod.counts_in_norm(p, mesh.tp_rank)
-                  for c in p.grad.detach().reshape(-1).split(NORM_CHUNK)]
-        if chunks:
-            sq = torch.stack(torch._foreach_norm(chunks, 2.0)).double().pow(2).sum().cpu()
-        else:
-            sq = torch.zeros((), dtype=torch.float64)
-        if mesh.replica_group is not None and mesh.tp * mesh.pp > 1:
-            dist.all_reduce(sq, group=mesh.replica_group)
-        return sq.sqrt()
-
-    optim_mod.global_grad_norm = global_grad_norm
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -60,14 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--model", default="small")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--fixed", action="store_true", help="apply the two proposed fixes (see the docstring)")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="p3d-breakdown-"))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                       DS_ACCELERATOR="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                       P3D_INIT_METHOD=f"file://{tmp / 'store'}")
-    import deepspeed
     import torch
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -84,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
                               f"schedule.micro_batch_size={args.micro_batch}", f"train.steps={args.steps}",
                               *args.extra], tmp)
     init_process_group(plan, 0, cfg.cluster.timeout_s)  # sets torch threads to 1, as a p3d worker
-    if args.fixed:
-        apply_fixes(optim)
 
     acc: dict[str, list[float]] = {}
 
@@ -110,13 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # p3d: as p3d.train.trainer.train builds it
     mesh = Mesh.from_plan(plan, 0).with_groups()
-    torch.manual_seed(cfg.train.seed)
-    module = trainer.build_pipeline(cfg, plan, mesh)
-    opt, sched = optim.build_optimizer(module, cfg.train, mesh, clip_here=True)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
-                                           config=trainer.deepspeed_config(cfg, plan))
-    if args.fixed and plan.dp == 1:
-        engine.pipeline_enable_backward_allreduce = False
+    engine, _, _ = trainer.build_engine(cfg, plan, mesh)
     p3d_data = plain_micro_batches(cfg)  # what p3d's trainer reads at dp=1
     # plain: as bench/overhead.py's plain worker
     torch.manual_seed(cfg.train.seed)
@@ -150,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     wall, cpu = collections.defaultdict(list), collections.defaultdict(list)
     print(f"{cfg.model.name}: {plan.n_params / 1e6:.1f}M params, {n} micro batches of {cfg.schedule.micro_batch_size} x "
-          f"{cfg.model.seq_len}, fixes {'ON' if args.fixed else 'off'}", flush=True)
+          f"{cfg.model.seq_len}", flush=True)
     for step in range(args.steps):
         for side in (("p3d", "plain") if step % 2 == 0 else ("plain", "p3d")):
             acc.clear()

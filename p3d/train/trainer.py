@@ -88,13 +88,11 @@ def evaluate(engine, val_batches, cfg, plan, mesh) -> float:
     return sum(losses) / len(losses)
 
 
-def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
-    """Returns p3d.exit_codes.OK, or PREEMPTED after a signal-triggered checkpoint."""
+def build_engine(cfg, plan, mesh: Mesh):
+    """This rank's pipeline module (seeded init, or HF weights when model.init_from is set), optimizer,
+    LR schedule and DeepSpeed engine, exactly as a training run uses them."""
     import deepspeed
 
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    run_dir = Path(run_dir)
-    mesh = Mesh.from_plan(plan, rank).with_groups()
     torch.manual_seed(cfg.train.seed)
     module = build_pipeline(cfg, plan, mesh)  # fp32; DeepSpeed casts to bf16 when the config asks
     if cfg.model.init_from and cfg.train.resume == "none":
@@ -109,6 +107,15 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         # nothing to all-reduce over one replica; DeepSpeed would still flatten, "reduce" over a group of
         # one and copy back every gradient each step (0.4 s per step for model=small on a CPU core)
         engine.pipeline_enable_backward_allreduce = False
+    return engine, module, scheduler
+
+
+def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
+    """Returns p3d.exit_codes.OK, or PREEMPTED after a signal-triggered checkpoint."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    run_dir = Path(run_dir)
+    mesh = Mesh.from_plan(plan, rank).with_groups()
+    engine, module, scheduler = build_engine(cfg, plan, mesh)
     timer = StageTimer(engine)
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
     start_step = 0

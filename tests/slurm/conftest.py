@@ -82,6 +82,16 @@ class Slurm:
         run("scancel", job)
         pytest.fail(f"job {job} still {state} after {timeout:.0f}s; cancelled it")
 
+    def release_requeued(self, job: str) -> None:
+        """Start a requeued (pending, held) job now instead of after Slurm's requeue delay.
+
+        The delay exists because slurmd revoked the first run's job credential when it ended, and
+        it compares the revocation with the new credential's creation time in whole seconds: a
+        credential issued in the same second is taken as revoked ("Job credential revoked", the
+        job FAILS at once). Waiting past the next second boundary leaves only the safe case."""
+        time.sleep(2.0)
+        assert run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
+
     def wait_accounted(self, job: str, runs: int = 1, timeout: float = 30) -> list[dict[str, str]]:
         """sacct's rows once it has recorded ``runs`` finished runs (accounting lags the controller)."""
         deadline = time.monotonic() + timeout

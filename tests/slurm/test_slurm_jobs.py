@@ -137,7 +137,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_p
                                "mesh=tp2_pp2", f"train.steps={steps}", f"run.dir={run_dir}")
     wait_for(lambda: len(steps_done(run_dir)) >= 2, 180, "two training steps")
     assert run("scancel", "--batch", "--signal=USR1", job).returncode == 0
-    # requeued: pending again (Slurm holds a requeued job ~2 min; release it so the test stays short)
+    # requeued: pending again (Slurm holds a requeued job ~2 min; released early so the test stays short)
     state = slurm_cluster.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
     log_path = tmp_path / f"job-{job}.out"
     assert state == "PENDING", log_path.read_text()[-3000:]
@@ -145,7 +145,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_p
     assert stopped_at, "no complete checkpoint after the stop signal"
     k = int(stopped_at[-1].split("_")[1])
     assert 2 <= k < steps
-    run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    slurm_cluster.release_requeued(job)
     state = slurm_cluster.wait(job, timeout=240)
     log = log_path.read_text()
     assert state == "COMPLETED", log[-4000:]
@@ -179,7 +179,7 @@ def test_sweep_job_signalled_before_its_time_limit_requeues_and_resumes(slurm_cl
         slurm_cluster.wait(job, until={"PENDING"}, timeout=120)
         k = int(complete_checkpoints(sweep / "0")[-1].split("_")[1])
         assert 2 <= k < steps
-        run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        slurm_cluster.release_requeued(job)
         out, _ = sweep_proc.communicate(timeout=300)
     finally:
         if sweep_proc.poll() is None:
