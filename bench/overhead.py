@@ -50,13 +50,10 @@ TARGET = 0.95
 # ----------------------------------------------------------------------------------------------
 def plain_micro_batches(cfg):
     """The (inputs, labels) micro batches p3d's trainer feeds its one dp=1 replica, from the same loader."""
-    import inspect
-
     from p3d.data.loader import micro_batches
 
-    seeded = "seed" in inspect.signature(micro_batches).parameters  # the loader's data order is seeded
     return micro_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.schedule.micro_batch_size,
-                         1, 0, **({"seed": cfg.train.seed} if seeded else {}))
+                         1, 0, seed=cfg.train.seed)
 
 
 def plain_worker(spec_path: str, out_path: str, threads: int) -> None:
@@ -189,15 +186,13 @@ def run_monitored(cmd: list[str], env: dict, log: Path, out: Path, timeout: floa
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         sys.exit(f"bench: {' '.join(cmd[:3])} ... failed with status {proc.returncode}; last lines of {log}:\n{tail}")
-    records = read_jsonl(out)
+    from p3d.metrics import read_metrics
+
+    records = read_metrics(out)
     for i, r in enumerate(records):  # CPU seconds between this step's record and the previous one's
         a, b = (marks[i - 1] if 0 < i <= len(marks) else None), (marks[i] if i < len(marks) else None)
         r["cpu_s"] = b - a if a is not None and b is not None else None
     return records, secs
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_p3d(overrides: list[str], run_dir: Path, threads: int, timeout: float, keep: bool):
@@ -357,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     # median wall / CPU seconds of a step: 1.0 when the worker had a core to itself the whole step
     waits = {side: statistics.median(r["step_time_s"] / r["cpu_s"] for run in runs for r in run[args.warmup:]
                                      if r.get("cpu_s"))
-             for side, runs in (("p3d", p3d_runs), ("plain", plain_runs)) if p3d["median_cpu_s_per_step"]}
+             for side, runs in (("p3d", p3d_runs), ("plain", plain_runs)) if cpu_ratio}
     busy = any(w > 1.05 for w in waits.values())
     print(f"\nratio p3d / plain, median tokens/s (wall time):   {ratio:.3f}   [target >= {TARGET}: {verdict(ratio)}]")
     if cpu_ratio:

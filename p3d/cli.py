@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from p3d import exit_codes
 from p3d.config.schema import register_configs
 from p3d.config.validate import P3DConfigError, build_plan, fill_cluster
 
@@ -94,8 +95,11 @@ def preflight(cfg) -> None:
         return
     print(report.render(), file=sys.stderr)
     mem = report.to_json()["memory_gb"]
-    raise P3DConfigError(f"mesh=tp{cfg.mesh.tp}_pp{cfg.mesh.pp} is predicted to need {mem['total']:.1f} GB on its most "
-                         f"loaded device, more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
+    lay = report.layout
+    need = (f"{mem['all_ranks']:.3g} GB for its {lay.world_size} workers together" if report.shared_host
+            else f"{mem['total']:.3g} GB on its most loaded device")
+    raise P3DConfigError(f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
+                         f"more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
                          "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
                          "or plan.force=true")
 
@@ -182,7 +186,7 @@ def train_task(cfg_node: DictConfig) -> int:
         msg = _with_source(str(exc))
         if multirun:
             print(f"p3d: skipped this point, config error: {msg}", file=sys.stderr, flush=True)
-            return 2
+            return exit_codes.CONFIG_ERROR
         fail(f"config error: {msg}")
     if cfg.dry_run:
         from p3d.dryrun import dry_run
@@ -236,7 +240,7 @@ def run_hydra(task, writes_outputs: bool = True) -> None:
         hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(task_started)()
     except SystemExit as exc:
         if not started and exc.code not in (0, None):
-            sys.exit(2)
+            sys.exit(exit_codes.CONFIG_ERROR)
         raise
 
 

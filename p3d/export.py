@@ -26,13 +26,14 @@ class _ShardWriter:
         self.out, self.max_bytes = out, max_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.files: list[tuple[str, list[str]]] = []
-        self.total = 0
+        self.total = self.pending_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.pending and sum(t.numel() * t.element_size() for t in self.pending.values()) + size > self.max_bytes:
+        if self.pending and self.pending_bytes + size > self.max_bytes:
             self._flush()
         self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
         self.total += size
 
     def _flush(self) -> None:
@@ -41,7 +42,7 @@ class _ShardWriter:
         tmp = f"model-{len(self.files) + 1:05d}.tmp.safetensors"
         save_file(self.pending, str(self.out / tmp), metadata={"format": "pt"})
         self.files.append((tmp, list(self.pending)))
-        self.pending = {}
+        self.pending, self.pending_bytes = {}, 0
 
     def close(self) -> list[str]:
         if self.pending:
@@ -78,7 +79,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, max_sh
     writer = _ShardWriter(out, max_shard_gb * 1e9)
     L = cfg.model.n_layers
     for name in src.names():
-        full = src.optim(name)["master"]
+        full = src.master(name)
         spec = src.spec(name)
         parts = full.split(spec["blocks"], dim=0) if spec["kind"] == "rows" else [full]
         for hf_name, tensor in zip(hf_names(name, L), parts):
@@ -112,7 +113,7 @@ def load_sequential(ckpt: str | Path):
     params = dict(model.named_parameters())
     for name in src.names():
         target = "tied.embed.weight" if name.startswith("tied_modules.") else f"layers.{name}"
-        params[target].copy_(src.optim(name)["master"])
+        params[target].copy_(src.master(name))
     return model.eval()
 
 

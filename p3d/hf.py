@@ -128,6 +128,9 @@ class SafetensorsDir:
             self._open[file] = safe_open(self.dir / file, framework="pt")
         return self._open[file]
 
+    def shape(self, name: str) -> list[int]:
+        return self._file(name).get_slice(name).get_shape()
+
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._file(name).get_slice(name)[start:stop]
 
@@ -144,7 +147,7 @@ def local_from_hf(src: SafetensorsDir, name: str, spec: dict, n_layers: int, tp:
     if spec["kind"] == "replicated":
         return src.whole(parts[0])
     if spec["kind"] == "cols":
-        width = src._file(parts[0]).get_slice(parts[0]).get_shape()[1] // tp
+        width = src.shape(parts[0])[1] // tp
         return src.cols(parts[0], rank * width, (rank + 1) * width)
     out = []
     for part, real, padded in zip(parts, spec["blocks"], spec["padded"]):

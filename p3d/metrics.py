@@ -33,7 +33,9 @@ def peak_memory_gb() -> float:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / METRICS_NAME
+    """The records of a run directory's metrics.jsonl (or of a given .jsonl file)."""
+    path = Path(run_dir)
+    path = path / METRICS_NAME if path.is_dir() else path
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

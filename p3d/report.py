@@ -22,8 +22,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.experimental.callback import Callback
+
+from p3d import exit_codes
+
 STATUS_NAME = "p3d_status.json"  # also p3d.dist.slurm.STATUS_NAME
-STATUS_BY_CODE = {0: "done", 1: "failed", 2: "skipped", 75: "preempted"}
+STATUS_BY_CODE = {exit_codes.OK: "done", exit_codes.WORKER_FAILED: "failed", exit_codes.CONFIG_ERROR: "skipped",
+                  exit_codes.PREEMPTED: "preempted"}
 
 
 @dataclass
@@ -234,12 +239,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 # ---- the Hydra callback (hydra.callbacks in conf/config.yaml)
 
-try:
-    from hydra.experimental.callback import Callback
-except ImportError:  # pragma: no cover - hydra-core < 1.1
-    Callback = object
-
-
 def _skip_reason(task_cfg) -> str:
     """Why p3d-train skipped a point (it returned 2): the same checks again, their message."""
     from p3d.cli import _with_source, prepare, preflight
@@ -279,7 +278,7 @@ class SweepCallback(Callback):
         mesh = mesh_label(job_return.cfg)
         if job_return.status != JobStatus.COMPLETED:
             exc = job_return._return_value
-            write_status(out, "failed", 1, reason=f"{type(exc).__name__}: {exc}", mesh=mesh)
+            write_status(out, "failed", exit_codes.WORKER_FAILED, reason=f"{type(exc).__name__}: {exc}", mesh=mesh)
             return
         rc = job_return._return_value if isinstance(job_return._return_value, int) else 0
         if before.get("status") in ("submitted", "skipped") and rc in (0, 2):

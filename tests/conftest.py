@@ -35,10 +35,30 @@ def typed(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
     return prepare(compose(*overrides, run_dir=run_dir))
 
 
-def p3d_train(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run p3d-train as a user would; output captured."""
+def p3d_train(*args: str, timeout: float = 300, env: dict | None = None,
+              drop_env: str | None = None) -> subprocess.CompletedProcess:
+    """Run p3d-train as a user would; output captured. ``env`` adds to this process's environment,
+    from which the variables starting with ``drop_env`` are removed first."""
+    base = {k: v for k, v in os.environ.items() if not (drop_env and k.startswith(drop_env))}
     return subprocess.run([sys.executable, "-m", "p3d.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**base, **(env or {})})
+
+
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the p3d workers of this run (read from /proc)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            if b"p3d.worker" not in cmd or str(run_dir).encode() not in cmd:
+                continue
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
+            pids[int(env["RANK"])] = int(proc.name)
+        except (OSError, KeyError, ValueError):
+            continue
+    return pids
 
 
 @pytest.fixture

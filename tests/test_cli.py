@@ -13,7 +13,7 @@ import pytest
 
 from p3d.config.validate import count_params
 from p3d.metrics import read_metrics
-from tests.conftest import ROOT, p3d_train, typed
+from tests.conftest import ROOT, p3d_train, typed, worker_pids
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -38,6 +38,21 @@ def test_validation_error_is_one_line(tmp_path):
     result = p3d_train("mesh=tp4", "model.n_kv_heads=2", f"run.dir={tmp_path}", timeout=60)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("p3d: config error: mesh.tp=4"), result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_preflight_refuses_a_layout_predicted_not_to_fit_unless_forced(tmp_path):
+    """The planner runs before launch: 8 cpu workers share this machine's memory, far more than 1 MB."""
+    refused = p3d_train("cluster.memory_gb=0.001", f"run.dir={tmp_path / 'a'}", timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "tp=2 pp=2 dp=2 is predicted to need" in last and "8 workers together" in last, refused.stderr
+    assert "cluster.memory_gb=0.001" in last and "plan.force=true" in last
+    assert not (tmp_path / "a" / "run_spec.yaml").exists() and not (tmp_path / "a" / "logs").exists()
+    forced = p3d_train("cluster.memory_gb=0.001", "plan.force=true", "mesh=single", "train.steps=1",
+                       f"run.dir={tmp_path / 'b'}", timeout=100)
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "b")] == [1]
 
 
 @pytest.mark.timeout(300)
@@ -99,23 +114,6 @@ def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def _worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of the p3d workers of this run (read from /proc)."""
-    pids = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            if b"p3d.worker" not in cmd or str(run_dir).encode() not in cmd:
-                continue
-            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
-            pids[int(env["RANK"])] = int(proc.name)
-        except (OSError, KeyError, ValueError):
-            continue
-    return pids
-
-
 @pytest.mark.timeout(240)
 def test_a_dead_worker_stops_the_run_and_is_named(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "p3d.cli", "train.steps=500", f"run.dir={tmp_path}"],
@@ -129,7 +127,7 @@ def test_a_dead_worker_stops_the_run_and_is_named(tmp_path):
             time.sleep(0.5)
         else:
             pytest.fail("training did not start")
-        pids = _worker_pids(tmp_path)
+        pids = worker_pids(tmp_path)
         assert sorted(pids) == list(range(8))
         os.kill(pids[5], signal.SIGKILL)
         t0 = time.monotonic()
@@ -141,7 +139,7 @@ def test_a_dead_worker_stops_the_run_and_is_named(tmp_path):
     assert launcher.returncode == 1
     assert "rank 5 (dp 0, pp 1, tp 1) was killed by SIGKILL" in out
     time.sleep(1)
-    assert _worker_pids(tmp_path) == {}  # no orphan keeps running
+    assert worker_pids(tmp_path) == {}  # no orphan keeps running
 
 
 @pytest.mark.timeout(240)

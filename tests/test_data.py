@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from itertools import islice
 
 import pytest
@@ -11,6 +12,7 @@ from p3d.config.schema import DataConfig, DataSource
 from p3d.data.corpus import iter_texts
 from p3d.data.loader import global_batches, micro_batches, pack
 from p3d.data.tokenizer import ByteTokenizer
+from tests.conftest import p3d_train
 
 
 def test_pack_loses_and_repeats_nothing():
@@ -86,6 +88,34 @@ def test_undecodable_lines_are_skipped_and_counted(tmp_path):
     assert stats.skipped_records == 1
 
 
+@pytest.mark.timeout(180)
+def test_a_run_skips_bad_lines_on_every_data_rank_alike(tmp_path):
+    """pp2 x dp2: four ranks read the stream; each skips the same bad lines, so their batches still match
+    (the trainer checks that every step) and the run finishes and reports the skips."""
+    lines = [f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(600)]
+    body = b"".join((b"\xff\xfe bad bytes\n" if i % 60 == 0 else line.encode() + b"\n") for i, line in enumerate(lines))
+    (tmp_path / "t.txt").write_bytes(body)
+    result = p3d_train(f"run.dir={tmp_path / 'run'}", "data=files", f"data.path={tmp_path / 't.txt'}", "mesh=pp2",
+                       "mesh.dp=2", "train.steps=2", timeout=150)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert re.search(r"data: skipped [1-9]\d* unreadable records and 0 files", result.stdout), result.stdout[-2000:]
+
+
+def _disagreeing_readers(rank, world):
+    from p3d.data.corpus import DataStats
+    from p3d.train.trainer import Stopper, step_stats
+
+    stats = DataStats(skipped_records=3, failed_files=1 if rank == 1 else 0)  # a file failed on rank 1 only
+    with pytest.raises(RuntimeError, match="data-reading ranks skipped different records or files"):
+        step_stats(Stopper(), 0.0, torch.device("cpu"), stats if rank < 2 else None)
+
+
+def test_ranks_whose_data_streams_drift_apart_stop_the_run():
+    from tests.dist import run_distributed
+
+    run_distributed(_disagreeing_readers, 3, timeout=60)  # rank 2 reads no data (a middle stage)
+
+
 def test_validation_split_is_disjoint_and_stable():
     cfg = DataConfig()
     val = list(islice(iter_texts(cfg, "val"), 5))
@@ -99,6 +129,7 @@ def test_resumed_stream_continues_with_the_next_samples():
     cfg = DataConfig()
     full = list(islice(global_batches(cfg, 32, 4, seed=5), 6))
     tail = list(islice(global_batches(cfg, 32, 4, seed=5, start_step=3), 3))
+    assert len(tail) == 3
     for a, b in zip(full[3:], tail):
         assert torch.equal(a, b)
     other_seed = next(global_batches(cfg, 32, 4, seed=6))
@@ -121,8 +152,6 @@ def test_epochs_repeat_a_small_corpus(tmp_path):
     (None, ["data.source=hub", "data.path=no-such-org/no-such-dataset"], "cannot read data.path=no-such-org"),
 ])
 def test_bad_data_is_one_line_before_any_worker(tmp_path, setup, overrides, needle):
-    from tests.conftest import p3d_train
-
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "col.jsonl").write_text(json.dumps({"body": "hello " * 50}))
     args = [o.format(tmp=tmp_path) for o in overrides]

@@ -15,7 +15,7 @@ import pytest
 from p3d import exit_codes
 from p3d.metrics import read_metrics
 from p3d.train import checkpoint
-from tests.conftest import ROOT, p3d_train
+from tests.conftest import ROOT, p3d_train, worker_pids
 
 STEPS = 10
 
@@ -23,6 +23,18 @@ STEPS = 10
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Whatever happened in the test: no launcher or worker of this run survives it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    for pid in worker_pids(run_dir).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -56,9 +68,12 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(zero, tmp_path):
 
     run = tmp_path / "b"
     proc = _start(run, *common)
-    _wait_for_steps(run, 3, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        _wait_for_steps(run, 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_run(proc, run)
     assert proc.returncode == exit_codes.PREEMPTED, out[-3000:]
     stopped = checkpoint.find(run, "auto")
     assert stopped is not None and "after a stop signal" in out
@@ -71,12 +86,6 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(zero, tmp_path):
     _assert_same_curve(read_metrics(tmp_path / "a"), read_metrics(run))
 
 
-def _worker_pids(run_dir: Path) -> list[int]:
-    from tests.test_cli import _worker_pids as pids
-
-    return list(pids(run_dir).values())
-
-
 @pytest.mark.timeout(300)
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run = tmp_path / "run"
@@ -85,7 +94,8 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     end = time.monotonic() + 150
     try:
         _wait_for_steps(run, 2, proc)
-        pids = _worker_pids(run)
+        pids = list(worker_pids(run).values())
+        assert len(pids) == 4, pids
         ckpts = run / "checkpoints"
         while time.monotonic() < end and caught is None:
             partial = list(ckpts.glob(".step_*.tmp"))
@@ -94,17 +104,14 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
                     os.kill(pid, signal.SIGSTOP)
                 if any(p.exists() for p in partial):
                     caught = partial[0]
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                if caught is None:
+                    for pid in pids:  # killed in the middle of that save
+                        os.kill(pid, signal.SIGKILL)
+                else:  # the save finished in between: let the run go on to the next one
                     for pid in pids:
                         os.kill(pid, signal.SIGCONT)
             time.sleep(0.002)
     finally:
-        proc.kill()
-        proc.communicate()
-        for pid in _worker_pids(run):
-            os.kill(pid, signal.SIGKILL)
+        _kill_run(proc, run)
     assert caught is not None, "never caught a save in progress"
     found = checkpoint.find(run, "auto")
     meta = checkpoint.verify(found)  # complete, every file at its recorded size

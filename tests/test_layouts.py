@@ -47,7 +47,7 @@ def test_resume_under_another_mesh_continues_the_curve(source, target, tmp_path)
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
     """A random tiny Llama built with transformers, saved locally (no hub)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # pinned in requirements-cpu.txt: a missing one is a failure, not a skip
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=4,
                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=301,
@@ -70,26 +70,21 @@ def _imported_logits_match(rank, world, hf_dir):
     import deepspeed
 
     from p3d.dist.mesh import Mesh
-    from p3d.hf import load_into
-    from p3d.train.optim import build_optimizer
-    from p3d.train.trainer import build_pipeline, deepspeed_config
+    from p3d.train.trainer import build_engine
 
     deepspeed.init_distributed("gloo")
     cfg, plan = typed("mesh=tp2_pp2", f"model.init_from={hf_dir}")
     assert cfg.model.vocab_size == 301 and plan.padded_vocab_size == 302  # one padding row per tp=2
     mesh = Mesh.from_plan(plan, rank).with_groups()
-    module = build_pipeline(cfg, plan, mesh)
-    load_into(module, hf_dir, cfg.model.n_layers, mesh)
-    opt, sched = build_optimizer(module, cfg.train, mesh)
-    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
-                                      config=deepspeed_config(cfg, plan))
+    engine, _, _ = build_engine(cfg, plan, mesh)  # as a training run: HF weights read slice by slice
     ids = torch.randint(0, 257, (cfg.schedule.micro_batch_size, 48), generator=torch.Generator().manual_seed(3))
     _, logits = engine.eval_batch(iter([(ids, ids)] * plan.micro_batches), return_logits=True)
     if mesh.is_last_stage:
         parts = [torch.empty_like(logits) for _ in range(mesh.tp)]
         dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
         full = torch.cat(parts, dim=-1)[..., :cfg.model.vocab_size]
-        torch.testing.assert_close(full, _hf_logits(hf_dir, ids), rtol=1e-5, atol=1e-5)
+        # logits here are ~0.1 (max ~0.6): atol 1e-6 keeps the bound at about 1e-5 relative; measured 3e-7
+        torch.testing.assert_close(full, _hf_logits(hf_dir, ids), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -110,7 +105,7 @@ def test_hf_round_trip_import_train_export(hf_llama, tmp_path):
     ids = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(5))
     ours = load_sequential(checkpoint.find(tmp_path / "run", "auto"))
     with torch.no_grad():
-        torch.testing.assert_close(_hf_logits(out, ids), ours(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_hf_logits(out, ids), ours(ids), rtol=1e-5, atol=1e-6)
         trained, start = ours(ids), _hf_logits(hf_llama, ids)
     assert not torch.allclose(trained, start, atol=1e-4)  # three steps did move the weights
 

@@ -245,6 +245,12 @@ def check_train(cfg: Config) -> None:
         raise P3DConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0; try train.warmup_steps=0")
     if t.grad_clip < 0:
         raise P3DConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
+    if t.eval_every > 0 and t.eval_batches < 1:
+        raise P3DConfigError(f"train.eval_batches={t.eval_batches} must be at least 1 with train.eval_every="
+                             f"{t.eval_every}; try train.eval_batches=2, or train.eval_every=0 for no validation")
+    if t.eval_every > 0 and cfg.data.val_fraction <= 0:
+        raise P3DConfigError(f"data.val_fraction={cfg.data.val_fraction} leaves no validation data for train.eval_every="
+                             f"{t.eval_every}; try data.val_fraction=0.005, or train.eval_every=0 for no validation")
 
 
 def check_data(cfg: Config, tokenizer_vocab: Optional[int]) -> None:

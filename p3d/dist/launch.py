@@ -150,7 +150,7 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
         print(f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}{then}; stopped the other {others} "
               f"running workers. Last lines of {logs / f'rank{rank}.log'}:\n{_tail(logs / f'rank{rank}.log')}",
               file=console, flush=True)
-        return 1
+        return exit_codes.WORKER_FAILED
     finally:
         if any(p.poll() is None for p in procs.values()):  # an exception in this function: leave no orphans
             _stop(procs, signal.SIGKILL)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +98,19 @@ def time_minutes(value: str) -> int:
     return -(-time_seconds(value) // 60)
 
 
+def checked_time_limit(c) -> Optional[int]:
+    """cluster.time in seconds (None: the partition's default). A malformed limit, or one the checkpoint
+    signal would not fit in, is refused here, not by sbatch (both the recipe and sweep jobs use this)."""
+    if c.time is None:
+        return None
+    limit = time_seconds(c.time)
+    if c.signal_s >= limit:
+        raise P3DConfigError(f"cluster.signal_s={c.signal_s} must be shorter than cluster.time={c.time} "
+                             f"({limit} s): the checkpoint signal would come at the start; try "
+                             f"cluster.signal_s={max(1, limit // 5)}")
+    return limit
+
+
 def sbatch_args(cfg, lay: Layout, run_dir: str | Path) -> list[str]:
     """The sbatch options of this run's job; they override the recipe's #SBATCH header."""
     c = cfg.cluster
@@ -105,12 +119,7 @@ def sbatch_args(cfg, lay: Layout, run_dir: str | Path) -> list[str]:
         args.append(f"--gpus-per-node={lay.gpus_per_node}")
     if lay.cpus_per_task:
         args.append(f"--cpus-per-task={lay.cpus_per_task}")
-    if c.time is not None:
-        limit = time_seconds(c.time)  # a malformed limit is refused here, not by sbatch
-        if c.signal_s >= limit:
-            raise P3DConfigError(f"cluster.signal_s={c.signal_s} must be shorter than cluster.time={c.time} "
-                                 f"({limit} s): the checkpoint signal would come at the start; try "
-                                 f"cluster.signal_s={max(1, limit // 5)}")
+    if checked_time_limit(c) is not None:
         args.append(f"--time={c.time}")
     for flag in ("partition", "account", "qos", "constraint"):
         if getattr(c, flag) is not None:
@@ -216,7 +225,9 @@ def write_status(run_dir: str | Path, status: str, returncode: Optional[int] = N
     path = Path(run_dir) / STATUS_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"status": status, "returncode": returncode, **extra}
-    path.write_text(json.dumps(body) + "\n")
+    tmp = path.with_name(f".{STATUS_NAME}.tmp")  # p3d-report may read it while a sweep runs
+    tmp.write_text(json.dumps(body) + "\n")
+    os.replace(tmp, path)
 
 
 def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
@@ -264,11 +275,11 @@ def dispatch(cfg, plan, spec: Path, multirun: bool = False) -> int:
         msg = _with_source(str(exc))
         if multirun:
             print(f"p3d: skipped this point, config error: {msg}", file=sys.stderr, flush=True)
-            write_status(spec.parent, "skipped", 2, reason=msg)
-            return 2
+            write_status(spec.parent, "skipped", exit_codes.CONFIG_ERROR, reason=msg)
+            return exit_codes.CONFIG_ERROR
         fail(f"config error: {msg} (nothing was submitted)")
     except RuntimeError as exc:
-        fail(str(exc), status=1)
+        fail(str(exc), status=exit_codes.WORKER_FAILED)
     lay = layout(cfg, plan)
     gpus = f", {lay.gpus_per_node} GPUs each" if lay.gpus_per_node else ""
     print(f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}, "

@@ -162,7 +162,7 @@ def run_step(cfg, plan, spec: Path) -> int:
     return rc
 
 
-# ---- helpers the batch recipe calls (no torch, no Hydra: quick)
+# ---- helpers the batch recipe calls
 
 def print_layout(run_dir: str) -> int:
     """One line for the recipe: world tasks_per_node nodes backend logging_rank requeue max_requeues gpus."""
@@ -180,22 +180,16 @@ def resume_spec(run_dir: str) -> int:
     checkpoint (as ``p3d-train train.resume=auto run.dir=<run_dir>`` would)."""
     from p3d.config.spec import read_spec, write_spec
 
+    from p3d.cli import check_run  # resolves auto to a checkpoint dir and checks it
+
     cfg, plan = read_spec(run_dir)
-    if not hasattr(cfg.train, "resume"):
-        print("p3d: this p3d has no train.resume; the requeued job starts again from step 0", flush=True)
-        return 0
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="auto"),
                               run=dataclasses.replace(cfg.run, dir=str(run_dir)))
     try:
-        from p3d.cli import check_run  # resolves auto to a checkpoint dir and checks it
-    except ImportError:
-        check_run = None
-    if check_run is not None:
-        try:
-            cfg = check_run(cfg)
-        except P3DConfigError as exc:
-            print(f"p3d: cannot resume {run_dir}: {exc}", file=sys.stderr, flush=True)
-            return exit_codes.CONFIG_ERROR
+        cfg = check_run(cfg)
+    except P3DConfigError as exc:
+        print(f"p3d: cannot resume {run_dir}: {exc}", file=sys.stderr, flush=True)
+        return exit_codes.CONFIG_ERROR
     write_spec(cfg, plan, run_dir)
     print(f"p3d: resuming {run_dir} from {cfg.train.resume}", flush=True)
     return 0
@@ -206,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"layout": print_layout, "resume": resume_spec}
     if len(argv) != 2 or argv[0] not in commands:
         print("usage: python -m p3d.dist.slurm_job {layout|resume} <run_dir>", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG_ERROR
     try:
         return commands[argv[0]](argv[1])
     except (P3DConfigError, FileNotFoundError) as exc:

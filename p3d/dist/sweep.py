@@ -23,16 +23,14 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
-from p3d.dist.slurm import check_fits, layout, partition_info, time_minutes, write_status
+from p3d.dist.slurm import check_fits, checked_time_limit, layout, partition_info, time_minutes, write_status
 from p3d.report import mesh_label
 
 def _resume_auto(overrides: list[str]) -> list[str]:
     """A requeued sweep job runs the same point again: let it resume its own checkpoint."""
-    from p3d.config.schema import TrainConfig
-
-    if "resume" not in TrainConfig.__dataclass_fields__ or any(o.lstrip("+~").startswith("train.resume=")
-                                                               for o in overrides):
+    if any(o.lstrip("+~").startswith("train.resume=") for o in overrides):
         return overrides
     return [*overrides, "train.resume=auto"]
 
@@ -65,16 +63,16 @@ class P3DSlurmLauncher(SlurmLauncher):
             extra["gpus_per_node"] = lay.gpus_per_node
         if lay.cpus_per_task:
             extra["cpus_per_task"] = lay.cpus_per_task
-        if c.requeue:
-            extra["requeue"] = True
+        extra["requeue" if c.requeue else "no-requeue"] = True
         if c.signal_s > 0:  # to the worker step (not the batch step): they checkpoint, exit 75, the job requeues
             extra["signal"] = f"USR1@{c.signal_s}"
         for line in c.extra_sbatch:
             key, eq, value = line.lstrip("-").partition("=")
             extra[key] = value if eq else True
+        limit = checked_time_limit(c)
         params: dict[str, Any] = dict(
             nodes=1, tasks_per_node=1, name=c.job_name,
-            timeout_min=time_minutes(c.time) if c.time else self.params.get("timeout_min", 60),
+            timeout_min=time_minutes(c.time) if limit else self.params.get("timeout_min", 60),
             slurm_use_srun=False, slurm_stderr_to_stdout=True, slurm_additional_parameters=extra)
         for key in ("partition", "account", "qos", "constraint"):
             if getattr(c, key) is not None:
@@ -86,7 +84,8 @@ class P3DSlurmLauncher(SlurmLauncher):
     def _skip(self, overrides, task_cfg, cfg, out: Path, idx: int, msg: str) -> JobReturn:
         print(f"p3d: point #{idx} ({' '.join(filter_overrides(overrides))}) skipped, not submitted: {msg}",
               file=sys.stderr, flush=True)
-        write_status(out, "skipped", 2, reason=msg, mesh=mesh_label(task_cfg), overrides=list(overrides))
+        write_status(out, "skipped", exit_codes.CONFIG_ERROR, reason=msg, mesh=mesh_label(task_cfg),
+                     overrides=list(overrides))
         return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),
                          task_name=cfg.hydra.job.name, status=JobStatus.COMPLETED, _return_value=2)
 
@@ -120,8 +119,13 @@ class P3DSlurmLauncher(SlurmLauncher):
                     slots.append(self._skip(overrides, task_cfg, cfg_full, out, idx, _with_source(str(exc))))
                     continue
                 executor.update_parameters(**params)
-                job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}",
-                                      Singleton.get_state())
+                try:
+                    job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}",
+                                          Singleton.get_state())
+                except Exception as exc:  # noqa: BLE001 - sbatch refused it (account, qos, ...): skip the point
+                    why = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+                    slots.append(self._skip(overrides, task_cfg, cfg_full, out, idx, f"sbatch refused it: {why}"))
+                    continue
                 print(f"p3d: point #{idx} ({' '.join(filter_overrides(overrides))}): Slurm job {job.job_id}, "
                       f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks; run dir {out}", flush=True)
                 slots.append((job, overrides, task_cfg, cfg_full, out))
@@ -138,6 +142,7 @@ class P3DSlurmLauncher(SlurmLauncher):
         except Exception as exc:  # noqa: BLE001 - submitit raises several kinds
             reason = f"Slurm job {job.job_id} {job.state}: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
             print(f"p3d: {reason}", file=sys.stderr, flush=True)
-            write_status(out, "failed", 1, reason=reason, job_id=job.job_id, mesh=mesh_label(task_cfg))
+            write_status(out, "failed", exit_codes.WORKER_FAILED, reason=reason, job_id=job.job_id,
+                         mesh=mesh_label(task_cfg))
             return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),
                              task_name=cfg.hydra.job.name, status=JobStatus.COMPLETED, _return_value=1)

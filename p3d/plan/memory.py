@@ -59,21 +59,6 @@ def optimizer_sharded(cfg: Config) -> bool:
     return cfg.zero.stage >= 1 or cfg.train.dtype == DType.bf16
 
 
-def zero_paper_bytes_per_param(zero_stage: int, dp: int, k: int = 12) -> float:
-    """Model-state bytes per parameter of Rajbhandari et al. (2020), Sec. 5 / Table 1.
-
-    Mixed precision Adam: 2 (fp16 params) + 2 (fp16 grads) + K (fp32 master, momentum, variance)
-    with K = 12; ZeRO 1 divides K by dp, ZeRO 2 also the grads, ZeRO 3 also the params."""
-    params, grads, opt = 2.0, 2.0, float(k)
-    if zero_stage >= 1:
-        opt /= dp
-    if zero_stage >= 2:
-        grads /= dp
-    if zero_stage >= 3:
-        params /= dp
-    return params + grads + opt
-
-
 def _partition(n: int, dp: int) -> int:
     """Elements of one rank's slice of a flat group: padded to a multiple of 2 dp, then / dp."""
     return math.ceil(n / (2 * dp)) * 2 if n else 0

@@ -76,12 +76,15 @@ def _link_optimizer_states(engine) -> None:
     wrapper._lazy_init_hp_params_optimizer_state()
 
 
-def _gather_optimizer_state(engine, module) -> dict[str, dict[str, torch.Tensor]]:
-    """Per parameter: fp32 master and Adam moments, whole (collective over the dp group)."""
+def _gather_optimizer_state(engine, module, keep: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter: fp32 master and Adam moments, whole. Under ZeRO / bf16 this is a collective over
+    the dp group (every dp rank calls it); only a rank with ``keep`` copies the result to the CPU."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
     hp = _uses_hp_mapping(module)
+    if not (hp or keep):
+        return out  # ZeRO-0 fp32: each replica holds the whole state; nothing to join
     if hp:
         _link_optimizer_states(engine)
     for name, p in module.named_parameters():
@@ -92,7 +95,8 @@ def _gather_optimizer_state(engine, module) -> dict[str, dict[str, torch.Tensor]
             raw = engine.optimizer.state.get(p, {})
             state = {k: raw[k] for k in ADAM_KEYS if k in raw}
             state["master"] = p.detach()
-        out[name] = {k: v.detach().float().cpu().clone() for k, v in state.items() if v is not None}
+        if keep:
+            out[name] = {k: v.detach().float().cpu().clone() for k, v in state.items() if v is not None}
     return out
 
 
@@ -121,7 +125,7 @@ def save(engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, sche
         for sub in ("model", "optim", "rng"):
             (tmp / sub).mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    optim_state = _gather_optimizer_state(engine, module)  # every dp rank joins the gathers
+    optim_state = _gather_optimizer_state(engine, module, keep=mesh.dp_rank == 0)  # every dp rank joins
     coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}"
     if mesh.dp_rank == 0:
         params = {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
@@ -147,8 +151,13 @@ def save(engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, sche
     return final
 
 
+def _complete(ckpt_root: Path) -> list[Path]:
+    """Checkpoints whose save finished (meta.json is written last), oldest first."""
+    return sorted(d for d in ckpt_root.glob("step_*") if (d / "meta.json").is_file())
+
+
 def _prune(ckpt_root: Path, keep_last: int) -> None:
-    complete = sorted(d for d in ckpt_root.glob("step_*") if (d / "meta.json").is_file())
+    complete = _complete(ckpt_root)
     for old in complete[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_root.glob(".step_*.tmp"):  # a save that crashed before its rename
@@ -179,7 +188,7 @@ def find(run_dir: str | Path, resume: str) -> Path | None:
         candidate = ckpt_root / pointer.read_text().strip()
         if (candidate / "meta.json").is_file():
             return candidate
-    complete = sorted(d for d in ckpt_root.glob("step_*") if (d / "meta.json").is_file())
+    complete = _complete(ckpt_root)
     return complete[-1] if complete else None
 
 

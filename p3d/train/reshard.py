@@ -80,11 +80,15 @@ class ShardedCheckpoint:
         shards = [self._file("model", pp, t)["params"][name] for t in range(self.tp)]
         return full_from_shards(shards, self.spec(name))
 
-    def optim(self, name: str) -> dict[str, torch.Tensor]:
+    def optim(self, name: str, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """The logical fp32 master and Adam moments of ``name`` (or only ``keys`` of them)."""
         pp = source_stage(name, self.bounds)
         per_rank = [self._file("optim", pp, t)[name] for t in range(self.tp)]
         spec = self.spec(name)
-        return {k: full_from_shards([s[k] for s in per_rank], spec) for k in per_rank[0]}
+        return {k: full_from_shards([s[k] for s in per_rank], spec) for k in keys or per_rank[0]}
+
+    def master(self, name: str) -> torch.Tensor:
+        return self.optim(name, ("master",))["master"]
 
     def names(self) -> list[str]:
         out = []

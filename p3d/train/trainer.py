@@ -69,12 +69,24 @@ class Stopper:
         self.signum = signum
 
 
-def step_stats(stopper: Stopper, wait_share: float, device) -> tuple[bool, float, float]:
-    """(stop, mean bubble, max peak memory) over all ranks: one small all-gather per step."""
-    mine = torch.tensor([float(stopper.signum), wait_share, peak_memory_gb()], dtype=torch.float64, device=device)
+def step_stats(stopper: Stopper, wait_share: float, device, stats: DataStats | None) -> tuple[bool, float, float]:
+    """(stop, mean bubble, max peak memory) over all ranks: one small all-gather per step.
+
+    Every rank that reads data (``stats`` given: first and last stages) reads the same stream, so its
+    skipped records and failed files agree with every other reader's. If they do not (a file failed on
+    some ranks only, say an I/O error), inputs and labels no longer line up: stop the run, loudly."""
+    skips = [stats.skipped_records, stats.failed_files] if stats is not None else [-1, -1]  # -1: reads no data
+    mine = torch.tensor([float(stopper.signum), wait_share, peak_memory_gb(), *skips], dtype=torch.float64,
+                        device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     every = torch.stack(parts).cpu()
+    readers = every[every[:, 3] >= 0, 3:]
+    if len(readers) and not bool((readers == readers[0]).all()):
+        per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, 3:].tolist()) if row[0] >= 0}
+        raise RuntimeError("the data-reading ranks skipped different records or files of the same stream (rank: "
+                           f"(records, files) = {per_rank}; see the 'p3d data' warnings in the rank logs), so their "
+                           "batches no longer match; fix the input and resume from the last checkpoint")
     return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max())
 
 
@@ -149,7 +161,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
-        stop, bubble, mem = step_stats(stopper, timer.take() / step_time, device)
+        stop, bubble, mem = step_stats(stopper, timer.take() / step_time, device, stats if reads_data else None)
         extra = {}
         if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)

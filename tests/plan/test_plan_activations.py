@@ -78,7 +78,6 @@ def test_activation_bytes_per_micro_batch(make_cfg, overrides):
     cfg = make_cfg(*overrides)
     (stage,) = stage_memory(cfg, layout_of(cfg))  # pp=1: embedding, every block, norm, head and loss
     measured = saved_bytes(cfg, checkpoint_blocks=cfg.schedule.recompute.value == "full")
-    assert stage.activation_bytes == pytest.approx(measured, rel=0.10)
     assert stage.activation_bytes == pytest.approx(measured, rel=1e-9), "the inventory drifted from the model"
 
 

@@ -6,7 +6,6 @@ model's own parameters) plus every per-parameter state tensor (exp_avg, exp_avg_
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -58,14 +57,8 @@ def test_published_parameter_counts(make_cfg):
 
 # ---- a real DeepSpeed engine, 8 gloo processes: dp2 x pp2 x tp2, ZeRO 0 then ZeRO 1, fp32
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine_worker(rank: int, world: int, init_method: str, cfgs, results) -> None:
-    """Build p3d's pipeline and DeepSpeed engine exactly as the trainer does, run one step, report bytes."""
+    """Build p3d's pipeline and DeepSpeed engine with the trainer's own build_engine, run one step, report bytes."""
     os.environ.update(P3D_INIT_METHOD=init_method, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
                       DS_ACCELERATOR="cpu")
     try:
@@ -74,24 +67,16 @@ def _engine_worker(rank: int, world: int, init_method: str, cfgs, results) -> No
         import torch
         import torch.distributed as dist
 
-        from p3d.config.schema import DType
         from p3d.dist.mesh import Mesh
-        from p3d.train.optim import build_optimizer
-        from p3d.train.trainer import build_pipeline, deepspeed_config
+        from p3d.train.trainer import build_engine
         from p3d.worker import init_process_group
 
         init_process_group(build_plan(cfgs[0], None), rank, 120)
-        import deepspeed
-
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
         for index, cfg in enumerate(cfgs):
             plan = build_plan(cfg, None)
             mesh = Mesh.from_plan(plan, rank).with_groups()
-            module = build_pipeline(cfg, plan, mesh)
-            clip_here = cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32
-            opt, sched = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
-            engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
-                                                   config=deepspeed_config(cfg, plan))
+            engine, _, _ = build_engine(cfg, plan, mesh)
             gen = torch.Generator().manual_seed(0)
             b, s, v = cfg.schedule.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
             batches = [(torch.randint(0, v, (b, s), generator=gen), torch.randint(0, v, (b, s), generator=gen))
@@ -115,7 +100,7 @@ def _engine_worker(rank: int, world: int, init_method: str, cfgs, results) -> No
 
 
 @pytest.mark.timeout(300)
-def test_params_and_optimizer_bytes_match_a_deepspeed_engine(make_cfg):
+def test_params_and_optimizer_bytes_match_a_deepspeed_engine(make_cfg, tmp_path):
     import torch.multiprocessing as mp
 
     # fp32 with ZeRO 0 (torch AdamW) and ZeRO 1 (DeepSpeed's ZeRO optimizer: fp32 copy + moments / dp),
@@ -125,7 +110,7 @@ def test_params_and_optimizer_bytes_match_a_deepspeed_engine(make_cfg):
     world = 8
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"file://{tmp_path / 'store'}"  # a file rendezvous: no port to race for
     procs = [ctx.Process(target=_engine_worker, args=(r, world, init, cfgs, results)) for r in range(world)]
     for p in procs:
         p.start()

@@ -42,6 +42,17 @@ def slurm_cluster():
     return Slurm()
 
 
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(request):
+    """One node holds every job: a job a failed test leaves behind would keep the next tests' jobs
+    pending until they time out. Cancel whatever this user still has queued or running."""
+    yield
+    if "slurm_cluster" in request.fixturenames and shutil.which("scancel"):
+        import getpass
+
+        run("scancel", f"--user={getpass.getuser()}")
+
+
 class Slurm:
     """sbatch / scontrol / sacct with deadlines."""
 
@@ -88,8 +99,9 @@ class Slurm:
         The delay exists because slurmd revoked the first run's job credential when it ended, and
         it compares the revocation with the new credential's creation time in whole seconds: a
         credential issued in the same second is taken as revoked ("Job credential revoked", the
-        job FAILS at once). Waiting past the next second boundary leaves only the safe case."""
-        time.sleep(2.0)
+        job FAILS at once). The revocation comes with the controller's kill of the first run, about when
+        the job shows PENDING again; a few seconds more leave only the safe case, even on a loaded machine."""
+        time.sleep(5.0)
         assert run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
 
     def wait_accounted(self, job: str, runs: int = 1, timeout: float = 30) -> list[dict[str, str]]:
