@@ -1,6 +1,8 @@
 # p3d: two commands on a fresh machine.
 #   make train   create the environment if missing, then run the default training job
-#   make test    create the environment if missing, then run the test suite
+#   make test    create the environment if missing, then run the whole test suite
+#   make test-fast   the in-process tests only (no worker, no p3d-train, no Slurm job): a few minutes
+#   make lint    ruff (lint + format check) and mypy
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +10,7 @@ STAMP := $(VENV)/.p3d-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test bench dry-run clean
+.PHONY: install train test test-fast lint format bench dry-run clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +27,19 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# A test that starts a process fails here unless it is marked procs (tests/conftest.py).
+test-fast: $(STAMP)
+	P3D_TEST_TIER=fast $(BIN)/python -m pytest -q -m "not procs" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py

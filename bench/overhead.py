@@ -61,7 +61,7 @@ def plain_worker(spec_path: str, out_path: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     from p3d.config.spec import read_spec
-    from p3d.config.validate import padded_vocab
+    from p3d.model.geometry import padded_vocab
     from p3d.model.pipe import to_sequential
     from p3d.train.optim import build_optimizer
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from overhead import compose_spec, plain_micro_batches
-    from p3d.config.validate import padded_vocab
+    from p3d.model.geometry import padded_vocab
     from p3d.dist.mesh import Mesh
     from p3d.model.pipe import to_sequential
     from p3d.train import optim

@@ -198,7 +198,7 @@ def train_task(cfg_node: DictConfig) -> int:
 
     from p3d.config.spec import write_spec
     from p3d.dist.launch import launch_local
-    from p3d.train.trainer import DS_CONFIG_NAME, deepspeed_config
+    from p3d.config.deepspeed_json import DS_CONFIG_NAME, deepspeed_config
 
     spec = write_spec(cfg, plan, cfg.run.dir)
     (spec.parent / DS_CONFIG_NAME).write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p3d.config.validate import count_params
+from p3d.model.geometry import total_params
 from p3d.dist.mesh import Mesh
 from p3d.model.pipe import build_layer_specs
 from p3d.tp.layers import owned_by_tp_rank
@@ -36,7 +36,7 @@ class DryRunReport:
 
     @property
     def closed_form(self) -> int:
-        return count_params(self.cfg.model)
+        return total_params(self.cfg.model)
 
     def render(self) -> str:
         plan, cfg = self.plan, self.cfg

@@ -3,11 +3,12 @@
 
 Written by one rank only (last stage, dp 0, tp 0), where the loss is known. Figures:
 - tokens_per_s: global batch tokens / step wall time.
-- tflops_per_device: model FLOPs per step (p3d.flops: 6 x matmul parameters + attention, no
+- tflops_per_device: model FLOPs per step (p3d.model.geometry: 6 x matmul parameters + attention, no
   recompute) / step time / devices; mfu: that over cluster.peak_tflops.
 - peak_mem_gb: the largest, over all ranks, of CUDA max-allocated (GPU) or peak RSS (CPU), in GB.
 - bubble: measured share of the step the stages spend blocked on pipeline neighbours (mean over
-  ranks, p3d.train.timing); bubble_theory: (p-1)/(m+p-1).
+  ranks, p3d.train.timing); bubble_theory: the same idle share in theory, (p-1)/(m+p-1)
+  (p3d.model.geometry.pipeline_bubble, the number p3d-plan reports as bubble).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from p3d.flops import model_flops_per_token
+from p3d.model.geometry import model_flops_per_token
 
 METRICS_NAME = "metrics.jsonl"
 

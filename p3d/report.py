@@ -25,6 +25,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 
 from p3d import exit_codes
+from p3d.config.spec import RUN_PLAN_KEY
 
 STATUS_NAME = "p3d_status.json"  # also p3d.dist.slurm.STATUS_NAME
 STATUS_BY_CODE = {exit_codes.OK: "done", exit_codes.WORKER_FAILED: "failed", exit_codes.CONFIG_ERROR: "skipped",
@@ -93,7 +94,7 @@ def read_point(point: Path, name: str) -> Row:
     spec_path = point / "run_spec.yaml"
     if spec_path.is_file():
         spec = OmegaConf.to_container(OmegaConf.load(spec_path))
-        plan, mesh = spec.get("plan", {}), spec.get("mesh", {})
+        plan, mesh = spec.get(RUN_PLAN_KEY, {}), spec.get("mesh", {})
         row.dp, row.pp, row.tp = plan.get("dp"), plan.get("pp"), plan.get("tp")
         row.mesh = mesh.get("name", "?")
         row.total_steps = spec.get("train", {}).get("steps")

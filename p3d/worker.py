@@ -13,12 +13,10 @@ from pathlib import Path
 
 
 def skip_cpu_shm_build() -> None:
-    """DeepSpeed JIT-compiles a shared-memory all-reduce (30 s to minutes, needs g++) when its comm
-    backend starts on CPU; it serves inference only, never training, so mark it unavailable."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed.ops
+    """No JIT build of DeepSpeed's CPU shared-memory all-reduce (inference only): p3d.ds_compat."""
+    from p3d.ds_compat import disable_cpu_shm_comm
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    disable_cpu_shm_comm()
 
 
 def init_process_group(plan, rank: int, timeout_s: int) -> None:

@@ -64,3 +64,23 @@ def worker_pids(run_dir: Path) -> dict[int, int]:
 @pytest.fixture
 def run_dir(tmp_path):
     return tmp_path / "run"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "procs: starts processes (workers, p3d-train, Slurm jobs): make test only")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """Under ``make test-fast`` (P3D_TEST_TIER=fast) a test that starts a process fails and says to mark
+    it ``procs``, so the quick tier stays in-process whatever a test grows into."""
+    if os.environ.get("P3D_TEST_TIER") != "fast" or request.node.get_closest_marker("procs"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.procs")
+
+    import multiprocessing.process
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from p3d.config.validate import count_params
+from p3d.model.geometry import total_params
 from p3d.metrics import read_metrics
 from tests.conftest import ROOT, p3d_train, typed, worker_pids
+
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -93,7 +95,7 @@ def test_dry_run_llama70b_tp8_pp8_counts():
 
     cfg, plan = typed("mesh=tp8_pp8", "model=llama70b", "dry_run=true", "schedule=large")
     report = dry_run(cfg, plan)
-    assert report.total == count_params(cfg.model) == 70_553_706_496
+    assert report.total == total_params(cfg.model) == 70_553_706_496
     assert len(report.params) == 64 and len(report.mesh_map) == 64
     for (pp, tp), n in report.params.items():
         blocks = sum(name.startswith("block") for name in report.stage_layers[pp])

@@ -7,7 +7,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from p3d.config.schema import Partition
 from p3d.config.spec import read_spec, write_spec
-from p3d.config.validate import P3DConfigError, count_params, padded_vocab, stage_bounds
+from p3d.config.validate import P3DConfigError
+from p3d.model.geometry import padded_vocab, stage_bounds, total_params
 from tests.conftest import CONF, compose, typed
 
 GROUP_FILES = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
@@ -77,7 +78,7 @@ RULES = [
     (["mesh.dp=two"], "mesh.dp='two' must be a positive integer or auto", "mesh.dp=auto"),
     (["cluster.gpus_per_node=4"], "must equal the world size 4", "mesh.dp=auto"),
     (["mesh=tp4", "cluster.gpus_per_node=2", "mesh.dp=auto"], "mesh.tp=4 exceeds cluster.gpus_per_node=2",
-     "mesh.tp=2"),
+     "mesh=tp2_pp2"),
     (["train.warmup_steps=-1"], "train.warmup_steps=-1 must be >= 0", "train.warmup_steps=0"),
     (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 must be at least 1",
      "train.eval_batches=2"),
@@ -128,12 +129,12 @@ def test_stage_bounds():
 ])
 def test_closed_form_parameter_counts_match_published(model, published):
     cfg, _ = typed(f"model={model}", "mesh=single", "schedule=large", "schedule.global_batch_size=8")
-    assert count_params(cfg.model) == published
+    assert total_params(cfg.model) == published
 
 
 def test_small_is_about_125m():
     cfg, _ = typed("model=small")
-    assert 120e6 < count_params(cfg.model) < 130e6
+    assert 120e6 < total_params(cfg.model) < 130e6
 
 
 def test_run_spec_round_trip(tmp_path):

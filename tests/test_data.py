@@ -88,6 +88,7 @@ def test_undecodable_lines_are_skipped_and_counted(tmp_path):
     assert stats.skipped_records == 1
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_run_skips_bad_lines_on_every_data_rank_alike(tmp_path):
     """pp2 x dp2: four ranks read the stream; each skips the same bad lines, so their batches still match
@@ -110,6 +111,7 @@ def _disagreeing_readers(rank, world):
         step_stats(Stopper(), 0.0, torch.device("cpu"), stats if rank < 2 else None)
 
 
+@pytest.mark.procs
 def test_ranks_whose_data_streams_drift_apart_stop_the_run():
     from tests.dist import run_distributed
 
@@ -143,6 +145,7 @@ def test_epochs_repeat_a_small_corpus(tmp_path):
     assert len(batches) == 6 and all(b.shape == (2, 16) for b in batches)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("setup,overrides,needle", [
     (None, ["data=files", "data.path={tmp}/missing*.jsonl"], "matches no file"),
     ("empty", ["data=files", "data.path={tmp}/empty.jsonl"], "holds 0 tokens"),

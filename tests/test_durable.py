@@ -17,6 +17,8 @@ from p3d.metrics import read_metrics
 from p3d.train import checkpoint
 from tests.conftest import ROOT, p3d_train, worker_pids
 
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
+
 STEPS = 10
 
 

@@ -14,6 +14,8 @@ from p3d.train import checkpoint
 from tests.conftest import p3d_train, typed
 from tests.dist import run_distributed
 
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
+
 STEPS, SPLIT = 8, 4
 COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2", f"train.save_every={SPLIT}")
 

@@ -1,6 +1,8 @@
 """The Llama twin, its init, and how the pipeline engine builds and runs it."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,8 @@ def _count_block_forwards(rank, world, recompute, counts):
 
     from p3d.model.llama import TransformerBlock
     from p3d.train.optim import build_optimizer
-    from p3d.train.trainer import build_pipeline, deepspeed_config
+    from p3d.config.deepspeed_json import deepspeed_config
+    from p3d.train.trainer import build_pipeline
 
     deepspeed.init_distributed("gloo")
     over = ["mesh=pp2" if world == 2 else "mesh=single", "train.steps=1", "model.n_layers=2"]
@@ -66,9 +69,11 @@ def _count_block_forwards(rank, world, recompute, counts):
     assert len(calls) == plan.micro_batches * (2 if recompute else 1), (recompute, len(calls))
 
 
+@pytest.mark.procs
 def test_full_recompute_reruns_every_block_in_backward():
     run_distributed(_count_block_forwards, 2, True, None, timeout=180)
 
 
+@pytest.mark.procs
 def test_no_recompute_runs_each_block_once():
     run_distributed(_count_block_forwards, 2, False, None, timeout=180)

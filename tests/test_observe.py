@@ -10,6 +10,8 @@ from p3d.metrics import read_metrics
 from tests.conftest import p3d_train
 from tests.wandb_log import history, run_config
 
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
+
 
 @pytest.mark.timeout(240)
 def test_wandb_offline_run_holds_every_metric(tmp_path):
@@ -26,7 +28,7 @@ def test_wandb_offline_run_holds_every_metric(tmp_path):
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "peak_mem_gb"):
             assert row[key] == pytest.approx(m[key]), key
     config = run_config(runs[0])  # the resolved run spec is the W&B config
-    assert config["mesh"]["name"] == "pp2" and config["plan"]["pp"] == 2 and config["train"]["steps"] == 3
+    assert config["mesh"]["name"] == "pp2" and config["run_plan"]["pp"] == 2 and config["train"]["steps"] == 3
 
 
 @pytest.mark.timeout(240)

@@ -16,6 +16,8 @@ from p3d.metrics import read_metrics
 from p3d.train.reference import reference_run
 from tests.conftest import p3d_train, typed
 
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
+
 STEPS = 10
 RTOL = 1e-5
 COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2")

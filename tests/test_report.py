@@ -21,7 +21,7 @@ def make_point(root, name, *, tp=1, pp=2, dp=1, steps=3, done_steps=3, tokens=(1
     d = root / name
     d.mkdir(parents=True)
     spec = {"mesh": {"name": mesh, "tp": tp, "pp": pp, "dp": dp}, "train": {"steps": steps},
-            "plan": {"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp}}
+            "run_plan": {"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp}}
     (d / "run_spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(spec)))
     lines = []
     for step in range(1, done_steps + 1):
@@ -78,6 +78,7 @@ def test_cli_writes_csv_and_png(tmp_path, capsys):
     assert main([str(tmp_path / "empty")]) == 2
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_local_multirun_runs_points_in_sequence_skips_infeasible_and_reports(tmp_path):
     sweep = tmp_path / "sweep"

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from tests.dist import run_distributed
 
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
+
 SEED = 7
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -75,7 +77,7 @@ def _check_row(rank, world):
 
 
 def _check_embedding(rank, world):
-    from p3d.config.validate import padded_vocab
+    from p3d.model.geometry import padded_vocab
     from p3d.tp.layers import VocabParallelEmbedding
 
     full_mesh, mesh = _meshes(rank, world)
@@ -96,7 +98,7 @@ def _check_embedding(rank, world):
 
 
 def _check_cross_entropy(rank, world):
-    from p3d.config.validate import padded_vocab
+    from p3d.model.geometry import padded_vocab
     from p3d.tp.cross_entropy import vocab_parallel_cross_entropy
 
     vocab = 37

@@ -16,6 +16,8 @@ from p3d.config.schema import Config
 from p3d.config.validate import RunPlan
 
 SPEC_NAME = "run_spec.yaml"
+# The derived run plan's key. Not "plan": that is the planner's options (Config.plan, ``plan.force``).
+RUN_PLAN_KEY = "run_plan"
 
 
 def to_config(node: DictConfig | dict) -> Config:
@@ -26,7 +28,7 @@ def to_config(node: DictConfig | dict) -> Config:
 
 def spec_dict(cfg: Config, plan: RunPlan) -> dict[str, Any]:
     body = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    body["plan"] = dataclasses.asdict(plan)
+    body[RUN_PLAN_KEY] = dataclasses.asdict(plan)
     return body
 
 
@@ -49,5 +51,5 @@ def read_spec(path: str | Path) -> tuple[Config, RunPlan]:
     if not path.is_file():
         raise FileNotFoundError(f"run spec {path} does not exist; run p3d-train to create it")
     raw = OmegaConf.to_container(OmegaConf.load(path))
-    plan = RunPlan(**raw.pop("plan"))
+    plan = RunPlan(**raw.pop(RUN_PLAN_KEY))
     return to_config(raw), plan

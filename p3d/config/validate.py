@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from p3d.config.schema import Arch, Config, DataSource, DType, Launcher, Partition, Recompute
+from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -40,16 +41,15 @@ class RunPlan:
 
 def _mesh_presets() -> dict[tuple[int, int, str], str]:
     """(tp, pp, dp) -> preset name, read from conf/mesh/ to suggest a fix by name."""
+    from omegaconf import OmegaConf
+
     presets: dict[tuple[int, int, str], str] = {}
     for f in sorted((CONF_DIR / "mesh").glob("*.yaml")):
-        vals = {}
-        for line in f.read_text().splitlines():
-            if ":" in line and not line.startswith(("#", "defaults")):
-                k, v = (s.strip() for s in line.split(":", 1))
-                vals[k] = v
+        vals = OmegaConf.load(f)
         try:
-            presets[(int(vals["tp"]), int(vals["pp"]), vals["dp"])] = f.stem
-        except (KeyError, ValueError):
+            if vals["name"] != "auto":  # a placeholder for the planner's search, not a layout
+                presets[(int(vals["tp"]), int(vals["pp"]), str(vals["dp"]))] = f.stem
+        except (KeyError, ValueError, TypeError):
             continue
     return presets
 
@@ -57,7 +57,7 @@ def _mesh_presets() -> dict[tuple[int, int, str], str]:
 def suggest_mesh(tp: int, pp: int, dp: int | str = "auto") -> str:
     """An override that sets this layout: a preset name where one exists."""
     presets = _mesh_presets()
-    for key in ((tp, pp, str(dp)), (tp, pp, "auto")):
+    for key in ((tp, pp, str(dp)), (tp, pp, "auto"), (tp, pp, "1")):  # dp auto is 1 on one machine
         if key in presets:
             return f"mesh={presets[key]}"
     return f"mesh.tp={tp} mesh.pp={pp}" + (f" mesh.dp={dp}" if dp != "auto" else "")
@@ -65,50 +65,6 @@ def suggest_mesh(tp: int, pp: int, dp: int | str = "auto") -> str:
 
 def _largest_divisor_at_most(n: int, limit: int, *also: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0 and all(a % d == 0 for a in also))
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    return math.ceil(vocab_size / tp) * tp
-
-
-def layer_names(n_layers: int) -> list[str]:
-    """The flat pipeline: embedding, blocks, final norm, head (the loss runs after the head)."""
-    return ["embed"] + [f"block{i}" for i in range(n_layers)] + ["final_norm", "head"]
-
-
-def stage_bounds(n_layers: int, pp: int, partition: Partition) -> list[int]:
-    """Layer-index boundaries of the pp stages over ``layer_names(n_layers)``.
-
-    ``blocks``: every stage gets n_layers // pp blocks; the remainder goes to the middle stages
-    first, since the first stage also holds the embedding and the last the head and the loss
-    (as Llama 3 405B's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere).
-    ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier stages taking the extra.
-    """
-    n_items = n_layers + 3
-    if partition == Partition.uniform:
-        base, extra = divmod(n_items, pp)
-        sizes = [base + (1 if s < extra else 0) for s in range(pp)]
-        return [sum(sizes[:s]) for s in range(pp + 1)]
-    base, extra = divmod(n_layers, pp)
-    order = list(range(1, pp - 1)) + ([0, pp - 1] if pp > 1 else [0])  # middle, then first (the head is heavier)
-    blocks = [base] * pp
-    for s in order[:extra]:
-        blocks[s] += 1
-    bounds = [0]
-    for s in range(pp):
-        size = blocks[s] + (1 if s == 0 else 0) + (2 if s == pp - 1 else 0)
-        bounds.append(bounds[-1] + size)
-    return bounds
-
-
-def count_params(m) -> int:
-    """Closed-form parameter count of a Llama (unpadded vocab)."""
-    head_dim = m.hidden_size // m.n_heads
-    attn = m.hidden_size * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)  # q, o + k, v
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size  # gate, up, down
-    block = attn + mlp + 2 * m.hidden_size  # + two RMSNorm weights
-    embed = m.vocab_size * m.hidden_size
-    return m.n_layers * block + m.hidden_size + embed * (1 if m.tie_embeddings else 2)
 
 
 def fill_cluster(cfg: Config) -> Config:
@@ -288,5 +244,5 @@ def build_plan(cfg: Config, tokenizer_vocab: Optional[int] = None, for_training:
         procs_per_node=cfg.cluster.gpus_per_node or world,
         logging_rank=(pp - 1) * dp * tp,  # coordinates (pipe=pp-1, data=0, model=0), tp fastest
         backend=backend,
-        n_params=count_params(cfg.model),
+        n_params=total_params(cfg.model),
     )

@@ -5,12 +5,13 @@
     report.fits, report.to_json(), report.render()
     best_layout(cfg)              # mesh=auto: Layout(tp, pp, dp, micro_batch_size, ...)
 
-Modules: shapes (layout, exact parameter counts, FLOPs), memory (model states, activations),
-time (compute, communication, bubble), search (mesh=auto), report / render (output), cli.
+Modules, each importing only those before it: shapes (layout, parameters per rank; the model's
+closed forms are p3d.model.geometry's), memory (model states, activations), step_time (compute,
+communication, bubble), render (text), report (PlanReport, evaluate), search (mesh=auto, plan), cli.
 Formulas and sources: docs/planner.md. Nothing here imports torch or deepspeed.
 """
-from p3d.plan.report import PlanReport, apply_layout, evaluate, plan
-from p3d.plan.search import best_layout, search
+from p3d.plan.report import PlanReport, apply_layout, evaluate
+from p3d.plan.search import best_layout, plan, search
 from p3d.plan.shapes import Layout
 
 __all__ = ["Layout", "PlanReport", "apply_layout", "best_layout", "evaluate", "plan", "search"]

@@ -25,7 +25,7 @@ def plan_task(cfg_node: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from p3d.plan.report import plan
+    from p3d.plan.search import plan
 
     try:
         cfg = typed_config(cfg_node, resolve_auto=False)  # plan() ranks the layouts itself

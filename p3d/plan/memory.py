@@ -44,8 +44,8 @@ import math
 from dataclasses import dataclass, field
 
 from p3d.config.schema import Arch, Config, DType, Recompute
-from p3d.config.validate import padded_vocab
-from p3d.plan.shapes import Layout, StageParams, block_matmul_params, head_dims, stage_params
+from p3d.model.geometry import block_matmul_params, head_dims, padded_vocab
+from p3d.plan.shapes import Layout, StageParams, stage_params
 
 GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables and of device datasheets
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from p3d.plan.memory import GB
+from p3d.plan.step_time import assumptions
 
 MAX_STAGE_ROWS = 12
 
@@ -63,15 +64,13 @@ def render(report) -> str:
                    "most loaded GPU")
     b = report.breakdown
     out += ["", "time per step (s; slowest stage)"]
-    for key in ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer", "tied_embedding"):
-        if b[key] > 0 or key in ("compute", "bubble"):
+    for key in ("compute", "recompute", "tp_comm", "pp_comm", "pipeline_idle", "dp_comm", "optimizer", "tied_embedding"):
+        if b[key] > 0 or key in ("compute", "pipeline_idle"):
             out.append(f"  {key:<15} {b[key]:>10.4f}")
     out.append(f"  {'step':<15} {report.step_time_s:>10.4f}")
     out += ["", f"throughput: {report.tokens_per_s:,.0f} tokens/s, {report.tflops_per_gpu:.1f} TFLOP/s per GPU "
                 f"(MFU {report.mfu:.1%}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
                 f"bubble {report.bubble:.1%}"]
-    from p3d.plan.report import assumptions
-
     a = assumptions(cfg)
     out.append(f"assumed: {a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls, "
                f"HBM {a['hbm_gbps']:g} GB/s, "

@@ -11,8 +11,11 @@ from typing import Any
 
 from p3d.config.schema import Config, DType, Recompute
 from p3d.config.validate import P3DConfigError, build_plan
-from p3d.plan import memory, time
-from p3d.plan.shapes import Layout, layout_of, model_flops_per_token, recompute_flops_per_token, total_params
+from p3d.plan import memory, step_time
+from p3d.plan.render import render
+from p3d.plan.step_time import assumptions
+from p3d.model.geometry import model_flops_per_token, pipeline_bubble, recompute_flops_per_token, total_params
+from p3d.plan.shapes import Layout, layout_of
 
 GB = memory.GB
 
@@ -28,7 +31,7 @@ class PlanReport:
     cfg: Config
     layout: Layout
     stages: list[memory.StageMemory]
-    stage_times: list[time.StageTime]
+    stage_times: list[step_time.StageTime]
     step_time_s: float
     breakdown: dict[str, float]  # seconds per step
     warnings: list[str] = field(default_factory=list)
@@ -90,8 +93,8 @@ class PlanReport:
 
     @property
     def bubble(self) -> float:
-        """Pipeline idle time relative to the useful time: (p - 1) / (v m)."""
-        return (self.layout.pp - 1) / (self.layout.virtual_stages * self.layout.micro_batches)
+        """The idle share of a step, (p - 1) / (v m + p - 1): ``p3d.model.geometry.pipeline_bubble``."""
+        return pipeline_bubble(self.layout.pp, self.layout.micro_batches, self.layout.virtual_stages)
 
     # ---- output
     def summary(self) -> dict[str, Any]:
@@ -132,40 +135,30 @@ class PlanReport:
         return out
 
     def render(self) -> str:
-        from p3d.plan.render import render
-
         return render(self)
-
-
-def assumptions(cfg: Config) -> dict[str, Any]:
-    return {"efficiency": time.efficiency(cfg), "hbm_gbps": time.hbm_bytes_per_s(cfg) / time.HBM_EFFICIENCY / 1e9,
-            "peak_tflops": cfg.cluster.peak_tflops, "intra_node_gbps": cfg.cluster.intra_node_gbps,
-            "inter_node_gbps": cfg.cluster.inter_node_gbps, "comm_efficiency": time.COMM_EFFICIENCY,
-            "flash_attention": cfg.plan.flash_attention, "overlap_dp": cfg.plan.overlap_dp,
-            "overlap_tp": cfg.plan.overlap_tp, "overlap_pp": cfg.plan.overlap_pp}
 
 
 def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True) -> PlanReport:
     """Memory and time of ``cfg`` (its layout, or ``layout``); ``check`` adds p3d-train's verdict."""
     layout = layout or layout_of(cfg)
     stages = memory.stage_memory(cfg, layout)
-    times = time.stage_times(cfg, layout, [s.params for s in stages])
+    times = step_time.stage_times(cfg, layout, [s.params for s in stages])
     slow = max(range(layout.pp), key=lambda i: times[i].total)
     t_mb = times[slow].total
     fill = (layout.pp - 1) / layout.virtual_stages
     tails = []
     for s, (mem, t) in enumerate(zip(stages, times)):
-        dp = time.dp_seconds(cfg, layout, mem.params)
+        dp = step_time.dp_seconds(cfg, layout, mem.params)
         if cfg.plan.overlap_dp:
             hide = layout.micro_batches * t.total if cfg.zero.stage >= 3 else t.forward_compute + t.backward_compute
             dp = max(0.0, dp - hide)
-        tails.append((dp + time.optimizer_seconds(cfg, layout, mem.params), dp))
+        tails.append((dp + step_time.optimizer_seconds(cfg, layout, mem.params), dp))
     tail, dp_exposed = max(tails)
-    tied = time.tied_seconds(cfg, layout)
+    tied = step_time.tied_seconds(cfg, layout)
     m = layout.micro_batches
     step = (m + fill) * t_mb + tail + tied
     breakdown = {"compute": m * times[slow].compute, "recompute": m * times[slow].recompute,
-                 "tp_comm": m * times[slow].tp_comm, "pp_comm": m * times[slow].pp_comm, "bubble": fill * t_mb,
+                 "tp_comm": m * times[slow].tp_comm, "pp_comm": m * times[slow].pp_comm, "pipeline_idle": fill * t_mb,
                  "dp_comm": dp_exposed, "optimizer": tail - dp_exposed, "tied_embedding": tied, "step": step}
     report = PlanReport(cfg, layout, stages, times, step, breakdown)
     if check:
@@ -191,7 +184,7 @@ def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
     if gpn is not None and lay.tp > gpn:
         warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
     if r.bubble > 0.1:
-        warnings.append(f"pipeline bubble {r.bubble:.0%} ((p-1)/(v m) with m={lay.micro_batches}): raise "
+        warnings.append(f"pipeline bubble {r.bubble:.0%} of the step ((p-1)/(v m+p-1) with m={lay.micro_batches}): raise "
                         "schedule.global_batch_size or lower schedule.micro_batch_size")
     if cfg.cluster.device == "cpu":
         notes.append(f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
@@ -226,19 +219,3 @@ def check_options(cfg: Config) -> None:
             raise P3DConfigError(f"cluster.{name}={getattr(c, name)} must be positive")
     if c.gpus_per_node is not None and c.gpus_per_node < 1 or c.nodes < 1:
         raise P3DConfigError(f"cluster.nodes={c.nodes} and cluster.gpus_per_node={c.gpus_per_node} must be positive")
-
-
-def plan(cfg: Config) -> PlanReport:
-    """The planner's report for a typed config (after ``fill_cluster``); mesh=auto picks the best layout.
-
-    Raises P3DConfigError where nothing can be modelled (a layout that does not divide the cluster,
-    or mesh=auto without a fitting layout)."""
-    check_options(cfg)
-    if cfg.mesh.name == "auto":
-        from p3d.plan.search import search
-
-        ranked = search(cfg)
-        best = evaluate(apply_layout(cfg, ranked[0].layout))
-        best.ranking = ranked[:max(1, cfg.plan.top)]
-        return best
-    return evaluate(cfg)

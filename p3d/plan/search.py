@@ -12,7 +12,7 @@ import dataclasses
 
 from p3d.config.schema import Config, Partition
 from p3d.config.validate import P3DConfigError, check_mesh
-from p3d.plan.report import PlanReport, apply_layout, evaluate
+from p3d.plan.report import PlanReport, apply_layout, check_options, evaluate
 from p3d.plan.shapes import Layout, divisors, world_size
 
 
@@ -67,3 +67,17 @@ def search(cfg: Config) -> list[PlanReport]:
 def best_layout(cfg: Config) -> Layout:
     """The fastest layout predicted to fit (for ``p3d-train mesh=auto``); P3DConfigError when none fits."""
     return search(cfg)[0].layout
+
+
+def plan(cfg: Config) -> PlanReport:
+    """The planner's report for a typed config (after ``fill_cluster``); mesh=auto picks the best layout.
+
+    Raises P3DConfigError where nothing can be modelled (a layout that does not divide the cluster,
+    or mesh=auto without a fitting layout)."""
+    check_options(cfg)
+    if cfg.mesh.name == "auto":
+        ranked = search(cfg)
+        best = evaluate(apply_layout(cfg, ranked[0].layout))
+        best.ranking = ranked[:max(1, cfg.plan.top)]
+        return best
+    return evaluate(cfg)

@@ -17,7 +17,8 @@ Parameters per tensor-parallel rank mirror the modules p3d builds (p3d/model/lla
     head:         V_pad h / t; with tied embeddings and pp > 1 the last stage holds a copy of the
                   embedding (DeepSpeed's TiedLayerSpec), with pp = 1 the one table serves both.
 
-Layers are placed on stages by ``p3d.config.validate.stage_bounds``, the function p3d-train uses.
+Layers are placed on stages by ``p3d.model.geometry.stage_bounds``, the function p3d-train uses;
+the per-block counts and FLOPs per token are ``p3d.model.geometry``'s too.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import math
 from dataclasses import dataclass
 
 from p3d.config.schema import Arch, Config, ModelConfig
-from p3d.config.validate import P3DConfigError, layer_names, padded_vocab, stage_bounds
+from p3d.config.validate import P3DConfigError
+from p3d.model.geometry import block_matmul_params, block_vector_params, layer_names, padded_vocab, stage_bounds
 
 
 @dataclass(frozen=True)
@@ -84,28 +86,6 @@ def layout_of(cfg: Config) -> Layout:
     return Layout(tp, pp, dp, s.micro_batch_size, m, s.virtual_stages)
 
 
-def head_dims(m: ModelConfig) -> tuple[int, int]:
-    """(q, kv): widths of the query and of each of the key/value projections."""
-    hd = m.hidden_size // m.n_heads
-    return m.n_heads * hd, m.n_kv_heads * hd
-
-
-def block_matmul_params(m: ModelConfig, tp: int = 1) -> int:
-    """Weights of one block's matrices on one tp rank (the ones that do 2 FLOPs per token each)."""
-    q, kv = head_dims(m)
-    mlp = (3 if m.arch == Arch.llama else 2) * m.hidden_size * m.ffn_hidden_size
-    return (m.hidden_size * (q + 2 * kv) + m.hidden_size * q + mlp) // tp
-
-
-def block_vector_params(m: ModelConfig, tp: int = 1) -> int:
-    """Norm weights and biases of one block on one tp rank."""
-    h = m.hidden_size
-    if m.arch == Arch.llama:
-        return 2 * h
-    q, kv = head_dims(m)
-    return (q + 2 * kv) // tp + m.ffn_hidden_size // tp + 2 * h + 4 * h
-
-
 @dataclass(frozen=True)
 class StageParams:
     """Parameters on one rank of a stage, split as p3d's optimizer groups them."""
@@ -151,44 +131,6 @@ def stage_params(cfg: Config, layout: Layout) -> list[StageParams]:
             mat, vec = mat + dm, vec + dv
         out.append(StageParams(mat, vec, sum(n.startswith("block") for n in here), tuple(here)))
     return out
-
-
-def total_params(m: ModelConfig) -> int:
-    """Closed form of the whole model, unpadded vocab, a tied table counted once."""
-    h = m.hidden_size
-    embed = m.vocab_size * h * (1 if m.tie_embeddings else 2) + (m.seq_len * h if m.arch == Arch.gpt else 0)
-    final = h if m.arch == Arch.llama else 2 * h
-    return m.n_layers * (block_matmul_params(m) + block_vector_params(m)) + embed + final
-
-
-def model_flops_per_token(m: ModelConfig) -> float:
-    """Model FLOPs per token, forward + backward (the MFU numerator; recompute not counted).
-
-        6 * (L * block_matmul_params + h * V)  +  12 * L * s * q
-
-    6 = 2 FLOPs per multiply-add x 3 (forward, and backward's two matmuls). The attention scores
-    and the weighted sum cost 2 * 2 * s * q per token forward, the full s x s square (the
-    Megatron / PaLM convention: causality not discounted). Embedding lookups, norms, activations
-    and the softmax are not counted. For a llama this equals p3d.flops.model_flops_per_token; for a
-    GPT with f = 4h it is Narayanan et al. (2021) Eq. 3 without the recompute term:
-    72 L h^2 (1 + s / 6h + V / 12 L h) per token.
-    """
-    q, _ = head_dims(m)
-    return 6.0 * (m.n_layers * block_matmul_params(m) + m.hidden_size * m.vocab_size) \
-        + 12.0 * m.n_layers * m.seq_len * q
-
-
-def recompute_flops_per_token(m: ModelConfig, recompute: str) -> float:
-    """FLOPs of the forward work that recompute repeats, per token (HFU counts them, MFU does not).
-
-    full: every block's forward again, 2 * L * block_matmul_params + 4 * L * s * q (Narayanan Eq. 3
-    counts exactly this: its factor 96 = 4 x 24). selective: the attention core, 4 * L * s * q.
-    """
-    q, _ = head_dims(m)
-    attn = 4.0 * m.n_layers * m.seq_len * q
-    if recompute == "full":
-        return 2.0 * m.n_layers * block_matmul_params(m) + attn
-    return attn if recompute == "selective" else 0.0
 
 
 def divisors(n: int) -> list[int]:

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from p3d.ds_compat import has_hp_mapping, links_optimizer_states, relink_optimizer_states, wrapped_optimizer
+
 FORMAT = "p3d-checkpoint-1"
 LATEST = "latest"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -52,11 +54,6 @@ def shard_specs(module: torch.nn.Module) -> dict[str, dict]:
     return specs
 
 
-def _uses_hp_mapping(module) -> bool:
-    """ZeRO and DeepSpeed's bf16 optimizer keep an fp32 master partitioned over dp behind each param."""
-    return any(hasattr(p, "_hp_mapping") for p in module.parameters())
-
-
 def _link_optimizer_states(engine) -> None:
     """Make every parameter's view of its Adam moments valid in DeepSpeed's ZeRO / bf16 optimizers.
 
@@ -64,16 +61,15 @@ def _link_optimizer_states(engine) -> None:
     created states of the other groups (our no-decay group) do not exist yet; the views of those
     groups then stay empty. Create any missing state (zeros, step 0, as AdamW would) and re-link."""
     wrapper = engine.optimizer
-    if not hasattr(wrapper, "_lazy_init_hp_params_optimizer_state"):
+    if not links_optimizer_states(wrapper):
         return
-    base = wrapper.optimizer
+    base = wrapped_optimizer(engine)
     for group in base.param_groups:
         for flat in group["params"]:
             if not base.state[flat]:
                 base.state[flat] = {"step": torch.zeros((), dtype=torch.float32),
                                     **{k: torch.zeros_like(flat) for k in ADAM_KEYS}}
-    wrapper._hp_optimizer_states_linked = False
-    wrapper._lazy_init_hp_params_optimizer_state()
+    relink_optimizer_states(wrapper)
 
 
 def _gather_optimizer_state(engine, module, keep: bool) -> dict[str, dict[str, torch.Tensor]]:
@@ -82,7 +78,7 @@ def _gather_optimizer_state(engine, module, keep: bool) -> dict[str, dict[str, t
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
-    hp = _uses_hp_mapping(module)
+    hp = has_hp_mapping(module)
     if not (hp or keep):
         return out  # ZeRO-0 fp32: each replica holds the whole state; nothing to join
     if hp:
@@ -261,7 +257,7 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
 
     meta = json.loads((path / "meta.json").read_text())
     states = _local_states(path, meta, module, mesh, plan)
-    hp = _uses_hp_mapping(module)
+    hp = has_hp_mapping(module)
     if hp:
         _link_optimizer_states(engine)
     step_t = torch.tensor(float(meta["step"]))
@@ -282,7 +278,7 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
             else:
                 engine.optimizer.state[p] = {"step": step_t.clone(), **{k: state[k].to(p.device) for k in ADAM_KEYS}}
     if hp:  # Adam's bias correction: the base optimizer's step count per (flat) parameter
-        base = engine.optimizer.optimizer
+        base = wrapped_optimizer(engine)
         for st in base.state.values():
             if "step" in st:
                 st["step"] = step_t.clone() if torch.is_tensor(st["step"]) else meta["step"]

@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 
 from p3d.config.schema import LRDecay, TrainConfig
+from p3d.ds_compat import GRAD_NORM_ATTR, is_pipe_replicated
 from p3d.tp.layers import owned_by_tp_rank
 
 
 def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
-    return not getattr(p, "ds_pipe_replicated", False) and owned_by_tp_rank(p, tp_rank)
+    return not is_pipe_replicated(p) and owned_by_tp_rank(p, tp_rank)
 
 
 NORM_CHUNK = 1 << 16
@@ -43,19 +44,19 @@ class ClippedAdamW(torch.optim.AdamW):
     """AdamW that clips to ``max_norm`` by the exact mesh-wide gradient norm before each step.
 
     Matches ``torch.nn.utils.clip_grad_norm_``: grads *= min(1, max_norm / (norm + 1e-6)).
-    ``_global_grad_norm`` is the attribute DeepSpeed's engine reads after ``step``.
+    DeepSpeed's engine reads the norm after ``step`` from ``ds_compat.GRAD_NORM_ATTR``.
     """
 
     def __init__(self, params, mesh, max_norm: float, **kwargs):
         super().__init__(params, **kwargs)
         self.mesh, self.max_norm = mesh, max_norm
-        self._global_grad_norm = 0.0
+        setattr(self, GRAD_NORM_ATTR, 0.0)
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for g in self.param_groups for p in g["params"]]
         norm = float(global_grad_norm(params, self.mesh))
-        self._global_grad_norm = norm
+        setattr(self, GRAD_NORM_ATTR, norm)
         if self.max_norm > 0:
             coef = self.max_norm / (norm + 1e-6)
             if coef < 1.0:

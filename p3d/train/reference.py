@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from p3d.config.validate import padded_vocab
+from p3d.model.geometry import padded_vocab
 from p3d.data.loader import global_batches
 from p3d.model.pipe import to_sequential
 from p3d.train.optim import build_optimizer

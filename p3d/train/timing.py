@@ -4,12 +4,14 @@ DeepSpeed's pipeline engine runs a step as a list of instructions (load, forward
 send/recv of activations and gradients, reduce, optimizer step). We time the send/recv ones on this
 rank: in 1F1B they are where a stage waits for the stage before or after it (the transfer itself is
 small next to the wait). The theoretical idle share for p stages and m micro batches is
-(p - 1) / (m + p - 1).
+``p3d.model.geometry.pipeline_bubble``, (p - 1) / (m + p - 1).
 """
 from __future__ import annotations
 
 import time
 from types import FunctionType
+
+from p3d.ds_compat import pipeline_instruction_map, set_pipeline_instruction_map
 
 PIPE_WAITS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
 
@@ -18,9 +20,9 @@ class StageTimer:
     def __init__(self, engine):
         self.wait_s = 0.0
         timed = {}
-        for instr, fn in type(engine)._INSTRUCTION_MAP.items():
+        for instr, fn in pipeline_instruction_map(engine).items():
             timed[instr] = self._wrap(fn) if instr.__name__ in PIPE_WAITS else fn
-        engine._INSTRUCTION_MAP = timed  # the engine looks it up on self: this instance only
+        set_pipeline_instruction_map(engine, timed)  # this engine instance only
 
     def _wrap(self, fn: FunctionType):
         def timed(engine, *args, **kwargs):
@@ -37,6 +39,3 @@ class StageTimer:
         wait, self.wait_s = self.wait_s, 0.0
         return wait
 
-
-def theoretical_bubble(pp: int, micro_batches: int) -> float:
-    return (pp - 1) / (micro_batches + pp - 1)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from p3d import exit_codes
+from p3d.config.deepspeed_json import deepspeed_config
 from p3d.config.schema import DType, Recompute
 from p3d.data.corpus import DataStats
 from p3d.data.loader import micro_batches, rank_slice, validation_batches
@@ -20,31 +21,9 @@ from p3d.metrics import MetricsLogger, peak_memory_gb
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
 from p3d.train import checkpoint
 from p3d.train.optim import build_optimizer
-from p3d.train.timing import StageTimer, theoretical_bubble
-
-DS_CONFIG_NAME = "deepspeed_config.json"
-
-
-def deepspeed_config(cfg, plan) -> dict:
-    """The DeepSpeed JSON of this run. Clipping is DeepSpeed's under ZeRO or bf16 (its norm is exact
-    there) and ours otherwise (see p3d.train.optim)."""
-    ds_clips = cfg.zero.stage > 0 or cfg.train.dtype == DType.bf16
-    return {
-        "train_batch_size": cfg.schedule.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.schedule.micro_batch_size,
-        "gradient_accumulation_steps": plan.micro_batches,
-        "gradient_clipping": cfg.train.grad_clip if ds_clips else 0.0,
-        "zero_optimization": {"stage": cfg.zero.stage},
-        "bf16": {"enabled": cfg.train.dtype == DType.bf16},
-        # bf16 with ZeRO-1: accumulate micro-batch gradients in fp32 (DeepSpeed allows this mix only with
-        # ZeRO-1; with ZeRO 0 its BF16_Optimizer accumulates in bf16 and warns)
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 1
-           else {}),
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
+from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
+from p3d.model.geometry import pipeline_bubble
+from p3d.train.timing import StageTimer
 
 def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
     specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
@@ -106,19 +85,21 @@ def build_engine(cfg, plan, mesh: Mesh):
     import deepspeed
 
     torch.manual_seed(cfg.train.seed)
-    module = build_pipeline(cfg, plan, mesh)  # fp32; DeepSpeed casts to bf16 when the config asks
+    with quiet_stdout():
+        module = build_pipeline(cfg, plan, mesh)  # fp32; DeepSpeed casts to bf16 when the config asks
     if cfg.model.init_from and cfg.train.resume == "none":
         from p3d.hf import load_into
 
         load_into(module, cfg.model.init_from, cfg.model.n_layers, mesh)  # only this rank's slices
     clip_here = cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32
     optimizer, scheduler = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, plan))
+    with quiet_stdout():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config(cfg, plan))
     if plan.dp == 1 and cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32:
         # nothing to all-reduce over one replica; DeepSpeed would still flatten, "reduce" over a group of
         # one and copy back every gradient each step (0.4 s per step for model=small on a CPU core)
-        engine.pipeline_enable_backward_allreduce = False
+        skip_backward_allreduce(engine)
     return engine, module, scheduler
 
 
@@ -134,7 +115,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     if cfg.train.resume != "none":
         meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
         start_step = meta["step"]
-        engine.global_steps, engine.global_samples = start_step, meta["samples"]
+        set_engine_position(engine, start_step, meta["samples"])
     stats = DataStats()
     reads_data = mesh.is_first_stage or mesh.is_last_stage
     s = cfg.schedule
@@ -154,7 +135,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         metrics.print(f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
                       f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
                       f"{cfg.train.steps} steps{resumed}")
-    bubble_theory = theoretical_bubble(plan.pp, plan.micro_batches)
+    bubble_theory = pipeline_bubble(plan.pp, plan.micro_batches)
     status = exit_codes.OK
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]

@@ -17,7 +17,7 @@ def saved_bytes(cfg, checkpoint_blocks: bool = False) -> int:
     import torch
 
     from p3d.config.schema import DType
-    from p3d.config.validate import padded_vocab
+    from p3d.model.geometry import padded_vocab
     from p3d.model.llama import TransformerBlock
     from p3d.model.pipe import to_sequential
 

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
+
 FIELDS = {"fits": bool, "memory_gb": dict, "step_time_s": float, "tokens_per_s": float, "tflops_per_gpu": float,
           "hfu_tflops_per_gpu": float, "mfu": float, "hfu": float, "bubble": float, "warnings": list}
 

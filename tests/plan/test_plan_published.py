@@ -33,7 +33,7 @@ FLOPs / iteration time / GPUs / 312 TFLOP/s; [MTNLG] 126 / 121 / 113 TFLOP/s = E
 1920 x 2048-token batch over 60.1 / 50.2 / 44.4 s iterations; [MPT] rows copied from the README.
 
 Calibration: the matmul efficiency of each device generation is the one fitted constant of the
-time model (p3d/plan/time.py DEFAULT_EFFICIENCY). It was set from the MPT-70B rows on 64 A100 and 64
+time model (p3d/plan/step_time.py DEFAULT_EFFICIENCY). It was set from the MPT-70B rows on 64 A100 and 64
 H100 (test_calibration_rows); every other row here is a prediction.
 """
 from __future__ import annotations
@@ -209,7 +209,8 @@ def test_zero_stages_through_a_config(make_cfg):
     GPT of 36 x 4096 on 64 GPUs (pp 1, tp 1), bf16 with the ZeRO stage's sharding. Its bytes per
     parameter are Psi (2 + 2 + 12/64) etc. exactly, and at the paper's Psi = 7.5e9 they give the table."""
     from p3d.plan.memory import stage_memory
-    from p3d.plan.shapes import block_matmul_params, layout_of, total_params
+    from p3d.model.geometry import block_matmul_params, total_params
+    from p3d.plan.shapes import layout_of
 
     for stage, factor, published_gb in ((1, 2 + 2 + 12 / 64, 31.4), (2, 2 + 14 / 64, 16.6), (3, 16 / 64, 1.88)):
         cfg = make_cfg(*gpt(36, 4096, 32), *run(1, 1, 64, 1, 64, "a100_80gb", zero=stage))

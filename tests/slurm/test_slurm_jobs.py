@@ -18,6 +18,8 @@ from p3d.metrics import read_metrics
 from tests.conftest import ROOT, p3d_train
 from tests.slurm.conftest import run, wait_for
 
+pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
+
 RECIPE = str(ROOT / "recipes" / "slurm" / "train.sbatch")
 
 

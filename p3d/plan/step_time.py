@@ -17,7 +17,7 @@ matmuls up to their length with ``plan.overlap_tp``.
 PP: blocking sends of b s h c bytes per boundary and micro batch, forward and backward (v times
 as many with v virtual stages); ``plan.overlap_pp`` hides them behind the stage's compute
 (asynchronous sends, as Megatron's schedules do). Step = (m + (p-1)/v) x the slowest stage's micro batch time, so
-the bubble (idle time relative to useful time) is (p-1)/(v m).
+the bubble, the idle share of the step, is (p-1)/(v m + p-1) (p3d.model.geometry.pipeline_bubble).
 
 DP: ZeRO 0 all-reduces the gradients once per step; a sharded optimizer reduce-scatters them and
 all-gathers the updated parameters; ZeRO 2 reduce-scatters every micro batch, ZeRO 3 also gathers
@@ -30,11 +30,12 @@ optimizer element through HBM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from p3d.config.schema import Arch, Config, Recompute
-from p3d.config.validate import padded_vocab
 from p3d.plan.memory import dtype_bytes, optimizer_sharded
-from p3d.plan.shapes import Layout, StageParams, block_matmul_params, head_dims
+from p3d.model.geometry import block_matmul_params, head_dims, padded_vocab
+from p3d.plan.shapes import Layout, StageParams
 
 # Achieved fraction of the dense bf16 peak in the matmuls of a transformer block: the one fitted
 # constant, one per device generation, each set from one published run (MosaicML MPT-70B on 64 GPUs,
@@ -189,3 +190,12 @@ def tied_seconds(cfg: Config, layout: Layout) -> float:
 def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     n = st.total / (layout.dp if optimizer_sharded(cfg) else 1)
     return n * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(cfg)
+
+
+def assumptions(cfg: Config) -> dict[str, Any]:
+    """The planner's fixed assumptions for this config (printed and in format=json)."""
+    return {"efficiency": efficiency(cfg), "hbm_gbps": hbm_bytes_per_s(cfg) / HBM_EFFICIENCY / 1e9,
+            "peak_tflops": cfg.cluster.peak_tflops, "intra_node_gbps": cfg.cluster.intra_node_gbps,
+            "inter_node_gbps": cfg.cluster.inter_node_gbps, "comm_efficiency": COMM_EFFICIENCY,
+            "flash_attention": cfg.plan.flash_attention, "overlap_dp": cfg.plan.overlap_dp,
+            "overlap_tp": cfg.plan.overlap_tp, "overlap_pp": cfg.plan.overlap_pp}

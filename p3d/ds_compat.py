@@ -1,0 +1,167 @@
+"""Every place p3d relies on DeepSpeed beyond its documented API, in one module.
+
+Each touchpoint is a small function used by the rest of p3d and an entry of ``TOUCHPOINTS``, whose
+``present()`` checks (without processes) that the installed DeepSpeed still has it; tests/test_ds_compat.py
+runs them all, so an upgrade that removes one fails loudly, naming it, instead of training a different model.
+Checked against DeepSpeed 0.16 - 0.19.8 (pyproject pins ``deepspeed>=0.16,<0.20``).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DS_CHECKED = ">=0.16,<0.20 (last read: 0.19.8)"
+
+
+def _source_has(obj_path: str, text: str) -> bool:
+    """Whether the source of ``module:qualname`` mentions ``text`` (for instance attributes)."""
+    import importlib
+
+    module, _, qualname = obj_path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split(".") if qualname else []:
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    try:
+        return text in inspect.getsource(obj)
+    except (OSError, TypeError):
+        return False
+
+
+# ---- the touchpoints
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Keep DeepSpeed's bare prints on rank 0 (``SEED_LAYERS=...``, ``Using topology: ...``) off the
+    console; they go to this worker's log at debug level."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        yield
+    if buf.getvalue().strip():
+        logging.getLogger("p3d.deepspeed").debug(buf.getvalue().strip())
+
+
+def disable_cpu_shm_comm() -> None:
+    """DeepSpeed JIT-compiles a shared-memory all-reduce (30 s to minutes, needs g++) when its comm backend
+    starts on CPU; it serves inference only, never training: mark it unavailable in ``deepspeed.ops``'s
+    private ``__compatible_ops__`` table."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def pipeline_instruction_map(engine) -> dict:
+    """The pipeline engine's private instruction -> method table (``PipelineEngine._INSTRUCTION_MAP``)."""
+    return type(engine)._INSTRUCTION_MAP
+
+
+def set_pipeline_instruction_map(engine, table: dict) -> None:
+    """Replace the table on this engine instance only (the engine looks it up on ``self``)."""
+    engine._INSTRUCTION_MAP = table
+
+
+def skip_backward_allreduce(engine) -> None:
+    """Skip the pipeline engine's dp gradient all-reduce (``pipeline_enable_backward_allreduce``)."""
+    engine.pipeline_enable_backward_allreduce = False
+
+
+def set_engine_position(engine, steps: int, samples: int) -> None:
+    """The engine's own step and sample counters (``global_steps``, ``global_samples``) after a resume."""
+    engine.global_steps, engine.global_samples = steps, samples
+
+
+# The attribute DeepSpeed's engine copies from a client optimizer after ``step`` to report the grad norm.
+GRAD_NORM_ATTR = "_global_grad_norm"
+
+
+def is_pipe_replicated(p) -> bool:
+    """A tied layer's copy on a later stage (``ds_pipe_replicated``, set by ``PipelineModule``)."""
+    return bool(getattr(p, "ds_pipe_replicated", False))
+
+
+def has_hp_mapping(module) -> bool:
+    """ZeRO and DeepSpeed's bf16 optimizer keep an fp32 master partitioned over dp behind each param
+    (``param._hp_mapping``)."""
+    return any(hasattr(p, "_hp_mapping") for p in module.parameters())
+
+
+def links_optimizer_states(wrapper) -> bool:
+    """Whether a ZeRO / bf16 optimizer wrapper links its parameters' views of the optimizer states
+    (plain fp32 without ZeRO does not)."""
+    return hasattr(wrapper, "_lazy_init_hp_params_optimizer_state")
+
+
+def relink_optimizer_states(wrapper) -> None:
+    """Make such a wrapper link those views again (``_hp_optimizer_states_linked``,
+    ``_lazy_init_hp_params_optimizer_state``)."""
+    wrapper._hp_optimizer_states_linked = False
+    wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def wrapped_optimizer(engine):
+    """The torch optimizer under DeepSpeed's ZeRO / bf16 wrapper (``engine.optimizer.optimizer``)."""
+    return engine.optimizer.optimizer
+
+
+# ---- what tests/test_ds_compat.py checks
+
+
+@dataclass(frozen=True)
+class Touchpoint:
+    name: str
+    used_by: str
+    present: Callable[[], bool]
+
+
+def _pipe_engine():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return PipelineEngine
+
+
+def _zero_and_bf16():
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return BF16_Optimizer, DeepSpeedZeroOptimizer
+
+
+def _compatible_ops_table() -> bool:
+    import deepspeed.ops
+
+    return isinstance(deepspeed.ops.__compatible_ops__, dict)
+
+
+TOUCHPOINTS = (
+    Touchpoint("deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']", "p3d.worker", _compatible_ops_table),
+    Touchpoint("PipelineEngine._INSTRUCTION_MAP", "p3d.train.timing",
+               lambda: isinstance(getattr(_pipe_engine(), "_INSTRUCTION_MAP", None), dict)),
+    Touchpoint("PipelineEngine.pipeline_enable_backward_allreduce", "p3d.train.trainer",
+               lambda: _source_has("deepspeed.runtime.pipe.engine:PipelineEngine",
+                                   "self.pipeline_enable_backward_allreduce")),
+    Touchpoint("DeepSpeedEngine.global_steps / global_samples", "p3d.train.trainer",
+               lambda: _source_has("deepspeed.runtime.engine:DeepSpeedEngine", "self.global_samples = 0")),
+    Touchpoint(f"client optimizer.{GRAD_NORM_ATTR} read by DeepSpeedEngine", "p3d.train.optim",
+               lambda: _source_has("deepspeed.runtime.engine:DeepSpeedEngine", f"self.optimizer.{GRAD_NORM_ATTR}")),
+    Touchpoint("param.ds_pipe_replicated", "p3d.train.optim",
+               lambda: _source_has("deepspeed.runtime.pipe.module", ".ds_pipe_replicated = True")),
+    Touchpoint("param._hp_mapping", "p3d.train.checkpoint",
+               lambda: all(_source_has(f"{c.__module__}:{c.__qualname__}", "._hp_mapping")
+                           for c in _zero_and_bf16())),
+    Touchpoint("_hp_optimizer_states_linked / _lazy_init_hp_params_optimizer_state", "p3d.train.checkpoint",
+               lambda: all(hasattr(c, "_lazy_init_hp_params_optimizer_state")
+                           and _source_has(f"{c.__module__}:{c.__qualname__}", "self._hp_optimizer_states_linked")
+                           for c in _zero_and_bf16())),
+    Touchpoint("ZeRO / bf16 wrapper .optimizer (the torch optimizer)", "p3d.train.checkpoint",
+               lambda: all(_source_has(f"{c.__module__}:{c.__qualname__}", "self.optimizer = init_optimizer")
+                           for c in _zero_and_bf16())),
+)

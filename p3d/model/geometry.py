@@ -1,0 +1,121 @@
+"""Model geometry: the one home of every number that follows from a model's shape and a layout.
+
+Validation, the run plan, the planner, the dry run, metrics (MFU, bubble) and HF import/export all
+import these; nothing computes them a second time. Pure arithmetic on the config dataclasses: no
+torch, no processes.
+
+Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = h / a, q = a * hd,
+kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded to a multiple of tp), s sequence,
+t = tp, p = pp, m micro batches per replica per step, v virtual stages per device.
+"""
+from __future__ import annotations
+
+import math
+
+from p3d.config.schema import Arch, ModelConfig, Partition
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """V rounded up to a multiple of tp, so every vocab shard has the same rows (padded logits are masked)."""
+    return math.ceil(vocab_size / tp) * tp
+
+
+def layer_names(n_layers: int) -> list[str]:
+    """The flat pipeline: embedding, blocks, final norm, head (the loss runs after the head)."""
+    return ["embed"] + [f"block{i}" for i in range(n_layers)] + ["final_norm", "head"]
+
+
+def stage_bounds(n_layers: int, pp: int, partition: Partition) -> list[int]:
+    """Layer-index boundaries of the pp stages over ``layer_names(n_layers)``.
+
+    ``blocks``: every stage gets n_layers // pp blocks; the remainder goes to the middle stages
+    first, since the first stage also holds the embedding and the last the head and the loss
+    (as Llama 3 405B's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere).
+    ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier stages taking the extra.
+    """
+    n_items = n_layers + 3
+    if partition == Partition.uniform:
+        base, extra = divmod(n_items, pp)
+        sizes = [base + (1 if s < extra else 0) for s in range(pp)]
+        return [sum(sizes[:s]) for s in range(pp + 1)]
+    base, extra = divmod(n_layers, pp)
+    order = list(range(1, pp - 1)) + ([0, pp - 1] if pp > 1 else [0])  # middle, then first (the head is heavier)
+    blocks = [base] * pp
+    for s in order[:extra]:
+        blocks[s] += 1
+    bounds = [0]
+    for s in range(pp):
+        size = blocks[s] + (1 if s == 0 else 0) + (2 if s == pp - 1 else 0)
+        bounds.append(bounds[-1] + size)
+    return bounds
+
+
+def head_dims(m: ModelConfig) -> tuple[int, int]:
+    """(q, kv): widths of the query and of each of the key/value projections."""
+    hd = m.hidden_size // m.n_heads
+    return m.n_heads * hd, m.n_kv_heads * hd
+
+
+def block_matmul_params(m: ModelConfig, tp: int = 1) -> int:
+    """Weights of one block's matrices on one tp rank (the ones that do 2 FLOPs per token each).
+
+    llama: h (q + 2 kv) (q|k|v) + h q (o) + 3 h f (gate|up, down); gpt: 2 h f for the MLP."""
+    q, kv = head_dims(m)
+    mlp = (3 if m.arch == Arch.llama else 2) * m.hidden_size * m.ffn_hidden_size
+    return (m.hidden_size * (q + 2 * kv) + m.hidden_size * q + mlp) // tp
+
+
+def block_vector_params(m: ModelConfig, tp: int = 1) -> int:
+    """Norm weights and biases of one block on one tp rank (llama: two RMSNorm weights)."""
+    h = m.hidden_size
+    if m.arch == Arch.llama:
+        return 2 * h
+    q, kv = head_dims(m)
+    return (q + 2 * kv) // tp + m.ffn_hidden_size // tp + 2 * h + 4 * h
+
+
+def total_params(m: ModelConfig) -> int:
+    """Closed form of the whole model, unpadded vocab, a tied table counted once."""
+    h = m.hidden_size
+    embed = m.vocab_size * h * (1 if m.tie_embeddings else 2) + (m.seq_len * h if m.arch == Arch.gpt else 0)
+    final = h if m.arch == Arch.llama else 2 * h
+    return m.n_layers * (block_matmul_params(m) + block_vector_params(m)) + embed + final
+
+
+def model_flops_per_token(m: ModelConfig) -> float:
+    """Model FLOPs per token, forward + backward (the MFU numerator; recompute not counted).
+
+        6 * (L * block_matmul_params + h * V)  +  12 * L * s * q
+
+    6 = 2 FLOPs per multiply-add x 3 (forward, and backward's two matmuls). The attention scores
+    and the weighted sum cost 2 * 2 * s * q per token forward, the full s x s square (the
+    Megatron / PaLM convention: causality not discounted). Embedding lookups, norms, activations
+    and the softmax are not counted. For a GPT with f = 4h it is Narayanan et al. (2021) Eq. 3
+    without the recompute term: 72 L h^2 (1 + s / 6h + V / 12 L h) per token.
+    """
+    q, _ = head_dims(m)
+    return 6.0 * (m.n_layers * block_matmul_params(m) + m.hidden_size * m.vocab_size) \
+        + 12.0 * m.n_layers * m.seq_len * q
+
+
+def recompute_flops_per_token(m: ModelConfig, recompute: str) -> float:
+    """FLOPs of the forward work that recompute repeats, per token (HFU counts them, MFU does not).
+
+    full: every block's forward again, 2 * L * block_matmul_params + 4 * L * s * q (Narayanan Eq. 3
+    counts exactly this: its factor 96 = 4 x 24). selective: the attention core, 4 * L * s * q.
+    """
+    q, _ = head_dims(m)
+    attn = 4.0 * m.n_layers * m.seq_len * q
+    if recompute == "full":
+        return 2.0 * m.n_layers * block_matmul_params(m) + attn
+    return attn if recompute == "selective" else 0.0
+
+
+def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The pipeline bubble: the idle share of a step, (p - 1) / (v m + p - 1).
+
+    A 1F1B step on p stages with m micro batches lasts (m + (p - 1) / v) micro-batch times, of
+    which each stage computes for m. This one definition is what ``metrics.jsonl`` (bubble_theory,
+    beside the measured ``bubble``), W&B, ``p3d-report`` and ``p3d-plan`` call the bubble.
+    """
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)

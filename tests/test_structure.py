@@ -1,0 +1,115 @@
+"""The shape of the code base: an acyclic import graph, one definition of bubble, a run spec that keeps
+every option (issue 10)."""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, compose, p3d_train
+
+PACKAGE = ROOT / "p3d"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """p3d module -> the p3d modules it imports anywhere in its body (function-local imports too).
+
+    ``from p3d.a import b`` counts as an import of ``p3d.a.b`` when that is a module, else of ``p3d.a``.
+    Imports under ``if TYPE_CHECKING:`` are not executed and are left out."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                for n in ast.walk(node)}
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("p3d")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("p3d"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    deps.add(sub if sub in modules else node.module)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_p3d_imports_form_a_tree():
+    graph = import_graph()
+    assert len(graph) > 40 and graph["p3d.plan.search"] >= {"p3d.plan.report"}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_library_module_imports_the_cli():
+    entry_points = {"p3d.cli", "p3d.plan.cli"}
+    offenders = sorted(m for m, deps in import_graph().items() if deps & entry_points and m not in entry_points)
+    assert offenders == []
+
+
+def test_plan_options_survive_the_run_spec(tmp_path):
+    """``plan.*`` (the planner's options) and the derived run plan are both in run_spec.yaml, apart."""
+    from p3d.cli import prepare
+    from p3d.config.spec import read_spec, write_spec
+
+    node = compose("plan.force=true", "plan.efficiency=0.37", "plan.overlap_tp=true", "plan.overlap_dp=true",
+                   "plan.flash_attention=false", "plan.top=7", "mesh=tp2_pp2", run_dir=str(tmp_path))
+    cfg, plan = prepare(node)
+    write_spec(cfg, plan, tmp_path)
+    back, back_plan = read_spec(tmp_path)
+    assert (back.plan.force, back.plan.efficiency, back.plan.overlap_tp, back.plan.overlap_dp,
+            back.plan.flash_attention, back.plan.top) == (True, 0.37, True, True, False, 7)
+    assert back.plan == cfg.plan and back_plan == plan and (back_plan.tp, back_plan.pp) == (2, 2)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_bubble_is_one_number_in_metrics_and_planner(tmp_path):
+    """pp=4 with m=4 micro batches: metrics.jsonl's bubble_theory is p3d-plan's bubble, (p-1)/(m+p-1)."""
+    args = ["mesh=pp4", "model=tiny", "schedule.micro_batch_size=1", "schedule.global_batch_size=4"]
+    run = p3d_train(f"run.dir={tmp_path / 'run'}", "train.steps=1", "logger=none", *args)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    planned = subprocess.run([sys.executable, "-m", "p3d.plan.cli", "format=json", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert record["bubble_theory"] == json.loads(planned.stdout)["bubble"] == pytest.approx(3 / 7)
