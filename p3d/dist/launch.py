@@ -102,7 +102,7 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
     run_dir = spec_path.parent
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute: a file:// URL
+    store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
     procs: dict[int, subprocess.Popen] = {}
     pumps = []
     received: list[int] = []

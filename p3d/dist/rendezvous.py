@@ -80,7 +80,7 @@ def join(backend: str, rank: int, world_size: int, timeout_s: int) -> None:
         kwargs = {"init_method": url}
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-    except (dist.DistError, ValueError) as exc:
+    except (RuntimeError, ValueError) as exc:  # DistError, DistStoreError, gloo's "Wait timeout", a bad URL
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RendezvousError(f"cannot join the other {world_size - 1} workers through {where} within "
                               f"cluster.timeout_s={timeout_s}: {cause}") from None
