@@ -4,7 +4,7 @@ The local launcher gives its workers a file store in the run directory (``P3D_IN
 absolute path>``: no port to collide); torchrun and srun give ``env://`` (MASTER_ADDR, MASTER_PORT).
 ``cluster.timeout_s`` bounds the rendezvous as it bounds every collective. A store that cannot be
 reached at all (its directory missing or not writable) fails at once, before torch's file store
-would wait out its own 300 s; a worker that cannot join exits with ``RENDEZVOUS_FAILED`` after one
+would wait out its own 300 s; a worker that cannot join exits with ``exit_codes.RENDEZVOUS_FAILED`` after one
 line naming the store path, or the host and port, and the cause, and the launcher reports it so.
 """
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import datetime
 import os
 from pathlib import Path
-
-from p3d.exit_codes import RENDEZVOUS_FAILED  # noqa: F401 - the worker's status when it cannot join
 
 MARKER = "rendezvous failed:"  # the worker's one line in its log starts with "[rank N] " and this
 # Test hook (tests/test_relative_paths.py): the local launcher puts its file store in this directory
