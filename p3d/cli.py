@@ -43,11 +43,13 @@ def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
     from omegaconf.errors import OmegaConfBaseException
 
     from p3d.config.spec import to_config
+    from p3d.paths import resolve_config_paths
 
     try:
         cfg = fill_cluster(to_config(cfg_node))
     except OmegaConfBaseException as exc:
         raise P3DConfigError(str(exc).splitlines()[0]) from None
+    cfg = resolve_config_paths(cfg)  # every user-given path absolute, against the directory the command ran from
     if cfg.model.init_from:
         cfg = with_hf_shape(cfg)
     if cfg.mesh.name == "auto" and resolve_auto:
@@ -169,7 +171,12 @@ def _run_as_worker(cfg, plan) -> int:
     spec = Path(cfg.run.dir) / "run_spec.yaml"
     if int(os.environ["RANK"]) == 0:
         write_spec(cfg, plan, cfg.run.dir)
-    status = worker.run(spec, cfg, plan)
+    from p3d.dist.rendezvous import RendezvousError
+
+    try:
+        status = worker.run(spec, cfg, plan)
+    except RendezvousError as exc:
+        fail(f"rank {os.environ['RANK']}: {exc}", exit_codes.RENDEZVOUS_FAILED)
     if status:
         sys.exit(status)
     return status
@@ -229,6 +236,10 @@ def run_hydra(task, writes_outputs: bool = True) -> None:
     bad override, wrong type) exits 2, like every other config error."""
     if not writes_outputs:
         sys.argv = [sys.argv[0]] + _no_hydra_outputs(sys.argv[1:], Path(sys.argv[0]).name)
+    else:  # with run.dir given, Hydra's own output (.hydra/) goes inside it, never to ./outputs
+        from p3d.paths import hydra_output_overrides
+
+        sys.argv = [sys.argv[0]] + hydra_output_overrides(sys.argv[1:])
     started = []
 
     def task_started(cfg_node: DictConfig):

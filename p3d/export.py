@@ -127,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or "run.dir" not in args or "out" not in args:
         print("usage: p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5]", file=sys.stderr)
         return 2
-    try:
-        export(args["run.dir"], args["out"], int(args["step"]) if "step" in args else None,
+    from p3d.paths import absolute
+
+    try:  # both paths against the directory the command ran from, ~ expanded
+        export(absolute(args["run.dir"]), absolute(args["out"]), int(args["step"]) if "step" in args else None,
                float(args.get("max_shard_gb", 5.0)))
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"p3d-export: {exc}", file=sys.stderr)

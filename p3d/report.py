@@ -228,6 +228,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--png", type=Path, help="where to write the plot (default: <sweep_dir>/report.png)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = parser.parse_args(argv)
+    from p3d.paths import absolute
+
+    args.sweep_dir = absolute(args.sweep_dir)  # against the directory the command ran from, ~ expanded
+    args.csv, args.png = (absolute(p) if p is not None else None for p in (args.csv, args.png))
     if not args.sweep_dir.is_dir():
         print(f"p3d-report: {args.sweep_dir} is not a directory", file=sys.stderr)
         return 2

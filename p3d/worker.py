@@ -11,6 +11,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from p3d import exit_codes
+
 
 def skip_cpu_shm_build() -> None:
     """No JIT build of DeepSpeed's CPU shared-memory all-reduce (inference only): p3d.ds_compat."""
@@ -22,16 +24,16 @@ def skip_cpu_shm_build() -> None:
 def init_process_group(plan, rank: int, timeout_s: int) -> None:
     """gloo on CPU, nccl on GPUs; a file store when the local launcher gives one, else env://."""
     import torch
-    import torch.distributed as dist
 
     if plan.backend == "gloo":
         torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
         skip_cpu_shm_build()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    from p3d.dist.rendezvous import join
+
+    join(plan.backend, rank, plan.world_size, timeout_s)  # RendezvousError: the store / host:port and why
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=plan.backend, init_method=os.environ.get("P3D_INIT_METHOD", "env://"),
-                            rank=rank, world_size=plan.world_size, timeout=timeout)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=plan.backend, timeout=timeout)  # adopts the group made above
@@ -77,8 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # DeepSpeed still calls torch.distributed APIs that torch marks deprecated; say it once per run, not per step.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use.*", category=FutureWarning)
+    from p3d.dist.rendezvous import MARKER, RendezvousError, check_reachable
+
     try:
+        check_reachable()
         return run(argv[0])
+    except RendezvousError as exc:  # one line, no traceback: the launcher reports it as a rendezvous failure
+        print(f"[rank {os.environ.get('RANK', '?')}] {MARKER} {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(exit_codes.RENDEZVOUS_FAILED)
     except BaseException as exc:  # noqa: BLE001 - every failure must name the rank and end the process
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return 0

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.dist.mesh import Mesh
+from p3d.dist.rendezvous import MARKER, file_url, store_path
 
 POLL_S = 0.1
 GRACE_S = 5.0
@@ -27,7 +28,7 @@ def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(rank % plan.procs_per_node),
                LOCAL_WORLD_SIZE=str(plan.procs_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
-               P3D_INIT_METHOD=f"file://{store}", PYTHONUNBUFFERED="1")
+               P3D_INIT_METHOD=file_url(store), PYTHONUNBUFFERED="1")
     if plan.backend == "gloo":
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     if sys.stdout.isatty():
@@ -74,7 +75,7 @@ def _stop(procs: dict[int, subprocess.Popen], sig=signal.SIGTERM) -> None:
 
 # What a worker prints when a peer, not itself, went away first.
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
-              "ProcessGroupGloo", "DistNetworkError", "Socket Timeout")
+              "ProcessGroupGloo", "DistNetworkError", "Socket Timeout", MARKER)  # MARKER: it waited for a peer
 
 
 def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
@@ -101,7 +102,7 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
     run_dir = spec_path.parent
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    store = run_dir / f".rendezvous-{uuid.uuid4().hex}"
+    store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
     procs: dict[int, subprocess.Popen] = {}
     pumps = []
     received: list[int] = []
@@ -147,6 +148,12 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
             return 128 + received[0]
         dp, pp, tp = Mesh.from_plan(plan, rank).coords
         then = f" (ranks {', '.join(map(str, also))} failed with it)" if also else ""
+        if rc == exit_codes.RENDEZVOUS_FAILED:  # the worker's own line names the store or host:port and the cause
+            why = [ln for ln in _tail(logs / f"rank{rank}.log").splitlines() if MARKER in ln]
+            cause = why[-1].split(MARKER, 1)[1].strip() if why else f"see {logs / f'rank{rank}.log'}"
+            print(f"p3d: the workers could not rendezvous: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {cause}{then}; "
+                  f"stopped the other {others} running workers", file=console, flush=True)
+            return exit_codes.WORKER_FAILED
         print(f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}{then}; stopped the other {others} "
               f"running workers. Last lines of {logs / f'rank{rank}.log'}:\n{_tail(logs / f'rank{rank}.log')}",
               file=console, flush=True)
