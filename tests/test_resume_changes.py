@@ -73,6 +73,13 @@ def test_every_config_field_has_one_rule_and_every_rule_a_field():
             "train.save_every", "train.eval_every", "mesh.dp", "mesh.pp", "mesh.tp", "logger.log_every"} <= changes
 
 
+def test_a_field_the_checkpoint_spec_predates_is_not_compared():
+    old = {"data": {"source": "stdlib"}, "train": {"lr": 0.003}}
+    new = {"data": {"source": "stdlib", "added_later": "x"}, "train": {"lr": 0.01}}
+    assert [(c.field, c.old, c.new, c.rule) for c in resume_rules.diff(old, new)] == [
+        ("train.lr", 0.003, 0.01, Rule.CHANGES)]
+
+
 def test_readme_lists_every_rule():
     section = (ROOT / "README.md").read_text().split("**Resuming with changes**", 1)[1].split("\n- **", 1)[0]
     for key in resume_rules.RULES:

@@ -121,14 +121,11 @@ class Change:
 
 def diff(old: dict, new: dict) -> list[Change]:
     """The fields whose value differs between two config bodies (nested dicts as in run_spec.yaml, without
-    ``plan`` and ``segments``), in the schema's order. A field one side lacks counts as null there."""
+    ``plan`` and ``segments``), in the schema's order. A field only one side has (a spec written before the
+    field existed, or after it was removed) is not compared."""
     flat_old, flat_new = flatten(old), flatten(new)
-    changes = []
-    for field in [*flat_new, *(f for f in flat_old if f not in flat_new)]:
-        was, now = flat_old.get(field), flat_new.get(field)
-        if was != now:
-            changes.append(Change(field, was, now, *rule(field)))
-    return changes
+    return [Change(field, flat_old[field], now, *rule(field)) for field, now in flat_new.items()
+            if field in flat_old and flat_old[field] != now]
 
 
 def printed(changes: list[Change]) -> list[Change]:

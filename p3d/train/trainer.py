@@ -150,7 +150,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         from p3d.config.spec import spec_dict
 
         metrics = MetricsLogger(run_dir, cfg, plan, start_step, spec=spec_dict(cfg, plan))
-        resumed = f", resumed from step {start_step}" if start_step else ""
+        resumed = f", resumed from step {start_step} after {start_sample} samples" if start_step else ""
         metrics.print(f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
                       f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
                       f"{cfg.train.steps} steps{resumed}")
