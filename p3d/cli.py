@@ -120,9 +120,11 @@ def check_run(cfg, multirun: bool = False):
     try:
         found = checkpoint.find(run_dir, cfg.train.resume)
         if found is not None:
-            checkpoint.check_compatible(checkpoint.verify(found), cfg, found)
+            meta = checkpoint.verify(found)
+            checkpoint.check_compatible(meta, cfg, found)
     except checkpoint.CheckpointError as exc:
         raise P3DConfigError(str(exc)) from None
+    changes = check_resume(cfg, found, meta["step"]) if found is not None else []
     if cfg.train.resume == "none" and ((run_dir / "metrics.jsonl").exists() or checkpoint.find(run_dir, "auto")):
         raise P3DConfigError(f"run.dir={run_dir} already holds a run (metrics.jsonl / checkpoints); resume it with "
                              "train.resume=auto, or choose a new run.dir")
@@ -132,11 +134,26 @@ def check_run(cfg, multirun: bool = False):
         raise P3DConfigError(str(exc).strip("'\"")) from None
     if found is None and cfg.train.resume == "auto":
         print(f"p3d: no checkpoint in {checkpoint.root(run_dir)}; starting from step 0", flush=True)
+    for line in changes:
+        print(f"p3d: {line}", flush=True)
     train = dataclasses.replace(cfg.train, resume=str(found) if found else "none")
     logger = cfg.logger
     if multirun and logger.group is None:
         logger = dataclasses.replace(logger, group=Path(HydraConfig.get().sweep.dir).name)
     return dataclasses.replace(cfg, train=train, logger=logger)
+
+
+def check_resume(cfg, ckpt: Path, step: int) -> list[str]:
+    """The lines saying what this resume changes (p3d.config.resume_rules), or P3DConfigError for a field
+    that may not change or a train.steps not above the checkpoint's step."""
+    from p3d.config import resume_rules
+    from p3d.config.spec import resume_changes
+
+    changes = resume_changes(cfg, ckpt)
+    refused = resume_rules.refusal(changes, str(ckpt), step, cfg.train.steps)
+    if refused:
+        raise P3DConfigError(refused)
+    return [c.line(step + 1) for c in resume_rules.printed(changes)]
 
 
 def _with_source(message: str) -> str:

@@ -127,10 +127,10 @@ def test_validation_split_is_disjoint_and_stable():
 
 
 def test_resumed_stream_continues_with_the_next_samples():
-    """The data position is steps x global batch: a stream started at step k is the tail of one from 0."""
+    """The data position is the samples consumed: a stream started at sample 3 B is the tail of one from 0."""
     cfg = DataConfig()
     full = list(islice(global_batches(cfg, 32, 4, seed=5), 6))
-    tail = list(islice(global_batches(cfg, 32, 4, seed=5, start_step=3), 3))
+    tail = list(islice(global_batches(cfg, 32, 4, seed=5, start_sample=3 * 4), 3))
     assert len(tail) == 3
     for a, b in zip(full[3:], tail):
         assert torch.equal(a, b)

@@ -4,10 +4,11 @@ Documents are tokenized, each followed by the end-of-document id, concatenated, 
 windows of seq_len + 1 tokens (inputs = window[:-1], labels = window[1:]); documents cross window
 borders as in standard LM pre-training, and no token is dropped or repeated within an epoch.
 Training windows pass a shuffle buffer seeded by (train.seed, epoch), then are numbered by a
-global sample index: step k consumes samples [k B, (k+1) B) with B = global_batch_size, and dp rank
-d takes the d-th contiguous slice of B / dp of them. So every TP and PP peer of a replica reads the
-same batch, the samples of a step do not depend on the mesh, and the data position of a run is
-one number (steps done x B): a resumed run skips exactly that many samples.
+global sample index: each step consumes the next B = global_batch_size samples, and dp rank d takes
+the d-th contiguous slice of B / dp of them. So every TP and PP peer of a replica reads the same batch,
+the samples of a step do not depend on the mesh, and the data position of a run is one number, the
+samples consumed so far (a checkpoint's ``samples``): a resumed run starts at exactly that sample,
+whatever batch size or mesh it resumes with.
 """
 from __future__ import annotations
 
@@ -68,11 +69,11 @@ def sample_stream(data_cfg, seq_len: int, seed: int, split: str = "train", start
     return (torch.tensor(w, dtype=torch.long) for w in islice(epochs(), start, None))
 
 
-def global_batches(data_cfg, seq_len: int, global_batch_size: int, seed: int, start_step: int = 0,
+def global_batches(data_cfg, seq_len: int, global_batch_size: int, seed: int, start_sample: int = 0,
                    split: str = "train", stats: DataStats | None = None) -> Iterator[torch.Tensor]:
-    """(B, seq_len + 1) per optimizer step from step ``start_step``: what the single-process reference
-    trains on."""
-    stream = sample_stream(data_cfg, seq_len, seed, split, start_step * global_batch_size, stats)
+    """(B, seq_len + 1) per optimizer step from global sample index ``start_sample``: what the
+    single-process reference trains on."""
+    stream = sample_stream(data_cfg, seq_len, seed, split, start_sample, stats)
     while True:
         yield torch.stack(list(islice(stream, global_batch_size)))
 
@@ -86,9 +87,10 @@ def rank_slice(batch: torch.Tensor, micro_batch_size: int, dp: int, dp_rank: int
 
 
 def micro_batches(data_cfg, seq_len: int, global_batch_size: int, micro_batch_size: int, dp: int, dp_rank: int,
-                  seed: int, start_step: int = 0, stats: DataStats | None = None):
-    """(inputs, labels), each (micro_batch_size, seq_len): this replica's micro batches, step after step."""
-    for batch in global_batches(data_cfg, seq_len, global_batch_size, seed, start_step, stats=stats):
+                  seed: int, start_sample: int = 0, stats: DataStats | None = None):
+    """(inputs, labels), each (micro_batch_size, seq_len): this replica's micro batches, step after step,
+    from global sample index ``start_sample`` (the samples a resumed run has consumed)."""
+    for batch in global_batches(data_cfg, seq_len, global_batch_size, seed, start_sample, stats=stats):
         yield from rank_slice(batch, micro_batch_size, dp, dp_rank)
 
 

@@ -252,8 +252,11 @@ def _local_states(path: Path, meta: dict, module, mesh, plan):
 
 
 def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
-    """Restore parameters, optimizer states, scheduler and RNG under this run's mesh; returns meta.json."""
+    """Restore parameters, optimizer states and RNG under this run's mesh, and set the scheduler to the
+    checkpoint's step (this run's schedule; see p3d.config.resume_rules); returns meta.json."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from p3d.train.optim import resume_schedule
 
     meta = json.loads((path / "meta.json").read_text())
     states = _local_states(path, meta, module, mesh, plan)
@@ -282,9 +285,7 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
         for st in base.state.values():
             if "step" in st:
                 st["step"] = step_t.clone() if torch.is_tensor(st["step"]) else meta["step"]
-    scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(scheduler.lr_lambdas)})
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
+    resume_schedule(scheduler, meta["step"])  # this run's lr and schedule, at the checkpoint's step
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file() and meta["mesh"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
         state = _load_file(rng)

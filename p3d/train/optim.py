@@ -102,3 +102,14 @@ def build_optimizer(module: torch.nn.Module, t: TrainConfig, mesh=None, clip_her
         opt = torch.optim.AdamW(groups, **kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, t))
     return opt, sched
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Continue ``scheduler`` after ``step`` optimizer steps: the next step's lr is this run's train.lr
+    times this run's ``lr_factor(step)``, so a changed lr, warmup, decay or step count takes effect from
+    the resumed step exactly (the checkpoint's saved base lr is not restored)."""
+    scheduler.last_epoch = step
+    lrs = [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

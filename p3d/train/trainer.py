@@ -111,16 +111,16 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     engine, module, scheduler = build_engine(cfg, plan, mesh)
     timer = StageTimer(engine)
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
-    start_step = 0
+    start_step = start_sample = 0  # the data position is the samples consumed, whatever batch size made them
     if cfg.train.resume != "none":
         meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
-        start_step = meta["step"]
-        set_engine_position(engine, start_step, meta["samples"])
+        start_step, start_sample = meta["step"], meta["samples"]
+        set_engine_position(engine, start_step, start_sample)
     stats = DataStats()
     reads_data = mesh.is_first_stage or mesh.is_last_stage
     s = cfg.schedule
     data = micro_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, s.micro_batch_size, plan.dp, mesh.dp_rank,
-                         cfg.train.seed, start_step, stats) if reads_data else None
+                         cfg.train.seed, start_sample, stats) if reads_data else None
     val = []
     if cfg.train.eval_every > 0:
         val = validation_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, cfg.train.eval_batches) \
@@ -131,7 +131,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         from p3d.config.spec import spec_dict
 
         metrics = MetricsLogger(run_dir, cfg, plan, start_step, spec=spec_dict(cfg, plan))
-        resumed = f", resumed from step {start_step}" if start_step else ""
+        resumed = f", resumed from step {start_step} after {start_sample} samples" if start_step else ""
         metrics.print(f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
                       f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
                       f"{cfg.train.steps} steps{resumed}")
@@ -139,6 +139,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     status = exit_codes.OK
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
+        samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
@@ -148,16 +149,16 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
         if metrics:
             metrics.log(step, loss=float(loss), lr=float(lr), grad_norm=float(engine.get_global_grad_norm()),
-                        step_time_s=step_time, samples=step * s.global_batch_size, bubble=bubble,
+                        step_time_s=step_time, samples=samples, bubble=bubble,
                         bubble_theory=bubble_theory, peak_mem_gb=mem, **extra)
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
-            path = checkpoint.save(engine, module, mesh, cfg, plan, run_dir, step, step * s.global_batch_size,
-                                   scheduler, {"skipped_records": stats.skipped_records})
+            path = checkpoint.save(engine, module, mesh, cfg, plan, run_dir, step, samples, scheduler,
+                                   {"skipped_records": stats.skipped_records})
             if metrics:
                 metrics.print(f"saved checkpoint {path}" + (" after a stop signal" if stop else ""))
-        if stop:
-            status = exit_codes.PREEMPTED
+        if stop:  # a stop at the last step leaves nothing to resume: the run is done
+            status = exit_codes.PREEMPTED if step < cfg.train.steps else exit_codes.OK
             break
     if metrics:
         if stats.skipped_records or stats.failed_files:
