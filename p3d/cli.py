@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from p3d import exit_codes
 from p3d.config.schema import register_configs
-from p3d.config.validate import P3DConfigError, build_plan, fill_cluster
+from p3d.config.validate import P3DConfigError, build_plan, check_config, fill_cluster
 
 CONFIG_PATH = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -50,6 +50,7 @@ def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
         raise P3DConfigError(str(exc).splitlines()[0]) from None
     if cfg.model.init_from:
         cfg = with_hf_shape(cfg)
+    check_config(cfg)  # field bounds and the model's shape: what p3d-plan cannot compute either
     if cfg.mesh.name == "auto" and resolve_auto:
         from p3d.plan import apply_layout, best_layout
 
@@ -141,7 +142,7 @@ def _with_source(message: str) -> str:
     """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
     head, _, rest = message.partition(" ")
     field = head.split("=", 1)[0]
-    if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z_]+", field):  # not one field (e.g. tp*pp*dp)
+    if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z0-9_]+", field):  # not one field (e.g. tp*pp*dp)
         return message
     hc = HydraConfig.get()
     if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):
