@@ -240,7 +240,7 @@ def run_hydra(task, writes_outputs: bool = True) -> None:
     try:
         hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(task_started)()
     except SystemExit as exc:
-        if not started and exc.code not in (0, None):
+        if not started and exc.code not in (0, None) and not isinstance(exc, exit_codes.SweepNotDone):
             sys.exit(exit_codes.CONFIG_ERROR)
         raise
 

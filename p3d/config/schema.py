@@ -143,7 +143,7 @@ class LoggerConfig:
     progress: str = "auto"  # auto: a live progress bar when the console is a terminal; bar; lines
     project: str = "p3d"  # wandb project
     entity: Optional[str] = None  # wandb entity (team or user)
-    mode: str = "auto"  # wandb: auto (online with an API key, else offline), online, offline
+    mode: str = "auto"  # wandb: online, offline, disabled; auto: WANDB_MODE, else online with an API key or offline
     group: Optional[str] = None  # wandb group; a -m sweep sets it to the sweep's name
 
 
