@@ -19,6 +19,7 @@ import resource
 import secrets
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from p3d.flops import model_flops_per_token
 
@@ -69,7 +70,8 @@ class WandbSink:
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)  # resume: same W&B run
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-                              name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), mode=mode,
+                              name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
+                              mode=mode,  # type: ignore[arg-type]  # online, offline or disabled (wandb_mode)
                               config=spec)
         self.mode = mode
 
@@ -99,7 +101,7 @@ class MetricsLogger:
         kept = [r for r in read_metrics(self.run_dir) if r["step"] <= start_step] if start_step and self.path.exists() \
             else []  # a resumed run redoes the steps after its checkpoint
         self._kept = kept
-        self._file = None  # opened at the first step: a run that never logs one leaves no metrics.jsonl
+        self._file: TextIO | None = None  # opened at the first step: a run that never logs one leaves no metrics.jsonl
         progress = cfg.logger.progress
         self.bar = None
         if progress == "bar" or (progress == "auto" and os.environ.get("P3D_TTY") == "1"):

@@ -237,8 +237,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         rows = report(args.sweep_dir, args.csv, args.png, make_plot=not args.no_plot)
     except OSError as exc:  # --csv / --png in a folder that cannot be made or written
-        print(f"p3d-report: cannot write {exc.filename or ''}: {exc.strerror or exc}; choose another --csv / --png",
-              file=sys.stderr)
+        print(f"p3d-report: cannot write the report there ({exc.filename}: {exc.strerror or exc}); choose another "
+              "--csv / --png", file=sys.stderr)
         return 2
     if not rows:
         print(f"p3d-report: no p3d run under {args.sweep_dir} (no run_spec.yaml, metrics.jsonl or "

@@ -167,7 +167,8 @@ def _suggest(b: Bound, value: float, default) -> str:
     the nearest value inside it."""
     if default is None or _inside(b, default):
         return "null" if default is None else str(default)
-    return str(type(value)(b.low if b.low is not None and value < b.low else b.high))
+    nearest = b.low if b.low is not None and value < b.low else b.high
+    return str(type(value)(nearest if nearest is not None else value))
 
 
 def _inside(b: Bound, value: float) -> bool:
