@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from p3d import exit_codes
 from p3d.config.schema import register_configs
-from p3d.config.validate import P3DConfigError, build_plan, fill_cluster
+from p3d.config.validate import P3DConfigError, build_plan, check_config, fill_cluster
 
 CONFIG_PATH = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -52,6 +52,7 @@ def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
     cfg = resolve_config_paths(cfg)  # every user-given path absolute, against the directory the command ran from
     if cfg.model.init_from:
         cfg = with_hf_shape(cfg)
+    check_config(cfg)  # field bounds and the model's shape: what p3d-plan cannot compute either
     if cfg.mesh.name == "auto" and resolve_auto:
         from p3d.plan import apply_layout, best_layout
 
@@ -160,7 +161,7 @@ def _with_source(message: str) -> str:
     """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
     head, _, rest = message.partition(" ")
     field = head.split("=", 1)[0]
-    if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z_]+", field):  # not one field (e.g. tp*pp*dp)
+    if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z0-9_]+", field):  # not one field (e.g. tp*pp*dp)
         return message
     hc = HydraConfig.get()
     if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):
@@ -267,7 +268,7 @@ def run_hydra(task, writes_outputs: bool = True) -> None:
     try:
         hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(task_started)()
     except SystemExit as exc:
-        if not started and exc.code not in (0, None):
+        if not started and exc.code not in (0, None) and not isinstance(exc, exit_codes.SweepNotDone):
             sys.exit(exit_codes.CONFIG_ERROR)
         raise
 

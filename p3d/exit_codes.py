@@ -5,3 +5,8 @@ WORKER_FAILED = 1  # a worker raised or died; the launcher names the rank
 CONFIG_ERROR = 2  # refused before any worker started; one line names the field and the fix
 RENDEZVOUS_FAILED = 3  # a worker could not join the others (store path, host or port); p3d-train reports it, exits 1
 PREEMPTED = 75  # (EX_TEMPFAIL) SIGTERM/SIGUSR1: the step finished, a checkpoint was saved; requeue and resume
+
+
+class SweepNotDone(SystemExit):
+    """Ends ``p3d-train -m`` when some point is not done (p3d.report.SweepCallback, after the report): its
+    code is the sweep's exit status, WORKER_FAILED when a point failed, CONFIG_ERROR when all were skipped."""

@@ -1,5 +1,7 @@
 """Per-step metrics: ``<run.dir>/metrics.jsonl`` (one JSON object per optimizer step), the console
-(a progress bar with ETA on a terminal, else a line per step) and, with ``logger=wandb``, W&B.
+(a progress bar with ETA on a terminal, else a line per step) and, with ``logger=wandb``, W&B: its mode is
+``logger.mode`` when set, else ``WANDB_MODE``, else online with an API key and offline without; a W&B
+failure (at start, while logging, at the end) is reported once and training goes on without it.
 
 Written by one rank only (last stage, dp 0, tp 0), where the loss is known. Figures:
 - tokens_per_s: global batch tokens / step wall time.
@@ -18,6 +20,7 @@ import resource
 import secrets
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from p3d.model.geometry import model_flops_per_token
 
@@ -40,20 +43,36 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class WandbSink:
-    """W&B run on the logging rank: online with an API key, else offline files under run.dir (``wandb sync``)."""
+WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "dryrun": "offline", "run": "online"}
 
-    def __init__(self, run_dir: Path, cfg, spec: dict):
+
+def wandb_mode(logger_mode: str, env=None) -> tuple[str, str]:
+    """(mode, why): ``logger.mode`` when set (online, offline, disabled); with ``auto``, the ``WANDB_MODE``
+    environment variable; without it online when an API key is known (WANDB_API_KEY, ~/.netrc), else offline."""
+    env = os.environ if env is None else env
+    if logger_mode != "auto":
+        return logger_mode, f"logger.mode={logger_mode}"
+    given = env.get("WANDB_MODE", "").strip().lower()
+    if given in WANDB_MODES:
+        return WANDB_MODES[given], f"WANDB_MODE={given}"
+    if env.get("WANDB_API_KEY") or _netrc_has_wandb():
+        return "online", "an API key"
+    return "offline", "no API key"
+
+
+class WandbSink:
+    """W&B run on the logging rank, in ``mode`` (see :func:`wandb_mode`); offline files go under run.dir
+    (``wandb sync``)."""
+
+    def __init__(self, run_dir: Path, cfg, spec: dict, mode: str):
         import wandb
 
-        mode = cfg.logger.mode
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb() else "offline"
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)  # resume: same W&B run
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-                              name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), mode=mode,
+                              name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
+                              mode=mode,  # type: ignore[arg-type]  # online, offline or disabled (wandb_mode)
                               config=spec)
         self.mode = mode
 
@@ -82,10 +101,8 @@ class MetricsLogger:
         self.flops_per_step = model_flops_per_token(cfg.model) * plan.tokens_per_step
         kept = [r for r in read_metrics(self.run_dir) if r["step"] <= start_step] if start_step and self.path.exists() \
             else []  # a resumed run redoes the steps after its checkpoint
-        self._file = open(self.path, "w", buffering=1)
-        for r in kept:
-            self._file.write(json.dumps(r) + "\n")
-        self.wandb = WandbSink(self.run_dir, cfg, spec or {}) if cfg.logger.name == "wandb" else None
+        self._kept = kept
+        self._file: TextIO | None = None  # opened at the first step: a run that never logs one leaves no metrics.jsonl
         progress = cfg.logger.progress
         self.bar = None
         if progress == "bar" or (progress == "auto" and os.environ.get("P3D_TTY") == "1"):
@@ -93,15 +110,25 @@ class MetricsLogger:
 
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, file=self.stream, unit="step",
                             dynamic_ncols=True, desc="train")
+        self.wandb: WandbSink | None = None
+        if cfg.logger.name == "wandb":
+            self._start_wandb(spec or {})
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float, **extra) -> dict:
         tflops = self.flops_per_step / step_time_s / self.plan.world_size / 1e12
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": self.plan.tokens_per_step / step_time_s, "step_time_s": step_time_s,
                   "tflops_per_device": tflops, "mfu": tflops / self.cfg.cluster.peak_tflops, **extra}
+        if self._file is None:
+            self._file = open(self.path, "w", buffering=1)
+            for r in self._kept:
+                self._file.write(json.dumps(r) + "\n")
         self._file.write(json.dumps(record) + "\n")
         if self.wandb:
-            self.wandb.log(record)
+            try:
+                self.wandb.log(record)
+            except Exception as exc:  # noqa: BLE001 - see _wandb_failed
+                self._wandb_failed(f"log step {step}", exc)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", gnorm=f"{grad_norm:.3f}",
                                  tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
@@ -118,9 +145,31 @@ class MetricsLogger:
         else:
             print(text, file=self.stream, flush=True)
 
+    def _start_wandb(self, spec: dict) -> None:
+        mode, why = wandb_mode(self.cfg.logger.mode)
+        if mode == "disabled":
+            self.print(f"W&B disabled ({why}): logging to the console and {METRICS_NAME} only")
+            return
+        try:
+            self.wandb = WandbSink(self.run_dir, self.cfg, spec, mode)
+        except Exception as exc:  # noqa: BLE001 - see _wandb_failed
+            self._wandb_failed(f"start in {mode} mode ({why})", exc)
+
+    def _wandb_failed(self, what: str, exc: Exception) -> None:
+        """Any W&B failure (CommError, UsageError, OSError, ...): warn once, go on without W&B; training never
+        stops for it."""
+        self.wandb = None
+        first = (str(exc).strip().splitlines() or [""])[0]
+        self.print(f"warning: W&B failed to {what}: {type(exc).__name__}: {first}; training goes on, logging to "
+                   f"the console and {self.path}")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self.wandb:
-            self.wandb.close()
+            try:
+                self.wandb.close()
+            except Exception as exc:  # noqa: BLE001 - see _wandb_failed
+                self._wandb_failed("finish", exc)

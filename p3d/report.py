@@ -8,7 +8,8 @@ tokens/s, MFU and bubble are medians over the steps after the first (which pays 
 memory is the largest step's; the final loss is the last step's. ``p3d-train -m`` prints this at the
 end of every sweep (:class:`SweepCallback`, registered in conf/config.yaml).
 
-Exit status: 0 a report was written; 2 no run found under the directory.
+Exit status: 0 a report was written (``--csv`` / ``--png`` folders are created); 2 no run found under the
+directory, or the CSV or plot cannot be written there.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -212,6 +214,8 @@ def report(sweep_dir: Path, csv_path: Optional[Path] = None, png_path: Optional[
     png_path = png_path or sweep_dir / "report.png"
     print(f"p3d-report: {sweep_dir} ({len(rows)} point{'s' if len(rows) != 1 else ''})", file=stream)
     print(table(rows), file=stream)
+    for path in (csv_path, png_path) if make_plot else (csv_path,):
+        path.parent.mkdir(parents=True, exist_ok=True)
     write_csv(rows, csv_path)
     written = [str(csv_path)]
     if make_plot:
@@ -235,7 +239,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.sweep_dir.is_dir():
         print(f"p3d-report: {args.sweep_dir} is not a directory", file=sys.stderr)
         return 2
-    if not report(args.sweep_dir, args.csv, args.png, make_plot=not args.no_plot):
+    try:
+        rows = report(args.sweep_dir, args.csv, args.png, make_plot=not args.no_plot)
+    except OSError as exc:  # --csv / --png in a folder that cannot be made or written
+        print(f"p3d-report: cannot write the report there ({exc.filename}: {exc.strerror or exc}); choose another "
+              "--csv / --png", file=sys.stderr)
+        return 2
+    if not rows:
         print(f"p3d-report: no p3d run under {args.sweep_dir} (no run_spec.yaml, metrics.jsonl or "
               f"{STATUS_NAME})", file=sys.stderr)
         return 2
@@ -294,13 +304,34 @@ class SweepCallback(Callback):
         write_status(out, STATUS_BY_CODE.get(rc, "stopped" if rc >= 128 else "failed"), rc, mesh=mesh, **extra)
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
+        """The report, then the sweep's exit status: :class:`p3d.exit_codes.SweepNotDone` unless every point is
+        done (Hydra itself ignores what the points return)."""
         if config.hydra.output_subdir is None:
             return
+        sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
-            report(Path(str(config.hydra.sweep.dir)))
+            rows = report(sweep_dir)
         except Exception as exc:  # noqa: BLE001 - a report must never fail the sweep
             print(f"p3d-report: could not report {config.hydra.sweep.dir}: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
+            rows = collect(sweep_dir)
+        status, summary = sweep_status(rows)
+        if status:
+            print(summary, file=sys.stderr, flush=True)
+            raise exit_codes.SweepNotDone(status)
+
+
+def sweep_status(rows: list[Row]) -> tuple[int, str]:
+    """(exit status, one line) of a finished sweep: 0 when every point is done; else 1 (WORKER_FAILED) when a
+    point failed, stopped or is incomplete, 2 (CONFIG_ERROR) when every such point was skipped by a config rule."""
+    bad = [r for r in rows if r.status != "done"]
+    if not bad:
+        return exit_codes.OK, ""
+    status = exit_codes.CONFIG_ERROR if all(r.status == "skipped" for r in bad) else exit_codes.WORKER_FAILED
+    counts = Counter(r.status for r in bad)
+    kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    which = f"point{'s' if len(bad) > 1 else ''} {', '.join(r.point for r in bad)}"
+    return status, f"p3d: {len(bad)} of {len(rows)} sweep points not done ({kinds}: {which}); exit status {status}"
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ RULES = [
     (["cluster.gpus_per_node=4"], "must equal the world size 4", "mesh.dp=auto"),
     (["mesh=tp4", "cluster.gpus_per_node=2", "mesh.dp=auto"], "mesh.tp=4 exceeds cluster.gpus_per_node=2",
      "mesh=tp2_pp2"),
-    (["train.warmup_steps=-1"], "train.warmup_steps=-1 must be >= 0", "train.warmup_steps=0"),
+    (["train.warmup_steps=-1"], "train.warmup_steps=-1 must be >= 0", "train.warmup_steps=20"),
     (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 must be at least 1",
      "train.eval_batches=2"),
     (["train.eval_every=5", "data.val_fraction=0"], "data.val_fraction=0.0 leaves no validation data",

@@ -83,8 +83,9 @@ def test_cli_writes_csv_and_png(tmp_path, capsys):
 def test_local_multirun_runs_points_in_sequence_skips_infeasible_and_reports(tmp_path):
     sweep = tmp_path / "sweep"
     result = p3d_train("-m", "mesh=single,tp8_pp1,pp2", "train.steps=2", f"hydra.sweep.dir={sweep}", timeout=220)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]  # only skipped points: 2
     assert "p3d: skipped this point, config error: mesh.tp=8 (mesh/tp8_pp1.yaml) must divide" in result.stderr
+    assert result.stderr.rstrip().endswith("p3d: 1 of 3 sweep points not done (1 skipped: point 1); exit status 2")
     table_text = result.stdout[result.stdout.index("p3d-report:"):]
     assert re.search(r"^0\s+single\s+1 x 1 x 1\s+[\d,]+.*2/2\s+done$", table_text, re.M), table_text
     assert re.search(r"^1\s+tp8_pp1 .*skipped: mesh.tp=8 \(mesh/tp8_pp1.yaml\) must divide", table_text, re.M)

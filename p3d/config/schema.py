@@ -143,7 +143,7 @@ class LoggerConfig:
     progress: str = "auto"  # auto: a live progress bar when the console is a terminal; bar; lines
     project: str = "p3d"  # wandb project
     entity: Optional[str] = None  # wandb entity (team or user)
-    mode: str = "auto"  # wandb: auto (online with an API key, else offline), online, offline
+    mode: str = "auto"  # wandb: online, offline, disabled; auto: WANDB_MODE, else online with an API key or offline
     group: Optional[str] = None  # wandb group; a -m sweep sets it to the sweep's name
 
 
@@ -164,7 +164,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation passes; 0: none
     eval_batches: int = 2  # global batches of held-out data per validation pass
     save_every: int = 0  # steps between checkpoints (<run.dir>/checkpoints); 0: only on SIGTERM/SIGUSR1 and at the end
-    keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    keep_last: int = 2  # complete checkpoints kept (0: all); older ones are deleted once a newer one is complete
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
 
 
@@ -213,6 +213,47 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     dry_run: bool = False
     format: str = "text"  # p3d-plan output: text or json
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric field accepts: ``low <= v <= high`` (``low < v`` with ``open_low``, ``v < high``
+    with ``open_high``); None leaves that side open. Optional fields also accept null."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    open_low: bool = False
+    open_high: bool = False
+
+
+AT_LEAST_1, NON_NEGATIVE, POSITIVE = Bound(1), Bound(0), Bound(0, open_low=True)
+FRACTION = Bound(0, 1)  # [0, 1]
+BELOW_1 = Bound(0, 1, open_high=True)  # [0, 1)
+
+# Every int and float field of the schema has its bound here (tests/test_inputs.py checks that none is
+# missing); p3d.config.validate.check_fields refuses a value outside it in one line.
+BOUNDS: dict[str, Bound] = {
+    "model.n_layers": AT_LEAST_1, "model.hidden_size": AT_LEAST_1, "model.n_heads": AT_LEAST_1,
+    "model.n_kv_heads": AT_LEAST_1, "model.ffn_hidden_size": AT_LEAST_1, "model.vocab_size": AT_LEAST_1,
+    "model.seq_len": Bound(2), "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.init_std": POSITIVE,
+    "mesh.tp": AT_LEAST_1, "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.config.validate._world_size
+    "schedule.micro_batch_size": AT_LEAST_1, "schedule.global_batch_size": AT_LEAST_1,
+    "schedule.virtual_stages": AT_LEAST_1,
+    "zero.stage": Bound(0, 3),
+    "cluster.nodes": AT_LEAST_1, "cluster.gpus_per_node": AT_LEAST_1, "cluster.peak_tflops": POSITIVE,
+    "cluster.memory_gb": POSITIVE, "cluster.intra_node_gbps": POSITIVE, "cluster.inter_node_gbps": POSITIVE,
+    "cluster.timeout_s": AT_LEAST_1, "cluster.cpus_per_task": AT_LEAST_1, "cluster.signal_s": NON_NEGATIVE,
+    "cluster.max_requeues": NON_NEGATIVE,
+    "data.shuffle_buffer": NON_NEGATIVE, "data.val_fraction": BELOW_1,
+    "logger.log_every": AT_LEAST_1,
+    "train.steps": AT_LEAST_1, "train.lr": POSITIVE, "train.min_lr_ratio": FRACTION, "train.warmup_steps": NON_NEGATIVE,
+    "train.weight_decay": NON_NEGATIVE, "train.beta1": BELOW_1, "train.beta2": BELOW_1, "train.eps": POSITIVE,
+    "train.grad_clip": NON_NEGATIVE, "train.seed": NON_NEGATIVE, "train.eval_every": NON_NEGATIVE,
+    "train.eval_batches": AT_LEAST_1, "train.save_every": NON_NEGATIVE, "train.keep_last": NON_NEGATIVE,
+    "tokenizer.vocab_size": Bound(257),  # 256 bytes + end of text
+    "tokenizer.max_documents": AT_LEAST_1, "tokenizer.min_frequency": NON_NEGATIVE,
+    "plan.efficiency": Bound(0, 1, open_low=True), "plan.hbm_gbps": POSITIVE, "plan.top": AT_LEAST_1,
+}
 
 
 GROUPS = {

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from p3d.config import resume_rules
 from p3d.config.schema import Config
-from p3d.config.validate import RunPlan
+from p3d.config.validate import P3DConfigError, RunPlan
 
 SPEC_NAME = "run_spec.yaml"
 # The derived run plan's key. Not "plan": that is the planner's options (Config.plan, ``plan.force``).
@@ -30,8 +30,37 @@ RUN_PLAN_KEY = "run_plan"
 SEGMENT_SPECS = "specs"  # specs/from_step_<N>.yaml: the spec each segment of the run was launched with
 
 
+def unknown_keys(node: Any, schema: Any = None, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` that the schema has no field for (a ``+train.foo=1`` override adds one
+    past Hydra's struct check)."""
+    schema = Config() if schema is None else schema
+    names = {f.name for f in dataclasses.fields(schema)}
+    found = []
+    for key in node:
+        if key not in names:
+            found.append(f"{prefix}{key}")
+        elif dataclasses.is_dataclass(getattr(schema, key)) and isinstance(node[key], (dict, DictConfig)):
+            found += unknown_keys(node[key], getattr(schema, key), f"{prefix}{key}.")
+    return found
+
+
+def _unknown_key_error(key: str, node: Any) -> P3DConfigError:
+    import difflib
+
+    group, _, name = key.rpartition(".")
+    section = OmegaConf.select(OmegaConf.structured(Config), group) if group else OmegaConf.structured(Config)
+    close = difflib.get_close_matches(name, list(section.keys()), n=1)
+    value = OmegaConf.select(node, key, throw_on_missing=False) if isinstance(node, DictConfig) else "..."
+    fix = f"try {group + '.' if group else ''}{close[0]}={value}" if close else \
+        "remove it (p3d-train --cfg job lists the options)"
+    return P3DConfigError(f"{key}={value} is not a p3d option and would be ignored; {fix}")
+
+
 def to_config(node: DictConfig | dict) -> Config:
     """Typed, resolved Config from a composed or loaded node (unknown keys and bad types raise)."""
+    unknown = unknown_keys(node)
+    if unknown:
+        raise _unknown_key_error(unknown[0], node)
     merged = OmegaConf.merge(OmegaConf.structured(Config), node)
     return OmegaConf.to_object(merged)
 

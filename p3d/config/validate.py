@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from p3d.config.schema import Arch, Config, DataSource, DType, Launcher, Partition, Recompute
+from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition, Recompute
 from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -108,11 +108,65 @@ def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
     return world, mesh.dp
 
 
+def _describe(b: Bound) -> str:
+    if b.low is not None and b.high is not None:
+        return f"must lie in {'(' if b.open_low else '['}{b.low:g}, {b.high:g}{')' if b.open_high else ']'}"
+    if b.low is None:
+        return f"must be {'<' if b.open_high else '<='} {b.high:g}"
+    if b.open_low:
+        return "must be positive" if b.low == 0 else f"must be > {b.low:g}"
+    return "must be >= 0" if b.low == 0 else f"must be at least {b.low:g}"
+
+
+def _suggest(b: Bound, value: float, default) -> str:
+    """The schema's default where it lies inside the bound (null: the preset's or the code's choice), else
+    the nearest value inside it."""
+    if default is None or _inside(b, default):
+        return "null" if default is None else str(default)
+    nearest = b.low if b.low is not None and value < b.low else b.high
+    return str(type(value)(nearest if nearest is not None else value))
+
+
+def _inside(b: Bound, value: float) -> bool:
+    low_ok = b.low is None or (value > b.low if b.open_low else value >= b.low)
+    return low_ok and (b.high is None or (value < b.high if b.open_high else value <= b.high))
+
+
+def check_fields(cfg: Config) -> None:
+    """Every int and float field against its bound (``p3d.config.schema.BOUNDS``); NaN and inf are refused."""
+    for key, b in BOUNDS.items():
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # null: the preset's or the code's default; a non-number: the field's own rule
+        default = getattr(type(getattr(cfg, group))(), name)
+        if not math.isfinite(value):
+            raise P3DConfigError(f"{key}={value} must be a finite number; try {key}={default}")
+        if not _inside(b, value):
+            raise P3DConfigError(f"{key}={value} {_describe(b)}; try {key}={_suggest(b, value, default)}")
+
+
+LOGGER_CHOICES = {"name": ("none", "wandb"), "mode": ("auto", "online", "offline", "disabled"),
+                  "progress": ("auto", "bar", "lines")}
+
+
+def check_logger(cfg: Config) -> None:
+    for name, choices in LOGGER_CHOICES.items():
+        value = getattr(cfg.logger, name)
+        if value not in choices:
+            raise P3DConfigError(f"logger.{name}={value} is not one of {', '.join(choices)}; "
+                                 f"try logger.{name}={choices[0] if name != 'name' else 'wandb'}")
+
+
+def check_config(cfg: Config) -> None:
+    """What p3d-train and p3d-plan both refuse, whatever the layout: field bounds, the logger, the model's shape."""
+    check_fields(cfg)
+    check_logger(cfg)
+    check_model(cfg)
+
+
 def check_model(cfg: Config) -> None:
     m = cfg.model
-    for name in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "ffn_hidden_size", "vocab_size", "seq_len"):
-        if getattr(m, name) < 1:
-            raise P3DConfigError(f"model.{name}={getattr(m, name)} must be positive")
     if m.hidden_size % m.n_heads:
         raise P3DConfigError(f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size}")
     if (m.hidden_size // m.n_heads) % 2:
@@ -121,8 +175,6 @@ def check_model(cfg: Config) -> None:
     if m.n_heads % m.n_kv_heads:
         raise P3DConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
                              f"(grouped-query attention); try model.n_kv_heads={math.gcd(m.n_heads, m.n_kv_heads)}")
-    if m.seq_len < 2:
-        raise P3DConfigError(f"model.seq_len={m.seq_len} must be at least 2")
 
 
 def check_mesh(cfg: Config, tp: int, pp: int) -> None:
@@ -153,8 +205,6 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
 def check_schedule(cfg: Config, dp: int, pp: int) -> int:
     """Returns the number of micro batches per step per replica."""
     s = cfg.schedule
-    if s.micro_batch_size < 1:
-        raise P3DConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must be positive")
     per_round = s.micro_batch_size * dp
     if s.global_batch_size < per_round or s.global_batch_size % per_round:
         ok = max(per_round * pp, math.ceil(s.global_batch_size / per_round) * per_round)
@@ -181,8 +231,6 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
 
 def check_zero(cfg: Config, pp: int) -> None:
     stage = cfg.zero.stage
-    if stage not in (0, 1, 2, 3):
-        raise P3DConfigError(f"zero.stage={stage} must be 0, 1, 2 or 3; try zero=stage1")
     if stage >= 2:
         why = (f"with mesh.pp={pp} > 1 DeepSpeed's pipeline engine cannot shard gradients or parameters"
                if pp > 1 else "p3d runs every mesh through DeepSpeed's pipeline engine, which supports ZeRO 0-1 only")
@@ -191,19 +239,6 @@ def check_zero(cfg: Config, pp: int) -> None:
 
 def check_train(cfg: Config) -> None:
     t = cfg.train
-    if t.steps < 1:
-        raise P3DConfigError(f"train.steps={t.steps} must be at least 1")
-    if t.lr <= 0:
-        raise P3DConfigError(f"train.lr={t.lr} must be positive; try train.lr=3e-4")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise P3DConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]; try train.min_lr_ratio=0.1")
-    if t.warmup_steps < 0:
-        raise P3DConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0; try train.warmup_steps=0")
-    if t.grad_clip < 0:
-        raise P3DConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
-    if t.eval_every > 0 and t.eval_batches < 1:
-        raise P3DConfigError(f"train.eval_batches={t.eval_batches} must be at least 1 with train.eval_every="
-                             f"{t.eval_every}; try train.eval_batches=2, or train.eval_every=0 for no validation")
     if t.eval_every > 0 and cfg.data.val_fraction <= 0:
         raise P3DConfigError(f"data.val_fraction={cfg.data.val_fraction} leaves no validation data for train.eval_every="
                              f"{t.eval_every}; try data.val_fraction=0.005, or train.eval_every=0 for no validation")
@@ -224,7 +259,7 @@ def build_plan(cfg: Config, tokenizer_vocab: Optional[int] = None, for_training:
         raise P3DConfigError(f"model.arch={cfg.model.arch.value}: the trainer builds llama only "
                              "(gpt shapes are for p3d-plan); try model.arch=llama")
     tp, pp = cfg.mesh.tp, cfg.mesh.pp
-    check_model(cfg)
+    check_config(cfg)
     check_mesh(cfg, tp, pp)
     world, dp = _world_size(cfg, tp, pp)
     micro_batches = check_schedule(cfg, dp, pp)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p3d.config.schema import Config, DType, Recompute
-from p3d.config.validate import P3DConfigError, build_plan
+from p3d.config.validate import P3DConfigError, build_plan, check_config
 from p3d.plan import memory, step_time
 from p3d.plan.render import render
 from p3d.plan.step_time import assumptions
@@ -206,16 +206,9 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
 
 
 def check_options(cfg: Config) -> None:
-    """The numbers the model divides by must be positive; efficiency is a fraction of the peak."""
-    p, c = cfg.plan, cfg.cluster
-    if p.efficiency is not None and not 0 < p.efficiency <= 1:
-        raise P3DConfigError(f"plan.efficiency={p.efficiency} must lie in (0, 1]; try plan.efficiency=0.6")
-    if p.hbm_gbps is not None and p.hbm_gbps <= 0:
-        raise P3DConfigError(f"plan.hbm_gbps={p.hbm_gbps} must be positive")
-    if p.top < 1:
-        raise P3DConfigError(f"plan.top={p.top} must be at least 1")
+    """The numbers the model divides by must be set and positive (the bounds p3d-train checks too)."""
+    check_config(cfg)
+    c = cfg.cluster
     for name in ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps"):
-        if getattr(c, name) is None or getattr(c, name) <= 0:
-            raise P3DConfigError(f"cluster.{name}={getattr(c, name)} must be positive")
-    if c.gpus_per_node is not None and c.gpus_per_node < 1 or c.nodes < 1:
-        raise P3DConfigError(f"cluster.nodes={c.nodes} and cluster.gpus_per_node={c.gpus_per_node} must be positive")
+        if getattr(c, name) is None:
+            raise P3DConfigError(f"cluster.{name}=null has no value from cluster.device={c.device}; set cluster.{name}")

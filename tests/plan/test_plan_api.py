@@ -71,8 +71,8 @@ def test_refused_configs_are_modelled_and_flagged(make_cfg):
 
 def test_layout_that_does_not_divide_the_cluster_is_an_error(make_cfg):
     with pytest.raises(P3DConfigError, match="must divide the 8 GPUs"):
-        plan(make_cfg("mesh.tp=3", "mesh.pp=1", "mesh.dp=auto", "model.n_heads=6", "model.n_kv_heads=3",
-                      "cluster.device=h100_sxm", "cluster.launcher=slurm"))
+        plan(make_cfg("mesh.tp=3", "mesh.pp=1", "mesh.dp=auto", "model.hidden_size=96", "model.n_heads=6",
+                      "model.n_kv_heads=3", "cluster.device=h100_sxm", "cluster.launcher=slurm"))
 
 
 def test_report_figures_are_consistent(make_cfg):

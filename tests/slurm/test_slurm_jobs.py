@@ -102,7 +102,8 @@ def test_sweep_through_submitit_runs_one_job_per_point_and_reports(slurm_cluster
     result = p3d_train("-m", "cluster=slurm", "mesh=pp2", "mesh.tp=1,2,8", "train.steps=3", "cluster.time=5",
                        "cluster.signal_s=30", f"hydra.sweep.dir={sweep}", timeout=400)
     out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-4000:]
+    assert result.returncode == 2, out[-4000:]  # the skipped point: the sweep is not all done
+    assert "p3d: 1 of 3 sweep points not done (1 skipped: point 2); exit status 2" in result.stderr, out[-4000:]
     jobs = re.findall(r"point #(\d) \(.*\): Slurm job (\d+), 1 node\(s\) x (\d) tasks", result.stdout)
     assert [(p, t) for p, _, t in jobs] == [("0", "2"), ("1", "4")], out[-4000:]
     assert re.search(r"point #2 \(.*mesh.tp=8.*\) skipped, not submitted: mesh.tp=8 .*must divide", result.stderr)
