@@ -23,6 +23,7 @@ from p3d.data.corpus import DataStats, iter_texts, resolve_files
 from p3d.data.loader import global_batches
 from p3d.data.tokenizer import ByteTokenizer
 from p3d.metrics import read_metrics
+from p3d.train import checkpoint
 from p3d.train.reference import reference_run
 from tests.conftest import ROOT, typed
 
@@ -194,7 +195,8 @@ def test_text_with_the_replacement_character_trains(tmp_path):
     (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "web.txt"), val_fraction=0, text_unit=TextUnit.line)
     stats = DataStats()
-    assert list(iter_texts(cfg, stats=stats)) == lines == list(iter_texts(replace(cfg, path=str(tmp_path / "web.jsonl"))))
+    as_jsonl = replace(cfg, path=str(tmp_path / "web.jsonl"))
+    assert list(iter_texts(cfg, stats=stats)) == lines == list(iter_texts(as_jsonl))
     assert stats.skipped_records == 0
     result = _p3d(tmp_path, "p3d.cli", "data=files", "data.path=web.txt", "run.dir=run", *TINY)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -225,7 +227,8 @@ TEXT_RUN = ("data=files", "data.path={corpus}", "data.text_unit=paragraph", f"tr
 
 @pytest.fixture(scope="module")
 def text_corpus(tmp_path_factory) -> Path:
-    return _write(tmp_path_factory.mktemp("text") / "corpus", {f"m{i}.txt": m for i, m in enumerate(_stdlib_modules(6))})
+    modules = {f"m{i}.txt": m for i, m in enumerate(_stdlib_modules(6))}
+    return _write(tmp_path_factory.mktemp("text") / "corpus", modules)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +254,7 @@ def test_dp2_matches_the_single_process_reference_on_a_text_corpus(text_corpus, 
 def test_resume_continues_the_same_curve_on_a_text_corpus(text_corpus, dp2_run, tmp_path):
     """Resume the step-3 checkpoint of the dp2 run in a new run.dir: steps 4..6 repeat it exactly."""
     args = [a.format(corpus=text_corpus) for a in TEXT_RUN]
-    ckpt = dp2_run / "checkpoints" / "step_3"
+    ckpt = checkpoint.step_dir(dp2_run, 3)
     result = _p3d(ROOT, "p3d.cli", f"run.dir={tmp_path / 'resumed'}", "mesh=dp2", *args, f"train.resume={ckpt}",
                   timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -79,8 +79,9 @@ def no_files_error(cfg: DataConfig) -> FileNotFoundError:
     dirs = [p.strip() for p in (cfg.path or "").split(",") if os.path.isdir(os.path.expanduser(p.strip()))]
     if dirs:
         kinds = sorted(s for s, f in _FORMATS.items() if cfg.format in ("auto", f))
+        example = f"{dirs[0].rstrip('/')}/**/*.txt"
         return FileNotFoundError(f"data.path={cfg.path} is a directory with no {'/'.join(kinds)} file in it; point "
-                                 f"data.path at the files with a glob (e.g. data.path='{dirs[0].rstrip('/')}/**/*.txt')")
+                                 f"data.path at the files with a glob (e.g. data.path='{example}')")
     return FileNotFoundError(f"data.path={cfg.path} matches no file; check the path or glob")
 
 

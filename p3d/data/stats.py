@@ -80,7 +80,8 @@ class DataStats:
                          f"{_named(per_file)})")
         if self.failed:
             per_file = [f"{f} {why}" for f, why in self.failed.items()]
-            parts.append(f"the rest of {_plural(len(self.failed), 'file')} that failed part-way ({_named(per_file, '; ')})")
+            files = _plural(len(self.failed), "file")
+            parts.append(f"the rest of {files} that failed part-way ({_named(per_file, '; ')})")
         return "data: skipped " + "; ".join(parts) if parts else ""
 
 

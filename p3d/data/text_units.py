@@ -24,7 +24,7 @@ def _group(lines: Iterable[tuple[int, AnyStr]], unit: TextUnit, nl: AnyStr) -> I
     if unit == TextUnit.line:
         yield from lines
         return
-    start, block = 0, []
+    start, block = 0, list[AnyStr]()
     for offset, line in lines:
         if line.strip():
             if not block:
