@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from itertools import islice
 
-from p3d.config.schema import DataConfig, DataSource
+from p3d.config.schema import DataConfig, DataSource, TextUnit
 from p3d.data.corpus import DataStats, file_format, iter_texts, no_files_error, resolve_files
 from p3d.data.tokenizer import load_tokenizer
 
@@ -49,7 +49,9 @@ def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
         if tokens <= seq_len:
             where = f"data.path={cfg.path}" if cfg.path else f"data.source={cfg.source.value}"
-            fix = ("raise data.val_fraction or set train.eval_every=0" if split == "val"
+            more_docs = " (or split text files into more documents: data.text_unit=paragraph)" \
+                if cfg.source == DataSource.files and cfg.text_unit == TextUnit.document else ""
+            fix = (f"raise data.val_fraction{more_docs} or set train.eval_every=0" if split == "val"
                    else "point data.path at more text or lower model.seq_len")
             skipped = f" ({stats.summary()})" if stats.summary() else ""
             raise ValueError(f"the {split} split of {where} holds {tokens} tokens, fewer than one window of "
