@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from itertools import islice
 
 import pytest
 import torch
 
-from p3d.config.schema import DataConfig, DataSource
+from p3d.config.schema import DataConfig, DataSource, TextUnit
 from p3d.data.corpus import iter_texts
 from p3d.data.loader import global_batches, micro_batches, pack
 from p3d.data.tokenizer import ByteTokenizer
@@ -57,8 +58,9 @@ def test_local_jsonl_and_text_files(tmp_path):
     texts = list(iter_texts(DataConfig(source=DataSource.files, path=str(tmp_path / "*.jsonl"), text_column="body")))
     assert texts == ["doc 0", "doc 1", "doc 2"]
     (tmp_path / "b.txt").write_text("one line\nanother line\n")
-    assert list(iter_texts(DataConfig(source=DataSource.files, path=str(tmp_path / "b.txt")))) == ["one line",
-                                                                                                 "another line"]
+    cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "b.txt"), val_fraction=0)
+    assert list(iter_texts(cfg)) == ["one line\nanother line\n"]  # data.text_unit=document: the whole file
+    assert list(iter_texts(replace(cfg, text_unit=TextUnit.line))) == ["one line", "another line"]
 
 
 def test_bad_data_input_is_named(tmp_path):
@@ -83,7 +85,7 @@ def test_undecodable_lines_are_skipped_and_counted(tmp_path):
 
     (tmp_path / "t.txt").write_bytes(b"good line\n\xff\xfe bad bytes\nanother good\n")
     stats = DataStats()
-    cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "t.txt"), val_fraction=0)
+    cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "t.txt"), val_fraction=0, text_unit=TextUnit.line)
     assert list(iter_texts(cfg, stats=stats)) == ["good line", "another good"]
     assert stats.skipped_records == 1
 
@@ -97,9 +99,10 @@ def test_a_run_skips_bad_lines_on_every_data_rank_alike(tmp_path):
     body = b"".join((b"\xff\xfe bad bytes\n" if i % 60 == 0 else line.encode() + b"\n") for i, line in enumerate(lines))
     (tmp_path / "t.txt").write_bytes(body)
     result = p3d_train(f"run.dir={tmp_path / 'run'}", "data=files", f"data.path={tmp_path / 't.txt'}", "mesh=pp2",
-                       "mesh.dp=2", "train.steps=2", timeout=150)
+                       "mesh.dp=2", "train.steps=2", "data.text_unit=line", timeout=150)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert re.search(r"data: skipped [1-9]\d* unreadable records and 0 files", result.stdout), result.stdout[-2000:]
+    assert re.search(rf"data: skipped [1-9]\d* lines of {tmp_path / 't.txt'} with bytes that are not UTF-8",
+                     result.stdout), result.stdout[-2000:]
 
 
 def _disagreeing_readers(rank, world):

@@ -50,6 +50,14 @@ class DataSource(Enum):
     hub = "hub"  # a Hugging Face hub dataset by name (needs network access), streamed
 
 
+class TextUnit(Enum):
+    """What one document is in a text (each followed by the end-of-document token when packed)."""
+
+    document = "document"  # a whole text file (a whole record's text); line breaks kept
+    paragraph = "paragraph"  # a run of non-blank lines, its line breaks kept; blank lines separate paragraphs
+    line = "line"  # one line, without its line break
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -130,7 +138,8 @@ class DataConfig:
     subset: Optional[str] = None  # hub: the dataset's config name (e.g. sample-10BT)
     split: str = "train"  # hub: the split to stream
     format: str = "auto"  # files: text, json, parquet, or auto (from the extension)
-    text_column: str = "text"
+    text_column: str = "text"  # json / jsonl / parquet / csv / hub: the column that holds the text
+    text_unit: TextUnit = TextUnit.document  # one document: a whole file (record), a paragraph, or a line
     tokenizer: str = "byte"  # "byte", or the path of a HF tokenizer.json (see p3d-tokenizer)
     shuffle_buffer: int = 1024  # windows; 0 keeps the corpus order. Seeded by train.seed and the epoch
     val_fraction: float = 0.005  # share of documents held out for validation (chosen by a hash of the text)

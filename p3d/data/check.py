@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from itertools import islice
 
-from p3d.config.schema import DataConfig, DataSource
-from p3d.data.corpus import file_format, iter_texts, resolve_files
+from p3d.config.schema import DataConfig, DataSource, TextUnit
+from p3d.data.corpus import DataStats, file_format, iter_texts, no_files_error, resolve_files
 from p3d.data.tokenizer import load_tokenizer
 
 MAX_DOCS = 20000  # how far to look for a first validation window before giving up
@@ -27,17 +27,18 @@ def check_data(cfg: DataConfig, seq_len: int, need_val: bool = False) -> None:
 
 def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
     if cfg.source == DataSource.files:
-        files = resolve_files(cfg.path or "")
+        files = resolve_files(cfg.path or "", cfg.format)
         if not files:
-            raise FileNotFoundError(f"data.path={cfg.path} matches no file; check the path or glob")
+            raise no_files_error(cfg)
         file_format(cfg, files)
     elif cfg.source == DataSource.hub and not cfg.path:
         raise ValueError("data.path is not set for data.source=hub; try data.path=HuggingFaceFW/fineweb-edu")
     tok = load_tokenizer(cfg.tokenizer)
     for split in ("train", "val") if need_val else ("train",):
+        stats = DataStats()
         try:
             tokens = 0
-            for text in islice(iter_texts(cfg, split), MAX_DOCS):
+            for text in islice(iter_texts(cfg, split, stats), MAX_DOCS):
                 tokens += len(tok.encode(text)) + 1
                 if tokens > seq_len:
                     break
@@ -48,7 +49,10 @@ def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
         if tokens <= seq_len:
             where = f"data.path={cfg.path}" if cfg.path else f"data.source={cfg.source.value}"
-            fix = ("raise data.val_fraction or set train.eval_every=0" if split == "val"
+            more_docs = " (or split text files into more documents: data.text_unit=paragraph)" \
+                if cfg.source == DataSource.files and cfg.text_unit == TextUnit.document else ""
+            fix = (f"raise data.val_fraction{more_docs} or set train.eval_every=0" if split == "val"
                    else "point data.path at more text or lower model.seq_len")
+            skipped = f" ({stats.summary()})" if stats.summary() else ""
             raise ValueError(f"the {split} split of {where} holds {tokens} tokens, fewer than one window of "
-                             f"model.seq_len+1={seq_len + 1}; {fix}")
+                             f"model.seq_len+1={seq_len + 1}{skipped}; {fix}")

@@ -1,40 +1,35 @@
 """Documents streamed through HF ``datasets`` (``streaming=True``): nothing is materialised in full.
 
 ``stdlib``: Python's standard library English documentation (pydoc topics) and its ``.py`` sources,
-present on every machine with Python, in a fixed order. ``files``: local text, json/jsonl or
-parquet files and globs through the matching ``datasets`` builder, one file after another.
-``hub``: a hub dataset by name (``data.path``, ``data.subset``, ``data.split``); same code path.
+present on every machine with Python, in a fixed order. ``files``: local text, json/jsonl, parquet or
+csv files, globs and directories, one file after another. ``hub``: a hub dataset by name
+(``data.path``, ``data.subset``, ``data.split``); same code path.
+
+What a document is: a json/jsonl record, a parquet or csv row, a hub row: its ``data.text_column``;
+a text file: the whole file, cut by ``data.text_unit`` (paragraph, line; see
+:mod:`p3d.data.text_units`, which also cuts record texts when the unit is not ``document``).
 
 A document goes to the validation split when a hash of its text falls below ``data.val_fraction``,
-so the split is the same on every machine and needs no index. A record that cannot be read (bad
-bytes, no text) is skipped, counted and reported; a file that fails mid-way is skipped from there.
+so the split is the same on every machine and needs no index. Empty documents are counted apart;
+a document that cannot be read (bytes that are not UTF-8, no text) is skipped, counted and reported
+with its file; a file that fails mid-way is skipped from there (:mod:`p3d.data.stats`).
 """
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import sysconfig
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Union
 
 from p3d.config.schema import DataConfig, DataSource
-
-log = logging.getLogger("p3d.data")
+from p3d.data.stats import DataStats
+from p3d.data.text_units import decode_unit, file_units, split_text
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
             ".parquet": "parquet", ".csv": "csv"}
-
-
-@dataclass
-class DataStats:
-    """Records skipped while streaming (bad bytes, missing or empty text, a file that failed)."""
-
-    skipped_records: int = 0
-    failed_files: int = 0
 
 
 def stdlib_documents() -> Iterator[dict]:
@@ -55,12 +50,39 @@ def stdlib_documents() -> Iterator[dict]:
             yield {"text": text}
 
 
-def resolve_files(path: str) -> list[str]:
+def resolve_files(path: str, fmt: str = "auto") -> list[str]:
+    """The files of ``data.path``: paths, globs and directories, comma-separated. A directory gives
+    its files of the known formats (of ``data.format`` when set), recursively, sorted by path,
+    hidden files and folders left out."""
     files: list[str] = []
     for part in path.split(","):
-        matches = sorted(glob.glob(os.path.expanduser(part.strip()), recursive=True))
+        part = os.path.expanduser(part.strip())
+        if os.path.isdir(part):
+            files.extend(_dir_files(part, fmt))
+            continue
+        matches = sorted(glob.glob(part, recursive=True))
         files.extend(m for m in matches if os.path.isfile(m))
     return files
+
+
+def _dir_files(root: str, fmt: str) -> list[str]:
+    wanted = {suffix for suffix, f in _FORMATS.items() if fmt in ("auto", f)}
+    found = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+        found += [os.path.join(folder, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in wanted]
+    return sorted(found)
+
+
+def no_files_error(cfg: DataConfig) -> FileNotFoundError:
+    """What to say when ``data.path`` gives no file."""
+    dirs = [p.strip() for p in (cfg.path or "").split(",") if os.path.isdir(os.path.expanduser(p.strip()))]
+    if dirs:
+        kinds = sorted(s for s, f in _FORMATS.items() if cfg.format in ("auto", f))
+        example = f"{dirs[0].rstrip('/')}/**/*.txt"
+        return FileNotFoundError(f"data.path={cfg.path} is a directory with no {'/'.join(kinds)} file in it; point "
+                                 f"data.path at the files with a glob (e.g. data.path='{example}')")
+    return FileNotFoundError(f"data.path={cfg.path} matches no file; check the path or glob")
 
 
 def file_format(cfg: DataConfig, files: list[str]) -> str:
@@ -72,8 +94,8 @@ def file_format(cfg: DataConfig, files: list[str]) -> str:
     suffixes = {Path(f).suffix.lower() for f in files}
     fmts = {_FORMATS.get(s) for s in suffixes}
     if len(fmts) != 1 or None in fmts:
-        raise ValueError(f"data.format=auto cannot tell the format of {sorted(suffixes)}; "
-                         "set data.format=text|json|parquet|csv")
+        raise ValueError(f"data.format=auto cannot tell the format of {sorted(suffixes)} (data.path={cfg.path}); "
+                         "set data.format=text|json|parquet|csv, or narrow data.path with a glob")
     return fmts.pop()
 
 
@@ -88,42 +110,44 @@ def _datasets(cfg: DataConfig):
     return datasets
 
 
-def iter_records(cfg: DataConfig, stats: DataStats | None = None) -> Iterator[dict]:
-    """Raw records of the whole corpus, in its fixed order."""
+def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, Union[dict, str]]]:
+    """(where, item) of the whole corpus in its fixed order: a record of a json / parquet / csv / hub /
+    stdlib source, or a unit of a text file, already cut by ``data.text_unit`` and decoded."""
     datasets = _datasets(cfg)
-    stats = stats if stats is not None else DataStats()
     if cfg.source == DataSource.stdlib:
-        yield from datasets.IterableDataset.from_generator(stdlib_documents)
+        for record in datasets.IterableDataset.from_generator(stdlib_documents):
+            yield "stdlib", record
         return
     if cfg.source == DataSource.hub:
-        yield from datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True)
+        for record in datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True):
+            yield cfg.path or "", record
         return
-    files = resolve_files(cfg.path or "")
+    files = resolve_files(cfg.path or "", cfg.format)
     if not files:
-        raise FileNotFoundError(f"data.path={cfg.path} matches no file")
+        raise no_files_error(cfg)
     fmt = file_format(cfg, files)
-    extra = {"encoding_errors": "replace"} if fmt == "text" else {}
+    stats.unit = cfg.text_unit.value if fmt == "text" else "record"
     for f in files:
         n = 0
         try:
-            for record in datasets.load_dataset(fmt, data_files=[f], split="train", streaming=True, **extra):
-                n += 1
-                if extra and "\ufffd" in record.get("text", ""):  # a line whose bytes were not UTF-8
-                    _skip(stats)
-                    continue
-                yield record
+            if fmt == "text":
+                for offset, raw in file_units(f, cfg.text_unit):
+                    n += 1
+                    try:
+                        text = decode_unit(raw)
+                    except UnicodeDecodeError as exc:  # found where it is decoded: only this unit is left out
+                        stats.bad_bytes(f, offset + exc.start, raw[exc.start])
+                        continue
+                    yield f, text
+            else:
+                for record in datasets.load_dataset(fmt, data_files=[f], split="train", streaming=True):
+                    n += 1
+                    yield f, record
         except StopIteration:  # datasets raises it for an empty json file: no records, not an error
-            continue
+            pass
         except Exception as exc:  # noqa: BLE001 - a broken file must not end the run; it is counted and named
-            stats.failed_files += 1
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            log.warning("p3d data: skipped the rest of %s after %d records: %s", f, n, why)
-
-
-def _skip(stats: DataStats) -> None:
-    stats.skipped_records += 1
-    if stats.skipped_records in (1, 10, 100, 1000, 10000):
-        log.warning("p3d data: skipped %d records so far (empty, not text, or not UTF-8)", stats.skipped_records)
+            stats.file_failed(f, n, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        stats.passed.add(f)
 
 
 def in_split(text: str, val_fraction: float, split: str) -> bool:
@@ -132,16 +156,25 @@ def in_split(text: str, val_fraction: float, split: str) -> bool:
 
 
 def iter_texts(cfg: DataConfig, split: str = "train", stats: DataStats | None = None) -> Iterator[str]:
-    """Texts of one split. A missing text column is an error; an unreadable record is skipped."""
+    """Documents of one split, per ``data.text_unit``. A missing text column is an error; an empty
+    document is counted, an unreadable one skipped and counted, both in ``stats``."""
     stats = stats if stats is not None else DataStats()
     column = "text" if cfg.source == DataSource.stdlib else cfg.text_column
-    for record in iter_records(cfg, stats):
-        if column not in record:
-            raise KeyError(f"data.text_column={column} is not a column of the data (columns: {sorted(record)}); "
-                           f"try data.text_column={sorted(record)[0] if record else 'text'}")
-        text = record[column]
-        if not isinstance(text, str) or not text:
-            _skip(stats)
-            continue
-        if in_split(text, cfg.val_fraction, split):
-            yield text
+    stats.column = column
+    for where, item in _records(cfg, stats):
+        if isinstance(item, str):
+            units = [item]
+        else:
+            if column not in item:
+                raise KeyError(f"data.text_column={column} is not a column of the data (columns: {sorted(item)}); "
+                               f"try data.text_column={sorted(item)[0] if item else 'text'}")
+            value = item[column]
+            if not isinstance(value, str):
+                stats.missing_text(where)
+                continue
+            units = split_text(value, cfg.text_unit) or [""]
+        for text in units:
+            if not text.strip():
+                stats.empty_records += 1
+            elif in_split(text, cfg.val_fraction, split):
+                yield text

@@ -31,7 +31,7 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
     from p3d.cli import fail, typed_config
     from p3d.config.validate import P3DConfigError
     from p3d.data.check import check_data
-    from p3d.data.corpus import iter_texts
+    from p3d.data.corpus import DataStats, iter_texts
 
     try:
         cfg = typed_config(cfg_node, resolve_auto=False)
@@ -42,7 +42,8 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
         check_data(cfg.data, seq_len=1)
     except (P3DConfigError, OSError, ValueError, KeyError) as exc:
         fail(f"config error: {str(exc).strip(chr(39))}")
-    texts = islice(iter_texts(cfg.data, "train"), t.max_documents)
+    stats = DataStats()
+    texts = islice(iter_texts(cfg.data, "train", stats), t.max_documents)
     tok = train_bpe(texts, t.vocab_size, t.min_frequency)
     out = Path(t.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -50,6 +51,8 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
     size = tok.get_vocab_size(with_added_tokens=True)
     print(f"p3d-tokenizer: wrote {out} ({size} tokens, end of text {EOS}={tok.token_to_id(EOS)}); train with "
           f"data.tokenizer={out} model.vocab_size={size}", flush=True)
+    if stats.summary():
+        print(f"p3d-tokenizer: {stats.summary()}", flush=True)
     return 0
 
 

@@ -52,9 +52,10 @@ def step_stats(stopper: Stopper, wait_share: float, device, stats: DataStats | N
     """(stop, mean bubble, max peak memory) over all ranks: one small all-gather per step.
 
     Every rank that reads data (``stats`` given: first and last stages) reads the same stream, so its
-    skipped records and failed files agree with every other reader's. If they do not (a file failed on
-    some ranks only, say an I/O error), inputs and labels no longer line up: stop the run, loudly."""
-    skips = [stats.skipped_records, stats.failed_files] if stats is not None else [-1, -1]  # -1: reads no data
+    skipped records, failed files and empty records agree with every other reader's. If they do not (a
+    file failed on some ranks only, say an I/O error), inputs and labels no longer line up: stop the run,
+    loudly."""
+    skips = stats.counts() if stats is not None else [-1, -1, -1]  # -1: reads no data
     mine = torch.tensor([float(stopper.signum), wait_share, peak_memory_gb(), *skips], dtype=torch.float64,
                         device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -64,8 +65,9 @@ def step_stats(stopper: Stopper, wait_share: float, device, stats: DataStats | N
     if len(readers) and not bool((readers == readers[0]).all()):
         per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, 3:].tolist()) if row[0] >= 0}
         raise RuntimeError("the data-reading ranks skipped different records or files of the same stream (rank: "
-                           f"(records, files) = {per_rank}; see the 'p3d data' warnings in the rank logs), so their "
-                           "batches no longer match; fix the input and resume from the last checkpoint")
+                           f"(unreadable records, failed files, empty records) = {per_rank}; see the 'p3d data' "
+                           "warnings in the rank logs), so their batches no longer match; fix the input and resume "
+                           "from the last checkpoint")
     return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max())
 
 
@@ -154,14 +156,14 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
             path = checkpoint.save(engine, module, mesh, cfg, plan, run_dir, step, samples, scheduler,
-                                   {"skipped_records": stats.skipped_records})
+                                   {"skipped_records": stats.skipped_records, "empty_records": stats.empty_records})
             if metrics:
                 metrics.print(f"saved checkpoint {path}" + (" after a stop signal" if stop else ""))
         if stop:  # a stop at the last step leaves nothing to resume: the run is done
             status = exit_codes.PREEMPTED if step < cfg.train.steps else exit_codes.OK
             break
     if metrics:
-        if stats.skipped_records or stats.failed_files:
-            metrics.print(f"data: skipped {stats.skipped_records} unreadable records and {stats.failed_files} files")
+        if stats.summary():
+            metrics.print(stats.summary())
         metrics.close()
     return status
