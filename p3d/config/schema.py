@@ -131,7 +131,7 @@ class DataConfig:
     split: str = "train"  # hub: the split to stream
     format: str = "auto"  # files: text, json, parquet, or auto (from the extension)
     text_column: str = "text"
-    tokenizer: str = "byte"  # "byte", or the path of a HF tokenizer.json (see p3d-tokenizer)
+    tokenizer: str = "auto"  # byte, a HF tokenizer.json (see p3d-tokenizer), or auto: model.init_from's, else byte
     shuffle_buffer: int = 1024  # windows; 0 keeps the corpus order. Seeded by train.seed and the epoch
     val_fraction: float = 0.005  # share of documents held out for validation (chosen by a hash of the text)
 
