@@ -147,12 +147,12 @@ def _run_tokenizer(ckpt: Path, spec: str):
         raise ExportError(f"the run's tokenizer {path} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
-def _write(tmp: Path, ckpt: Path, meta: dict, cfg, max_shard_gb: float) -> tuple[list[str], float]:
+def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: float) -> tuple[list[str], float]:
     from p3d.hf_tokenizer import special_ids, tokenizer_configs
     from p3d.train import checkpoint
     from p3d.train.reshard import ShardedCheckpoint
 
-    tok, tok_file, tok_config = _run_tokenizer(ckpt, cfg.data.tokenizer)
+    tok, tok_file, tok_config = tokenizer
     src = ShardedCheckpoint(ckpt, meta, checkpoint._load_file)
     writer = _ShardWriter(tmp, max_shard_gb * 1e9)
     L = cfg.model.n_layers
@@ -193,13 +193,14 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, max_sh
         cfg, _ = read_spec(ckpt / SPEC_NAME)
     except (checkpoint.CheckpointError, FileNotFoundError) as exc:
         raise ExportError(_rephrase(exc, ckpt, run_dir)) from None
+    tokenizer = _run_tokenizer(ckpt, cfg.data.tokenizer)
     created = [p for p in reversed(out.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     old = None
     try:
-        files, total = _write(tmp, ckpt, meta, cfg, max_shard_gb)
+        files, total = _write(tmp, ckpt, meta, cfg, tokenizer, max_shard_gb)
         if out.exists():  # an empty directory, or an earlier export (overwrite=true): replaced whole
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)

@@ -77,7 +77,7 @@ def _leftovers(parent):
 
 # ---- 1. a fresh directory renamed into place; overwrite=true replaces it whole
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_export_twice_into_one_directory(work, tmp_path):
     from p3d.export import load_sequential
     from p3d.hf import SafetensorsDir
@@ -123,7 +123,7 @@ def test_import_refuses_index_and_single_file_together(work, tmp_path):
 
 # ---- 2. the tokenizer files name EOS; generate() stops at it
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_exported_tokenizer_names_eos_and_generate_stops_there(work, tmp_path):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -140,6 +140,34 @@ def test_exported_tokenizer_names_eos_and_generate_stops_there(work, tmp_path):
     assert stopped == [tok.eos_token_id]  # the model ends the document, and generate() knows that token
     assert len(control) == 12  # without the EOS id generate() would have run on
     assert tok.decode(stopped) == EOS
+
+
+@pytest.mark.timeout(600)
+def test_begin_and_padding_tokens_are_named_where_the_tokenizer_defines_them(work, tmp_path):
+    """A HF-style tokenizer directory whose tokenizer_config.json declares <s>, </s> and <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([json.loads(line)["text"] for line in (work / "corpus.jsonl").open()], trainer)
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 64}))
+    run = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=single", "data=files", f"data.path={work / 'corpus.jsonl'}",
+                    f"data.tokenizer={tok_dir / 'tokenizer.json'}", f"model.vocab_size={VOCAB}", "train.steps=2")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = p3d_export(f"run.dir={tmp_path / 'run'}", "out=hf", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    config = LlamaForCausalLM.from_pretrained(tmp_path / "hf").config
+    assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("<s>", "</s>", "<pad>")
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (1, 2, 0)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 0)
 
 
 # ---- 3. p3d-export speaks its own language
@@ -186,7 +214,7 @@ def _copy_run(work, tmp_path):
     return run
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_failed_export_leaves_nothing_and_keeps_the_old_export(work, tmp_path):
     run = _copy_run(work, tmp_path)
     ok = p3d_export(f"run.dir={run}", "out=hf", "step=15", cwd=tmp_path)
@@ -226,7 +254,7 @@ def test_a_checkpoint_pruned_during_export_is_named(work, tmp_path, monkeypatch)
 
 # ---- relative paths: a run trained with data.tokenizer=tok.json, exported from elsewhere
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_export_from_another_working_directory(work, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -240,6 +268,31 @@ def test_export_from_another_working_directory(work, tmp_path):
     assert _hf_loss(out, _ids()) > 0
 
 
+def test_an_older_checkpoint_without_its_tokenizer_names_where_to_export_from(work, tmp_path, capsys):
+    """Checkpoints saved before they carried their tokenizer: the run_spec's relative tok.json."""
+    from p3d.export import main
+
+    run = _copy_run(work, tmp_path)
+    ckpt = checkpoint.step_dir(run, 30)
+    (ckpt / "tokenizer.json").unlink()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["files"]["tokenizer.json"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert main([f"run.dir={run}", "out=hf"]) == exit_codes.CONFIG_ERROR
+        err = capsys.readouterr().err
+        assert f"the run's tokenizer tok.json (data.tokenizer in {ckpt}/run_spec.yaml) is not found from {tmp_path}" \
+            in err and "run p3d-export from the directory the training ran in" in err and err.count("\n") == 1
+        assert not (tmp_path / "hf").exists() and _leftovers(tmp_path) == []
+        os.chdir(work)  # where the training ran: tok.json resolves
+        assert main([f"run.dir={run}", f"out={tmp_path / 'hf'}"]) == exit_codes.OK
+    finally:
+        os.chdir(cwd)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (work / "tok.json").read_bytes()
+
+
 # ---- 4. model.init_from uses the directory's tokenizer, or refuses another one
 
 @pytest.fixture(scope="module")
@@ -250,7 +303,7 @@ def exported(work, tmp_path_factory):
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_init_from_trains_with_the_checkpoint_tokenizer(work, exported, tmp_path):
     cfg, _ = typed(f"model.init_from={exported}")
     assert cfg.data.tokenizer == str(exported / "tokenizer.json")

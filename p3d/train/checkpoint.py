@@ -3,6 +3,7 @@
 Layout of ``<run.dir>/checkpoints/step_<N>/``:
     meta.json             step, samples consumed, mesh, model shape, scheduler, sizes of all files
     run_spec.yaml         the run spec that wrote it
+    tokenizer.json        a copy of the run's tokenizer (and its tokenizer_config.json), unless byte
     model/pp<p>_tp<t>.pt  this (pp, tp) coordinate's parameters by global name, and how each is sharded
     optim/pp<p>_tp<t>.pt  fp32 master weight and Adam moments of each of those parameters, whole over dp
     rng/rank<r>.pt        every rank's RNG states
