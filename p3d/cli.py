@@ -52,6 +52,7 @@ def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
     cfg = resolve_config_paths(cfg)  # every user-given path absolute, against the directory the command ran from
     if cfg.model.init_from:
         cfg = with_hf_shape(cfg)
+    cfg = with_tokenizer(cfg)
     check_config(cfg)  # field bounds and the model's shape: what p3d-plan cannot compute either
     if cfg.mesh.name == "auto" and resolve_auto:
         from p3d.plan import apply_layout, best_layout
@@ -81,6 +82,21 @@ def with_hf_shape(cfg):
                                  f"override or set model.{key}={value}")
     name = f"hf:{Path(where).name}"
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, **fields))
+
+
+def with_tokenizer(cfg):
+    """``data.tokenizer=auto`` resolved: the tokenizer.json of ``model.init_from`` when it has one, else
+    ``byte``; with ``model.init_from``, another tokenizer is refused and the vocabulary checked."""
+    import dataclasses
+
+    from p3d.hf import HFImportError
+    from p3d.hf_tokenizer import import_tokenizer
+
+    try:
+        tokenizer = import_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.vocab_size)
+    except HFImportError as exc:
+        raise P3DConfigError(str(exc)) from None
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
 
 
 def prepare(cfg_node: DictConfig):

@@ -2,23 +2,37 @@
 
     p3d-export run.dir=outputs/run1 out=hf/run1              # the newest checkpoint
     p3d-export run.dir=outputs/run1 step=200 out=hf/run1-200 max_shard_gb=5
+    p3d-export run.dir=outputs/run1 out=hf/run1 overwrite=true   # replace an earlier export whole
 
-Writes ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with
-``model.safetensors.index.json`` when larger than ``max_shard_gb``), and the run's tokenizer when it
-has one (``tokenizer.json``; the built-in byte tokenizer has no HF equivalent). Tensors are the fp32
-master weights, assembled from the (pp, tp) shards one at a time. ``transformers`` loads the result
-with ``LlamaForCausalLM.from_pretrained(out)``.
+Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (or
+``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` when larger than
+``max_shard_gb``), and the run's tokenizer when it has one (``tokenizer.json`` with
+``tokenizer_config.json`` naming its end-of-text token; the built-in byte tokenizer has no HF
+equivalent). Tensors are the fp32 master weights, assembled from the (pp, tp) shards one at a time.
+Everything is written into a new directory beside ``out`` that is renamed to ``out`` when complete:
+a failed export leaves no ``out``, and an existing ``out`` is never mixed with a new export.
+``transformers`` loads the result with ``LlamaForCausalLM.from_pretrained(out)``.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import torch
 
+from p3d import exit_codes
 from p3d.hf import hf_config, hf_names
+
+USAGE = "usage: p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]"
+KEYS = ("run.dir", "out", "step", "max_shard_gb", "overwrite")
+
+
+class ExportError(ValueError):
+    """Bad p3d-export input; the one-line message names the argument, the value and the fix."""
 
 
 class _ShardWriter:
@@ -61,22 +75,86 @@ class _ShardWriter:
         return names
 
 
-def export(run_dir: str | Path, out: str | Path, step: int | None = None, max_shard_gb: float = 5.0) -> Path:
-    from p3d.config.spec import SPEC_NAME, read_spec
-    from p3d.data.tokenizer import load_tokenizer
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps of the run's complete checkpoints (meta.json written), oldest first."""
+    from p3d.train import checkpoint
+
+    ckpts = checkpoint.root(run_dir).glob("step_*")
+    steps = [d.name.removeprefix("step_") for d in ckpts if (d / "meta.json").is_file()]
+    return sorted(int(s) for s in steps if s.isdigit())
+
+
+def _holds(run_dir: Path) -> str:
+    steps = complete_steps(run_dir)
+    if not steps:
+        return "it holds no complete checkpoint"
+    return f"it holds step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}; try step={steps[-1]}"
+
+
+def _checkpoint(run_dir: Path, step: int | None, given: str) -> Path:
+    from p3d.train import checkpoint
+
+    if not run_dir.is_dir():
+        raise ExportError(f"run.dir={given}: no such directory; give the run directory of a p3d-train run")
+    if step is None:
+        found = checkpoint.find(run_dir, "auto")
+        if found is None:
+            raise ExportError(f"run.dir={given} holds no complete checkpoint (none in {checkpoint.root(run_dir)}); "
+                              "give the run directory of a p3d-train run that saved one")
+        return found
+    found = checkpoint.step_dir(run_dir, step)
+    if not (found / "meta.json").is_file():
+        raise ExportError(f"step={step}: run.dir={given} has no complete checkpoint of that step; {_holds(run_dir)}")
+    return found
+
+
+def _check_out(out: Path, given: str, overwrite: bool, run_dir: Path) -> None:
+    """Refuse an ``out`` that is a file, holds files (unless overwrite=true, and then only an earlier
+    export: a directory with config.json), or contains the run or the working directory."""
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise ExportError(f"out={given} is a file; give a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ExportError(f"out={given} already holds files; add overwrite=true to replace it whole, or choose "
+                          "another out")
+    for inside, what in ((run_dir.resolve(), "run.dir"), (Path.cwd().resolve(), "the working directory")):
+        if inside == out.resolve() or out.resolve() in inside.parents:
+            raise ExportError(f"out={given} contains {what}; overwrite=true would delete it: choose another out")
+    if not (out / "config.json").is_file():
+        raise ExportError(f"out={given} holds files but no config.json: overwrite=true replaces only an earlier "
+                          "export; choose another out")
+
+
+def _run_tokenizer(ckpt: Path, spec: str):
+    """(tokenizer, its tokenizer.json, the tokenizer_config.json beside it) of the checkpoint: the copy
+    saved with it, or (older checkpoints) the file its run_spec.yaml names."""
+    from p3d.data.tokenizer import HF_CONFIG, ByteTokenizer, HFTokenizer
+
+    path = ckpt / "tokenizer.json"
+    if not path.is_file():
+        if spec == "byte":
+            return ByteTokenizer(), None, None
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ExportError(f"the run's tokenizer {spec} (data.tokenizer in {ckpt}/run_spec.yaml) is not found from "
+                              f"{Path.cwd()}, and this checkpoint holds no copy of it; run p3d-export from the "
+                              "directory the training ran in")
+    config = path.with_name(HF_CONFIG) if path.name == "tokenizer.json" else None
+    try:
+        return HFTokenizer(str(path)), path, config if config and config.is_file() else None
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own types; name the file
+        raise ExportError(f"the run's tokenizer {path} cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: float) -> tuple[list[str], float]:
+    from p3d.hf_tokenizer import special_ids, tokenizer_configs
     from p3d.train import checkpoint
     from p3d.train.reshard import ShardedCheckpoint
 
-    run_dir = Path(run_dir)
-    ckpt = checkpoint.step_dir(run_dir, step) if step is not None else checkpoint.find(run_dir, "auto")
-    if ckpt is None:
-        raise checkpoint.CheckpointError(f"run.dir={run_dir} holds no complete checkpoint to export")
-    meta = checkpoint.verify(ckpt)
-    cfg, _ = read_spec(ckpt / SPEC_NAME)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    tok, tok_file, tok_config = tokenizer
     src = ShardedCheckpoint(ckpt, meta, checkpoint._load_file)
-    writer = _ShardWriter(out, max_shard_gb * 1e9)
+    writer = _ShardWriter(tmp, max_shard_gb * 1e9)
     L = cfg.model.n_layers
     for name in src.names():
         full = src.master(name)
@@ -85,15 +163,79 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, max_sh
         for hf_name, tensor in zip(hf_names(name, L), parts):
             writer.add(hf_name, tensor.float())
     files = writer.close()
-    tok = load_tokenizer(cfg.data.tokenizer)
-    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tok.eos_id), indent=2) + "\n")
-    if cfg.data.tokenizer != "byte":
-        shutil.copy(cfg.data.tokenizer, out / "tokenizer.json")
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.decode([tok.eos_id]) or None}) + "\n")
-    print(f"p3d-export: step {meta['step']} of {run_dir} -> {out} ({', '.join(files)}, "
-          f"{writer.total / 1e9:.2f} GB fp32)", flush=True)
+    ids = special_ids(tok)
+    config = {**hf_config(cfg.model, tok.eos_id), **ids}
+    files_json = {"config.json": config, "generation_config.json": {**ids, "_from_model_config": False}}
+    if tok_file is not None:
+        shutil.copy(tok_file, tmp / "tokenizer.json")
+        files_json.update(tokenizer_configs(tok, tok_config, cfg.model.seq_len))
+    for name, body in files_json.items():
+        (tmp / name).write_text(json.dumps(body, indent=2) + "\n")
+    return files, writer.total
+
+
+def export(run_dir: str | Path, out: str | Path, step: int | None = None, max_shard_gb: float = 5.0,
+           overwrite: bool = False) -> Path:
+    """Export the checkpoint of ``step`` (default: the newest) of ``run_dir`` to ``out``; relative paths
+    are taken from the working directory. Raises ExportError (bad input, with a one-line message)."""
+    from p3d.config.spec import SPEC_NAME, read_spec
+    from p3d.paths import absolute
+    from p3d.train import checkpoint
+
+    given_run, given_out = str(run_dir), str(out)
+    run_dir, out = absolute(run_dir), absolute(out)  # against the directory the command ran from, ~ expanded
+    if max_shard_gb <= 0:
+        raise ExportError(f"max_shard_gb={max_shard_gb} must be a positive number of GB; try max_shard_gb=5")
+    ckpt = _checkpoint(run_dir, step, given_run)
+    _check_out(out, given_out, overwrite, run_dir)
+    step_name = f"step {int(ckpt.name.removeprefix('step_'))}"
+    try:
+        meta = checkpoint.verify(ckpt)
+        cfg, _ = read_spec(ckpt / SPEC_NAME)
+    except (checkpoint.CheckpointError, FileNotFoundError) as exc:
+        raise ExportError(_rephrase(exc, ckpt, run_dir)) from None
+    tokenizer = _run_tokenizer(ckpt, cfg.data.tokenizer)
+    created = [p for p in reversed(out.parents) if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    old = None
+    try:
+        files, total = _write(tmp, ckpt, meta, cfg, tokenizer, max_shard_gb)
+        if out.exists():  # an empty directory, or an earlier export (overwrite=true): replaced whole
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+    except (checkpoint.CheckpointError, FileNotFoundError) as exc:  # a file vanished or broke after verify
+        _undo(tmp, old, out, created)
+        raise ExportError(_rephrase(exc, ckpt, run_dir)) from None
+    except BaseException:
+        _undo(tmp, old, out, created)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    print(f"p3d-export: {step_name} of {given_run} -> {given_out} ({', '.join(files)}, {total / 1e9:.2f} GB fp32)",
+          flush=True)
     return out
+
+
+def _undo(tmp: Path, old: Path | None, out: Path, created: list[Path]) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if old is not None and old.exists() and not out.exists():
+        os.rename(old, out)
+    for p in reversed(created):
+        try:
+            p.rmdir()
+        except OSError:
+            break
+
+
+def _rephrase(exc, ckpt: Path, run_dir: Path) -> str:
+    """A checkpoint problem in p3d-export's terms (no training advice)."""
+    if not (ckpt / "meta.json").is_file():
+        return (f"checkpoint {ckpt} was deleted while it was being exported (a running p3d-train keeps only its "
+                f"newest checkpoints); nothing was written; {_holds(run_dir)}")
+    return f"{getattr(exc, 'problem', exc)}; nothing was written; export another checkpoint: {_holds(run_dir)}"
 
 
 @torch.no_grad()
@@ -117,25 +259,55 @@ def load_sequential(ckpt: str | Path):
     return model.eval()
 
 
+def parse_args(argv: list[str]) -> dict:
+    """p3d-export's ``key=value`` arguments, typed; ExportError names a bad one."""
+    raw: dict[str, str] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ExportError(f"argument {arg!r} is not key=value; {USAGE}")
+        if key not in KEYS:
+            raise ExportError(f"unknown argument {arg}; {USAGE}")
+        raw[key] = value
+    for key in ("run.dir", "out"):
+        if not raw.get(key):
+            raise ExportError(f"{key}=<dir> is missing; {USAGE}")
+    args: dict = {"run_dir": raw["run.dir"], "out": raw["out"]}
+    if "step" in raw:
+        if not raw["step"].strip().isdigit():
+            raise ExportError(f"step={raw['step']} is not a step number; leave it out for the newest checkpoint "
+                              "or give one, e.g. step=200")
+        args["step"] = int(raw["step"])
+    if "max_shard_gb" in raw:
+        try:
+            args["max_shard_gb"] = float(raw["max_shard_gb"])
+        except ValueError:
+            args["max_shard_gb"] = float("nan")
+        if not args["max_shard_gb"] > 0 or args["max_shard_gb"] == float("inf"):
+            raise ExportError(f"max_shard_gb={raw['max_shard_gb']} must be a positive number of GB; try max_shard_gb=5")
+    if "overwrite" in raw:
+        flag = raw["overwrite"].lower()
+        if flag not in ("true", "false"):
+            raise ExportError(f"overwrite={raw['overwrite']} must be true or false")
+        args["overwrite"] = flag == "true"
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console script ``p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5]``."""
-    from p3d.train.checkpoint import CheckpointError
-
+    """Console script ``p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]``."""
     argv = sys.argv[1:] if argv is None else argv
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = set(args) - {"run.dir", "out", "step", "max_shard_gb"} or [a for a in argv if "=" not in a]
-    if unknown or "run.dir" not in args or "out" not in args:
-        print("usage: p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5]", file=sys.stderr)
-        return 2
-    from p3d.paths import absolute
-
-    try:  # both paths against the directory the command ran from, ~ expanded
-        export(absolute(args["run.dir"]), absolute(args["out"]), int(args["step"]) if "step" in args else None,
-               float(args.get("max_shard_gb", 5.0)))
-    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(USAGE)
+        return exit_codes.OK
+    try:
+        export(**parse_args(argv))
+    except ExportError as exc:
         print(f"p3d-export: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return exit_codes.CONFIG_ERROR
+    except OSError as exc:
+        print(f"p3d-export: cannot export ({type(exc).__name__}: {exc}); nothing was written", file=sys.stderr)
+        return exit_codes.WORKER_FAILED
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -98,12 +98,27 @@ def hf_config(m, eos_id: int | None = None) -> dict:
 
 # ---- reading safetensors slices
 
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def _shard_list(index: Path) -> str:
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return "unreadable"
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
 class SafetensorsDir:
     """Tensors of a HF checkpoint directory (one model.safetensors, or shards with an index)."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir).expanduser()
-        index = self.dir / "model.safetensors.index.json"
+        index, single = self.dir / INDEX, self.dir / SINGLE
+        if index.is_file() and single.is_file():
+            raise HFImportError(f"model.init_from={hf_dir} holds both {SINGLE} and {INDEX} (whose shards are "
+                                f"{_shard_list(index)}): it is unclear which weights are meant; delete the stale "
+                                "ones, or export again into a new directory")
         if index.is_file():
             self.where = json.loads(index.read_text())["weight_map"]
         elif (self.dir / "model.safetensors").is_file():

@@ -140,7 +140,7 @@ class DataConfig:
     format: str = "auto"  # files: text, json, parquet, or auto (from the extension)
     text_column: str = "text"  # json / jsonl / parquet / csv / hub: the column that holds the text
     text_unit: TextUnit = TextUnit.document  # one document: a whole file (record), a paragraph, or a line
-    tokenizer: str = "byte"  # "byte", or the path of a HF tokenizer.json (see p3d-tokenizer)
+    tokenizer: str = "auto"  # byte, a HF tokenizer.json (see p3d-tokenizer), or auto: model.init_from's, else byte
     shuffle_buffer: int = 1024  # windows; 0 keeps the corpus order. Seeded by train.seed and the epoch
     val_fraction: float = 0.005  # share of documents held out for validation (chosen by a hash of the text)
 

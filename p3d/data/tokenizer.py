@@ -1,7 +1,14 @@
-"""Tokenizers: byte-level (no files, 256 byte ids + end-of-document), or a HF ``tokenizer.json``."""
+"""Tokenizers: byte-level (no files, 256 byte ids + end-of-document), or a HF ``tokenizer.json``.
+
+``data.tokenizer=auto`` (the default) is resolved by the launcher before anything reads it: the
+``tokenizer.json`` of ``model.init_from`` when that directory has one, else ``byte``."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+AUTO = "auto"
+HF_CONFIG = "tokenizer_config.json"  # beside a tokenizer.json in a HF directory: the special tokens' roles
 
 
 class ByteTokenizer:
@@ -18,20 +25,31 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """Any HF ``tokenizers`` tokenizer.json; the end-of-document token is its eos (or </s>, <|end_of_text|>)."""
+    """Any HF ``tokenizers`` tokenizer.json. The end-of-document token is the ``eos_token`` of a
+    ``tokenizer_config.json`` beside a ``tokenizer.json``, else the first of the usual names; begin and
+    padding tokens, which p3d does not use, are found the same way so that an export names them."""
 
-    _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+    _NAMES = {"eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
+              "bos": ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>"),
+              "pad": ("<|pad|>", "<pad>", "[PAD]")}
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        ids = [self._tok.token_to_id(n) for n in self._EOS_NAMES]
-        found = [i for i in ids if i is not None]
-        if not found:
-            raise ValueError(f"tokenizer {path} has no end-of-text token (one of {self._EOS_NAMES})")
-        self.eos_id = found[0]
+        declared = _declared_roles(Path(path))
+        self.special: dict[str, str] = {}  # role (eos, bos, pad) -> token
+        for role, names in self._NAMES.items():
+            name = declared.get(role) or next((n for n in names if self._tok.token_to_id(n) is not None), None)
+            if name is not None and self._tok.token_to_id(name) is not None:
+                self.special[role] = name
+        if "eos" not in self.special:
+            raise ValueError(f"tokenizer {path} has no end-of-text token (one of {self._NAMES['eos']})")
+        self.eos_id = self.token_id("eos")
+
+    def token_id(self, role: str) -> int | None:
+        return self._tok.token_to_id(self.special[role]) if role in self.special else None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -40,9 +58,41 @@ class HFTokenizer:
         return self._tok.decode(list(ids))
 
 
+def _declared_roles(path: Path) -> dict[str, str]:
+    """eos/bos/pad token names of the tokenizer_config.json beside a HF directory's tokenizer.json."""
+    config = path.with_name(HF_CONFIG)
+    if path.name != "tokenizer.json" or not config.is_file():
+        return {}
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for role in ("eos", "bos", "pad"):
+        token = raw.get(f"{role}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and token:
+            out[role] = token
+    return out
+
+
+def tokenizer_files(spec: str) -> list[Path]:
+    """The files that define tokenizer ``spec``: its tokenizer.json and, in a HF directory, the
+    tokenizer_config.json beside it (none for the byte tokenizer)."""
+    if spec == "byte":
+        return []
+    path = Path(spec).expanduser()
+    files = [path]
+    if path.name == "tokenizer.json" and path.with_name(HF_CONFIG).is_file():
+        files.append(path.with_name(HF_CONFIG))
+    return files
+
+
 def load_tokenizer(spec: str):
     if spec == "byte":
         return ByteTokenizer()
+    if spec == AUTO:  # a programming error: typed_config resolves it before anything loads a tokenizer
+        raise ValueError("data.tokenizer=auto was not resolved; try data.tokenizer=byte")
     path = Path(spec).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"data.tokenizer={spec}: no such tokenizer.json; try data.tokenizer=byte")

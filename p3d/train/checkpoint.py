@@ -3,6 +3,7 @@
 Layout of ``<run.dir>/checkpoints/step_<N>/``:
     meta.json             step, samples consumed, mesh, model shape, scheduler, sizes of all files
     run_spec.yaml         the run spec that wrote it
+    tokenizer.json        a copy of the run's tokenizer (and its tokenizer_config.json), unless byte
     model/pp<p>_tp<t>.pt  this (pp, tp) coordinate's parameters by global name, and how each is sharded
     optim/pp<p>_tp<t>.pt  fp32 master weight and Adam moments of each of those parameters, whole over dp
     rng/rank<r>.pt        every rank's RNG states
@@ -30,10 +31,16 @@ from p3d.ds_compat import has_hp_mapping, links_optimizer_states, relink_optimiz
 FORMAT = "p3d-checkpoint-1"
 LATEST = "latest"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+RESUME_EARLIER = "resume an earlier checkpoint with train.resume=<its directory>"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed; the message names the file and what to do."""
+    """A checkpoint that cannot be resumed; the message names the file and what to do. ``problem`` is
+    the message without the advice (``fix``), for tools that advise otherwise (p3d-export)."""
+
+    def __init__(self, problem: str, fix: str | None = None):
+        super().__init__(f"{problem}; {fix}" if fix else problem)
+        self.problem, self.fix = problem, fix
 
 
 def root(run_dir: str | Path) -> Path:
@@ -112,6 +119,7 @@ def _write_latest(ckpt_root: Path, name: str) -> None:
 def save(engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, scheduler, extra: dict) -> Path:
     """Collective: every rank calls it after the same step. Returns the checkpoint directory."""
     from p3d.config.spec import SPEC_NAME
+    from p3d.data.tokenizer import tokenizer_files
 
     ckpt_root = root(run_dir)
     final = step_dir(run_dir, step)
@@ -131,6 +139,8 @@ def save(engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, sche
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.copy(Path(run_dir) / SPEC_NAME, tmp / SPEC_NAME)
+        for i, f in enumerate(tokenizer_files(cfg.data.tokenizer)):  # the tokenizer travels with the weights
+            shutil.copy(f, tmp / ("tokenizer.json" if i == 0 else f.name))
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
         meta = {"format": FORMAT, "step": step, "samples": samples,
@@ -192,21 +202,19 @@ def verify(path: Path) -> dict:
     """meta.json of a complete checkpoint whose files are all present at their recorded sizes."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        raise CheckpointError(f"train.resume={path}: no complete checkpoint there (no meta.json); "
+        raise CheckpointError(f"train.resume={path}: no complete checkpoint there (no meta.json)",
                               "try train.resume=auto")
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"checkpoint file {meta_path} is corrupt ({exc}); resume an earlier one "
-                              "with train.resume=<its directory>") from None
+        raise CheckpointError(f"checkpoint file {meta_path} is corrupt ({exc})", RESUME_EARLIER) from None
     for rel, size in meta.get("files", {}).items():
         f = path / rel
         if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing; resume an earlier checkpoint with "
-                                  "train.resume=<its directory>")
+            raise CheckpointError(f"checkpoint file {f} is missing", RESUME_EARLIER)
         if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {f} is truncated ({f.stat().st_size} of {size} bytes); resume an "
-                                  "earlier checkpoint with train.resume=<its directory>")
+            raise CheckpointError(f"checkpoint file {f} is truncated ({f.stat().st_size} of {size} bytes)",
+                                  RESUME_EARLIER)
     return meta
 
 
@@ -229,8 +237,8 @@ def _load_file(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc}); "
-                              "resume an earlier checkpoint with train.resume=<its directory>") from None
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})",
+                              RESUME_EARLIER) from None
 
 
 def _local_states(path: Path, meta: dict, module, mesh, plan):

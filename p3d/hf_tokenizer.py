@@ -1,0 +1,82 @@
+"""Tokenizers across the Hugging Face boundary.
+
+Export: ``tokenizer_config.json`` and ``special_tokens_map.json`` name the end-of-text token (and the
+begin and padding tokens where the tokenizer has them), and ``config.json`` / ``generation_config.json``
+carry their ids, so ``AutoTokenizer`` and ``generate()`` agree on where a text ends.
+
+Import: ``model.init_from=<dir>`` whose directory has a ``tokenizer.json`` trains with that tokenizer
+when ``data.tokenizer`` is left at ``auto``, and refuses another one: the imported embeddings mean
+that tokenizer's ids. Either way the model's vocabulary must hold every token of the tokenizer.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from p3d.data.tokenizer import AUTO, HF_CONFIG, ByteTokenizer, HFTokenizer, load_tokenizer
+from p3d.hf import HFImportError
+
+ROLES = ("eos", "bos", "pad")
+UNREADABLE = ("tokenizer.model", "vocab.json")  # tokenizers p3d cannot load (sentencepiece, slow BPE)
+
+
+def special_ids(tok) -> dict[str, int]:
+    """``eos_token_id`` (and ``bos_token_id`` / ``pad_token_id`` where defined) for config.json."""
+    if isinstance(tok, ByteTokenizer):
+        return {"eos_token_id": tok.eos_id}
+    return {f"{role}_token_id": tok.token_id(role) for role in ROLES if role in tok.special}
+
+
+def tokenizer_configs(tok: HFTokenizer, source_config: Path | None, max_length: int) -> dict[str, dict]:
+    """tokenizer_config.json (the source directory's, when it had one, with the roles set) and
+    special_tokens_map.json for an exported tokenizer.json."""
+    base = json.loads(source_config.read_text()) if source_config else {}
+    names = {f"{role}_token": tok.special[role] for role in ROLES if role in tok.special}
+    base.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    base.setdefault("model_max_length", max_length)
+    base.setdefault("clean_up_tokenization_spaces", False)
+    return {HF_CONFIG: {**base, **names}, "special_tokens_map.json": names}
+
+
+def _same_tokenizer(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return json.loads(a.read_text()) == json.loads(b.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def import_tokenizer(spec: str, hf_dir: str | None, vocab_size: int) -> str:
+    """The ``data.tokenizer`` to train with: ``auto`` resolved (the tokenizer.json of ``hf_dir`` if it
+    has one, else ``byte``); with ``hf_dir``, a different tokenizer is refused and the vocabulary of
+    ``config.json`` (``vocab_size``) must hold the tokenizer's. Raises HFImportError."""
+    if not hf_dir:
+        return "byte" if spec == AUTO else spec
+    root = Path(hf_dir).expanduser()
+    theirs = root / "tokenizer.json"
+    if not theirs.is_file():
+        other = next((n for n in UNREADABLE if (root / n).is_file()), None)
+        if spec == AUTO and other:
+            raise HFImportError(f"model.init_from={hf_dir} has a tokenizer p3d cannot read ({other}, no "
+                                "tokenizer.json); "
+                                "save it as tokenizer.json (AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) "
+                                "or name one with data.tokenizer=<tokenizer.json>")
+        chosen = "byte" if spec == AUTO else spec
+    elif spec == AUTO:
+        chosen = str(theirs.absolute())
+    elif spec != "byte" and (not Path(spec).expanduser().is_file() or _same_tokenizer(Path(spec).expanduser(), theirs)):
+        chosen = spec  # the same tokenizer elsewhere (or a missing file, which the launcher reports)
+    else:
+        raise HFImportError(f"data.tokenizer={spec} is not the tokenizer of model.init_from={hf_dir}, whose embeddings "
+                            f"mean the ids of {theirs}; drop data.tokenizer (auto uses that one) or set "
+                            f"data.tokenizer={theirs}")
+    if chosen == "byte" or Path(chosen).expanduser().is_file():
+        try:
+            n = load_tokenizer(chosen).vocab_size
+        except ValueError as exc:
+            raise HFImportError(str(exc)) from None
+        if n > vocab_size:
+            raise HFImportError(f"data.tokenizer={chosen} has {n} tokens, more than the vocab_size={vocab_size} of "
+                                f"model.init_from={hf_dir}/config.json; use the checkpoint's own tokenizer")
+    return chosen
