@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -225,6 +226,12 @@ def _launch(cfg, plan, multirun: bool, lease) -> int:
     if rc == 0:
         print(f"p3d: done; metrics in {spec.parent / 'metrics.jsonl'}", flush=True)
     elif not multirun:
+        if rc == 128 + signal.SIGINT:  # Ctrl-C twice: the workers are gone; do not wait for the interpreter's teardown
+            if lease is not None:
+                lease.release()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
         sys.exit(rc)
     return rc
 
