@@ -180,6 +180,7 @@ class Lease:
         self.body = body
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._writing = threading.Lock()  # the heartbeat thread and hand_to_job / release
 
     @classmethod
     def acquire(cls, run_dir: str | Path, pid: Optional[int] = None, what: str = "p3d-train",
@@ -225,6 +226,12 @@ class Lease:
     def refresh(self) -> bool:
         """Renew the heartbeat and record the holder's workers; False (and a warning) if the lease is
         no longer ours."""
+        with self._writing:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
+        if self.body["token"] is None:  # handed over
+            return False
         held = read(self.path.parent)
         if held is None:  # released
             return False
@@ -242,11 +249,12 @@ class Lease:
         """p3d-train submitted the run as Slurm job ``job_id``: the lease is the job's from now on (live
         while the job is queued or running; the job takes it over when it starts)."""
         self._stop.set()
-        self.body = dict(self.body, slurm_job=str(job_id), slurm_restart=None, handed_over=True,
-                         what=f"Slurm job {job_id} (submitted by {self.body['what']})",
-                         token=uuid.uuid4().hex, heartbeat=time.time())
-        _write(self.path, self.body)
-        self.body["token"] = None  # not ours to release any more
+        with self._writing:
+            body = dict(self.body, slurm_job=str(job_id), slurm_restart=None, handed_over=True,
+                        what=f"Slurm job {job_id} (submitted by {self.body['what']})",
+                        token=uuid.uuid4().hex, heartbeat=time.time())
+            _write(self.path, body)
+            self.body["token"] = None  # not ours to refresh or release any more
 
     def release(self) -> None:
         self._stop.set()
