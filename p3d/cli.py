@@ -270,7 +270,7 @@ def train() -> None:
         run_hydra(train_task)
     except KeyboardInterrupt:  # Ctrl-C before the workers started (once they run, p3d.dist.stop handles it)
         print("p3d: interrupted (Ctrl-C) before training started; nothing was trained", file=sys.stderr, flush=True)
-        sys.exit(128 + 2)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":
