@@ -133,6 +133,13 @@ def stale_reason(lease: dict, now: Optional[float] = None, stale_s: float = STAL
     return None
 
 
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _same_job_restart(lease: dict) -> bool:
     """This process is a later start of the Slurm job that holds the lease (requeue, or handed over)."""
     job = os.environ.get("SLURM_JOB_ID")
@@ -196,12 +203,15 @@ class Lease:
                 "heartbeat": now, "token": uuid.uuid4().hex, "workers": [],
                 "slurm_job": os.environ.get("SLURM_JOB_ID"),
                 "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0") if "SLURM_JOB_ID" in os.environ else None}
-        for _ in range(5):
+        for _ in range(50):
             if _create(path, body):
                 return cls(run_dir, body)
             held = read(run_dir)
             if held is None:
                 continue  # released meanwhile
+            if not held and _age(path) < HEARTBEAT_S:  # being written by a contender (O_EXCL file systems)
+                time.sleep(0.2)
+                continue
             why = "an unreadable lease" if not held else stale_reason(held)
             if why is None and _same_job_restart(held):
                 why = "it is this Slurm job's own lease (requeued or submitted)"

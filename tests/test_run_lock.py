@@ -86,6 +86,13 @@ def test_a_lease_from_another_host_is_stale_only_without_heartbeat(tmp_path, cap
     assert "no heartbeat for" in capsys.readouterr().err
 
 
+def test_an_unreadable_lease_is_taken_over_only_once_it_is_old(tmp_path, capsys):
+    (tmp_path / LOCK_NAME).write_text("")  # e.g. torn by a crash on a file system without hard links
+    os.utime(tmp_path / LOCK_NAME, (time.time() - 60, time.time() - 60))
+    Lease.acquire(tmp_path).release()
+    assert "an unreadable lease" in capsys.readouterr().err
+
+
 def test_the_heartbeat_renews_the_lease_and_notices_losing_it(tmp_path, capsys):
     lease = Lease.acquire(tmp_path).start_heartbeat(interval=0.05)
     first = read(tmp_path)["heartbeat"]
