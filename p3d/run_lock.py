@@ -114,14 +114,16 @@ def describe(lease: dict) -> str:
 
 def stale_reason(lease: dict, now: Optional[float] = None, stale_s: float = STALE_S) -> Optional[str]:
     """Why this lease no longer holds the directory, or None while its holder lives."""
+    why = _holder_gone(lease, now, stale_s)
+    if why is None or not lease.get("slurm_job"):
+        return why
+    state = _slurm_state(lease["slurm_job"])  # asked only now: a queued job has no live process or heartbeat
+    return None if state in SLURM_LIVE_STATES else why
+
+
+def _holder_gone(lease: dict, now: Optional[float], stale_s: float) -> Optional[str]:
     now = time.time() if now is None else now
     age = now - float(lease.get("heartbeat", 0))
-    if lease.get("slurm_job"):
-        state = _slurm_state(lease["slurm_job"])
-        if state in SLURM_LIVE_STATES:
-            return None
-        if state is not None:
-            return f"Slurm job {lease['slurm_job']} is {state}"
     if lease.get("host") == _host() and "pid" in lease:
         pids = [int(lease["pid"]), *map(int, lease.get("workers", []))]
         if not any(_alive(p) for p in pids):
