@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from omegaconf import DictConfig
 from p3d import exit_codes
 from p3d.config.schema import register_configs
 from p3d.config.validate import P3DConfigError, build_plan, check_config, fill_cluster
+from p3d.run_lock import take_lease
 
 CONFIG_PATH = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -218,12 +220,16 @@ def _run_as_worker(cfg, plan) -> int:
 
 def train_task(cfg_node: DictConfig) -> int:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    lease = None
     try:
         cfg, plan = prepare(cfg_node)
         if not cfg.dry_run:
             preflight(cfg)
+            lease = take_lease(cfg)  # one run per run.dir, from before anything is written (p3d.run_lock)
             cfg = check_run(cfg, multirun)
     except P3DConfigError as exc:
+        if lease is not None:
+            lease.release()
         msg = _with_source(str(exc))
         if multirun:
             print(f"p3d: skipped this point, config error: {msg}", file=sys.stderr, flush=True)
@@ -234,6 +240,14 @@ def train_task(cfg_node: DictConfig) -> int:
 
         print(dry_run(cfg, plan).render(), flush=True)
         return 0
+    try:
+        return _launch(cfg, plan, multirun, lease)
+    finally:
+        if lease is not None:
+            lease.release()  # the last worker has exited (or the lease went to a submitted Slurm job)
+
+
+def _launch(cfg, plan, multirun: bool, lease) -> int:
     if "RANK" in os.environ:
         return _run_as_worker(cfg, plan)
 
@@ -246,13 +260,19 @@ def train_task(cfg_node: DictConfig) -> int:
     if cfg.cluster.launcher.value == "slurm":
         from p3d.dist.slurm import dispatch
 
-        return dispatch(cfg, plan, spec, multirun)
+        return dispatch(cfg, plan, spec, multirun, lease)
     print(f"p3d: run dir {spec.parent}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
           f"starting {plan.world_size} workers ({plan.backend}); logs in {spec.parent / 'logs'}", flush=True)
     rc = launch_local(spec, plan)
     if rc == 0:
         print(f"p3d: done; metrics in {spec.parent / 'metrics.jsonl'}", flush=True)
     elif not multirun:
+        if rc == 128 + signal.SIGINT:  # Ctrl-C twice: the workers are gone; do not wait for the interpreter's teardown
+            if lease is not None:
+                lease.release()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
         sys.exit(rc)
     return rc
 
@@ -291,7 +311,11 @@ def run_hydra(task, writes_outputs: bool = True) -> None:
 
 def train() -> None:
     """Console script ``p3d-train``."""
-    run_hydra(train_task)
+    try:
+        run_hydra(train_task)
+    except KeyboardInterrupt:  # Ctrl-C before the workers started (once they run, p3d.dist.stop handles it)
+        print("p3d: interrupted (Ctrl-C) before training started; nothing was trained", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return 0
         rank = os.environ.get("RANK", "?")
+        if isinstance(exc, KeyboardInterrupt):  # SIGINT before the training loop listens: one line, no traceback
+            print(f"[rank {rank}] interrupted (SIGINT) before the first step; nothing saved", file=sys.stderr,
+                  flush=True)
+            os._exit(130)
         sys.stdout.flush()
         print(f"[rank {rank}] worker failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         traceback.print_exc()

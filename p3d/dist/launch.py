@@ -19,6 +19,7 @@ from pathlib import Path
 from p3d import exit_codes
 from p3d.dist.mesh import Mesh
 from p3d.dist.rendezvous import MARKER, file_url, store_path
+from p3d.dist.stop import StopSignals
 
 POLL_S = 0.1
 GRACE_S = 5.0
@@ -96,8 +97,8 @@ def describe_exit(rc: int) -> str:
 
 
 def launch_local(spec_path: Path, plan, console=None) -> int:
-    """Run the workers to completion. Returns 0; PREEMPTED when they stopped on SIGTERM / SIGUSR1
-    (forwarded to them) after saving a checkpoint; or 1 naming the first failed rank."""
+    """Run the workers to completion. Returns 0; PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
+    first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank."""
     console = console or sys.stdout
     run_dir = spec_path.parent
     logs = run_dir / "logs"
@@ -105,15 +106,8 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
     store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
     procs: dict[int, subprocess.Popen] = {}
     pumps = []
-    received: list[int] = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    signals = StopSignals(procs, console).install()  # SIGTERM/SIGUSR1 forwarded; Ctrl-C: save, twice: abort
+    received = signals.received
     try:
         for rank in range(plan.world_size):
             log = open(logs / f"rank{rank}.log", "wb")
@@ -161,6 +155,5 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
     finally:
         if any(p.poll() is None for p in procs.values()):  # an exception in this function: leave no orphans
             _stop(procs, signal.SIGKILL)
-        for s, h in old.items():
-            signal.signal(s, h)
+        signals.restore()
         store.unlink(missing_ok=True)

@@ -256,8 +256,9 @@ def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
     return job_id, run_dir / f"slurm-{job_id}.out"
 
 
-def dispatch(cfg, plan, spec: Path, multirun: bool = False) -> int:
-    """p3d-train with cluster.launcher=slurm, after the spec is frozen: submit, or run in this allocation."""
+def dispatch(cfg, plan, spec: Path, multirun: bool = False, lease=None) -> int:
+    """p3d-train with cluster.launcher=slurm, after the spec is frozen: submit, or run in this allocation.
+    ``lease`` (p3d.run_lock): the run directory's lease, handed to the job once it is submitted."""
     from p3d.cli import _with_source, fail
 
     if os.environ.get(FREEZE_ONLY_ENV) == "1":  # the recipe froze the spec; it starts the workers itself
@@ -280,6 +281,8 @@ def dispatch(cfg, plan, spec: Path, multirun: bool = False) -> int:
         fail(f"config error: {msg} (nothing was submitted)")
     except RuntimeError as exc:
         fail(str(exc), status=exit_codes.WORKER_FAILED)
+    if lease is not None:
+        lease.hand_to_job(job_id)
     lay = layout(cfg, plan)
     gpus = f", {lay.gpus_per_node} GPUs each" if lay.gpus_per_node else ""
     print(f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}, "

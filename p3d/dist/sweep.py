@@ -27,6 +27,7 @@ from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
 from p3d.dist.slurm import check_fits, checked_time_limit, layout, partition_info, time_minutes, write_status
 from p3d.report import mesh_label
+from p3d.run_lock import check_free
 
 def _resume_auto(overrides: list[str]) -> list[str]:
     """A requeued sweep job runs the same point again: let it resume its own checkpoint."""
@@ -110,6 +111,7 @@ class P3DSlurmLauncher(SlurmLauncher):
                 try:
                     cfg, plan = prepare(task_cfg)
                     preflight(cfg)
+                    check_free(out)  # a live run holds this point's directory: do not submit into it
                     lay = layout(cfg, plan)
                     if cfg.cluster.partition not in partitions:
                         partitions[cfg.cluster.partition] = partition_info(cfg.cluster.partition)

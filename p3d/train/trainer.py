@@ -4,6 +4,7 @@ limit or preemption): finish the step, save, exit with p3d.exit_codes.PREEMPTED.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -37,14 +38,18 @@ def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
 
 
 class Stopper:
-    """Remembers a SIGTERM / SIGUSR1; the loop stops after the step in flight, on every rank at once."""
+    """Remembers a SIGTERM / SIGUSR1 / first SIGINT; the loop stops after the step in flight, on every
+    rank at once. A second SIGINT (a worker in a terminal's foreground group under another launcher)
+    ends the process at once, without a traceback."""
 
     def __init__(self):
         self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame):
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            os._exit(128 + signal.SIGINT)
         self.signum = signum
 
 

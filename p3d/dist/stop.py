@@ -1,0 +1,71 @@
+"""How the local launcher passes stop signals on to its workers.
+
+- SIGTERM / SIGUSR1 (Slurm's time limit, preemption, ``kill``): forwarded as they are; each worker
+  finishes the step in flight, the run saves a checkpoint and the workers exit with
+  ``exit_codes.PREEMPTED``.
+- The first SIGINT (Ctrl-C) does the same (the workers get SIGTERM), with one console line saying so.
+- A second SIGINT aborts at once: the workers are killed (SIGKILL: no traceback from any rank) and a
+  line says that no checkpoint was written for the step in flight; saves are atomic, so the last
+  complete checkpoint stays loadable.
+
+Workers run in their own sessions (``start_new_session``), so a terminal's Ctrl-C, which goes to the
+whole foreground process group, reaches only the launcher, and every worker hears it from here, once.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from typing import Callable, Mapping, TextIO
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """Installed while the workers run (:meth:`install`, :meth:`restore`); ``received`` lists the
+    signals the launcher got."""
+
+    def __init__(self, procs: Mapping[int, subprocess.Popen], console: TextIO):
+        self.procs = procs
+        self.console = console
+        self.received: list[int] = []
+        self.aborted = False
+        self._old: dict[int, Callable | int | None] = {}
+
+    def install(self) -> "StopSignals":
+        self._old = {s: signal.signal(s, self._handle) for s in FORWARDED}
+        return self
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _send(self, signum: int) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def _say(self, line: str) -> None:
+        try:
+            self.console.write(line + "\n")
+            self.console.flush()
+        except (OSError, RuntimeError, ValueError):  # a closed console or a write already in progress
+            pass
+
+    def _handle(self, signum: int, _frame) -> None:
+        first_int = signum == signal.SIGINT and signal.SIGINT not in self.received
+        self.received.append(signum)
+        if signum != signal.SIGINT:
+            self._send(signum)
+        elif first_int:
+            self._say("p3d: Ctrl-C: the workers finish the step in flight, save a checkpoint and stop "
+                      "(exit status 75; resume with train.resume=auto); press Ctrl-C again to abort without saving")
+            self._send(signal.SIGTERM)
+        else:
+            self.aborted = True
+            self._send(signal.SIGKILL)
+            self._say("p3d: second Ctrl-C: workers stopped at once; no checkpoint was written for the step in flight "
+                      "(train.resume=auto continues from the last complete one)")

@@ -1,0 +1,291 @@
+"""One run per run directory (p3d.run_lock) and Ctrl-C (p3d.dist.stop): the lease logic in-process,
+then real p3d-train launches racing for one directory, a SIGKILLed holder, and Ctrl-C once and twice."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p3d import exit_codes
+from p3d.metrics import read_metrics
+from p3d.run_lock import LOCK_NAME, STALE_S, Lease, RunLocked, read
+from p3d.train import checkpoint
+from tests.conftest import ROOT, p3d_train, worker_pids
+from tests.test_durable import _kill_run, _wait_for_steps
+
+# ---- the lease, in-process
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _write_lease(run_dir: Path, **fields) -> None:
+    body = {"pid": 1, "host": socket.gethostname(), "what": "p3d-train", "started": "then", "heartbeat": time.time(),
+            "token": "t0", "workers": [], "slurm_job": None, "slurm_restart": None, **fields}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / LOCK_NAME).write_text(json.dumps(body))
+
+
+def test_a_held_lease_refuses_a_second_holder_until_released(tmp_path):
+    lease = Lease.acquire(tmp_path / "run")
+    with pytest.raises(RunLocked) as refused:
+        Lease.acquire(tmp_path / "run")
+    msg = str(refused.value)
+    assert f"pid {os.getpid()} on {socket.gethostname()}, started " in msg and "choose another run.dir" in msg
+    assert "\n" not in msg
+    lease.release()
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+    Lease.acquire(tmp_path / "run").release()
+    assert not list((tmp_path / "run").glob(".run.lock*"))  # no temporary files left behind
+
+
+def test_a_dead_holder_is_taken_over_with_a_note(tmp_path, capsys):
+    holder = _sleeper()
+    Lease.acquire(tmp_path, pid=holder.pid)
+    with pytest.raises(RunLocked):
+        Lease.acquire(tmp_path)
+    holder.kill()
+    holder.wait()
+    lease = Lease.acquire(tmp_path)
+    assert f"took over the lease of {tmp_path} (pid {holder.pid} on" in capsys.readouterr().err
+    assert read(tmp_path)["pid"] == os.getpid()
+    lease.release()
+
+
+def test_a_live_worker_of_a_dead_holder_keeps_the_lease(tmp_path):
+    worker = _sleeper()
+    try:
+        holder = _sleeper()
+        holder.kill()
+        holder.wait()
+        _write_lease(tmp_path, pid=holder.pid, workers=[worker.pid])
+        with pytest.raises(RunLocked):
+            Lease.acquire(tmp_path)
+    finally:
+        worker.kill()
+        worker.wait()
+    Lease.acquire(tmp_path).release()
+
+
+@pytest.mark.parametrize("age,taken", [(STALE_S + 5, True), (5, False)])
+def test_a_lease_from_another_host_is_stale_only_without_heartbeat(tmp_path, capsys, age, taken):
+    _write_lease(tmp_path, host="node-elsewhere", pid=4242, heartbeat=time.time() - age)
+    if not taken:
+        with pytest.raises(RunLocked, match="pid 4242 on node-elsewhere"):
+            Lease.acquire(tmp_path)
+        return
+    Lease.acquire(tmp_path).release()
+    assert "no heartbeat for" in capsys.readouterr().err
+
+
+def test_an_unreadable_lease_is_taken_over_only_once_it_is_old(tmp_path, capsys):
+    (tmp_path / LOCK_NAME).write_text("")  # e.g. torn by a crash on a file system without hard links
+    os.utime(tmp_path / LOCK_NAME, (time.time() - 60, time.time() - 60))
+    Lease.acquire(tmp_path).release()
+    assert "an unreadable lease" in capsys.readouterr().err
+
+
+def test_the_heartbeat_renews_the_lease_and_notices_losing_it(tmp_path, capsys):
+    lease = Lease.acquire(tmp_path).start_heartbeat(interval=0.05)
+    first = read(tmp_path)["heartbeat"]
+    time.sleep(0.5)
+    assert read(tmp_path)["heartbeat"] > first
+    _write_lease(tmp_path, pid=os.getpid(), token="someone-else")
+    time.sleep(0.5)
+    assert "lost the lease" in capsys.readouterr().err
+    lease.release()
+    assert read(tmp_path)["token"] == "someone-else"  # not ours to remove
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_lease(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_JOB_ID", "90001")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    Lease.acquire(tmp_path)  # the first start of the job; still alive (this process)
+    with pytest.raises(RunLocked, match="Slurm job 90001"):
+        Lease.acquire(tmp_path)  # a second run inside the same job and start is refused
+    monkeypatch.setenv("SLURM_JOB_ID", "90002")
+    with pytest.raises(RunLocked):
+        Lease.acquire(tmp_path)  # another job
+    monkeypatch.setenv("SLURM_JOB_ID", "90001")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lease = Lease.acquire(tmp_path)
+    assert "this Slurm job's own lease" in capsys.readouterr().err
+    assert read(tmp_path)["slurm_restart"] == "1"
+    lease.release()
+
+
+def test_a_lease_handed_to_a_submitted_job_is_taken_by_that_job_only(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    lease = Lease.acquire(tmp_path).start_heartbeat(interval=0.05)
+    lease.hand_to_job("777")
+    lease.release()  # p3d-train exits after sbatch: the lease stays with the job
+    assert read(tmp_path)["slurm_job"] == "777"
+    with pytest.raises(RunLocked, match="Slurm job 777"):
+        Lease.acquire(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    Lease.acquire(tmp_path).release()
+
+
+# ---- real launches
+
+
+def _start(run_dir: Path | str, *overrides: str, cwd: Path = ROOT) -> subprocess.Popen:
+    """p3d-train in its own process group, as a shell starts a foreground job."""
+    return subprocess.Popen([sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for(what, timeout: float, proc: subprocess.Popen) -> None:
+    end = time.monotonic() + timeout
+    while not what():
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > end:
+            pytest.fail("timed out")
+        time.sleep(0.02)
+
+
+def _no_traceback(out: str, run_dir: Path) -> None:
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    for log in (run_dir / "logs").glob("rank*.log"):
+        assert "Traceback" not in log.read_text(errors="replace"), log
+
+
+TINY = ("model=tiny", "mesh=single", "train.warmup_steps=3")
+
+
+@pytest.mark.timeout(600)
+def test_a_second_launch_into_a_running_run_is_refused_until_it_ends(tmp_path):
+    run = tmp_path / "run"
+    steps = 60
+    first = _start(run, *TINY, f"train.steps={steps}")
+    try:
+        _wait_for(lambda: (run / LOCK_NAME).exists(), 120, first)
+        assert not (run / "metrics.jsonl").exists()  # the race the old check lost: the first has written no metrics
+        started = time.monotonic()
+        # from another working directory, with a relative run.dir naming the same directory
+        rivals = {resume: subprocess.Popen([sys.executable, "-m", "p3d.cli", "run.dir=run", *TINY,
+                                            f"train.steps={steps}", f"train.resume={resume}"], cwd=tmp_path,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for resume in ("none", "auto")}
+        for resume, rival in rivals.items():
+            _, err = rival.communicate(timeout=120)
+            took = time.monotonic() - started
+            print(f"resume={resume}: refused after {took:.1f} s")
+            assert rival.returncode == exit_codes.CONFIG_ERROR, err[-2000:]
+            assert f"is in use by p3d-train (pid {first.pid} on {socket.gethostname()}, started " in err
+            assert len(err.strip().splitlines()) == 1, err
+            assert took < 60
+        assert first.poll() is None  # refused while the first still ran
+        out, _ = first.communicate(timeout=300)
+    finally:
+        _kill_run(first, run)
+    assert first.returncode == 0, out[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, steps + 1))  # nobody else wrote there
+    assert not (run / LOCK_NAME).exists()  # released when the last worker exited
+
+    resumed = p3d_train(f"run.dir={run}", *TINY, f"train.steps={steps + 2}", "train.resume=auto", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from step {steps}" in resumed.stdout
+
+
+@pytest.mark.timeout(600)
+def test_the_lease_of_a_sigkilled_run_is_taken_over_with_a_note(tmp_path):
+    run = tmp_path / "run"
+    first = _start(run, *TINY, "train.steps=2000", "train.save_every=2")
+    try:
+        _wait_for(lambda: checkpoint.find(run, "auto") is not None, 180, first)
+        workers = list(worker_pids(run).values())
+        assert workers
+        os.kill(first.pid, signal.SIGKILL)  # the launcher dies; its worker still trains: the lease holds
+        first.wait()
+        refused = p3d_train(f"run.dir={run}", *TINY, "train.steps=2000", "train.resume=auto", timeout=120)
+        assert refused.returncode == exit_codes.CONFIG_ERROR, refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert f"pid {first.pid}" in refused.stderr
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while worker_pids(run) and time.monotonic() < end:
+            time.sleep(0.1)
+    finally:
+        _kill_run(first, run)
+    assert (run / LOCK_NAME).exists()  # left behind: nobody released it
+    step = checkpoint.verify(checkpoint.find(run, "auto"))["step"]
+    taken = p3d_train(f"run.dir={run}", *TINY, f"train.steps={step + 2}", "train.resume=auto", timeout=300)
+    assert taken.returncode == 0, taken.stdout[-2000:] + taken.stderr[-2000:]
+    assert f"p3d: took over the lease of {run} (pid {first.pid} on {socket.gethostname()}" in taken.stderr
+    assert "are gone" in taken.stderr
+    assert f"resumed from step {step}" in taken.stdout
+    assert not (run / LOCK_NAME).exists()
+
+
+CTRL_C_STEPS = 24
+DP2 = ("model=tiny", "mesh=dp2", "train.warmup_steps=3")
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_once_saves_the_step_and_resume_continues_bitwise(tmp_path):
+    straight = p3d_train(f"run.dir={tmp_path / 'a'}", *DP2, f"train.steps={CTRL_C_STEPS}", timeout=300)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+
+    run = tmp_path / "b"
+    proc = _start(run, *DP2, f"train.steps={CTRL_C_STEPS}")
+    try:
+        _wait_for_steps(run, 3, proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_run(proc, run)
+    assert proc.returncode == exit_codes.PREEMPTED, out[-3000:]
+    assert out.count("p3d: Ctrl-C: the workers finish the step in flight, save a checkpoint and stop") == 1
+    assert "after a stop signal" in out
+    _no_traceback(out, run)
+    stopped_at = checkpoint.verify(checkpoint.find(run, "auto"))["step"]
+    assert 3 <= stopped_at < CTRL_C_STEPS
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, stopped_at + 1))  # the step in flight finished
+
+    resumed = p3d_train(f"run.dir={run}", *DP2, f"train.steps={CTRL_C_STEPS}", "train.resume=auto", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from step {stopped_at}" in resumed.stdout
+    a, b = read_metrics(tmp_path / "a"), read_metrics(run)
+    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, CTRL_C_STEPS + 1))
+    for x, y in zip(a, b):  # bitwise: the same floats, not just close ones
+        assert (y["loss"], y["grad_norm"], y["lr"], y["samples"]) == (x["loss"], x["grad_norm"], x["lr"], x["samples"])
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, *DP2, "train.steps=2000", "train.save_every=3")
+    try:
+        _wait_for(lambda: checkpoint.find(run, "auto") is not None, 180, proc)
+        _wait_for_steps(run, 5, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        second = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - second
+    finally:
+        _kill_run(proc, run)
+    print(f"stopped {took:.2f} s after the second Ctrl-C")
+    assert took < 5, out[-3000:]
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert "no checkpoint was written for the step in flight" in out
+    _no_traceback(out, run)
+    assert not worker_pids(run)
+    assert not (run / LOCK_NAME).exists()
+    found = checkpoint.find(run, "auto")
+    meta = checkpoint.verify(found)  # the previous checkpoint: complete, every file at its size
+    assert meta["step"] % 3 == 0 and meta["step"] <= len(read_metrics(run))
+    resumed = p3d_train(f"run.dir={run}", *DP2, f"train.steps={meta['step'] + 1}", "train.resume=auto", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from step {meta['step']}" in resumed.stdout
