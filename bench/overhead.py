@@ -109,7 +109,8 @@ def compose_spec(overrides: list[str], run_dir: Path):
     """Compose + validate exactly as p3d-train does, and write the run spec the plain side reads."""
     from hydra import compose, initialize_config_dir
 
-    from p3d.cli import CONFIG_PATH, prepare
+    from p3d.launch.hydra_app import CONFIG_PATH
+    from p3d.launch.prepare import prepare
     from p3d.config.schema import register_configs
     from p3d.config.spec import write_spec
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TextIO
 
 from p3d.model.geometry import model_flops_per_token
+from p3d.run_dir import METRICS, read_metrics  # noqa: F401 - read_metrics: the reader tests and tools use
 
-METRICS_NAME = "metrics.jsonl"
 
 
 def peak_memory_gb() -> float:
@@ -34,13 +34,6 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is KiB on Linux
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of a run directory's metrics.jsonl (or of a given .jsonl file)."""
-    path = Path(run_dir)
-    path = path / METRICS_NAME if path.is_dir() else path
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "dryrun": "offline", "run": "online"}
@@ -95,7 +88,7 @@ def _netrc_has_wandb() -> bool:
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, cfg, plan, start_step: int = 0, spec: dict | None = None, stream=None):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / METRICS_NAME
+        self.path = self.run_dir / METRICS
         self.cfg, self.plan = cfg, plan
         self.stream = stream or sys.stdout
         self.flops_per_step = model_flops_per_token(cfg.model) * plan.tokens_per_step
@@ -148,7 +141,7 @@ class MetricsLogger:
     def _start_wandb(self, spec: dict) -> None:
         mode, why = wandb_mode(self.cfg.logger.mode)
         if mode == "disabled":
-            self.print(f"W&B disabled ({why}): logging to the console and {METRICS_NAME} only")
+            self.print(f"W&B disabled ({why}): logging to the console and {METRICS} only")
             return
         try:
             self.wandb = WandbSink(self.run_dir, self.cfg, spec, mode)

@@ -28,8 +28,8 @@ from hydra.experimental.callback import Callback
 
 from p3d import exit_codes
 from p3d.config.spec import RUN_PLAN_KEY
+from p3d.run_dir import METRICS, SPEC, STATUS, read_json_lines, read_status, write_status
 
-STATUS_NAME = "p3d_status.json"  # also p3d.dist.slurm.STATUS_NAME
 STATUS_BY_CODE = {exit_codes.OK: "done", exit_codes.WORKER_FAILED: "failed", exit_codes.CONFIG_ERROR: "skipped",
                   exit_codes.PREEMPTED: "preempted"}
 
@@ -67,16 +67,6 @@ def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def _read_json_lines(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written while we read
-            continue
-    return rows
-
-
 def slurm_state(job_id: str) -> Optional[str]:
     """The job's state from sacct (the last run of a requeued job), or None."""
     try:
@@ -91,9 +81,9 @@ def slurm_state(job_id: str) -> Optional[str]:
 def read_point(point: Path, name: str) -> Row:
     from omegaconf import OmegaConf
 
-    status = json.loads((point / STATUS_NAME).read_text()) if (point / STATUS_NAME).is_file() else {}
+    status = read_status(point)
     row = Row(point=name, mesh=status.get("mesh", "?"), run_dir=str(point))
-    spec_path = point / "run_spec.yaml"
+    spec_path = point / SPEC
     if spec_path.is_file():
         spec = OmegaConf.to_container(OmegaConf.load(spec_path))
         plan, mesh = spec.get(RUN_PLAN_KEY, {}), spec.get("mesh", {})
@@ -103,7 +93,7 @@ def read_point(point: Path, name: str) -> Row:
     elif row.mesh == "?" and (point / ".hydra" / "overrides.yaml").is_file():
         overrides = OmegaConf.load(point / ".hydra" / "overrides.yaml")
         row.mesh = " ".join(o for o in overrides if str(o).startswith("mesh")) or "?"
-    records = _read_json_lines(point / "metrics.jsonl") if (point / "metrics.jsonl").is_file() else []
+    records = read_json_lines(point / METRICS) if (point / METRICS).is_file() else []
     if records:
         steady = records[1:] or records
         row.tokens_per_s = _median([r.get("tokens_per_s") for r in steady])
@@ -132,10 +122,10 @@ def _point_key(path: Path):
 
 def collect(sweep_dir: Path) -> list[Row]:
     """Rows of every point under ``sweep_dir`` (or of the run in it), in sweep order."""
-    if (sweep_dir / "run_spec.yaml").is_file() or (sweep_dir / STATUS_NAME).is_file():
+    if (sweep_dir / SPEC).is_file() or (sweep_dir / STATUS).is_file():
         return [read_point(sweep_dir, sweep_dir.name)]
     points = [d for d in sweep_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
-              and any((d / f).exists() for f in ("run_spec.yaml", STATUS_NAME, "metrics.jsonl", ".hydra"))]
+              and any((d / f).exists() for f in (SPEC, STATUS, METRICS, ".hydra"))]
     return [read_point(d, d.name) for d in sorted(points, key=_point_key)]
 
 
@@ -246,31 +236,13 @@ def main(argv: Optional[list[str]] = None) -> int:
               "--csv / --png", file=sys.stderr)
         return 2
     if not rows:
-        print(f"p3d-report: no p3d run under {args.sweep_dir} (no run_spec.yaml, metrics.jsonl or "
-              f"{STATUS_NAME})", file=sys.stderr)
+        print(f"p3d-report: no p3d run under {args.sweep_dir} (no {SPEC}, {METRICS} or "
+              f"{STATUS})", file=sys.stderr)
         return 2
     return 0
 
 
 # ---- the Hydra callback (hydra.callbacks in conf/config.yaml)
-
-def _skip_reason(task_cfg) -> str:
-    """Why p3d-train skipped a point (it returned 2): the same checks again, their message."""
-    from p3d.cli import _with_source, prepare, preflight
-    from p3d.config.validate import P3DConfigError
-
-    try:
-        cfg, _ = prepare(task_cfg)
-        preflight(cfg)
-        from p3d.cli import check_run
-
-        check_run(cfg)
-    except P3DConfigError as exc:
-        return _with_source(str(exc))
-    except Exception as exc:  # noqa: BLE001 - a reason only
-        return f"{type(exc).__name__}: {exc}"
-    return "config error (see the point's output)"
-
 
 class SweepCallback(Callback):
     """Per sweep point: ``p3d_status.json`` (done / failed / skipped + why / preempted / stopped).
@@ -283,13 +255,10 @@ class SweepCallback(Callback):
         from hydra.core.utils import JobStatus
         from hydra.types import RunMode
 
-        from p3d.dist.slurm import write_status
-
         if config.hydra.output_subdir is None or HydraConfig.get().mode != RunMode.MULTIRUN:
             return
         out = Path(config.hydra.runtime.output_dir)
-        path = out / STATUS_NAME
-        before = json.loads(path.read_text()) if path.is_file() else {}
+        before = read_status(out)
         mesh = mesh_label(job_return.cfg)
         if job_return.status != JobStatus.COMPLETED:
             exc = job_return._return_value
@@ -297,8 +266,8 @@ class SweepCallback(Callback):
             return
         rc = job_return._return_value if isinstance(job_return._return_value, int) else 0
         if before.get("status") in ("submitted", "skipped") and rc in (0, 2):
-            return  # recorded by the Slurm dispatch: the job id, or why the partition cannot hold the point
-        extra = {"reason": _skip_reason(job_return.cfg)} if rc == 2 else {}
+            return  # recorded where it happened: the job id, or why p3d-train skipped the point
+        extra: dict[str, Any] = {}
         if os.environ.get("SLURM_JOB_ID"):
             extra["job_id"] = os.environ["SLURM_JOB_ID"]
         write_status(out, STATUS_BY_CODE.get(rc, "stopped" if rc >= 128 else "failed"), rc, mesh=mesh, **extra)

@@ -42,8 +42,8 @@ from typing import Optional
 
 from p3d.config.validate import P3DConfigError
 from p3d.dist.slurm import FREEZE_ONLY_ENV
+from p3d.run_dir import LOCK as LOCK_NAME
 
-LOCK_NAME = "run.lock"
 HEARTBEAT_S = 10.0  # how often the holder refreshes the lease
 STALE_S = 60.0  # a lease whose heartbeat is older than this is stale (lost host, SIGKILL elsewhere)
 SLURM_LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",

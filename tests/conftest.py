@@ -30,7 +30,7 @@ def compose(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
 
 def typed(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
     """(Config, RunPlan) exactly as p3d-train prepares them."""
-    from p3d.cli import prepare
+    from p3d.launch.prepare import prepare
 
     return prepare(compose(*overrides, run_dir=run_dir))
 

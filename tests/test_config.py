@@ -38,7 +38,7 @@ def test_every_group_has_files():
 
 @pytest.mark.parametrize("group,name", GROUP_FILES, ids=[f"{g}/{n}" for g, n in GROUP_FILES])
 def test_every_config_file_composes_and_validates(group, name):
-    from p3d.cli import prepare
+    from p3d.launch.prepare import prepare
 
     node = compose(f"{group}={name}", *COMPANIONS.get((group, name), []))
     cfg, plan = prepare(node)

@@ -120,7 +120,7 @@ def test_wandb_failing_during_the_run_warns_once_and_metrics_go_on(tmp_path, mon
 
 @pytest.mark.timeout(120)
 def test_run_that_logged_no_step_leaves_its_run_dir_usable(tmp_path):
-    from p3d.cli import check_run
+    from p3d.launch.prepare import check_run
 
     cfg, plan = typed("mesh=single", run_dir=str(tmp_path))
     MetricsLogger(tmp_path, cfg, plan).close()  # a run that died before its first step

@@ -115,7 +115,7 @@ def test_paths_resolve_against_the_given_directory(tmp_path):
 
 
 def test_config_paths_are_frozen_absolute(tmp_path, monkeypatch):
-    from p3d.cli import typed_config
+    from p3d.launch.prepare import typed_config
     from tests.conftest import compose
 
     monkeypatch.chdir(tmp_path)

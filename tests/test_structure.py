@@ -88,7 +88,7 @@ def test_no_library_module_imports_the_cli():
 
 def test_plan_options_survive_the_run_spec(tmp_path):
     """``plan.*`` (the planner's options) and the derived run plan are both in run_spec.yaml, apart."""
-    from p3d.cli import prepare
+    from p3d.launch.prepare import prepare
     from p3d.config.spec import read_spec, write_spec
 
     node = compose("plan.force=true", "plan.efficiency=0.37", "plan.overlap_tp=true", "plan.overlap_dp=true",

@@ -2,9 +2,9 @@
 launcher writes it beside the run spec without loading the engine."""
 from __future__ import annotations
 
+from p3d.run_dir import DS_CONFIG as DS_CONFIG_NAME  # noqa: F401 - the launcher writes it under this name
 from p3d.config.schema import DType
 
-DS_CONFIG_NAME = "deepspeed_config.json"
 
 
 def deepspeed_config(cfg, plan) -> dict:

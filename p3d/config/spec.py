@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from p3d.config import resume_rules
 from p3d.config.schema import Config
 from p3d.config.validate import P3DConfigError, RunPlan
+from p3d.run_dir import SPEC as SPEC_NAME
 
-SPEC_NAME = "run_spec.yaml"
 # The derived run plan's key. Not "plan": that is the planner's options (Config.plan, ``plan.force``).
 RUN_PLAN_KEY = "run_plan"
 SEGMENT_SPECS = "specs"  # specs/from_step_<N>.yaml: the spec each segment of the run was launched with

@@ -28,7 +28,8 @@ def train_bpe(texts, vocab_size: int, min_frequency: int = 2):
 
 
 def tokenizer_task(cfg_node: DictConfig) -> int:
-    from p3d.cli import fail, typed_config
+    from p3d.launch.hydra_app import config_error
+    from p3d.launch.prepare import typed_config
     from p3d.config.validate import P3DConfigError
     from p3d.data.check import check_data
     from p3d.data.corpus import DataStats, iter_texts
@@ -41,7 +42,7 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
                                  "text); try tokenizer.vocab_size=8192")
         check_data(cfg.data, seq_len=1)
     except (P3DConfigError, OSError, ValueError, KeyError) as exc:
-        fail(f"config error: {str(exc).strip(chr(39))}")
+        return config_error(str(exc).strip(chr(39)))
     stats = DataStats()
     texts = islice(iter_texts(cfg.data, "train", stats), t.max_documents)
     tok = train_bpe(texts, t.vocab_size, t.min_frequency)
@@ -58,9 +59,9 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
 
 def main() -> None:
     """Console script ``p3d-tokenizer``."""
-    from p3d.cli import run_hydra
+    from p3d.launch.hydra_app import run_hydra
 
-    run_hydra(tokenizer_task, writes_outputs=False)
+    sys.exit(run_hydra(tokenizer_task, writes_outputs=False))
 
 
 if __name__ == "__main__":

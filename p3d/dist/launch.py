@@ -18,6 +18,7 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.dist.mesh import Mesh
+from p3d.run_dir import logs as run_logs
 from p3d.dist.rendezvous import MARKER, file_url, store_path
 from p3d.dist.stop import StopSignals
 
@@ -101,7 +102,7 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
     first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank."""
     console = console or sys.stdout
     run_dir = spec_path.parent
-    logs = run_dir / "logs"
+    logs = run_logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
     procs: dict[int, subprocess.Popen] = {}

@@ -24,10 +24,9 @@ from typing import Optional
 
 from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
+from p3d.run_dir import log_job, write_status
 
 REPO = Path(__file__).resolve().parents[2]
-STATUS_NAME = "p3d_status.json"  # a run or sweep point's outcome, read by p3d-report
-JOBS_LOG = "slurm_jobs.log"  # one line per submission / start / exit / requeue of a Slurm job on this run dir
 FREEZE_ONLY_ENV = "P3D_SLURM_FREEZE_ONLY"  # set by the recipe: p3d-train freezes the spec and returns
 SLURM_TIMEOUT_S = 60
 
@@ -212,24 +211,6 @@ def inside_allocation() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
-def log_job(run_dir: str | Path, line: str) -> None:
-    from datetime import datetime
-
-    with open(Path(run_dir) / JOBS_LOG, "a") as f:
-        f.write(f"{datetime.now().isoformat(timespec='seconds')} {line}\n")
-
-
-def write_status(run_dir: str | Path, status: str, returncode: Optional[int] = None, **extra) -> None:
-    import json
-
-    path = Path(run_dir) / STATUS_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"status": status, "returncode": returncode, **extra}
-    tmp = path.with_name(f".{STATUS_NAME}.tmp")  # p3d-report may read it while a sweep runs
-    tmp.write_text(json.dumps(body) + "\n")
-    os.replace(tmp, path)
-
-
 def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
     """sbatch the recipe on the frozen spec; returns (job id, job log). Raises P3DConfigError when the
     job cannot fit the partition, RuntimeError when sbatch refuses it."""
@@ -256,31 +237,18 @@ def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
     return job_id, run_dir / f"slurm-{job_id}.out"
 
 
-def dispatch(cfg, plan, spec: Path, multirun: bool = False, lease=None) -> int:
-    """p3d-train with cluster.launcher=slurm, after the spec is frozen: submit, or run in this allocation.
-    ``lease`` (p3d.run_lock): the run directory's lease, handed to the job once it is submitted."""
-    from p3d.cli import _with_source, fail
-
+def dispatch(cfg, plan, spec: Path, lease=None) -> int:
+    """p3d-train with cluster.launcher=slurm, after the spec is frozen and outside an allocation (inside one,
+    p3d.dist.slurm_job.run_step starts the workers): submit the recipe. ``lease`` (p3d.run_lock): the run
+    directory's lease, handed to the job once it is submitted. Raises P3DConfigError when the partition
+    cannot hold the job (nothing is submitted); returns the exit status."""
     if os.environ.get(FREEZE_ONLY_ENV) == "1":  # the recipe froze the spec; it starts the workers itself
-        return 0
-    if inside_allocation():
-        from p3d.dist.slurm_job import run_step
-
-        rc = run_step(cfg, plan, spec)
-        if rc and not multirun:
-            sys.exit(rc)
-        return rc
+        return exit_codes.OK
     try:
         job_id, log = submit(cfg, plan, spec)
-    except P3DConfigError as exc:
-        msg = _with_source(str(exc))
-        if multirun:
-            print(f"p3d: skipped this point, config error: {msg}", file=sys.stderr, flush=True)
-            write_status(spec.parent, "skipped", exit_codes.CONFIG_ERROR, reason=msg)
-            return exit_codes.CONFIG_ERROR
-        fail(f"config error: {msg} (nothing was submitted)")
     except RuntimeError as exc:
-        fail(str(exc), status=exit_codes.WORKER_FAILED)
+        print(f"p3d: {exc}", file=sys.stderr, flush=True)
+        return exit_codes.WORKER_FAILED
     if lease is not None:
         lease.hand_to_job(job_id)
     lay = layout(cfg, plan)
@@ -289,4 +257,4 @@ def dispatch(cfg, plan, spec: Path, multirun: bool = False, lease=None) -> int:
           f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}\n"
           f"p3d: run dir {spec.parent}\np3d: job log {log}\n"
           f"p3d: watch it with: squeue -j {job_id}; tail -f {log}", flush=True)
-    return 0
+    return exit_codes.OK

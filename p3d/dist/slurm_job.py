@@ -25,7 +25,9 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
-from p3d.dist.slurm import SLURM_TIMEOUT_S, layout, log_job
+from p3d.dist.slurm import SLURM_TIMEOUT_S, layout
+from p3d.run_dir import log_job, rank_log
+from p3d.run_dir import logs as run_logs
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -62,7 +64,7 @@ def step_env(plan) -> dict[str, str]:
 
 
 def srun_command(lay, spec: Path, python: str = sys.executable) -> list[str]:
-    logs = spec.parent / "logs"
+    logs = run_logs(spec.parent)
     # Not --kill-on-bad-exit: a rank that saved its part of a checkpoint and exits 75 a moment before the
     # others would get them killed mid-exit. --wait bounds how long the others may outlive a failed rank.
     cmd = ["srun", "--kill-on-bad-exit=0", f"--wait={os.environ.get('P3D_SRUN_WAIT', '60')}",
@@ -123,7 +125,7 @@ def run_step(cfg, plan, spec: Path) -> int:
     """Run the workers as one srun step of this allocation; returns srun's status (75: preempted)."""
     lay = layout(cfg, plan)
     run_dir = spec.parent
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    run_logs(run_dir).mkdir(parents=True, exist_ok=True)
     env = step_env(plan)
     cmd = srun_command(lay, spec)
     job = os.environ.get("SLURM_JOB_ID", "?")
@@ -140,7 +142,7 @@ def run_step(cfg, plan, spec: Path) -> int:
             proc.send_signal(signum)  # srun passes SIGUSR1 / SIGTERM on to every task
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
-    follower = threading.Thread(target=_follow, args=(run_dir / "logs" / f"rank{plan.logging_rank}.log", proc,
+    follower = threading.Thread(target=_follow, args=(rank_log(run_dir, plan.logging_rank), proc,
                                                       sys.stdout), daemon=True)
     follower.start()
     try:
@@ -180,7 +182,7 @@ def resume_spec(run_dir: str) -> int:
     checkpoint (as ``p3d-train train.resume=auto run.dir=<run_dir>`` would)."""
     from p3d.config.spec import read_spec, write_spec
 
-    from p3d.cli import check_run  # resolves auto to a checkpoint dir and checks it
+    from p3d.launch.prepare import check_run  # resolves auto to a checkpoint dir and checks it
 
     cfg, plan = read_spec(run_dir)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="auto"),

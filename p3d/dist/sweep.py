@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
-from p3d.dist.slurm import check_fits, checked_time_limit, layout, partition_info, time_minutes, write_status
+from p3d.dist.slurm import check_fits, checked_time_limit, layout, partition_info, time_minutes
+from p3d.run_dir import write_status
 from p3d.report import mesh_label
 from p3d.run_lock import check_free
 
@@ -93,7 +94,8 @@ class P3DSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
 
-        from p3d.cli import _with_source, prepare, preflight
+        from p3d.launch.hydra_app import with_source
+        from p3d.launch.prepare import preflight, prepare
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -118,7 +120,7 @@ class P3DSlurmLauncher(SlurmLauncher):
                     check_fits(lay, partitions[cfg.cluster.partition], plan)
                     params = self._params(cfg, lay)
                 except P3DConfigError as exc:
-                    slots.append(self._skip(overrides, task_cfg, cfg_full, out, idx, _with_source(str(exc))))
+                    slots.append(self._skip(overrides, task_cfg, cfg_full, out, idx, with_source(str(exc))))
                     continue
                 executor.update_parameters(**params)
                 try:

@@ -15,16 +15,14 @@ import sys
 
 from omegaconf import DictConfig
 
-from p3d.cli import _with_source, fail, run_hydra, typed_config
+from p3d.launch.hydra_app import config_error, is_multirun, run_hydra
+from p3d.launch.prepare import typed_config
 from p3d.config.validate import P3DConfigError
 
 FORMATS = ("text", "json")
 
 
 def plan_task(cfg_node: DictConfig) -> int:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     from p3d.plan.search import plan
 
     try:
@@ -32,12 +30,8 @@ def plan_task(cfg_node: DictConfig) -> int:
         if cfg.format not in FORMATS:
             raise P3DConfigError(f"format={cfg.format} is not one of {', '.join(FORMATS)}; try format=json")
         report = plan(cfg)
-    except P3DConfigError as exc:
-        msg = _with_source(str(exc))  # 'mesh.tp=4 (mesh/tp4.yaml) ...', as p3d-train says it
-        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a sweep goes on to its next point
-            print(f"p3d: skipped this point, config error: {msg}", file=sys.stderr, flush=True)
-            return 2
-        fail(f"config error: {msg}")
+    except P3DConfigError as exc:  # 'mesh.tp=4 (mesh/tp4.yaml) ...', as p3d-train says it
+        return config_error(str(exc), is_multirun())
     text = json.dumps(report.to_json(), indent=2) if cfg.format == "json" else report.render()
     try:
         print(text, flush=True)
@@ -48,7 +42,7 @@ def plan_task(cfg_node: DictConfig) -> int:
 
 def main() -> None:
     """Console script ``p3d-plan``."""
-    run_hydra(plan_task, writes_outputs=False)
+    sys.exit(run_hydra(plan_task, writes_outputs=False))
 
 
 if __name__ == "__main__":

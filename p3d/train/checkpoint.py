@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from p3d.run_dir import CHECKPOINTS
 from p3d.ds_compat import has_hp_mapping, links_optimizer_states, relink_optimizer_states, wrapped_optimizer
 
 FORMAT = "p3d-checkpoint-1"
@@ -44,7 +45,7 @@ class CheckpointError(RuntimeError):
 
 
 def root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

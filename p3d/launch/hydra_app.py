@@ -1,0 +1,99 @@
+"""Compose with Hydra once, in the launching process, and report config errors in one line.
+
+``run_hydra(task)`` runs ``task(cfg_node) -> exit status`` under ``hydra.main`` and returns the status:
+the task's own, 2 for a config Hydra cannot compose (unknown group option, bad override, wrong type),
+or a sweep's (``p3d.exit_codes.SweepNotDone``).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from p3d import exit_codes
+from p3d.config.schema import register_configs
+
+CONFIG_PATH = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def given_overrides() -> list[str]:
+    """The overrides on this command line (empty outside Hydra)."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def with_source(message: str) -> str:
+    """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
+    head, _, rest = message.partition(" ")
+    field = head.split("=", 1)[0]
+    if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z0-9_]+", field) or not HydraConfig.initialized():
+        return message  # not one field (e.g. tp*pp*dp), or no Hydra to ask
+    hc = HydraConfig.get()
+    if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):
+        where = "command line"
+    else:
+        group = field.split(".", 1)[0]
+        choice = hc.runtime.choices.get(group)
+        where = f"{group}/{choice}.yaml" if choice else "config.yaml"
+    return f"{head} ({where}) {rest}"
+
+
+def report_error(message: str, status: int = exit_codes.CONFIG_ERROR, prefix: str = "p3d") -> int:
+    """Print one line on stderr; return ``status`` (the caller's exit status)."""
+    print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    return status
+
+
+def config_error(message: str, multirun: bool = False) -> int:
+    """A config error as the user sees it: where the field was set; a sweep goes on to its next point."""
+    msg = with_source(message)
+    if multirun:
+        return report_error(f"skipped this point, config error: {msg}")
+    return report_error(f"config error: {msg}")
+
+
+def is_multirun() -> bool:
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _no_hydra_outputs(argv: list[str], name: str) -> list[str]:
+    """Keep Hydra from creating output directories for a command that writes no run."""
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
+    defaults = {"hydra.output_subdir": "null", "hydra.run.dir": ".",
+                "hydra.sweep.dir": str(Path(tempfile.gettempdir()) / name)}
+    return argv + [f"{k}={v}" for k, v in defaults.items() if k not in keys]
+
+
+def run_hydra(task: Callable[[DictConfig], int], writes_outputs: bool = True) -> int:
+    """Compose with Hydra, run ``task``; its exit status (the worst of a sweep's points, or the sweep's)."""
+    if not writes_outputs:
+        sys.argv = [sys.argv[0]] + _no_hydra_outputs(sys.argv[1:], Path(sys.argv[0]).name)
+    else:  # with run.dir given, Hydra's own output (.hydra/) goes inside it, never to ./outputs
+        from p3d.paths import hydra_output_overrides
+
+        sys.argv = [sys.argv[0]] + hydra_output_overrides(sys.argv[1:])
+    statuses: list[int] = []
+
+    def task_started(cfg_node: DictConfig) -> int:
+        status = task(cfg_node)
+        statuses.append(status)
+        return status
+
+    register_configs()
+    try:
+        hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")(task_started)()
+    except exit_codes.SweepNotDone as exc:
+        return int(exc.code or exit_codes.WORKER_FAILED)
+    except SystemExit as exc:  # Hydra's own exit: a config it cannot compose, --help, --cfg
+        if not statuses and exc.code not in (0, None):
+            return exit_codes.CONFIG_ERROR
+        return int(exc.code or 0) if isinstance(exc.code, int) else exit_codes.OK
+    # one run: its status; a sweep's points are judged by its callback, which raised SweepNotDone if any failed
+    return statuses[0] if len(statuses) == 1 else exit_codes.OK

@@ -1,0 +1,98 @@
+"""``p3d-train``'s task: prepare, take the run directory's lease, freeze the spec, launch; an exit status."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from p3d import exit_codes
+from p3d.config.validate import P3DConfigError
+from p3d.launch.hydra_app import config_error, given_overrides, is_multirun, report_error, with_source
+from p3d.launch.prepare import check_run, preflight, prepare
+from p3d import run_dir
+from p3d.run_lock import take_lease
+
+
+def train_task(cfg_node: DictConfig) -> int:
+    multirun = is_multirun()
+    lease = None
+    try:
+        cfg, plan = prepare(cfg_node)
+        if not cfg.dry_run:
+            preflight(cfg)
+            lease = take_lease(cfg)  # one run per run.dir, from before anything is written (p3d.run_lock)
+            cfg = check_run(cfg, multirun)
+    except P3DConfigError as exc:
+        if lease is not None:
+            lease.release()
+        return _refused(str(exc), multirun)
+    if cfg.dry_run:
+        from p3d.dryrun import dry_run
+
+        print(dry_run(cfg, plan).render(), flush=True)
+        return exit_codes.OK
+    try:
+        return _launch(cfg, plan, lease)
+    except P3DConfigError as exc:  # the Slurm partition cannot hold the job: nothing was submitted
+        return _refused(f"{exc} (nothing was submitted)", multirun)
+    finally:
+        if lease is not None:
+            lease.release()  # the last worker has exited (or the lease went to a submitted Slurm job)
+
+
+def _refused(message: str, multirun: bool) -> int:
+    """A config error: one line; a sweep point records why it was skipped, where p3d-report reads it."""
+    if multirun:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir.write_status(HydraConfig.get().runtime.output_dir, "skipped", exit_codes.CONFIG_ERROR,
+                     reason=with_source(message))
+    return config_error(message, multirun)
+
+
+def _launch(cfg, plan, lease) -> int:
+    if "RANK" in os.environ:
+        return _run_as_worker(cfg, plan)
+
+    from p3d.config.deepspeed_json import DS_CONFIG_NAME, deepspeed_config
+    from p3d.config.spec import write_spec
+    from p3d.dist.launch import launch_local
+
+    spec = write_spec(cfg, plan, cfg.run.dir)
+    (spec.parent / DS_CONFIG_NAME).write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")
+    if cfg.cluster.launcher.value == "slurm":
+        from p3d.dist.slurm import FREEZE_ONLY_ENV, dispatch, inside_allocation
+
+        if inside_allocation() and os.environ.get(FREEZE_ONLY_ENV) != "1":  # salloc, or a sweep's job: one srun step
+            from p3d.dist.slurm_job import run_step
+
+            return run_step(cfg, plan, spec)
+        return dispatch(cfg, plan, spec, lease)
+    print(f"p3d: run dir {spec.parent}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
+          f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}", flush=True)
+    rc = launch_local(spec, plan)
+    if rc == 0:
+        print(f"p3d: done; metrics in {spec.parent / run_dir.METRICS}", flush=True)
+    return rc
+
+
+def _run_as_worker(cfg, plan) -> int:
+    """Under torchrun / srun (RANK set): every rank composed the same spec; rank 0 writes it."""
+    from p3d import worker
+    from p3d.config.spec import write_spec
+    from p3d.dist.rendezvous import RendezvousError
+
+    if not any(o.startswith("run.dir=") for o in given_overrides()):
+        return report_error("under an external launcher (RANK is set) every rank must agree on the run "
+                            "directory; add run.dir=<a path all ranks share>")
+    spec = Path(cfg.run.dir) / run_dir.SPEC
+    if int(os.environ["RANK"]) == 0:
+        write_spec(cfg, plan, cfg.run.dir)
+    try:
+        return worker.run(spec, cfg, plan)
+    except RendezvousError as exc:
+        sys.stderr.flush()
+        return report_error(f"rank {os.environ['RANK']}: {exc}", exit_codes.RENDEZVOUS_FAILED)
