@@ -14,6 +14,7 @@ measured here is what runs (including the two overhead fixes that came out of th
 chunked fused gradient norm in ``p3d.train.optim`` and, over a single replica, skipping DeepSpeed's
 flatten / all-reduce-over-one-rank / copy-back of every gradient).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -38,24 +41,39 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="p3d-breakdown-"))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                      DS_ACCELERATOR="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-                      P3D_INIT_METHOD=f"file://{tmp / 'store'}")
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        P3D_INIT_METHOD=f"file://{tmp / 'store'}",
+    )
     import torch
     from deepspeed.runtime.pipe.engine import PipelineEngine
-
     from overhead import compose_spec, plain_micro_batches
-    from p3d.model.geometry import padded_vocab
+
     from p3d.dist.mesh import Mesh
+    from p3d.model.geometry import padded_vocab
     from p3d.model.pipe import to_sequential
-    from p3d.train import optim
-    from p3d.train import trainer
+    from p3d.train import optim, trainer
     from p3d.worker import init_process_group
 
-    cfg, plan = compose_spec(["mesh=single", f"model={args.model}", f"model.seq_len={args.seq_len}",
-                              f"schedule.global_batch_size={args.global_batch}",
-                              f"schedule.micro_batch_size={args.micro_batch}", f"train.steps={args.steps}",
-                              *args.extra], tmp)
+    cfg, plan = compose_spec(
+        [
+            "mesh=single",
+            f"model={args.model}",
+            f"model.seq_len={args.seq_len}",
+            f"schedule.global_batch_size={args.global_batch}",
+            f"schedule.micro_batch_size={args.micro_batch}",
+            f"train.steps={args.steps}",
+            *args.extra,
+        ],
+        tmp,
+    )
     init_process_group(plan, 0, cfg.cluster.timeout_s)  # sets torch threads to 1, as a p3d worker
 
     acc: dict[str, list[float]] = {}
@@ -72,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 return fn(*a, **k)
             finally:
                 add(key, t, c)
+
         return wrapper
 
     for instr in list(PipelineEngine._INSTRUCTION_MAP):
@@ -114,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         return float(total)
 
     wall, cpu = collections.defaultdict(list), collections.defaultdict(list)
-    print(f"{cfg.model.name}: {plan.n_params / 1e6:.1f}M params, {n} micro batches of {cfg.schedule.micro_batch_size} x "
-          f"{cfg.model.seq_len}", flush=True)
+    print(
+        f"{cfg.model.name}: {plan.n_params / 1e6:.1f}M params, {n} micro batches of {cfg.schedule.micro_batch_size} x "
+        f"{cfg.model.seq_len}",
+        flush=True,
+    )
     for step in range(args.steps):
-        for side in (("p3d", "plain") if step % 2 == 0 else ("plain", "p3d")):
+        for side in ("p3d", "plain") if step % 2 == 0 else ("plain", "p3d"):
             acc.clear()
             t, c = time.perf_counter(), time.process_time()
             loss = float(engine.train_batch(p3d_data)) if side == "p3d" else plain_step()
@@ -126,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                 key = key.replace("{side}", side + "  ")
                 wall[key].append(w)
                 cpu[key].append(cc)
-            print(f"step {step + 1} {side:5s} loss {loss:.5f}  wall {acc[f'{side} STEP'][0]:.3f} s  "
-                  f"cpu {acc[f'{side} STEP'][1]:.3f} s", flush=True)
+            print(
+                f"step {step + 1} {side:5s} loss {loss:.5f}  wall {acc[f'{side} STEP'][0]:.3f} s  "
+                f"cpu {acc[f'{side} STEP'][1]:.3f} s",
+                flush=True,
+            )
     keep = slice(args.warmup, None)
     print(f"\nmedian per step over steps {args.warmup + 1}..{args.steps}      wall [s]   cpu [s]")
     for key in sorted(wall, key=lambda k: (k.split()[0], k.endswith("STEP"), k)):

@@ -9,6 +9,7 @@ Exit status: 0 done; 2 a config error (one line naming the field and the fix, be
 starts); 1 a worker failed (the rank is named); 75 stopped by a signal after saving; 128+N stopped by
 signal N. The work is in p3d.launch; this module only turns its status into the process's.
 """
+
 from __future__ import annotations
 
 import os

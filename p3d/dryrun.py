@@ -4,14 +4,15 @@ No worker, no process group, no memory: it shows the mesh map (rank -> dp, pp, t
 device), the layers of each stage and the exact parameter count of each rank, and checks that the
 shards add up to the closed-form count of the model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from p3d.model.geometry import total_params
 from p3d.dist.mesh import Mesh
+from p3d.model.geometry import total_params
 from p3d.model.pipe import build_layer_specs
 from p3d.tp.layers import owned_by_tp_rank
 
@@ -40,12 +41,18 @@ class DryRunReport:
 
     def render(self) -> str:
         plan, cfg = self.plan, self.cfg
-        out = [f"dry run: {cfg.model.name} on dp={plan.dp} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks, "
-               f"{plan.procs_per_node} per node", "", "mesh map (rank: dp pp tp -> node/local device)"]
+        out = [
+            f"dry run: {cfg.model.name} on dp={plan.dp} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks, "
+            f"{plan.procs_per_node} per node",
+            "",
+            "mesh map (rank: dp pp tp -> node/local device)",
+        ]
         for rank, dp, pp, tp, node, local in self.mesh_map[:MAX_MAP_ROWS]:
             out.append(f"  rank {rank:>5}: dp {dp:>3} pp {pp:>3} tp {tp:>2} -> node {node:>3} device {local}")
         if len(self.mesh_map) > MAX_MAP_ROWS:
-            out.append(f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = (pp * dp_size + dp) * tp_size + tp)")
+            out.append(
+                f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = (pp * dp_size + dp) * tp_size + tp)"
+            )
         out += ["", "stages (layers of the flat pipeline list)"]
         for s, names in enumerate(self.stage_layers):
             out.append(f"  stage {s:>3}: {_compact(names)}")
@@ -53,8 +60,11 @@ class DryRunReport:
         for (pp, tp), n in sorted(self.params.items()):
             note = f" (incl. {self.padding[(pp, tp)]:,} vocab padding)" if self.padding.get((pp, tp)) else ""
             out.append(f"  pp {pp:>3} tp {tp:>2}: {n:>15,}{note}")
-        out += ["", f"total from shards: {self.total:,} ({self.total / 1e9:.2f} B); closed form: {self.closed_form:,}; "
-                    f"{'match' if self.total == self.closed_form else 'MISMATCH'}"]
+        out += [
+            "",
+            f"total from shards: {self.total:,} ({self.total / 1e9:.2f} B); closed form: {self.closed_form:,}; "
+            f"{'match' if self.total == self.closed_form else 'MISMATCH'}",
+        ]
         return "\n".join(out)
 
 
@@ -80,7 +90,7 @@ def dry_run(cfg, plan) -> DryRunReport:
         dp, pp, tp = base.coords_of(rank)
         report.mesh_map.append((rank, dp, pp, tp, base.node_of(rank), base.local_rank_of(rank)))
     bounds = plan.stage_bounds
-    report.stage_layers = [plan.layer_names[bounds[s]:bounds[s + 1]] for s in range(plan.pp)]
+    report.stage_layers = [plan.layer_names[bounds[s] : bounds[s + 1]] for s in range(plan.pp)]
     for pp in range(plan.pp):
         for tp in range(plan.tp):
             mesh = Mesh.from_plan(plan, base.rank_of(0, pp, tp))

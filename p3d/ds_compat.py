@@ -5,6 +5,7 @@ Each touchpoint is a small function used by the rest of p3d and an entry of ``TO
 runs them all, so an upgrade that removes one fails loudly, naming it, instead of training a different model.
 Checked against DeepSpeed 0.16 - 0.19.8 (pyproject pins ``deepspeed>=0.16,<0.20``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -143,25 +144,50 @@ def _compatible_ops_table() -> bool:
 
 TOUCHPOINTS = (
     Touchpoint("deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']", "p3d.worker", _compatible_ops_table),
-    Touchpoint("PipelineEngine._INSTRUCTION_MAP", "p3d.train.timing",
-               lambda: isinstance(getattr(_pipe_engine(), "_INSTRUCTION_MAP", None), dict)),
-    Touchpoint("PipelineEngine.pipeline_enable_backward_allreduce", "p3d.train.trainer",
-               lambda: _source_has("deepspeed.runtime.pipe.engine:PipelineEngine",
-                                   "self.pipeline_enable_backward_allreduce")),
-    Touchpoint("DeepSpeedEngine.global_steps / global_samples", "p3d.train.trainer",
-               lambda: _source_has("deepspeed.runtime.engine:DeepSpeedEngine", "self.global_samples = 0")),
-    Touchpoint(f"client optimizer.{GRAD_NORM_ATTR} read by DeepSpeedEngine", "p3d.train.optim",
-               lambda: _source_has("deepspeed.runtime.engine:DeepSpeedEngine", f"self.optimizer.{GRAD_NORM_ATTR}")),
-    Touchpoint("param.ds_pipe_replicated", "p3d.train.optim",
-               lambda: _source_has("deepspeed.runtime.pipe.module", ".ds_pipe_replicated = True")),
-    Touchpoint("param._hp_mapping", "p3d.train.checkpoint",
-               lambda: all(_source_has(f"{c.__module__}:{c.__qualname__}", "._hp_mapping")
-                           for c in _zero_and_bf16())),
-    Touchpoint("_hp_optimizer_states_linked / _lazy_init_hp_params_optimizer_state", "p3d.train.checkpoint",
-               lambda: all(hasattr(c, "_lazy_init_hp_params_optimizer_state")
-                           and _source_has(f"{c.__module__}:{c.__qualname__}", "self._hp_optimizer_states_linked")
-                           for c in _zero_and_bf16())),
-    Touchpoint("ZeRO / bf16 wrapper .optimizer (the torch optimizer)", "p3d.train.checkpoint",
-               lambda: all(_source_has(f"{c.__module__}:{c.__qualname__}", "self.optimizer = init_optimizer")
-                           for c in _zero_and_bf16())),
+    Touchpoint(
+        "PipelineEngine._INSTRUCTION_MAP",
+        "p3d.train.timing",
+        lambda: isinstance(getattr(_pipe_engine(), "_INSTRUCTION_MAP", None), dict),
+    ),
+    Touchpoint(
+        "PipelineEngine.pipeline_enable_backward_allreduce",
+        "p3d.train.trainer",
+        lambda: _source_has("deepspeed.runtime.pipe.engine:PipelineEngine", "self.pipeline_enable_backward_allreduce"),
+    ),
+    Touchpoint(
+        "DeepSpeedEngine.global_steps / global_samples",
+        "p3d.train.trainer",
+        lambda: _source_has("deepspeed.runtime.engine:DeepSpeedEngine", "self.global_samples = 0"),
+    ),
+    Touchpoint(
+        f"client optimizer.{GRAD_NORM_ATTR} read by DeepSpeedEngine",
+        "p3d.train.optim",
+        lambda: _source_has("deepspeed.runtime.engine:DeepSpeedEngine", f"self.optimizer.{GRAD_NORM_ATTR}"),
+    ),
+    Touchpoint(
+        "param.ds_pipe_replicated",
+        "p3d.train.optim",
+        lambda: _source_has("deepspeed.runtime.pipe.module", ".ds_pipe_replicated = True"),
+    ),
+    Touchpoint(
+        "param._hp_mapping",
+        "p3d.train.checkpoint",
+        lambda: all(_source_has(f"{c.__module__}:{c.__qualname__}", "._hp_mapping") for c in _zero_and_bf16()),
+    ),
+    Touchpoint(
+        "_hp_optimizer_states_linked / _lazy_init_hp_params_optimizer_state",
+        "p3d.train.checkpoint",
+        lambda: all(
+            hasattr(c, "_lazy_init_hp_params_optimizer_state")
+            and _source_has(f"{c.__module__}:{c.__qualname__}", "self._hp_optimizer_states_linked")
+            for c in _zero_and_bf16()
+        ),
+    ),
+    Touchpoint(
+        "ZeRO / bf16 wrapper .optimizer (the torch optimizer)",
+        "p3d.train.checkpoint",
+        lambda: all(
+            _source_has(f"{c.__module__}:{c.__qualname__}", "self.optimizer = init_optimizer") for c in _zero_and_bf16()
+        ),
+    ),
 )

@@ -13,6 +13,7 @@ Everything is written into a new directory beside ``out`` that is renamed to ``o
 a failed export leaves no ``out``, and an existing ``out`` is never mixed with a new export.
 ``transformers`` loads the result with ``LlamaForCausalLM.from_pretrained(out)``.
 """
+
 from __future__ import annotations
 
 import json
@@ -99,8 +100,10 @@ def _checkpoint(run_dir: Path, step: int | None, given: str) -> Path:
     if step is None:
         found = checkpoint.find(run_dir, "auto")
         if found is None:
-            raise ExportError(f"run.dir={given} holds no complete checkpoint (none in {checkpoint.root(run_dir)}); "
-                              "give the run directory of a p3d-train run that saved one")
+            raise ExportError(
+                f"run.dir={given} holds no complete checkpoint (none in {checkpoint.root(run_dir)}); "
+                "give the run directory of a p3d-train run that saved one"
+            )
         return found
     found = checkpoint.step_dir(run_dir, step)
     if not (found / "meta.json").is_file():
@@ -116,14 +119,17 @@ def _check_out(out: Path, given: str, overwrite: bool, run_dir: Path) -> None:
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not overwrite:
-        raise ExportError(f"out={given} already holds files; add overwrite=true to replace it whole, or choose "
-                          "another out")
+        raise ExportError(
+            f"out={given} already holds files; add overwrite=true to replace it whole, or choose another out"
+        )
     for inside, what in ((run_dir.resolve(), "run.dir"), (Path.cwd().resolve(), "the working directory")):
         if inside == out.resolve() or out.resolve() in inside.parents:
             raise ExportError(f"out={given} contains {what}; overwrite=true would delete it: choose another out")
     if not (out / "config.json").is_file():
-        raise ExportError(f"out={given} holds files but no config.json: overwrite=true replaces only an earlier "
-                          "export; choose another out")
+        raise ExportError(
+            f"out={given} holds files but no config.json: overwrite=true replaces only an earlier "
+            "export; choose another out"
+        )
 
 
 def _run_tokenizer(ckpt: Path, spec: str):
@@ -137,13 +143,15 @@ def _run_tokenizer(ckpt: Path, spec: str):
             return ByteTokenizer(), None, None
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise ExportError(f"the run's tokenizer {spec} (data.tokenizer in {ckpt}/run_spec.yaml) is not found from "
-                              f"{Path.cwd()}, and this checkpoint holds no copy of it; run p3d-export from the "
-                              "directory the training ran in")
+            raise ExportError(
+                f"the run's tokenizer {spec} (data.tokenizer in {ckpt}/run_spec.yaml) is not found from "
+                f"{Path.cwd()}, and this checkpoint holds no copy of it; run p3d-export from the "
+                "directory the training ran in"
+            )
     config = path.with_name(HF_CONFIG) if path.name == "tokenizer.json" else None
     try:
         return HFTokenizer(str(path)), path, config if config and config.is_file() else None
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own types; name the file
+    except Exception as exc:
         raise ExportError(f"the run's tokenizer {path} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
@@ -174,8 +182,9 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
     return files, writer.total
 
 
-def export(run_dir: str | Path, out: str | Path, step: int | None = None, max_shard_gb: float = 5.0,
-           overwrite: bool = False) -> Path:
+def export(
+    run_dir: str | Path, out: str | Path, step: int | None = None, max_shard_gb: float = 5.0, overwrite: bool = False
+) -> Path:
     """Export the checkpoint of ``step`` (default: the newest) of ``run_dir`` to ``out``; relative paths
     are taken from the working directory. Raises ExportError (bad input, with a one-line message)."""
     from p3d.config.spec import SPEC_NAME, read_spec
@@ -214,8 +223,10 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, max_sh
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    print(f"p3d-export: {step_name} of {given_run} -> {given_out} ({', '.join(files)}, {total / 1e9:.2f} GB fp32)",
-          flush=True)
+    print(
+        f"p3d-export: {step_name} of {given_run} -> {given_out} ({', '.join(files)}, {total / 1e9:.2f} GB fp32)",
+        flush=True,
+    )
     return out
 
 
@@ -233,8 +244,10 @@ def _undo(tmp: Path, old: Path | None, out: Path, created: list[Path]) -> None:
 def _rephrase(exc, ckpt: Path, run_dir: Path) -> str:
     """A checkpoint problem in p3d-export's terms (no training advice)."""
     if not (ckpt / "meta.json").is_file():
-        return (f"checkpoint {ckpt} was deleted while it was being exported (a running p3d-train keeps only its "
-                f"newest checkpoints); nothing was written; {_holds(run_dir)}")
+        return (
+            f"checkpoint {ckpt} was deleted while it was being exported (a running p3d-train keeps only its "
+            f"newest checkpoints); nothing was written; {_holds(run_dir)}"
+        )
     return f"{getattr(exc, 'problem', exc)}; nothing was written; export another checkpoint: {_holds(run_dir)}"
 
 
@@ -275,8 +288,10 @@ def parse_args(argv: list[str]) -> dict:
     args: dict = {"run_dir": raw["run.dir"], "out": raw["out"]}
     if "step" in raw:
         if not raw["step"].strip().isdigit():
-            raise ExportError(f"step={raw['step']} is not a step number; leave it out for the newest checkpoint "
-                              "or give one, e.g. step=200")
+            raise ExportError(
+                f"step={raw['step']} is not a step number; leave it out for the newest checkpoint "
+                "or give one, e.g. step=200"
+            )
         args["step"] = int(raw["step"])
     if "max_shard_gb" in raw:
         try:

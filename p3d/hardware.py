@@ -5,24 +5,28 @@ it when the run spec is frozen, and any can be overridden (``cluster.peak_tflops
 Bandwidths are GB/s per GPU, one direction: intra-node over NVLink, inter-node over the NICs.
 Sources: NVIDIA A100, H100, H200 and DGX B200 datasheets (dense, no sparsity).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
 class Device:
     peak_tflops: float
     memory_gb: float
-    gpus_per_node: Optional[int]
+    gpus_per_node: int | None
     intra_node_gbps: float
     inter_node_gbps: float
 
 
 DEVICES: dict[str, Device] = {
-    "a100_40gb": Device(peak_tflops=312.0, memory_gb=40.0, gpus_per_node=8, intra_node_gbps=300.0, inter_node_gbps=25.0),
-    "a100_80gb": Device(peak_tflops=312.0, memory_gb=80.0, gpus_per_node=8, intra_node_gbps=300.0, inter_node_gbps=25.0),
+    "a100_40gb": Device(
+        peak_tflops=312.0, memory_gb=40.0, gpus_per_node=8, intra_node_gbps=300.0, inter_node_gbps=25.0
+    ),
+    "a100_80gb": Device(
+        peak_tflops=312.0, memory_gb=80.0, gpus_per_node=8, intra_node_gbps=300.0, inter_node_gbps=25.0
+    ),
     "h100_sxm": Device(peak_tflops=989.0, memory_gb=80.0, gpus_per_node=8, intra_node_gbps=450.0, inter_node_gbps=50.0),
     "h200": Device(peak_tflops=989.0, memory_gb=141.0, gpus_per_node=8, intra_node_gbps=450.0, inter_node_gbps=50.0),
     "b200": Device(peak_tflops=2250.0, memory_gb=180.0, gpus_per_node=8, intra_node_gbps=900.0, inter_node_gbps=50.0),

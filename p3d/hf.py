@@ -18,6 +18,7 @@ Import reads, on every rank, only the slices of each tensor that rank holds (saf
 a 70B import never needs the whole model on one process. ``transformers`` is not needed for either
 direction; ``safetensors`` is (the ``hf`` extra).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,14 @@ import torch
 import torch.nn.functional as F
 
 ARCH = "LlamaForCausalLM"
-_BLOCK = {"attn_norm.weight": ["input_layernorm.weight"],
-          "attn.wqkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-          "attn.wo.weight": ["self_attn.o_proj.weight"],
-          "mlp_norm.weight": ["post_attention_layernorm.weight"],
-          "mlp.w_gate_up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-          "mlp.w_down.weight": ["mlp.down_proj.weight"]}
+_BLOCK = {
+    "attn_norm.weight": ["input_layernorm.weight"],
+    "attn.wqkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "attn.wo.weight": ["self_attn.o_proj.weight"],
+    "mlp_norm.weight": ["post_attention_layernorm.weight"],
+    "mlp.w_gate_up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.w_down.weight": ["mlp.down_proj.weight"],
+}
 
 
 class HFImportError(ValueError):
@@ -54,6 +57,7 @@ def hf_names(name: str, n_layers: int) -> list[str]:
 
 # ---- config.json <-> model group
 
+
 def read_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir).expanduser() / "config.json"
     if not path.is_file():
@@ -65,35 +69,58 @@ def model_fields(hf: dict, where: str) -> dict:
     """The p3d model fields of a HF Llama config.json; refuses other architectures and features."""
     arch = (hf.get("architectures") or [None])[0]
     if hf.get("model_type") != "llama" or arch not in (None, ARCH):
-        raise HFImportError(f"model.init_from={where}: config.json describes {arch or hf.get('model_type')} "
-                            f"(model_type={hf.get('model_type')}); p3d imports {ARCH} checkpoints only")
+        raise HFImportError(
+            f"model.init_from={where}: config.json describes {arch or hf.get('model_type')} "
+            f"(model_type={hf.get('model_type')}); p3d imports {ARCH} checkpoints only"
+        )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise HFImportError(f"model.init_from={where}: {flag}=true is not supported (p3d's Llama has no biases)")
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
     if scaling:
-        raise HFImportError(f"model.init_from={where}: RoPE scaling {scaling.get('rope_type', scaling)} is not "
-                            "supported yet (plain RoPE only)")
+        raise HFImportError(
+            f"model.init_from={where}: RoPE scaling {scaling.get('rope_type', scaling)} is not "
+            "supported yet (plain RoPE only)"
+        )
     heads = hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         raise HFImportError(f"model.init_from={where}: head_dim={hf['head_dim']} differs from hidden/heads")
-    return {"n_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"], "n_heads": heads,
-            "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_hidden_size": hf["intermediate_size"],
-            "vocab_size": hf["vocab_size"], "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
+    return {
+        "n_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "n_heads": heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+    }
 
 
 def hf_config(m, eos_id: int | None = None) -> dict:
-    return {"architectures": [ARCH], "model_type": "llama", "hidden_size": m.hidden_size,
-            "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
-            "head_dim": m.hidden_size // m.n_heads, "vocab_size": m.vocab_size,
-            "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-            "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "torch_dtype": "float32", "eos_token_id": eos_id}
+    return {
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.hidden_size // m.n_heads,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": m.seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        "eos_token_id": eos_id,
+    }
 
 
 # ---- reading safetensors slices
@@ -116,16 +143,18 @@ class SafetensorsDir:
         self.dir = Path(hf_dir).expanduser()
         index, single = self.dir / INDEX, self.dir / SINGLE
         if index.is_file() and single.is_file():
-            raise HFImportError(f"model.init_from={hf_dir} holds both {SINGLE} and {INDEX} (whose shards are "
-                                f"{_shard_list(index)}): it is unclear which weights are meant; delete the stale "
-                                "ones, or export again into a new directory")
+            raise HFImportError(
+                f"model.init_from={hf_dir} holds both {SINGLE} and {INDEX} (whose shards are "
+                f"{_shard_list(index)}): it is unclear which weights are meant; delete the stale "
+                "ones, or export again into a new directory"
+            )
         if index.is_file():
             self.where = json.loads(index.read_text())["weight_map"]
         elif (self.dir / "model.safetensors").is_file():
             from safetensors import safe_open
 
             with safe_open(self.dir / "model.safetensors", framework="pt") as f:
-                self.where = {k: "model.safetensors" for k in f.keys()}
+                self.where = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict
         else:
             raise HFImportError(f"model.init_from={hf_dir}: no model.safetensors or model.safetensors.index.json")
         for file in sorted(set(self.where.values())):
@@ -184,8 +213,10 @@ def load_into(module: torch.nn.Module, hf_dir: str | Path, n_layers: int, mesh) 
     for name, p in module.named_parameters():
         local = local_from_hf(src, name, specs[name], n_layers, mesh.tp, mesh.tp_rank)
         if tuple(local.shape) != tuple(p.shape):
-            raise HFImportError(f"model.init_from={hf_dir}: {hf_names(name, n_layers)} gives {tuple(local.shape)} "
-                                f"for {name}, this rank needs {tuple(p.shape)}")
+            raise HFImportError(
+                f"model.init_from={hf_dir}: {hf_names(name, n_layers)} gives {tuple(local.shape)} "
+                f"for {name}, this rank needs {tuple(p.shape)}"
+            )
         p.copy_(local.to(p.dtype))
         n += 1
     return n

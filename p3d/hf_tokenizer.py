@@ -8,6 +8,7 @@ Import: ``model.init_from=<dir>`` whose directory has a ``tokenizer.json`` train
 when ``data.tokenizer`` is left at ``auto``, and refuses another one: the imported embeddings mean
 that tokenizer's ids. Either way the model's vocabulary must hold every token of the tokenizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,25 +59,31 @@ def import_tokenizer(spec: str, hf_dir: str | None, vocab_size: int) -> str:
     if not theirs.is_file():
         other = next((n for n in UNREADABLE if (root / n).is_file()), None)
         if spec == AUTO and other:
-            raise HFImportError(f"model.init_from={hf_dir} has a tokenizer p3d cannot read ({other}, no "
-                                "tokenizer.json); "
-                                "save it as tokenizer.json (AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) "
-                                "or name one with data.tokenizer=<tokenizer.json>")
+            raise HFImportError(
+                f"model.init_from={hf_dir} has a tokenizer p3d cannot read ({other}, no "
+                "tokenizer.json); "
+                "save it as tokenizer.json (AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) "
+                "or name one with data.tokenizer=<tokenizer.json>"
+            )
         chosen = "byte" if spec == AUTO else spec
     elif spec == AUTO:
         chosen = str(theirs.absolute())
     elif spec != "byte" and (not Path(spec).expanduser().is_file() or _same_tokenizer(Path(spec).expanduser(), theirs)):
         chosen = spec  # the same tokenizer elsewhere (or a missing file, which the launcher reports)
     else:
-        raise HFImportError(f"data.tokenizer={spec} is not the tokenizer of model.init_from={hf_dir}, whose embeddings "
-                            f"mean the ids of {theirs}; drop data.tokenizer (auto uses that one) or set "
-                            f"data.tokenizer={theirs}")
+        raise HFImportError(
+            f"data.tokenizer={spec} is not the tokenizer of model.init_from={hf_dir}, whose embeddings "
+            f"mean the ids of {theirs}; drop data.tokenizer (auto uses that one) or set "
+            f"data.tokenizer={theirs}"
+        )
     if chosen == "byte" or Path(chosen).expanduser().is_file():
         try:
             n = load_tokenizer(chosen).vocab_size
         except ValueError as exc:
             raise HFImportError(str(exc)) from None
         if n > vocab_size:
-            raise HFImportError(f"data.tokenizer={chosen} has {n} tokens, more than the vocab_size={vocab_size} of "
-                                f"model.init_from={hf_dir}/config.json; use the checkpoint's own tokenizer")
+            raise HFImportError(
+                f"data.tokenizer={chosen} has {n} tokens, more than the vocab_size={vocab_size} of "
+                f"model.init_from={hf_dir}/config.json; use the checkpoint's own tokenizer"
+            )
     return chosen

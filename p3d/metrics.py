@@ -12,6 +12,7 @@ Written by one rank only (last stage, dp 0, tp 0), where the loss is known. Figu
   ranks, p3d.train.timing); bubble_theory: the same idle share in theory, (p-1)/(m+p-1)
   (p3d.model.geometry.pipeline_bubble, the number p3d-plan reports as bubble).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from p3d.model.geometry import model_flops_per_token
-from p3d.run_dir import METRICS, read_metrics  # noqa: F401 - read_metrics: the reader tests and tools use
-
+from p3d.run_dir import METRICS, read_metrics
 
 
 def peak_memory_gb() -> float:
@@ -63,10 +63,17 @@ class WandbSink:
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)  # resume: same W&B run
         id_file.write_text(run_id + "\n")
-        self.run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-                              name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
-                              mode=mode,  # type: ignore[arg-type]  # online, offline or disabled (wandb_mode)
-                              config=spec)
+        self.run = wandb.init(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            group=cfg.logger.group,
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            mode=mode,  # type: ignore[arg-type]  # online, offline or disabled (wandb_mode)
+            config=spec,
+        )
         self.mode = mode
 
     def log(self, record: dict) -> None:
@@ -92,8 +99,11 @@ class MetricsLogger:
         self.cfg, self.plan = cfg, plan
         self.stream = stream or sys.stdout
         self.flops_per_step = model_flops_per_token(cfg.model) * plan.tokens_per_step
-        kept = [r for r in read_metrics(self.run_dir) if r["step"] <= start_step] if start_step and self.path.exists() \
-            else []  # a resumed run redoes the steps after its checkpoint
+        kept = (
+            [r for r in read_metrics(self.run_dir) if r["step"] <= start_step]
+            if start_step and self.path.exists()
+            else []
+        )  # a resumed run redoes the steps after its checkpoint
         self._kept = kept
         self._file: TextIO | None = None  # opened at the first step: a run that never logs one leaves no metrics.jsonl
         progress = cfg.logger.progress
@@ -101,35 +111,56 @@ class MetricsLogger:
         if progress == "bar" or (progress == "auto" and os.environ.get("P3D_TTY") == "1"):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.train.steps, initial=start_step, file=self.stream, unit="step",
-                            dynamic_ncols=True, desc="train")
+            self.bar = tqdm(
+                total=cfg.train.steps,
+                initial=start_step,
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                desc="train",
+            )
         self.wandb: WandbSink | None = None
         if cfg.logger.name == "wandb":
             self._start_wandb(spec or {})
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float, **extra) -> dict:
         tflops = self.flops_per_step / step_time_s / self.plan.world_size / 1e12
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": self.plan.tokens_per_step / step_time_s, "step_time_s": step_time_s,
-                  "tflops_per_device": tflops, "mfu": tflops / self.cfg.cluster.peak_tflops, **extra}
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.plan.tokens_per_step / step_time_s,
+            "step_time_s": step_time_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.cfg.cluster.peak_tflops,
+            **extra,
+        }
         if self._file is None:
-            self._file = open(self.path, "w", buffering=1)
+            self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - open for the run, closed in close()
             for r in self._kept:
                 self._file.write(json.dumps(r) + "\n")
         self._file.write(json.dumps(record) + "\n")
         if self.wandb:
             try:
                 self.wandb.log(record)
-            except Exception as exc:  # noqa: BLE001 - see _wandb_failed
+            except Exception as exc:
                 self._wandb_failed(f"log step {step}", exc)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", gnorm=f"{grad_norm:.3f}",
-                                 tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+            self.bar.set_postfix(
+                loss=f"{loss:.4f}",
+                lr=f"{lr:.2e}",
+                gnorm=f"{grad_norm:.3f}",
+                tok_s=f"{record['tokens_per_s']:,.0f}",
+                refresh=False,
+            )
             self.bar.update(1)
         elif step % self.cfg.logger.log_every == 0 or step == self.cfg.train.steps:
-            self.print(f"step {step:>5}/{self.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm "
-                       f"{grad_norm:.3f} | tok/s {record['tokens_per_s']:,.0f} | step {step_time_s:.3f}s"
-                       + (f" | val_loss {extra['val_loss']:.4f}" if "val_loss" in extra else ""))
+            self.print(
+                f"step {step:>5}/{self.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm "
+                f"{grad_norm:.3f} | tok/s {record['tokens_per_s']:,.0f} | step {step_time_s:.3f}s"
+                + (f" | val_loss {extra['val_loss']:.4f}" if "val_loss" in extra else "")
+            )
         return record
 
     def print(self, text: str) -> None:
@@ -145,7 +176,7 @@ class MetricsLogger:
             return
         try:
             self.wandb = WandbSink(self.run_dir, self.cfg, spec, mode)
-        except Exception as exc:  # noqa: BLE001 - see _wandb_failed
+        except Exception as exc:
             self._wandb_failed(f"start in {mode} mode ({why})", exc)
 
     def _wandb_failed(self, what: str, exc: Exception) -> None:
@@ -153,8 +184,10 @@ class MetricsLogger:
         stops for it."""
         self.wandb = None
         first = (str(exc).strip().splitlines() or [""])[0]
-        self.print(f"warning: W&B failed to {what}: {type(exc).__name__}: {first}; training goes on, logging to "
-                   f"the console and {self.path}")
+        self.print(
+            f"warning: W&B failed to {what}: {type(exc).__name__}: {first}; training goes on, logging to "
+            f"the console and {self.path}"
+        )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -164,5 +197,5 @@ class MetricsLogger:
         if self.wandb:
             try:
                 self.wandb.close()
-            except Exception as exc:  # noqa: BLE001 - see _wandb_failed
+            except Exception as exc:
                 self._wandb_failed("finish", exc)

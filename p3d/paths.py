@@ -5,6 +5,7 @@ the paths of its arguments into absolute ones here, with ``~`` expanded, before 
 writes them; ``p3d-train`` freezes them so in ``run_spec.yaml``. Workers, resume, sweeps and reports
 then never depend on a working directory (Hydra does not change it here: ``hydra.job.chdir=false``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,19 +56,26 @@ def resolve_config_paths(cfg, base: Base = None):
         train = rep(train, resume=str(absolute(train.resume, base)))
     if model.init_from:
         model = rep(model, init_from=str(absolute(model.init_from, base)))
-    return rep(cfg, data=data, train=train, model=model, run=rep(cfg.run, dir=str(absolute(cfg.run.dir, base))),
-               tokenizer=rep(cfg.tokenizer, out=str(absolute(cfg.tokenizer.out, base))))
+    return rep(
+        cfg,
+        data=data,
+        train=train,
+        model=model,
+        run=rep(cfg.run, dir=str(absolute(cfg.run.dir, base))),
+        tokenizer=rep(cfg.tokenizer, out=str(absolute(cfg.tokenizer.out, base))),
+    )
 
 
 # ---- where Hydra writes its own output (.hydra/ and the sweep's multirun.yaml)
 
-def _quoted(path: Path) -> Optional[str]:
+
+def _quoted(path: Path) -> str | None:
     """``path`` as a Hydra override value; None when it holds characters Hydra would read as syntax."""
     text = str(path)
     return None if any(c in text for c in "'\\$") else f"'{text}'"
 
 
-def _given_run_dir(argv: list[str]) -> tuple[Optional[str], bool]:
+def _given_run_dir(argv: list[str]) -> tuple[str | None, bool]:
     """(the run.dir value on the command line, whether it is a sweep over several values)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -76,7 +84,7 @@ def _given_run_dir(argv: list[str]) -> tuple[Optional[str], bool]:
         return None, False
     try:
         override = OverridesParser.create().parse_override(given[-1])
-    except Exception:  # noqa: BLE001 - Hydra reports a bad override itself
+    except Exception:
         return None, False
     if override.is_sweep_override():
         return None, True

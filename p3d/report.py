@@ -11,18 +11,18 @@ end of every sweep (:class:`SweepCallback`, registered in conf/config.yaml).
 Exit status: 0 a report was written (``--csv`` / ``--png`` folders are created); 2 no run found under the
 directory, or the CSV or plot cannot be written there.
 """
+
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import statistics
 import subprocess
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.experimental.callback import Callback
 
@@ -30,24 +30,28 @@ from p3d import exit_codes
 from p3d.config.spec import RUN_PLAN_KEY
 from p3d.run_dir import METRICS, SPEC, STATUS, read_json_lines, read_status, write_status
 
-STATUS_BY_CODE = {exit_codes.OK: "done", exit_codes.WORKER_FAILED: "failed", exit_codes.CONFIG_ERROR: "skipped",
-                  exit_codes.PREEMPTED: "preempted"}
+STATUS_BY_CODE = {
+    exit_codes.OK: "done",
+    exit_codes.WORKER_FAILED: "failed",
+    exit_codes.CONFIG_ERROR: "skipped",
+    exit_codes.PREEMPTED: "preempted",
+}
 
 
 @dataclass
 class Row:
     point: str
     mesh: str
-    dp: Optional[int] = None
-    pp: Optional[int] = None
-    tp: Optional[int] = None
-    tokens_per_s: Optional[float] = None
-    mfu: Optional[float] = None
-    peak_mem_gb: Optional[float] = None
-    bubble: Optional[float] = None
-    final_loss: Optional[float] = None
-    steps: Optional[int] = None
-    total_steps: Optional[int] = None
+    dp: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_mem_gb: float | None = None
+    bubble: float | None = None
+    final_loss: float | None = None
+    steps: int | None = None
+    total_steps: int | None = None
     status: str = "?"
     reason: str = ""
     run_dir: str = ""
@@ -58,20 +62,21 @@ def mesh_label(task_cfg) -> str:
     try:
         m = task_cfg.mesh
         return f"{m.name} (tp={m.tp} pp={m.pp} dp={m.dp})"
-    except Exception:  # noqa: BLE001 - a label only
+    except Exception:
         return "?"
 
 
-def _median(values: list[float]) -> Optional[float]:
+def _median(values: list[float]) -> float | None:
     values = [v for v in values if isinstance(v, (int, float))]
     return statistics.median(values) if values else None
 
 
-def slurm_state(job_id: str) -> Optional[str]:
+def slurm_state(job_id: str) -> str | None:
     """The job's state from sacct (the last run of a requeued job), or None."""
     try:
-        out = subprocess.run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"], capture_output=True,
-                             text=True, timeout=15)
+        out = subprocess.run(
+            ["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True, timeout=15
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     states = [s.split()[0] for s in out.stdout.split("\n") if s.strip()]
@@ -124,8 +129,13 @@ def collect(sweep_dir: Path) -> list[Row]:
     """Rows of every point under ``sweep_dir`` (or of the run in it), in sweep order."""
     if (sweep_dir / SPEC).is_file() or (sweep_dir / STATUS).is_file():
         return [read_point(sweep_dir, sweep_dir.name)]
-    points = [d for d in sweep_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
-              and any((d / f).exists() for f in (SPEC, STATUS, METRICS, ".hydra"))]
+    points = [
+        d
+        for d in sweep_dir.iterdir()
+        if d.is_dir()
+        and not d.name.startswith(".")
+        and any((d / f).exists() for f in (SPEC, STATUS, METRICS, ".hydra"))
+    ]
     return [read_point(d, d.name) for d in sorted(points, key=_point_key)]
 
 
@@ -144,8 +154,20 @@ def table(rows: list[Row]) -> str:
         dims = f"{r.dp} x {r.pp} x {r.tp}" if r.dp is not None else "-"
         steps = f"{r.steps}/{r.total_steps}" if r.steps is not None else "-"
         status = r.status + (f": {r.reason}" if r.reason and r.status != "done" else "")
-        lines.append((r.point, r.mesh, dims, _fmt(r.tokens_per_s, "int"), _fmt(r.mfu, "pct"), _fmt(r.peak_mem_gb, "gb"),
-                      _fmt(r.bubble, "pct"), _fmt(r.final_loss, "loss"), steps, status))
+        lines.append(
+            (
+                r.point,
+                r.mesh,
+                dims,
+                _fmt(r.tokens_per_s, "int"),
+                _fmt(r.mfu, "pct"),
+                _fmt(r.peak_mem_gb, "gb"),
+                _fmt(r.bubble, "pct"),
+                _fmt(r.final_loss, "loss"),
+                steps,
+                status,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER) - 1)]
     right = {3, 4, 5, 6, 7, 8}
     out = []
@@ -155,8 +177,10 @@ def table(rows: list[Row]) -> str:
     done = [r for r in rows if r.status == "done" and r.tokens_per_s]
     if done:
         best = max(done, key=lambda r: r.tokens_per_s)
-        out.append(f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}): "
-                   f"{best.tokens_per_s:,.0f} tokens/s")
+        out.append(
+            f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}): "
+            f"{best.tokens_per_s:,.0f} tokens/s"
+        )
     return "\n".join(out)
 
 
@@ -181,8 +205,11 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     colors = ["tab:blue" if r.status == "done" else "tab:gray" for r in rows]
     bars = ax.barh(range(len(rows)), values, color=colors)
     for bar, r in zip(bars, rows):
-        note = (f" {r.tokens_per_s:,.0f}" + (f", MFU {r.mfu:.1%}" if r.mfu is not None else "")) if r.tokens_per_s \
+        note = (
+            (f" {r.tokens_per_s:,.0f}" + (f", MFU {r.mfu:.1%}" if r.mfu is not None else ""))
+            if r.tokens_per_s
             else f" {r.status}"
+        )
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
@@ -194,8 +221,9 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def report(sweep_dir: Path, csv_path: Optional[Path] = None, png_path: Optional[Path] = None,
-           make_plot: bool = True, stream=None) -> list[Row]:
+def report(
+    sweep_dir: Path, csv_path: Path | None = None, png_path: Path | None = None, make_plot: bool = True, stream=None
+) -> list[Row]:
     stream = stream or sys.stdout
     rows = collect(sweep_dir)
     if not rows:
@@ -215,7 +243,7 @@ def report(sweep_dir: Path, csv_path: Optional[Path] = None, png_path: Optional[
     return rows
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p3d-report", description="Table, CSV and plot of a p3d sweep (or run).")
     parser.add_argument("sweep_dir", type=Path, help="a p3d-train -m sweep directory, or one run directory")
     parser.add_argument("--csv", type=Path, help="where to write the CSV (default: <sweep_dir>/report.csv)")
@@ -232,17 +260,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         rows = report(args.sweep_dir, args.csv, args.png, make_plot=not args.no_plot)
     except OSError as exc:  # --csv / --png in a folder that cannot be made or written
-        print(f"p3d-report: cannot write the report there ({exc.filename}: {exc.strerror or exc}); choose another "
-              "--csv / --png", file=sys.stderr)
+        print(
+            f"p3d-report: cannot write the report there ({exc.filename}: {exc.strerror or exc}); choose another "
+            "--csv / --png",
+            file=sys.stderr,
+        )
         return 2
     if not rows:
-        print(f"p3d-report: no p3d run under {args.sweep_dir} (no {SPEC}, {METRICS} or "
-              f"{STATUS})", file=sys.stderr)
+        print(f"p3d-report: no p3d run under {args.sweep_dir} (no {SPEC}, {METRICS} or {STATUS})", file=sys.stderr)
         return 2
     return 0
 
 
 # ---- the Hydra callback (hydra.callbacks in conf/config.yaml)
+
 
 class SweepCallback(Callback):
     """Per sweep point: ``p3d_status.json`` (done / failed / skipped + why / preempted / stopped).
@@ -280,9 +311,12 @@ class SweepCallback(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
             rows = report(sweep_dir)
-        except Exception as exc:  # noqa: BLE001 - a report must never fail the sweep
-            print(f"p3d-report: could not report {config.hydra.sweep.dir}: {type(exc).__name__}: {exc}",
-                  file=sys.stderr, flush=True)
+        except Exception as exc:
+            print(
+                f"p3d-report: could not report {config.hydra.sweep.dir}: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
             rows = collect(sweep_dir)
         status, summary = sweep_status(rows)
         if status:

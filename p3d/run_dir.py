@@ -12,13 +12,14 @@ file in a run directory takes the name from here.
       checkpoints/step_<N>/  checkpoints (p3d.train.checkpoint)
       wandb/                 W&B's offline files
 """
+
 from __future__ import annotations
 
 import json
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 SPEC = "run_spec.yaml"
 DS_CONFIG = "deepspeed_config.json"
@@ -66,7 +67,7 @@ def read_status(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def write_status(run_dir: str | Path, status: str, returncode: Optional[int] = None, **extra) -> None:
+def write_status(run_dir: str | Path, status: str, returncode: int | None = None, **extra) -> None:
     """p3d_status.json, written atomically (p3d-report may read it while a sweep runs)."""
     path = Path(run_dir) / STATUS
     path.parent.mkdir(parents=True, exist_ok=True)

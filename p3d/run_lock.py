@@ -23,6 +23,7 @@ and restart if any) and carries a heartbeat that a thread of the holder refreshe
     python -m p3d.run_lock heartbeat <run_dir> --pid PID # refresh it until PID ends
     python -m p3d.run_lock release <run_dir> --pid PID
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,6 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
 
 from p3d.config.validate import P3DConfigError
 from p3d.dist.slurm import FREEZE_ONLY_ENV
@@ -46,8 +46,19 @@ from p3d.run_dir import LOCK as LOCK_NAME
 
 HEARTBEAT_S = 10.0  # how often the holder refreshes the lease
 STALE_S = 60.0  # a lease whose heartbeat is older than this is stale (lost host, SIGKILL elsewhere)
-SLURM_LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-                     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT"}
+SLURM_LIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "SUSPENDED",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+}
 
 
 class RunLocked(P3DConfigError):
@@ -82,7 +93,7 @@ def _children(pid: int) -> list[int]:
     return sorted(found)
 
 
-def _slurm_state(job: str) -> Optional[str]:
+def _slurm_state(job: str) -> str | None:
     """The job's state per scontrol, or None when Slurm cannot tell (no scontrol, unknown job)."""
     if not shutil.which("scontrol"):
         return None
@@ -94,7 +105,7 @@ def _slurm_state(job: str) -> Optional[str]:
     return state if out.returncode == 0 else None
 
 
-def read(run_dir: str | Path) -> Optional[dict]:
+def read(run_dir: str | Path) -> dict | None:
     """The lease in ``run_dir``, or None when there is none (a torn or foreign file reads as {})."""
     try:
         text = (Path(run_dir) / LOCK_NAME).read_text()
@@ -112,7 +123,7 @@ def describe(lease: dict) -> str:
     return f"pid {lease.get('pid', '?')} on {lease.get('host', '?')}, started {lease.get('started', '?')}{job}"
 
 
-def stale_reason(lease: dict, now: Optional[float] = None, stale_s: float = STALE_S) -> Optional[str]:
+def stale_reason(lease: dict, now: float | None = None, stale_s: float = STALE_S) -> str | None:
     """Why this lease no longer holds the directory, or None while its holder lives."""
     why = _holder_gone(lease, now, stale_s)
     if why is None or not lease.get("slurm_job"):
@@ -121,7 +132,7 @@ def stale_reason(lease: dict, now: Optional[float] = None, stale_s: float = STAL
     return None if state in SLURM_LIVE_STATES else why
 
 
-def _holder_gone(lease: dict, now: Optional[float], stale_s: float) -> Optional[str]:
+def _holder_gone(lease: dict, now: float | None, stale_s: float) -> str | None:
     now = time.time() if now is None else now
     age = now - float(lease.get("heartbeat", 0))
     if lease.get("host") == _host() and "pid" in lease:
@@ -188,23 +199,28 @@ class Lease:
         self.path = Path(run_dir) / LOCK_NAME
         self.body = body
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._writing = threading.Lock()  # the heartbeat thread and hand_to_job / release
 
     @classmethod
-    def acquire(cls, run_dir: str | Path, pid: Optional[int] = None, what: str = "p3d-train",
-                out=None) -> "Lease":
+    def acquire(cls, run_dir: str | Path, pid: int | None = None, what: str = "p3d-train", out=None) -> Lease:
         """Take the lease or raise RunLocked naming the holder. ``pid``: the process that holds it
         (default this one)."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_NAME
         now = time.time()
-        body = {"pid": pid or os.getpid(), "host": _host(), "what": what,
-                "started": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
-                "heartbeat": now, "token": uuid.uuid4().hex, "workers": [],
-                "slurm_job": os.environ.get("SLURM_JOB_ID"),
-                "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0") if "SLURM_JOB_ID" in os.environ else None}
+        body = {
+            "pid": pid or os.getpid(),
+            "host": _host(),
+            "what": what,
+            "started": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+            "heartbeat": now,
+            "token": uuid.uuid4().hex,
+            "workers": [],
+            "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0") if "SLURM_JOB_ID" in os.environ else None,
+        }
         for _ in range(50):
             if _create(path, body):
                 return cls(run_dir, body)
@@ -218,14 +234,19 @@ class Lease:
             if why is None and _same_job_restart(held):
                 why = "it is this Slurm job's own lease (requeued or submitted)"
             if why is None:
-                raise RunLocked(f"run.dir={run_dir} is in use by {held.get('what', 'a run')} ({describe(held)}; "
-                                f"lease {path}); wait for it to end or stop it, or choose another run.dir")
+                raise RunLocked(
+                    f"run.dir={run_dir} is in use by {held.get('what', 'a run')} ({describe(held)}; "
+                    f"lease {path}); wait for it to end or stop it, or choose another run.dir"
+                )
             if _take_aside(path, held):
-                print(f"p3d: took over the lease of {run_dir} ({describe(held)}): {why}",
-                      file=out or sys.stderr, flush=True)
+                print(
+                    f"p3d: took over the lease of {run_dir} ({describe(held)}): {why}",
+                    file=out or sys.stderr,
+                    flush=True,
+                )
         raise RunLocked(f"run.dir={run_dir}: could not take {path} (other launches compete for it); try again")
 
-    def start_heartbeat(self, interval: float = HEARTBEAT_S) -> "Lease":
+    def start_heartbeat(self, interval: float = HEARTBEAT_S) -> Lease:
         self._thread = threading.Thread(target=self._beat, args=(interval,), name="p3d-lease", daemon=True)
         self._thread.start()
         return self
@@ -249,8 +270,11 @@ class Lease:
             return False
         if held.get("token") != self.body["token"]:
             if not (held.get("handed_over") and held.get("pid") == self.body["pid"]):
-                print(f"p3d: warning: lost the lease {self.path} (now {describe(held) if held else 'none'})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"p3d: warning: lost the lease {self.path} (now {describe(held) if held else 'none'})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return False
         self.body["heartbeat"] = time.time()
         self.body["workers"] = _children(int(self.body["pid"]))
@@ -262,9 +286,15 @@ class Lease:
         while the job is queued or running; the job takes it over when it starts)."""
         self._stop.set()
         with self._writing:
-            body = dict(self.body, slurm_job=str(job_id), slurm_restart=None, handed_over=True,
-                        what=f"Slurm job {job_id} (submitted by {self.body['what']})",
-                        token=uuid.uuid4().hex, heartbeat=time.time())
+            body = dict(
+                self.body,
+                slurm_job=str(job_id),
+                slurm_restart=None,
+                handed_over=True,
+                what=f"Slurm job {job_id} (submitted by {self.body['what']})",
+                token=uuid.uuid4().hex,
+                heartbeat=time.time(),
+            )
             _write(self.path, body)
             self.body["token"] = None  # not ours to refresh or release any more
 
@@ -276,14 +306,14 @@ class Lease:
         if held and held.get("token") == self.body["token"]:
             self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
 
 
-def take_lease(cfg) -> Optional[Lease]:
+def take_lease(cfg) -> Lease | None:
     """p3d-train's lease on ``cfg.run.dir``, its heartbeat running; None where another process holds
     the lease for this run: the Slurm recipe (its freeze step runs p3d-train) and ranks started by an
     external launcher (RANK set). Raises RunLocked."""
@@ -296,8 +326,10 @@ def check_free(run_dir: str | Path) -> None:
     """Raise RunLocked if a live run holds ``run_dir`` (a sweep point before its job is submitted)."""
     held = read(run_dir)
     if held and stale_reason(held) is None:
-        raise RunLocked(f"run.dir={run_dir} is in use by {held.get('what', 'a run')} ({describe(held)}); wait for "
-                        "it to end or stop it, or choose another hydra.sweep.dir")
+        raise RunLocked(
+            f"run.dir={run_dir} is in use by {held.get('what', 'a run')} ({describe(held)}); wait for "
+            "it to end or stop it, or choose another hydra.sweep.dir"
+        )
 
 
 def _take_aside(path: Path, judged: dict) -> bool:
@@ -327,14 +359,14 @@ def read_file(path: Path) -> dict:
         return {}
 
 
-def _held_by(run_dir: str, pid: int) -> Optional[Lease]:
+def _held_by(run_dir: str, pid: int) -> Lease | None:
     held = read(run_dir)
     if not held or held.get("pid") != pid or held.get("host") != _host():
         return None
     return Lease(Path(run_dir), held)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """The Slurm recipe's commands: the batch shell (``--pid $$``) holds the lease for its srun step."""
     ap = argparse.ArgumentParser(prog="python -m p3d.run_lock")
     ap.add_argument("command", choices=["acquire", "heartbeat", "release"])

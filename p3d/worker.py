@@ -2,6 +2,7 @@
 (by p3d's local launcher, torchrun or srun). Any exception is logged with the rank and ends the
 process with status 1, so the launcher can stop the others and name this rank.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -58,8 +59,10 @@ def run(spec_path: str | Path, cfg=None, plan=None) -> int:
     rank_env_from_slurm()
     rank = int(os.environ["RANK"])
     if int(os.environ.get("WORLD_SIZE", plan.world_size)) != plan.world_size:
-        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the run spec needs {plan.world_size} ranks "
-                           f"(mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp})")
+        raise RuntimeError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the run spec needs {plan.world_size} ranks "
+            f"(mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp})"
+        )
     os.environ.setdefault("LOCAL_RANK", "0")
     init_process_group(plan, rank, cfg.cluster.timeout_s)
     import torch.distributed as dist
@@ -88,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {os.environ.get('RANK', '?')}] {MARKER} {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(exit_codes.RENDEZVOUS_FAILED)
-    except BaseException as exc:  # noqa: BLE001 - every failure must name the rank and end the process
+    except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return 0
         rank = os.environ.get("RANK", "?")
         if isinstance(exc, KeyboardInterrupt):  # SIGINT before the training loop listens: one line, no traceback
-            print(f"[rank {rank}] interrupted (SIGINT) before the first step; nothing saved", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[rank {rank}] interrupted (SIGINT) before the first step; nothing saved", file=sys.stderr, flush=True
+            )
             os._exit(130)
         sys.stdout.flush()
         print(f"[rank {rank}] worker failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,4 +1,5 @@
 """Shared test helpers: Hydra compose, p3d-train as a subprocess, gloo process groups."""
+
 from __future__ import annotations
 
 import os
@@ -35,13 +36,20 @@ def typed(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
     return prepare(compose(*overrides, run_dir=run_dir))
 
 
-def p3d_train(*args: str, timeout: float = 300, env: dict | None = None,
-              drop_env: str | None = None) -> subprocess.CompletedProcess:
+def p3d_train(
+    *args: str, timeout: float = 300, env: dict | None = None, drop_env: str | None = None
+) -> subprocess.CompletedProcess:
     """Run p3d-train as a user would; output captured. ``env`` adds to this process's environment,
     from which the variables starting with ``drop_env`` are removed first."""
     base = {k: v for k, v in os.environ.items() if not (drop_env and k.startswith(drop_env))}
-    return subprocess.run([sys.executable, "-m", "p3d.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**base, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "p3d.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base, **(env or {})},
+    )
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:

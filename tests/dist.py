@@ -1,4 +1,5 @@
 """Run a function in N gloo processes (spawn, file-store rendezvous, one thread each, a timeout)."""
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,9 @@ def _entry(rank: int, world: int, store: str, fn, args, errors) -> None:
     torch.set_num_threads(1)
     skip_cpu_shm_build()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         fn(rank, world, *args)
     except BaseException:

@@ -1,4 +1,5 @@
 """p3d-train as a user runs it: config errors, the default job, the dry run, a dying worker, torchrun."""
+
 from __future__ import annotations
 
 import json
@@ -11,21 +12,27 @@ from pathlib import Path
 
 import pytest
 
-from p3d.model.geometry import total_params
 from p3d.metrics import read_metrics
+from p3d.model.geometry import total_params
 from tests.conftest import ROOT, p3d_train, typed, worker_pids
 
 pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4 (mesh/tp4.yaml) must divide model.n_heads=8 and model.n_kv_heads=2 (attention is split by heads); "
-                                        "try mesh=tp2"),
-    (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 (command line) must be a multiple of"),
-    (["mesh=pp4", "schedule.global_batch_size=6", "schedule.micro_batch_size=2"], "gives 3 micro batches"),
-    (["mesh=tp3"], "mesh"),  # no such preset: Hydra lists the available ones
-    (["model.hiden_size=3"], "hiden_size"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (
+            ["mesh=tp4", "model.n_kv_heads=2"],
+            "mesh.tp=4 (mesh/tp4.yaml) must divide model.n_heads=8 and model.n_kv_heads=2 "
+            "(attention is split by heads); try mesh=tp2",
+        ),
+        (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 (command line) must be a multiple of"),
+        (["mesh=pp4", "schedule.global_batch_size=6", "schedule.micro_batch_size=2"], "gives 3 micro batches"),
+        (["mesh=tp3"], "mesh"),  # no such preset: Hydra lists the available ones
+        (["model.hiden_size=3"], "hiden_size"),
+    ],
+)
 def test_bad_override_exits_2_before_any_worker(args, needle, tmp_path):
     t0 = time.monotonic()
     result = p3d_train(*args, f"run.dir={tmp_path}", timeout=60)
@@ -51,8 +58,14 @@ def test_preflight_refuses_a_layout_predicted_not_to_fit_unless_forced(tmp_path)
     assert "tp=2 pp=2 dp=2 is predicted to need" in last and "8 workers together" in last, refused.stderr
     assert "cluster.memory_gb=0.001" in last and "plan.force=true" in last
     assert not (tmp_path / "a" / "run_spec.yaml").exists() and not (tmp_path / "a" / "logs").exists()
-    forced = p3d_train("cluster.memory_gb=0.001", "plan.force=true", "mesh=single", "train.steps=1",
-                       f"run.dir={tmp_path / 'b'}", timeout=100)
+    forced = p3d_train(
+        "cluster.memory_gb=0.001",
+        "plan.force=true",
+        "mesh=single",
+        "train.steps=1",
+        f"run.dir={tmp_path / 'b'}",
+        timeout=100,
+    )
     assert forced.returncode == 0, forced.stderr[-2000:]
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [1]
 
@@ -118,8 +131,13 @@ def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_dead_worker_stops_the_run_and_is_named(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-m", "p3d.cli", "train.steps=500", f"run.dir={tmp_path}"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "p3d.cli", "train.steps=500", f"run.dir={tmp_path}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -147,10 +165,20 @@ def test_a_dead_worker_stops_the_run_and_is_named(tmp_path):
 @pytest.mark.timeout(240)
 def test_runs_as_worker_under_torchrun(tmp_path):
     """recipes/torchrun.sh: p3d-train under an external launcher acts as a worker."""
-    env = {**os.environ, "NPROC": "2", "RUN_DIR": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["bash", "recipes/torchrun.sh", "mesh=pp2", "train.steps=3"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=200, env=env)
+    env = {
+        **os.environ,
+        "NPROC": "2",
+        "RUN_DIR": str(tmp_path),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    result = subprocess.run(
+        ["bash", "recipes/torchrun.sh", "mesh=pp2", "train.steps=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "run_spec.yaml").is_file()

@@ -1,4 +1,5 @@
 """Every config file composes through Hydra; every cross-group rule refuses with a one-line fix."""
+
 from __future__ import annotations
 
 import pytest
@@ -70,26 +71,38 @@ RULES = [
     (["model.n_heads=6"], "model.n_heads=6 must divide model.hidden_size=64", ""),
     (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=8", "model.n_kv_heads=1"),
     (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 must be a multiple of", "global_batch_size=12"),
-    (["schedule.global_batch_size=4"], "gives 1 micro batches per replica, fewer than mesh.pp=2",
-     "schedule.global_batch_size=8"),
+    (
+        ["schedule.global_batch_size=4"],
+        "gives 1 micro batches per replica, fewer than mesh.pp=2",
+        "schedule.global_batch_size=8",
+    ),
     (["zero.stage=2"], "zero.stage=2 is refused: with mesh.pp=2 > 1", "zero=stage1"),
     (["mesh=dp2", "zero.stage=3"], "zero.stage=3 is refused", "zero=stage1"),
     (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 257", "model.vocab_size=257"),
     (["mesh.dp=two"], "mesh.dp='two' must be a positive integer or auto", "mesh.dp=auto"),
     (["cluster.gpus_per_node=4"], "must equal the world size 4", "mesh.dp=auto"),
-    (["mesh=tp4", "cluster.gpus_per_node=2", "mesh.dp=auto"], "mesh.tp=4 exceeds cluster.gpus_per_node=2",
-     "mesh=tp2_pp2"),
+    (
+        ["mesh=tp4", "cluster.gpus_per_node=2", "mesh.dp=auto"],
+        "mesh.tp=4 exceeds cluster.gpus_per_node=2",
+        "mesh=tp2_pp2",
+    ),
     (["train.warmup_steps=-1"], "train.warmup_steps=-1 must be >= 0", "train.warmup_steps=20"),
-    (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 must be at least 1",
-     "train.eval_batches=2"),
-    (["train.eval_every=5", "data.val_fraction=0"], "data.val_fraction=0.0 leaves no validation data",
-     "data.val_fraction=0.005"),
+    (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 must be at least 1", "train.eval_batches=2"),
+    (
+        ["train.eval_every=5", "data.val_fraction=0"],
+        "data.val_fraction=0.0 leaves no validation data",
+        "data.val_fraction=0.005",
+    ),
     (["schedule.recompute=selective"], "schedule.recompute=selective", "schedule.recompute=full"),
     (["schedule.sequence_parallel=true"], "schedule.sequence_parallel=true", "sequence_parallel=false"),
     (["schedule.virtual_stages=2"], "schedule.virtual_stages=2", "schedule.virtual_stages=1"),
     (["model.arch=gpt"], "model.arch=gpt", "model.arch=llama"),
     (["data=files"], "data.path", ""),
-    (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer=/nonexistent/tokenizer.json", "data.tokenizer=byte"),
+    (
+        ["data.tokenizer=/nonexistent/tokenizer.json"],
+        "data.tokenizer=/nonexistent/tokenizer.json",
+        "data.tokenizer=byte",
+    ),
     (["cluster.device=h100"], "cluster.device=h100 is not a known device", "cluster.device=h100_sxm"),
     (["cluster.nodes=2"], "cluster.nodes=2 with cluster.launcher=local", "cluster.nodes=1"),
 ]
@@ -112,7 +125,7 @@ def test_vocab_is_padded_to_a_multiple_of_tp():
 
 
 def test_stage_bounds():
-    names_len = lambda L: L + 3  # embed, L blocks, final_norm, head  # noqa: E731
+    names_len = lambda L: L + 3  # embed, L blocks, final_norm, head
     assert stage_bounds(4, 2, Partition.blocks) == [0, 3, 7]
     assert stage_bounds(3, 2, Partition.blocks) == [0, 3, 6]  # the extra block goes to the first stage
     assert stage_bounds(4, 4, Partition.uniform) == [0, 2, 4, 6, 7]
@@ -121,12 +134,15 @@ def test_stage_bounds():
     assert blocks[0] == blocks[-1] == 7 and set(blocks[1:-1]) == {8} and b[-1] == names_len(126)
 
 
-@pytest.mark.parametrize("model,published", [
-    ("llama2_7b", 6_738_415_616),  # meta-llama/Llama-2-7b-hf, safetensors total
-    ("llama3_8b", 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
-    ("llama70b", 70_553_706_496),  # meta-llama/Meta-Llama-3-70B ("70.6B")
-    ("llama3_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
-])
+@pytest.mark.parametrize(
+    "model,published",
+    [
+        ("llama2_7b", 6_738_415_616),  # meta-llama/Llama-2-7b-hf, safetensors total
+        ("llama3_8b", 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
+        ("llama70b", 70_553_706_496),  # meta-llama/Meta-Llama-3-70B ("70.6B")
+        ("llama3_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
+    ],
+)
 def test_closed_form_parameter_counts_match_published(model, published):
     cfg, _ = typed(f"model={model}", "mesh=single", "schedule=large", "schedule.global_batch_size=8")
     assert total_params(cfg.model) == published

@@ -1,4 +1,5 @@
 """Text to windows: packing, global sample order, dp sharding, local files through datasets."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ def test_pack_loses_and_repeats_nothing():
     stream = [t for d in docs for t in (*d, 0)]
     flat = [t for w in windows for t in w]
     assert all(len(w) == 4 for w in windows)
-    assert flat == stream[:len(flat)] and len(stream) - len(flat) < 4  # only the tail shorter than a window
+    assert flat == stream[: len(flat)] and len(stream) - len(flat) < 4  # only the tail shorter than a window
 
 
 def test_byte_tokenizer_round_trip():
@@ -98,11 +99,20 @@ def test_a_run_skips_bad_lines_on_every_data_rank_alike(tmp_path):
     lines = [f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(600)]
     body = b"".join((b"\xff\xfe bad bytes\n" if i % 60 == 0 else line.encode() + b"\n") for i, line in enumerate(lines))
     (tmp_path / "t.txt").write_bytes(body)
-    result = p3d_train(f"run.dir={tmp_path / 'run'}", "data=files", f"data.path={tmp_path / 't.txt'}", "mesh=pp2",
-                       "mesh.dp=2", "train.steps=2", "data.text_unit=line", timeout=150)
+    result = p3d_train(
+        f"run.dir={tmp_path / 'run'}",
+        "data=files",
+        f"data.path={tmp_path / 't.txt'}",
+        "mesh=pp2",
+        "mesh.dp=2",
+        "train.steps=2",
+        "data.text_unit=line",
+        timeout=150,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert re.search(rf"data: skipped [1-9]\d* lines of {tmp_path / 't.txt'} with bytes that are not UTF-8",
-                     result.stdout), result.stdout[-2000:]
+    assert re.search(
+        rf"data: skipped [1-9]\d* lines of {tmp_path / 't.txt'} with bytes that are not UTF-8", result.stdout
+    ), result.stdout[-2000:]
 
 
 def _disagreeing_readers(rank, world):
@@ -149,14 +159,25 @@ def test_epochs_repeat_a_small_corpus(tmp_path):
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("setup,overrides,needle", [
-    (None, ["data=files", "data.path={tmp}/missing*.jsonl"], "matches no file"),
-    ("empty", ["data=files", "data.path={tmp}/empty.jsonl"], "holds 0 tokens"),
-    ("column", ["data=files", "data.path={tmp}/col.jsonl"], "is not a column of the data (columns: ['body']); try data.text_column=body"),
-    ("column", ["data=files", "data.path={tmp}/col.jsonl", "data.format=xml"], "data.format=xml (command line) is not one of auto, csv"),
-    (None, ["data=files", "data.path={tmp}/a.csv"], "data.path"),
-    (None, ["data.source=hub", "data.path=no-such-org/no-such-dataset"], "cannot read data.path=no-such-org"),
-])
+@pytest.mark.parametrize(
+    "setup,overrides,needle",
+    [
+        (None, ["data=files", "data.path={tmp}/missing*.jsonl"], "matches no file"),
+        ("empty", ["data=files", "data.path={tmp}/empty.jsonl"], "holds 0 tokens"),
+        (
+            "column",
+            ["data=files", "data.path={tmp}/col.jsonl"],
+            "is not a column of the data (columns: ['body']); try data.text_column=body",
+        ),
+        (
+            "column",
+            ["data=files", "data.path={tmp}/col.jsonl", "data.format=xml"],
+            "data.format=xml (command line) is not one of auto, csv",
+        ),
+        (None, ["data=files", "data.path={tmp}/a.csv"], "data.path"),
+        (None, ["data.source=hub", "data.path=no-such-org/no-such-dataset"], "cannot read data.path=no-such-org"),
+    ],
+)
 def test_bad_data_is_one_line_before_any_worker(tmp_path, setup, overrides, needle):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "col.jsonl").write_text(json.dumps({"body": "hello " * 50}))

@@ -1,4 +1,5 @@
 """DeepSpeed's private API that p3d relies on is all in p3d.ds_compat; each touchpoint is still there."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,10 @@ from tests.conftest import ROOT
 def test_installed_deepspeed_still_has(touchpoint: Touchpoint):
     import deepspeed
 
-    assert touchpoint.present(), (f"DeepSpeed {deepspeed.__version__} no longer has {touchpoint.name}, which "
-                                  f"{touchpoint.used_by} relies on: see p3d/ds_compat.py")
+    assert touchpoint.present(), (
+        f"DeepSpeed {deepspeed.__version__} no longer has {touchpoint.name}, which "
+        f"{touchpoint.used_by} relies on: see p3d/ds_compat.py"
+    )
 
 
 def test_a_missing_touchpoint_is_reported():
@@ -25,8 +28,16 @@ def test_a_missing_touchpoint_is_reported():
     assert not _source_has("deepspeed.runtime.pipe.engine:NoSuchClass", "self")
 
 
-PRIVATE = {"_INSTRUCTION_MAP", "_hp_mapping", "_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state",
-           "__compatible_ops__", "pipeline_enable_backward_allreduce", "ds_pipe_replicated", "_global_grad_norm"}
+PRIVATE = {
+    "_INSTRUCTION_MAP",
+    "_hp_mapping",
+    "_hp_optimizer_states_linked",
+    "_lazy_init_hp_params_optimizer_state",
+    "__compatible_ops__",
+    "pipeline_enable_backward_allreduce",
+    "ds_pipe_replicated",
+    "_global_grad_norm",
+}
 
 
 def test_only_ds_compat_touches_deepspeed_private_api():

@@ -1,4 +1,5 @@
 """Durable runs: exact resume after an interruption, atomic saves, and clear refusals of bad checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,13 @@ STEPS = 10
 
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -117,7 +123,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert caught is not None, "never caught a save in progress"
     found = checkpoint.find(run, "auto")
     meta = checkpoint.verify(found)  # complete, every file at its recorded size
-    assert meta["step"] < int(caught.name[len(".step_"):-len(".tmp")])  # the one before the interrupted save
+    assert meta["step"] < int(caught.name[len(".step_") : -len(".tmp")])  # the one before the interrupted save
     (run / "metrics.jsonl").unlink(missing_ok=True)
     resumed = p3d_train(f"run.dir={run}", f"train.steps={meta['step'] + 2}", "mesh=tp2_pp2", "train.resume=auto")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
@@ -139,10 +145,13 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
     return run
 
 
-@pytest.mark.parametrize("damage,needle", [
-    ("truncate", "is truncated"),
-    ("delete", "is missing"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        ("truncate", "is truncated"),
+        ("delete", "is missing"),
+    ],
+)
 def test_a_damaged_checkpoint_is_refused_before_any_worker(saved_run, tmp_path, damage, needle):
     run = _copy(saved_run, tmp_path)
     shard = checkpoint.step_dir(run, 2) / "optim" / "pp1_tp0.pt"
@@ -164,12 +173,15 @@ def test_a_corrupt_checkpoint_file_is_named_by_the_worker(saved_run, tmp_path):
     assert f"checkpoint file {shard} cannot be read" in result.stdout
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["model.n_layers=6"], "holds another model: model.n_layers=4 there, 6 here; resume with model.n_layers=4"),
-    (["data.tokenizer=/nonexistent.json"], "data.tokenizer=/nonexistent.json"),
-    (["train.resume=/nonexistent/step_1"], "no complete checkpoint there"),
-    (["train.resume=none"], "already holds a run"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model.n_layers=6"], "holds another model: model.n_layers=4 there, 6 here; resume with model.n_layers=4"),
+        (["data.tokenizer=/nonexistent.json"], "data.tokenizer=/nonexistent.json"),
+        (["train.resume=/nonexistent/step_1"], "no complete checkpoint there"),
+        (["train.resume=none"], "already holds a run"),
+    ],
+)
 def test_an_incompatible_resume_is_refused(saved_run, tmp_path, overrides, needle):
     run = _copy(saved_run, tmp_path)
     args = [f"run.dir={run}", "train.steps=4", "mesh=tp2_pp2", "train.resume=auto", *overrides]

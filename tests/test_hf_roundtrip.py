@@ -4,6 +4,7 @@ One small run, trained as a user would from its own working directory with a rel
 ``data.tokenizer=tok.json`` made by p3d-tokenizer, is exported and re-imported: into one directory
 twice, from another working directory, through a failing checkpoint, and loaded by transformers
 (AutoTokenizer, LlamaForCausalLM, generate)."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,19 @@ EOS = "<|endoftext|>"
 VOCAB = 300
 # 30 steps, not the usual 2-4: the generate() test needs a model that has learnt to end a document
 # ("ok" is always followed by the end-of-text token); a tiny single-process run does it in ~5 s.
-TRAIN = ("mesh=single", "model=tiny", "data=files", "data.path=corpus.jsonl", "data.tokenizer=tok.json",
-         f"model.vocab_size={VOCAB}", "train.steps=30", "train.save_every=15", "train.lr=1e-2",
-         "train.warmup_steps=2", "data.shuffle_buffer=64")
+TRAIN = (
+    "mesh=single",
+    "model=tiny",
+    "data=files",
+    "data.path=corpus.jsonl",
+    "data.tokenizer=tok.json",
+    f"model.vocab_size={VOCAB}",
+    "train.steps=30",
+    "train.save_every=15",
+    "train.lr=1e-2",
+    "train.warmup_steps=2",
+    "data.shuffle_buffer=64",
+)
 
 
 def _run(args: list[str], cwd, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -52,8 +63,18 @@ def work(tmp_path_factory):
     w = tmp_path_factory.mktemp("user")
     docs = [{"text": "the cat sat on the mat. " * 3 + f"line {i}\n"} for i in range(300)] + [{"text": "ok"}] * 300
     (w / "corpus.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
-    made = _run(["-m", "p3d.data.train_tokenizer", "data=files", "data.path=corpus.jsonl",
-                 f"tokenizer.vocab_size={VOCAB}", "tokenizer.out=tok.json"], w, timeout=120)
+    made = _run(
+        [
+            "-m",
+            "p3d.data.train_tokenizer",
+            "data=files",
+            "data.path=corpus.jsonl",
+            f"tokenizer.vocab_size={VOCAB}",
+            "tokenizer.out=tok.json",
+        ],
+        w,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stderr
     trained = _run(["-m", "p3d.cli", f"run.dir={w / 'run'}", *TRAIN], w)
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
@@ -77,6 +98,7 @@ def _leftovers(parent):
 
 # ---- 1. a fresh directory renamed into place; overwrite=true replaces it whole
 
+
 @pytest.mark.timeout(600)
 def test_export_twice_into_one_directory(work, tmp_path):
     from p3d.export import load_sequential
@@ -97,8 +119,14 @@ def test_export_twice_into_one_directory(work, tmp_path):
     assert second.returncode == 0, second.stderr
     assert "step 30 of" in second.stdout
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert files == ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
-                     "tokenizer.json", "tokenizer_config.json"]  # no stale shard or index
+    assert files == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # no stale shard or index
     assert _leftovers(tmp_path) == []
     # transformers and p3d's importer both read step 30, and it is the checkpoint's model
     ids = _ids()
@@ -111,17 +139,22 @@ def test_export_twice_into_one_directory(work, tmp_path):
 
 
 def test_import_refuses_index_and_single_file_together(work, tmp_path):
-    shards = p3d_export(f"run.dir={work / 'run'}", f"out={tmp_path / 'mixed'}", "step=15", "max_shard_gb=0.0002",
-                        cwd=tmp_path)
+    shards = p3d_export(
+        f"run.dir={work / 'run'}", f"out={tmp_path / 'mixed'}", "step=15", "max_shard_gb=0.0002", cwd=tmp_path
+    )
     single = p3d_export(f"run.dir={work / 'run'}", f"out={tmp_path / 'single'}", cwd=tmp_path)
     assert shards.returncode == single.returncode == 0, shards.stderr + single.stderr
     shutil.copy(tmp_path / "single" / "model.safetensors", tmp_path / "mixed")  # what the old export left
-    with pytest.raises(P3DConfigError, match=r"holds both model.safetensors and model.safetensors.index.json "
-                                             r"\(whose shards are model-00001-of-00005.safetensors"):
+    with pytest.raises(
+        P3DConfigError,
+        match=r"holds both model.safetensors and model.safetensors.index.json "
+        r"\(whose shards are model-00001-of-00005.safetensors",
+    ):
         typed(f"model.init_from={tmp_path / 'mixed'}")
 
 
 # ---- 2. the tokenizer files name EOS; generate() stops at it
+
 
 @pytest.mark.timeout(600)
 def test_exported_tokenizer_names_eos_and_generate_stops_there(work, tmp_path):
@@ -135,8 +168,8 @@ def test_exported_tokenizer_names_eos_and_generate_stops_there(work, tmp_path):
     assert tok.eos_token_id == model.config.eos_token_id == model.generation_config.eos_token_id
     ids = tok("ok", return_tensors="pt").input_ids
     with torch.no_grad():
-        stopped = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
-        control = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+        stopped = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
+        control = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1] :]
     assert stopped == [tok.eos_token_id]  # the model ends the document, and generate() knows that token
     assert len(control) == 12  # without the EOS id generate() would have run on
     assert tok.decode(stopped) == EOS
@@ -152,14 +185,26 @@ def test_begin_and_padding_tokens_are_named_where_the_tokenizer_defines_them(wor
     tok_dir.mkdir()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([json.loads(line)["text"] for line in (work / "corpus.jsonl").open()], trainer)
     tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 64}))
-    run = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=single", "data=files", f"data.path={work / 'corpus.jsonl'}",
-                    f"data.tokenizer={tok_dir / 'tokenizer.json'}", f"model.vocab_size={VOCAB}", "train.steps=2")
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 64})
+    )
+    run = p3d_train(
+        f"run.dir={tmp_path / 'run'}",
+        "mesh=single",
+        "data=files",
+        f"data.path={work / 'corpus.jsonl'}",
+        f"data.tokenizer={tok_dir / 'tokenizer.json'}",
+        f"model.vocab_size={VOCAB}",
+        "train.steps=2",
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     result = p3d_export(f"run.dir={tmp_path / 'run'}", "out=hf", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -172,15 +217,19 @@ def test_begin_and_padding_tokens_are_named_where_the_tokenizer_defines_them(wor
 
 # ---- 3. p3d-export speaks its own language
 
-@pytest.mark.parametrize("args,needle", [
-    (["step=abc"], "step=abc is not a step number"),
-    (["step=3"], "step=3: run.dir=run has no complete checkpoint of that step; it holds steps 15, 30; try step=30"),
-    (["max_shard_gb=0"], "max_shard_gb=0 must be a positive number of GB; try max_shard_gb=5"),
-    (["max_shard_gb=big"], "max_shard_gb=big must be a positive number of GB"),
-    (["overwrite=maybe"], "overwrite=maybe must be true or false"),
-    (["stpe=2"], "unknown argument stpe=2; usage: p3d-export run.dir=<run> out=<dir>"),
-    (["--out", "x"], "argument '--out' is not key=value"),
-])
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["step=abc"], "step=abc is not a step number"),
+        (["step=3"], "step=3: run.dir=run has no complete checkpoint of that step; it holds steps 15, 30; try step=30"),
+        (["max_shard_gb=0"], "max_shard_gb=0 must be a positive number of GB; try max_shard_gb=5"),
+        (["max_shard_gb=big"], "max_shard_gb=big must be a positive number of GB"),
+        (["overwrite=maybe"], "overwrite=maybe must be true or false"),
+        (["stpe=2"], "unknown argument stpe=2; usage: p3d-export run.dir=<run> out=<dir>"),
+        (["--out", "x"], "argument '--out' is not key=value"),
+    ],
+)
 def test_export_arguments_are_one_line_errors(work, args, needle, capsys):
     from p3d.export import main
 
@@ -245,14 +294,18 @@ def test_a_checkpoint_pruned_during_export_is_named(work, tmp_path, monkeypatch)
         return meta
 
     monkeypatch.setattr(checkpoint, "verify", verify_then_prune)
-    with pytest.raises(ExportError, match=r"step_00000015 was deleted while it was being exported .*nothing was "
-                                          r"written; it holds step 30; try step=30") as info:
+    with pytest.raises(
+        ExportError,
+        match=r"step_00000015 was deleted while it was being exported .*nothing was "
+        r"written; it holds step 30; try step=30",
+    ) as info:
         export(run, tmp_path / "hf", step=15)
     assert "train." not in str(info.value)
     assert not (tmp_path / "hf").exists() and _leftovers(tmp_path) == []
 
 
 # ---- relative paths: a run trained with data.tokenizer=tok.json, exported from elsewhere
+
 
 @pytest.mark.timeout(600)
 def test_export_from_another_working_directory(work, tmp_path):
@@ -283,8 +336,11 @@ def test_an_older_checkpoint_without_its_tokenizer_names_where_to_export_from(wo
         os.chdir(tmp_path)
         assert main([f"run.dir={run}", "out=hf"]) == exit_codes.CONFIG_ERROR
         err = capsys.readouterr().err
-        assert f"the run's tokenizer tok.json (data.tokenizer in {ckpt}/run_spec.yaml) is not found from {tmp_path}" \
-            in err and "run p3d-export from the directory the training ran in" in err and err.count("\n") == 1
+        assert (
+            f"the run's tokenizer tok.json (data.tokenizer in {ckpt}/run_spec.yaml) is not found from {tmp_path}" in err
+            and "run p3d-export from the directory the training ran in" in err
+            and err.count("\n") == 1
+        )
         assert not (tmp_path / "hf").exists() and _leftovers(tmp_path) == []
         os.chdir(work)  # where the training ran: tok.json resolves
         assert main([f"run.dir={run}", f"out={tmp_path / 'hf'}"]) == exit_codes.OK
@@ -294,6 +350,7 @@ def test_an_older_checkpoint_without_its_tokenizer_names_where_to_export_from(wo
 
 
 # ---- 4. model.init_from uses the directory's tokenizer, or refuses another one
+
 
 @pytest.fixture(scope="module")
 def exported(work, tmp_path_factory):
@@ -308,8 +365,15 @@ def test_init_from_trains_with_the_checkpoint_tokenizer(work, exported, tmp_path
     cfg, _ = typed(f"model.init_from={exported}")
     assert cfg.data.tokenizer == str(exported / "tokenizer.json")
     run = tmp_path / "run"
-    result = p3d_train(f"run.dir={run}", f"model.init_from={exported}", "mesh=single", "data=files",
-                       f"data.path={work / 'corpus.jsonl'}", "data.shuffle_buffer=64", "train.steps=2")
+    result = p3d_train(
+        f"run.dir={run}",
+        f"model.init_from={exported}",
+        "mesh=single",
+        "data=files",
+        f"data.path={work / 'corpus.jsonl'}",
+        "data.shuffle_buffer=64",
+        "train.steps=2",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert json.loads((checkpoint.find(run, "auto") / "meta.json").read_text())["tokenizer"] == cfg.data.tokenizer
     # the imported weights read the ids they were trained on: the loss continues the source run's
@@ -324,11 +388,9 @@ def test_init_from_accepts_the_same_tokenizer_elsewhere(work, exported):
 
 
 def test_init_from_refuses_another_tokenizer_in_one_line(exported, tmp_path):
-    result = p3d_train(f"run.dir={tmp_path / 'run'}", f"model.init_from={exported}", "data.tokenizer=byte",
-                       timeout=120)
+    result = p3d_train(f"run.dir={tmp_path / 'run'}", f"model.init_from={exported}", "data.tokenizer=byte", timeout=120)
     assert result.returncode == exit_codes.CONFIG_ERROR, result.stdout[-1000:]
-    assert (f"data.tokenizer=byte (command line) is not the tokenizer of model.init_from={exported}"
-            in one_line(result))
+    assert f"data.tokenizer=byte (command line) is not the tokenizer of model.init_from={exported}" in one_line(result)
 
 
 def test_init_from_checks_the_vocab_against_the_tokenizer(exported, tmp_path):
@@ -336,6 +398,9 @@ def test_init_from_checks_the_vocab_against_the_tokenizer(exported, tmp_path):
     shutil.copytree(exported, small)
     config = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
-    with pytest.raises(P3DConfigError, match=rf"tokenizer.json has {VOCAB} tokens, more than the vocab_size=256 "
-                                             rf"of model.init_from={small}/config.json"):
+    with pytest.raises(
+        P3DConfigError,
+        match=rf"tokenizer.json has {VOCAB} tokens, more than the vocab_size=256 "
+        rf"of model.init_from={small}/config.json",
+    ):
         typed(f"model.init_from={small}")

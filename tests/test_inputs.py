@@ -2,6 +2,7 @@
 W&B's environment and failures, zero or negative numbers, p3d-plan on an impossible model, keys added
 with +, the exit status of a sweep with a skipped point, and p3d-report --csv into a missing folder.
 No traceback reaches the console in any of them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,6 +40,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
 
 # ---- 1. W&B: WANDB_MODE, logger.mode above it, failures never end training
 
+
 def test_wandb_mode_precedence():
     assert wandb_mode("auto", {"WANDB_MODE": "offline", "WANDB_API_KEY": FAKE_KEY}) == ("offline", "WANDB_MODE=offline")
     assert wandb_mode("auto", {"WANDB_MODE": "disabled"})[0] == "disabled"
@@ -55,8 +57,15 @@ def _wandb_env(tmp_path, **env):
 @pytest.mark.timeout(420)
 def test_wandb_mode_disabled_writes_no_wandb_run(tmp_path):
     run = tmp_path / "run"
-    result = p3d_train("logger=wandb", f"run.dir={run}", "mesh=single", "train.steps=2",
-                       env=_wandb_env(tmp_path, WANDB_MODE="disabled"), drop_env="WANDB_", timeout=400)
+    result = p3d_train(
+        "logger=wandb",
+        f"run.dir={run}",
+        "mesh=single",
+        "train.steps=2",
+        env=_wandb_env(tmp_path, WANDB_MODE="disabled"),
+        drop_env="WANDB_",
+        timeout=400,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     no_traceback(result)
     assert "W&B disabled (WANDB_MODE=disabled)" in result.stdout
@@ -70,9 +79,15 @@ def test_wandb_mode_offline_with_an_api_key_runs_offline_without_network(tmp_pat
     # server at WANDB_BASE_URL) and leave a warning; offline writes the run's file and never connects
     run = tmp_path / "run"
     t0 = time.monotonic()
-    result = p3d_train("logger=wandb", f"run.dir={run}", "mesh=single", "train.steps=2",
-                       env=_wandb_env(tmp_path, WANDB_MODE="offline", WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=NO_SERVER),
-                       drop_env="WANDB_", timeout=400)
+    result = p3d_train(
+        "logger=wandb",
+        f"run.dir={run}",
+        "mesh=single",
+        "train.steps=2",
+        env=_wandb_env(tmp_path, WANDB_MODE="offline", WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=NO_SERVER),
+        drop_env="WANDB_",
+        timeout=400,
+    )
     elapsed = time.monotonic() - t0
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     no_traceback(result)
@@ -87,10 +102,19 @@ def test_wandb_that_cannot_start_does_not_stop_training(tmp_path):
     # logger.mode=online (above WANDB_MODE=offline) against a server that refuses connections: W&B fails
     # for real, after WANDB_INIT_TIMEOUT; training warns once and finishes with console and metrics.jsonl
     run = tmp_path / "run"
-    env = _wandb_env(tmp_path, WANDB_MODE="offline", WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=NO_SERVER,
-                     WANDB_INIT_TIMEOUT="5")
-    result = p3d_train("logger=wandb", "logger.mode=online", f"run.dir={run}", "mesh=single", "train.steps=2",
-                       env=env, drop_env="WANDB_", timeout=400)
+    env = _wandb_env(
+        tmp_path, WANDB_MODE="offline", WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=NO_SERVER, WANDB_INIT_TIMEOUT="5"
+    )
+    result = p3d_train(
+        "logger=wandb",
+        "logger.mode=online",
+        f"run.dir={run}",
+        "mesh=single",
+        "train.steps=2",
+        env=env,
+        drop_env="WANDB_",
+        timeout=400,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     no_traceback(result)
     warnings = [line for line in result.stdout.splitlines() if "W&B failed" in line]
@@ -130,13 +154,14 @@ def test_run_that_logged_no_step_leaves_its_run_dir_usable(tmp_path):
 
 # ---- 2. every number has a bound; logger.log_every=0
 
+
 def _numeric_fields(schema, prefix=""):
     hints = typing.get_type_hints(type(schema))
     for f in dataclasses.fields(schema):
         value, hint = getattr(schema, f.name), hints[f.name]
         if dataclasses.is_dataclass(value):
             yield from _numeric_fields(value, f"{f.name}.")
-        elif hint in (int, float, typing.Optional[int], typing.Optional[float]):
+        elif hint in (int, float, typing.Optional[int], typing.Optional[float]):  # noqa: UP045 - the schema's hints
             yield prefix + f.name
 
 
@@ -151,7 +176,7 @@ def test_every_int_and_float_field_has_a_bound():
 def test_zero_and_minus_one_are_refused_in_one_line_unless_allowed(key):
     b = BOUNDS[key]
     for value in (0, -1):
-        allowed = (b.low is None or (value > b.low if b.open_low else value >= b.low))
+        allowed = b.low is None or (value > b.low if b.open_low else value >= b.low)
         if allowed:
             typed(f"{key}={value}")  # e.g. train.warmup_steps=0, zero.stage=0: valid
             continue
@@ -167,16 +192,19 @@ def test_log_every_zero_is_refused_before_any_worker(tmp_path):
     run = tmp_path / "run"
     result = p3d_train("logger.log_every=0", f"run.dir={run}", timeout=100)
     assert result.returncode == 2
-    assert one_error_line(result) == ("p3d: config error: logger.log_every=0 (command line) must be at least 1; "
-                                      "try logger.log_every=1")
+    assert one_error_line(result) == (
+        "p3d: config error: logger.log_every=0 (command line) must be at least 1; try logger.log_every=1"
+    )
     assert not run.exists()
 
 
 # ---- 3. p3d-plan refuses what it cannot compute, with p3d-train's own line
 
+
 def p3d_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "p3d.plan.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=100)
+    return subprocess.run(
+        [sys.executable, "-m", "p3d.plan.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=100
+    )
 
 
 @pytest.mark.timeout(240)
@@ -194,19 +222,24 @@ def test_p3d_plan_refuses_a_zero_model_dimension(arg, tmp_path):
 @pytest.mark.timeout(120)
 def test_p3d_plan_refuses_a_model_whose_heads_do_not_divide_it(tmp_path):
     result = p3d_plan("model.hidden_size=4", cwd=tmp_path)  # head dim 4 / 8 = 0
-    assert result.returncode == 2 and "model.n_heads=8 (model/tiny.yaml) must divide model.hidden_size=4" in \
-        one_error_line(result)
+    assert (
+        result.returncode == 2
+        and "model.n_heads=8 (model/tiny.yaml) must divide model.hidden_size=4" in one_error_line(result)
+    )
 
 
 # ---- 4. keys added with + are checked like every other key
+
 
 @pytest.mark.timeout(240)
 def test_unknown_key_added_with_plus_is_refused(tmp_path):
     run = tmp_path / "run"
     result = p3d_train("+train.foo=1", f"run.dir={run}", timeout=100)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert one_error_line(result) == ("p3d: config error: train.foo=1 (command line) is not a p3d option and would "
-                                      "be ignored; remove it (p3d-train --cfg job lists the options)")
+    assert one_error_line(result) == (
+        "p3d: config error: train.foo=1 (command line) is not a p3d option and would "
+        "be ignored; remove it (p3d-train --cfg job lists the options)"
+    )
     assert not run.exists()
     plan = p3d_plan("+train.foo=1", cwd=tmp_path)
     assert plan.returncode == 2 and "train.foo=1 (command line) is not a p3d option" in one_error_line(plan)
@@ -218,9 +251,13 @@ def test_unknown_key_added_with_plus_is_refused(tmp_path):
 
 # ---- 5. a sweep with a point not done exits non-zero and says how many
 
+
 def test_sweep_status_counts_points_not_done():
-    rows = [Row(point="0", mesh="single", status="done"), Row(point="1", mesh="tp8", status="skipped"),
-            Row(point="2", mesh="pp2", status="failed")]
+    rows = [
+        Row(point="0", mesh="single", status="done"),
+        Row(point="1", mesh="tp8", status="skipped"),
+        Row(point="2", mesh="pp2", status="failed"),
+    ]
     assert sweep_status(rows[:1]) == (0, "")
     assert sweep_status(rows[:2]) == (2, "p3d: 1 of 2 sweep points not done (1 skipped: point 1); exit status 2")
     status, line = sweep_status(rows)
@@ -234,27 +271,36 @@ def test_sweep_with_a_skipped_point_exits_non_zero(tmp_path):
     result = p3d_train("-m", "mesh=single,tp8_pp1", "train.steps=2", f"hydra.sweep.dir={sweep}", timeout=450)
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     no_traceback(result)
-    assert result.stderr.rstrip().splitlines()[-1] == \
-        "p3d: 1 of 2 sweep points not done (1 skipped: point 1); exit status 2"
+    assert (
+        result.stderr.rstrip().splitlines()[-1]
+        == "p3d: 1 of 2 sweep points not done (1 skipped: point 1); exit status 2"
+    )
     assert json.loads((sweep / "0" / "p3d_status.json").read_text())["status"] == "done"
     assert json.loads((sweep / "1" / "p3d_status.json").read_text())["status"] == "skipped"
 
 
 # ---- 7. p3d-report --csv into a folder that does not exist
 
+
 @pytest.mark.timeout(120)
 def test_report_csv_into_a_missing_folder_is_created(tmp_path):
     sweep = tmp_path / "sweep"
     make_point(sweep, "0", status={"status": "done", "returncode": 0})
     report = [sys.executable, "-m", "p3d.report", str(sweep)]
-    made = subprocess.run([*report, "--csv", "new/deeper/x.csv", "--png", "plots/x.png"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=100)  # relative to where the user stands
+    made = subprocess.run(
+        [*report, "--csv", "new/deeper/x.csv", "--png", "plots/x.png"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )  # relative to where the user stands
     assert made.returncode == 0, made.stderr
     no_traceback(made)
     assert (tmp_path / "new" / "deeper" / "x.csv").read_text().startswith("point,mesh,")
     assert (tmp_path / "plots" / "x.png").stat().st_size > 0
     (tmp_path / "a_file").write_text("")
-    refused = subprocess.run([*report, "--csv", "a_file/x.csv", "--no-plot"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=100)  # a folder that cannot be made: one line, exit 2
+    refused = subprocess.run(
+        [*report, "--csv", "a_file/x.csv", "--no-plot"], cwd=tmp_path, capture_output=True, text=True, timeout=100
+    )  # a folder that cannot be made: one line, exit 2
     assert refused.returncode == 2
     assert one_error_line(refused).startswith("p3d-report: cannot write the report there (a_file: ")

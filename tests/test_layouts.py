@@ -1,4 +1,5 @@
 """Layout-free checkpoints: resume under another mesh, and Hugging Face Llama import / export."""
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,16 @@ COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2", f"train.save_every={SP
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source,target", [
-    (["mesh=dp2_pp2_tp2"], ["mesh=tp2_pp2"]),
-    (["mesh=tp2_pp2"], ["mesh=pp4"]),
-    (["mesh=pp2"], ["mesh=dp2"]),  # dp changes: the same samples, by global sample index
-    (["mesh=dp2_pp2_tp2", "zero=stage1"], ["mesh=single", "zero=stage0"]),
-], ids=["dp2_pp2_tp2->tp2_pp2", "tp2_pp2->pp4", "pp2->dp2", "dp2_pp2_tp2+zero1->single"])
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        (["mesh=dp2_pp2_tp2"], ["mesh=tp2_pp2"]),
+        (["mesh=tp2_pp2"], ["mesh=pp4"]),
+        (["mesh=pp2"], ["mesh=dp2"]),  # dp changes: the same samples, by global sample index
+        (["mesh=dp2_pp2_tp2", "zero=stage1"], ["mesh=single", "zero=stage0"]),
+    ],
+    ids=["dp2_pp2_tp2->tp2_pp2", "tp2_pp2->pp4", "pp2->dp2", "dp2_pp2_tp2+zero1->single"],
+)
 def test_resume_under_another_mesh_continues_the_curve(source, target, tmp_path):
     straight = p3d_train(f"run.dir={tmp_path / 'a'}", *COMMON, *source)
     assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
@@ -46,14 +51,24 @@ def test_resume_under_another_mesh_continues_the_curve(source, target, tmp_path)
 
 # ---- Hugging Face round trip
 
+
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
     """A random tiny Llama built with transformers, saved locally (no hub)."""
     import transformers  # pinned in requirements-cpu.txt: a missing one is a failure, not a skip
+
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=301,
-                                      max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=301,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+    )
     model = transformers.LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("hf") / "tiny-llama"
     model.save_pretrained(path)
@@ -84,7 +99,7 @@ def _imported_logits_match(rank, world, hf_dir):
     if mesh.is_last_stage:
         parts = [torch.empty_like(logits) for _ in range(mesh.tp)]
         dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
-        full = torch.cat(parts, dim=-1)[..., :cfg.model.vocab_size]
+        full = torch.cat(parts, dim=-1)[..., : cfg.model.vocab_size]
         # logits here are ~0.1 (max ~0.6): atol 1e-6 keeps the bound at about 1e-5 relative; measured 3e-7
         torch.testing.assert_close(full, _hf_logits(hf_dir, ids), rtol=1e-5, atol=1e-6)
 
@@ -98,8 +113,7 @@ def test_hf_import_on_tp2_pp2_gives_the_same_logits(hf_llama):
 def test_hf_round_trip_import_train_export(hf_llama, tmp_path):
     from p3d.export import export, load_sequential
 
-    result = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=tp2_pp2", f"model.init_from={hf_llama}",
-                       "train.steps=3")
+    result = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=tp2_pp2", f"model.init_from={hf_llama}", "train.steps=3")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = export(tmp_path / "run", tmp_path / "hf-out", max_shard_gb=0.0005)  # force several shards
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
@@ -124,11 +138,14 @@ def _broken(hf_llama, tmp_path, how):
     return path
 
 
-@pytest.mark.parametrize("how,extra,needle", [
-    ("architecture", [], "describes GPT2LMHeadModel (model_type=gpt2); p3d imports LlamaForCausalLM"),
-    ("shard", [], "no model.safetensors"),
-    ("ok", ["model.n_layers=6"], "model.n_layers=6 (command line) disagrees with"),
-])
+@pytest.mark.parametrize(
+    "how,extra,needle",
+    [
+        ("architecture", [], "describes GPT2LMHeadModel (model_type=gpt2); p3d imports LlamaForCausalLM"),
+        ("shard", [], "no model.safetensors"),
+        ("ok", ["model.n_layers=6"], "model.n_layers=6 (command line) disagrees with"),
+    ],
+)
 def test_bad_hf_input_is_one_clear_error(hf_llama, tmp_path, how, extra, needle):
     path = _broken(hf_llama, tmp_path, how)
     result = p3d_train(f"run.dir={tmp_path / 'run'}", f"model.init_from={path}", *extra, timeout=60)

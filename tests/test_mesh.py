@@ -1,4 +1,5 @@
 """Mesh rank arithmetic, no processes: tp fastest, then dp, then pp (DeepSpeed's pipe/data/model axes)."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,8 +12,16 @@ from p3d.dist.mesh import Mesh
 def test_dp2_pp2_tp2_coordinates():
     mesh = Mesh(tp=2, pp=2, dp=2)
     # rank = (pp * dp_size + dp) * tp_size + tp
-    expected = {0: (0, 0, 0), 1: (0, 0, 1), 2: (1, 0, 0), 3: (1, 0, 1),
-                4: (0, 1, 0), 5: (0, 1, 1), 6: (1, 1, 0), 7: (1, 1, 1)}
+    expected = {
+        0: (0, 0, 0),
+        1: (0, 0, 1),
+        2: (1, 0, 0),
+        3: (1, 0, 1),
+        4: (0, 1, 0),
+        5: (0, 1, 1),
+        6: (1, 1, 0),
+        7: (1, 1, 1),
+    }
     assert {r: mesh.coords_of(r) for r in range(8)} == expected
     assert mesh.tp_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]  # adjacent: one node, fastest links
     assert mesh.pp_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]

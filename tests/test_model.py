@@ -1,8 +1,8 @@
 """The Llama twin, its init, and how the pipeline engine builds and runs it."""
+
 from __future__ import annotations
 
 import pytest
-
 import torch
 import torch.nn.functional as F
 
@@ -44,9 +44,9 @@ def test_init_depends_on_seed_and_parameter_not_on_mesh():
 def _count_block_forwards(rank, world, recompute, counts):
     import deepspeed
 
+    from p3d.config.deepspeed_json import deepspeed_config
     from p3d.model.llama import TransformerBlock
     from p3d.train.optim import build_optimizer
-    from p3d.config.deepspeed_json import deepspeed_config
     from p3d.train.trainer import build_pipeline
 
     deepspeed.init_distributed("gloo")
@@ -60,8 +60,9 @@ def _count_block_forwards(rank, world, recompute, counts):
         if isinstance(m, TransformerBlock):
             m.register_forward_hook(lambda *_: calls.append(1))
     opt, sched = build_optimizer(module, cfg.train, mesh)
-    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
-                                      config=deepspeed_config(cfg, plan))
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(cfg, plan)
+    )
     x = torch.randint(0, 257, (cfg.schedule.micro_batch_size, cfg.model.seq_len))
     engine.train_batch(data_iter=iter([(x, x)] * plan.micro_batches))
     blocks_here = sum(isinstance(m, TransformerBlock) for m in module.modules())

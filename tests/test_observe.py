@@ -1,5 +1,6 @@
 """What a run shows: W&B offline files with every metric, nothing from logger=none, the measured
 pipeline bubble, a progress bar, and a tokenizer trained by p3d-tokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,14 @@ pytestmark = pytest.mark.procs  # every test here starts processes (make test, n
 @pytest.mark.timeout(240)
 def test_wandb_offline_run_holds_every_metric(tmp_path):
     # no WANDB_* variables and no ~/.netrc: no API key anywhere -> offline, not an error
-    result = p3d_train(f"run.dir={tmp_path / 'run'}", "logger=wandb", "train.steps=3", "mesh=pp2",
-                       env={"HOME": str(tmp_path)}, drop_env="WANDB_")
+    result = p3d_train(
+        f"run.dir={tmp_path / 'run'}",
+        "logger=wandb",
+        "train.steps=3",
+        "mesh=pp2",
+        env={"HOME": str(tmp_path)},
+        drop_env="WANDB_",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
@@ -69,20 +76,47 @@ def test_trained_tokenizer_round_trips_and_trains(tmp_path):
     from tests.conftest import ROOT
 
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3})
-                                for i in range(400)))
+    corpus.write_text(
+        "\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3}) for i in range(400))
+    )
     out = tmp_path / "tok" / "tokenizer.json"
-    made = subprocess.run([sys.executable, "-m", "p3d.data.train_tokenizer", "data=files", f"data.path={corpus}",
-                           "tokenizer.vocab_size=400", f"tokenizer.out={out}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "p3d.data.train_tokenizer",
+            "data=files",
+            f"data.path={corpus}",
+            "tokenizer.vocab_size=400",
+            f"tokenizer.out={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stderr
     tok = HFTokenizer(str(out))
     assert tok.vocab_size == 400
     text = "def f12(x):\n    return x * 12 + 5\n"
     assert tok.decode(tok.encode(text)) == text and len(tok.encode(text)) < len(text.encode()) / 2
-    run = p3d_train(f"run.dir={tmp_path / 'run'}", "data=files", f"data.path={corpus}", f"data.tokenizer={out}",
-                    "model.vocab_size=400", "model.seq_len=32", "train.steps=2", "mesh=tp2")
+    run = p3d_train(
+        f"run.dir={tmp_path / 'run'}",
+        "data=files",
+        f"data.path={corpus}",
+        f"data.tokenizer={out}",
+        "model.vocab_size=400",
+        "model.seq_len=32",
+        "train.steps=2",
+        "mesh=tp2",
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    refused = p3d_train(f"run.dir={tmp_path / 'run2'}", "data=files", f"data.path={corpus}",
-                        f"data.tokenizer={out}", "model.vocab_size=300", timeout=60)
+    refused = p3d_train(
+        f"run.dir={tmp_path / 'run2'}",
+        "data=files",
+        f"data.path={corpus}",
+        f"data.tokenizer={out}",
+        "model.vocab_size=300",
+        timeout=60,
+    )
     assert refused.returncode == 2 and "model.vocab_size=300" in refused.stderr and "400 tokens" in refused.stderr

@@ -6,6 +6,7 @@ trained by a plain PyTorch loop (torch AdamW, clip_grad_norm_) on the same data 
 seeded init. Tolerance: 1e-5 relative (measured: about 1e-7 for losses, a few 1e-7 to 3e-6 for
 gradient norms, from fp32 reduction order). Clipping is on (train.grad_clip=1.0) and active.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,7 @@ CASES = {
 MODEL_KEYS = ("model.", "train.", "data.")  # overrides that change the reference; mesh ones must not
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model_overrides: tuple[str, ...]) -> list[dict]:
     cfg, _ = typed("mesh=single", *COMMON, *model_overrides)
     return reference_run(cfg)

@@ -5,6 +5,7 @@ at this checkout, and names its paths relative to that directory. After each one
 appeared in the working directory outside the places the command was told to write (nothing may)
 and looks for rendezvous files left in the run directory, the working directory and ``/``.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,14 @@ def run(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | No
     full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     start = time.monotonic()
     stamps: list[tuple[float, str]] = []
-    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT if stamp else subprocess.PIPE, text=True, env=full) as p:
+    with subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if stamp else subprocess.PIPE,
+        text=True,
+        env=full,
+    ) as p:
         LAUNCHERS.append(p.pid)
         try:
             if stamp:  # each stdout line with the time it arrived
@@ -44,7 +51,9 @@ def run(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | No
             except subprocess.TimeoutExpired:
                 p.kill()
                 out, err = p.communicate()
-            raise AssertionError(f"{module} {' '.join(args)} ran past {timeout} s:\n{out[-2000:]}\n{err[-2000:]}")
+            raise AssertionError(
+                f"{module} {' '.join(args)} ran past {timeout} s:\n{out[-2000:]}\n{err[-2000:]}"
+            ) from None
     done = subprocess.CompletedProcess(p.args, p.returncode, out, err or "")
     done.stamps = stamps  # type: ignore[attr-defined]
     return done, time.monotonic() - start
@@ -100,6 +109,7 @@ def before_root():
 
 # ---- the pieces, without processes
 
+
 def test_paths_resolve_against_the_given_directory(tmp_path):
     from p3d.paths import absolute, absolute_globs, hydra_output_overrides
 
@@ -110,7 +120,10 @@ def test_paths_resolve_against_the_given_directory(tmp_path):
     assert hydra_output_overrides(["run.dir=runs/a"], tmp_path)[-1] == f"hydra.run.dir='{tmp_path}/runs/a'"
     assert hydra_output_overrides(["run.dir=a", "hydra.run.dir=b"], tmp_path) == ["run.dir=a", "hydra.run.dir=b"]
     assert hydra_output_overrides(["-m", "run.dir=s", "train.seed=1,2"], tmp_path) == [
-        "-m", "train.seed=1,2", f"hydra.sweep.dir='{tmp_path}/s'"]
+        "-m",
+        "train.seed=1,2",
+        f"hydra.sweep.dir='{tmp_path}/s'",
+    ]
     assert hydra_output_overrides(["train.steps=2"], tmp_path) == ["train.steps=2"]
 
 
@@ -119,9 +132,16 @@ def test_config_paths_are_frozen_absolute(tmp_path, monkeypatch):
     from tests.conftest import compose
 
     monkeypatch.chdir(tmp_path)
-    cfg = typed_config(compose("data=files", "data.path='corpus/*.txt,more/x.jsonl'", "data.tokenizer=tok/t.json",
-                               "train.resume=runs/old/checkpoints/step_00000002", "tokenizer.out=tok/new.json",
-                               run_dir="runs/exp1"))
+    cfg = typed_config(
+        compose(
+            "data=files",
+            "data.path='corpus/*.txt,more/x.jsonl'",
+            "data.tokenizer=tok/t.json",
+            "train.resume=runs/old/checkpoints/step_00000002",
+            "tokenizer.out=tok/new.json",
+            run_dir="runs/exp1",
+        )
+    )
     assert cfg.run.dir == str(tmp_path / "runs/exp1")
     assert cfg.data.path == f"{tmp_path}/corpus/*.txt,{tmp_path}/more/x.jsonl"
     assert cfg.data.tokenizer == str(tmp_path / "tok/t.json")
@@ -143,15 +163,22 @@ def test_file_rendezvous_url_is_absolute():
 def test_missing_peer_is_bounded_by_cluster_timeout(tmp_path):
     """One worker of two joins a reachable file store: it gives up after cluster.timeout_s (3 s here),
     naming the store, instead of the store's own 300 s."""
-    code = ("import os, sys, time\n"
-            f"os.environ['P3D_INIT_METHOD'] = 'file://{tmp_path}/store'\n"
-            "from p3d.dist.rendezvous import RendezvousError, join\n"
-            "t = time.monotonic()\n"
-            "try:\n    join('gloo', 0, 2, 3)\nexcept RendezvousError as exc:\n"
-            "    print(f'{time.monotonic() - t:.1f} {exc}'); sys.exit(0)\n"
-            "sys.exit(1)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import os, sys, time\n"
+        f"os.environ['P3D_INIT_METHOD'] = 'file://{tmp_path}/store'\n"
+        "from p3d.dist.rendezvous import RendezvousError, join\n"
+        "t = time.monotonic()\n"
+        "try:\n    join('gloo', 0, 2, 3)\nexcept RendezvousError as exc:\n"
+        "    print(f'{time.monotonic() - t:.1f} {exc}'); sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     waited, message = proc.stdout.strip().split(" ", 1)
     assert 3 <= float(waited) < 60
@@ -159,6 +186,7 @@ def test_missing_peer_is_bounded_by_cluster_timeout(tmp_path):
 
 
 # ---- as a user runs it
+
 
 @pytest.mark.timeout(1200)
 def test_relative_run_dir_trains_like_an_absolute_one(tmp_path, before_root):
@@ -228,16 +256,29 @@ def test_files_tokenizer_spaces_and_export(tmp_path, before_root):
     """data=files with a relative glob, a tokenizer written and read by relative paths, a run
     directory with spaces, and p3d-export with relative run.dir and out=."""
     _corpus(tmp_path / "my corpus")
-    proc, _ = run("p3d.data.train_tokenizer", "data=files", "data.path='my corpus/*.txt'", "tokenizer.vocab_size=300",
-                  "tokenizer.out=tok/tok.json", cwd=tmp_path)
+    proc, _ = run(
+        "p3d.data.train_tokenizer",
+        "data=files",
+        "data.path='my corpus/*.txt'",
+        "tokenizer.vocab_size=300",
+        "tokenizer.out=tok/tok.json",
+        cwd=tmp_path,
+    )
     ok(proc)
     assert (tmp_path / "tok" / "tok.json").is_file()
     vocab = json.loads((tmp_path / "tok" / "tok.json").read_text())
     size = len(vocab["model"]["vocab"])
     run_dir = tmp_path / "my run"  # one part: the old URL read it as a host, the store went to /
-    proc, _ = p3d_train(*FAST, "mesh=single", "data=files", "data.path='my corpus/*.txt'",
-                        "data.tokenizer=tok/tok.json", f"model.vocab_size={size}", "run.dir='my run'",
-                        cwd=tmp_path)
+    proc, _ = p3d_train(
+        *FAST,
+        "mesh=single",
+        "data=files",
+        "data.path='my corpus/*.txt'",
+        "data.tokenizer=tok/tok.json",
+        f"model.vocab_size={size}",
+        "run.dir='my run'",
+        cwd=tmp_path,
+    )
     ok(proc)
     assert steps(run_dir) == [1, 2]
     frozen = spec(run_dir)
@@ -262,12 +303,15 @@ def test_unreachable_rendezvous_fails_in_seconds(tmp_path, before_root):
     """Test hook P3D_TEST_RENDEZVOUS_DIR puts the file store in a directory that does not exist: the
     launch fails within 30 s with one line naming the store and the cause, not after 300 s."""
     missing = tmp_path / "no such dir"
-    proc, took = p3d_train(*FAST, "mesh=dp2", "run.dir=runs/r", cwd=tmp_path, stamp=True,
-                           env={"P3D_TEST_RENDEZVOUS_DIR": str(missing)})
+    proc, took = p3d_train(
+        *FAST, "mesh=dp2", "run.dir=runs/r", cwd=tmp_path, stamp=True, env={"P3D_TEST_RENDEZVOUS_DIR": str(missing)}
+    )
     started = next(t for t, ln in proc.stamps if "starting 2 workers" in ln)
     failed = next(t for t, ln in proc.stamps if ln.startswith("p3d: the workers could not rendezvous"))
-    print(f"unreachable rendezvous: status {proc.returncode}, {failed - started:.1f} s from the workers' start to the "
-          f"message, {took:.1f} s in all\n{proc.stdout[-800:]}")
+    print(
+        f"unreachable rendezvous: status {proc.returncode}, {failed - started:.1f} s from the workers' start to the "
+        f"message, {took:.1f} s in all\n{proc.stdout[-800:]}"
+    )
     assert proc.returncode == 1
     assert failed - started < 30
     assert took < 150  # the launcher's own start (compose, data check, imports) on a shared 2-core machine

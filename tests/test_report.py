@@ -1,6 +1,7 @@
 """p3d-report: the table, CSV and plot of a sweep, from the files each point leaves; and a local
 ``p3d-train -m`` sweep (cluster=local, points in sequence) that skips an infeasible point and ends
 in the report."""
+
 from __future__ import annotations
 
 import csv
@@ -16,17 +17,37 @@ from p3d.report import collect, main, table
 from tests.conftest import p3d_train
 
 
-def make_point(root, name, *, tp=1, pp=2, dp=1, steps=3, done_steps=3, tokens=(100.0, 2000.0, 3000.0),
-               bubble=None, status=None, mesh="pp2"):
+def make_point(
+    root,
+    name,
+    *,
+    tp=1,
+    pp=2,
+    dp=1,
+    steps=3,
+    done_steps=3,
+    tokens=(100.0, 2000.0, 3000.0),
+    bubble=None,
+    status=None,
+    mesh="pp2",
+):
     d = root / name
     d.mkdir(parents=True)
-    spec = {"mesh": {"name": mesh, "tp": tp, "pp": pp, "dp": dp}, "train": {"steps": steps},
-            "run_plan": {"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp}}
+    spec = {
+        "mesh": {"name": mesh, "tp": tp, "pp": pp, "dp": dp},
+        "train": {"steps": steps},
+        "run_plan": {"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp},
+    }
     (d / "run_spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(spec)))
     lines = []
     for step in range(1, done_steps + 1):
-        rec = {"step": step, "loss": 7.0 - step, "tokens_per_s": tokens[step - 1], "mfu": tokens[step - 1] / 1e5,
-               "peak_mem_gb": 0.1 * step}
+        rec = {
+            "step": step,
+            "loss": 7.0 - step,
+            "tokens_per_s": tokens[step - 1],
+            "mfu": tokens[step - 1] / 1e5,
+            "peak_mem_gb": 0.1 * step,
+        }
         if bubble is not None:
             rec["bubble"] = bubble
         lines.append(json.dumps(rec))
@@ -42,8 +63,11 @@ def test_rows_from_spec_metrics_and_status(tmp_path):
     make_point(tmp_path, "1", tp=2, tokens=(50.0, 5000.0, 7000.0), status={"status": "done", "returncode": 0})
     make_point(tmp_path, "2", done_steps=1, status={"status": "failed", "returncode": 1})
     (tmp_path / "3").mkdir()
-    (tmp_path / "3" / "p3d_status.json").write_text(json.dumps(
-        {"status": "skipped", "returncode": 2, "reason": "mesh.tp=8 must divide model.n_heads=8", "mesh": "tp8_pp1"}))
+    (tmp_path / "3" / "p3d_status.json").write_text(
+        json.dumps(
+            {"status": "skipped", "returncode": 2, "reason": "mesh.tp=8 must divide model.n_heads=8", "mesh": "tp8_pp1"}
+        )
+    )
     make_point(tmp_path, "10", done_steps=2)  # no status file: inferred from the metrics
     (tmp_path / ".submitit").mkdir()
     rows = collect(tmp_path)
@@ -86,7 +110,7 @@ def test_local_multirun_runs_points_in_sequence_skips_infeasible_and_reports(tmp
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]  # only skipped points: 2
     assert "p3d: skipped this point, config error: mesh.tp=8 (mesh/tp8_pp1.yaml) must divide" in result.stderr
     assert result.stderr.rstrip().endswith("p3d: 1 of 3 sweep points not done (1 skipped: point 1); exit status 2")
-    table_text = result.stdout[result.stdout.index("p3d-report:"):]
+    table_text = result.stdout[result.stdout.index("p3d-report:") :]
     assert re.search(r"^0\s+single\s+1 x 1 x 1\s+[\d,]+.*2/2\s+done$", table_text, re.M), table_text
     assert re.search(r"^1\s+tp8_pp1 .*skipped: mesh.tp=8 \(mesh/tp8_pp1.yaml\) must divide", table_text, re.M)
     assert re.search(r"^2\s+pp2\s+1 x 2 x 1\s+[\d,]+.*2/2\s+done$", table_text, re.M), table_text
@@ -94,6 +118,7 @@ def test_local_multirun_runs_points_in_sequence_skips_infeasible_and_reports(tmp
     assert (sweep / "0" / "metrics.jsonl").stat().st_mtime <= (sweep / "2" / "run_spec.yaml").stat().st_mtime
     assert json.loads((sweep / "1" / "p3d_status.json").read_text())["status"] == "skipped"
     assert (sweep / "report.csv").is_file() and (sweep / "report.png").is_file()
-    again = subprocess.run([sys.executable, "-m", "p3d.report", str(sweep), "--no-plot"], capture_output=True,
-                           text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "p3d.report", str(sweep), "--no-plot"], capture_output=True, text=True, timeout=60
+    )
     assert again.returncode == 0 and again.stdout.count(" done") == 2, again.stdout

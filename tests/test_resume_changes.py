@@ -1,6 +1,7 @@
 """A resumed run continues the run it says it continues, also when the resume changes the config:
 the new lr schedule from the resumed step, the samples after the last trained one under a new global
 batch size and dp, train.steps not above the checkpoint refused, and a rule for every config field."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,9 @@ B0, K = 16, 3  # the base run's global batch and steps: its checkpoint has consu
 def user_train(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """``p3d-train`` as a user types it, from their own directory (relative run.dir)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "p3d.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "p3d.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +67,44 @@ def test_every_config_field_has_one_rule_and_every_rule_a_field():
     for key in resume_rules.RULES:
         assert key in fields or (key.endswith(".*") and key[:-2] in groups), f"{key} names no config field"
     refused = {f for f in fields if resume_rules.rule(f)[0] == Rule.REFUSED}
-    shape = {f"model.{k}" for k in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "ffn_hidden_size",
-                                    "vocab_size", "tie_embeddings", "rope_theta", "norm_eps", "seq_len")}
+    shape = {
+        f"model.{k}"
+        for k in (
+            "n_layers",
+            "hidden_size",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "tie_embeddings",
+            "rope_theta",
+            "norm_eps",
+            "seq_len",
+        )
+    }
     assert shape | {"data.source", "data.path", "data.tokenizer", "train.seed"} <= refused
     changes = {f for f in fields if resume_rules.rule(f)[0] == Rule.CHANGES}
-    assert {"train.steps", "train.lr", "train.warmup_steps", "train.decay", "schedule.global_batch_size",
-            "train.save_every", "train.eval_every", "mesh.dp", "mesh.pp", "mesh.tp", "logger.log_every"} <= changes
+    assert {
+        "train.steps",
+        "train.lr",
+        "train.warmup_steps",
+        "train.decay",
+        "schedule.global_batch_size",
+        "train.save_every",
+        "train.eval_every",
+        "mesh.dp",
+        "mesh.pp",
+        "mesh.tp",
+        "logger.log_every",
+    } <= changes
 
 
 def test_a_field_the_checkpoint_spec_predates_is_not_compared():
     old = {"data": {"source": "stdlib"}, "train": {"lr": 0.003}}
     new = {"data": {"source": "stdlib", "added_later": "x"}, "train": {"lr": 0.01}}
     assert [(c.field, c.old, c.new, c.rule) for c in resume_rules.diff(old, new)] == [
-        ("train.lr", 0.003, 0.01, Rule.CHANGES)]
+        ("train.lr", 0.003, 0.01, Rule.CHANGES)
+    ]
 
 
 def test_readme_lists_every_rule():
@@ -101,8 +128,11 @@ def test_the_spec_keeps_one_entry_per_segment(tmp_path):
     changed = dataclasses.replace(same, train=dataclasses.replace(same.train, lr=0.01, steps=8))
     write_spec(changed, plan, tmp_path)
     segs = _segments(tmp_path)
-    assert segs[1] == {"from_step": 3, "spec": "specs/from_step_00000003.yaml",
-                       "changes": ["train.steps: 3 -> 8 from step 4", "train.lr: 0.003 -> 0.01 from step 4"]}
+    assert segs[1] == {
+        "from_step": 3,
+        "spec": "specs/from_step_00000003.yaml",
+        "changes": ["train.steps: 3 -> 8 from step 4", "train.lr: 0.003 -> 0.01 from step 4"],
+    }
     first, _ = read_spec(tmp_path / segs[0]["spec"])  # the whole spec each segment ran with
     now, _ = read_spec(tmp_path)
     assert (first.train.lr, first.train.steps, now.train.lr, now.train.steps) == (3e-3, 3, 0.01, 8)
@@ -121,8 +151,9 @@ def _digest(window: torch.Tensor) -> str:
     return hashlib.sha1(window.numpy().tobytes()).hexdigest()
 
 
-def _trained(data_cfg, seq: int, batch: int, dp: int, start_sample: int, steps: int, seed: int,
-             mbs: int = 2) -> list[torch.Tensor]:
+def _trained(
+    data_cfg, seq: int, batch: int, dp: int, start_sample: int, steps: int, seed: int, mbs: int = 2
+) -> list[torch.Tensor]:
     """The windows ``steps`` steps of global batch ``batch`` on ``dp`` replicas train on, in global order
     (each step: replica 0's micro batches, then replica 1's, ...), as the trainer's loader yields them."""
     n = batch // dp // mbs  # micro batches per replica and step
@@ -130,8 +161,9 @@ def _trained(data_cfg, seq: int, batch: int, dp: int, start_sample: int, steps: 
     for rank in range(dp):
         it = micro_batches(data_cfg, seq, batch, mbs, dp, rank, seed, start_sample)
         per_rank.append([torch.cat([x, y[:, -1:]], dim=1) for x, y in islice(it, steps * n)])
-    return [w for step in range(steps) for rank in range(dp) for mb in per_rank[rank][step * n:(step + 1) * n]
-            for w in mb]
+    return [
+        w for step in range(steps) for rank in range(dp) for mb in per_rank[rank][step * n : (step + 1) * n] for w in mb
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -144,9 +176,9 @@ def test_a_new_global_batch_reads_the_samples_after_the_last_one_trained(batch, 
     stream = [_digest(w) for w in islice(sample_stream(data_cfg, seq, seed), K * batch + 3 * batch + B0 * K)]
     before = [_digest(w) for w in _trained(data_cfg, seq, B0, 1, 0, K, seed)]
     after = [_digest(w) for w in _trained(data_cfg, seq, batch, dp, B0 * K, 3, seed)]
-    assert before == stream[:B0 * K]  # samples 0 .. 47
-    assert after == stream[B0 * K:B0 * K + 3 * batch]  # samples 48, 49, ...: the next one first
-    stale = stream[K * batch:K * batch + 3 * batch]  # where "start step x new batch" would have started
+    assert before == stream[: B0 * K]  # samples 0 .. 47
+    assert after == stream[B0 * K : B0 * K + 3 * batch]  # samples 48, 49, ...: the next one first
+    stale = stream[K * batch : K * batch + 3 * batch]  # where "start step x new batch" would have started
     assert after != stale
 
 
@@ -156,11 +188,23 @@ def test_a_new_global_batch_reads_the_samples_after_the_last_one_trained(batch, 
 @pytest.mark.timeout(300)
 def test_a_new_lr_applies_from_the_next_step(home):
     """lr, warmup, decay and steps changed at step 3: every step's lr is its segment's schedule formula."""
-    r = user_train(home, *BASE[:2], "train.steps=6", "train.lr=1e-2", "train.warmup_steps=4", "train.decay=linear",
-                   "train.resume=auto", "run.dir=r1")
+    r = user_train(
+        home,
+        *BASE[:2],
+        "train.steps=6",
+        "train.lr=1e-2",
+        "train.warmup_steps=4",
+        "train.decay=linear",
+        "train.resume=auto",
+        "run.dir=r1",
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for line in ("p3d: train.steps: 3 -> 6 from step 4", "p3d: train.lr: 0.003 -> 0.01 from step 4",
-                 "p3d: train.warmup_steps: 20 -> 4 from step 4", "p3d: train.decay: cosine -> linear from step 4"):
+    for line in (
+        "p3d: train.steps: 3 -> 6 from step 4",
+        "p3d: train.lr: 0.003 -> 0.01 from step 4",
+        "p3d: train.warmup_steps: 20 -> 4 from step 4",
+        "p3d: train.decay: cosine -> linear from step 4",
+    ):
         assert line in r.stdout
     assert r.stdout.index("p3d: train.lr") < r.stdout.index("starting 1 workers")  # said before the launch
     logged = {m["step"]: m["lr"] for m in read_metrics(home / "r1")}
@@ -182,8 +226,15 @@ def test_a_new_global_batch_and_dp_train_on_the_next_samples(home, batch, mesh):
     resumed step is the step-3 model's loss on samples [48, 48 + batch) of the stream."""
     from p3d.export import load_sequential
 
-    r = user_train(home, "model=tiny", f"mesh={mesh}", "train.steps=4", f"schedule.global_batch_size={batch}",
-                   "train.resume=auto", "run.dir=r1")
+    r = user_train(
+        home,
+        "model=tiny",
+        f"mesh={mesh}",
+        "train.steps=4",
+        f"schedule.global_batch_size={batch}",
+        "train.resume=auto",
+        "run.dir=r1",
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"p3d: schedule.global_batch_size: 16 -> {batch} from step 4" in r.stdout
     records = read_metrics(home / "r1")
@@ -206,11 +257,14 @@ def test_train_steps_not_above_the_checkpoint_is_refused_and_writes_nothing(home
     r = user_train(home, *BASE[:2], f"train.steps={steps}", "train.resume=auto", "run.dir=r1", timeout=90)
     assert r.returncode == exit_codes.CONFIG_ERROR
     (line,) = r.stderr.strip().splitlines()  # one line, no traceback
-    assert line.startswith(f"p3d: config error: train.steps={steps} (command line) is not above the step of the "
-                           "checkpoint ")
+    assert line.startswith(
+        f"p3d: config error: train.steps={steps} (command line) is not above the step of the checkpoint "
+    )
     assert line.endswith("r1/checkpoints/step_00000003 (3): nothing to train; set train.steps=4 or more to train on")
     assert "starting" not in r.stdout
-    assert (home / "r1" / "run_spec.yaml").read_bytes() == spec and (home / "r1" / "metrics.jsonl").read_bytes() == metrics
+    assert (home / "r1" / "run_spec.yaml").read_bytes() == spec and (
+        home / "r1" / "metrics.jsonl"
+    ).read_bytes() == metrics
     assert not (home / "r1" / "specs" / "from_step_00000003.yaml").exists()
 
 

@@ -1,5 +1,6 @@
 """One run per run directory (p3d.run_lock) and Ctrl-C (p3d.dist.stop): the lease logic in-process,
 then real p3d-train launches racing for one directory, a SIGKILLed holder, and Ctrl-C once and twice."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,18 @@ def _sleeper() -> subprocess.Popen:
 
 
 def _write_lease(run_dir: Path, **fields) -> None:
-    body = {"pid": 1, "host": socket.gethostname(), "what": "p3d-train", "started": "then", "heartbeat": time.time(),
-            "token": "t0", "workers": [], "slurm_job": None, "slurm_restart": None, **fields}
+    body = {
+        "pid": 1,
+        "host": socket.gethostname(),
+        "what": "p3d-train",
+        "started": "then",
+        "heartbeat": time.time(),
+        "token": "t0",
+        "workers": [],
+        "slurm_job": None,
+        "slurm_restart": None,
+        **fields,
+    }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / LOCK_NAME).write_text(json.dumps(body))
 
@@ -139,8 +150,14 @@ def test_a_lease_handed_to_a_submitted_job_is_taken_by_that_job_only(tmp_path, m
 
 def _start(run_dir: Path | str, *overrides: str, cwd: Path = ROOT) -> subprocess.Popen:
     """p3d-train in its own process group, as a shell starts a foreground job."""
-    return subprocess.Popen([sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_for(what, timeout: float, proc: subprocess.Popen) -> None:
@@ -172,10 +189,24 @@ def test_a_second_launch_into_a_running_run_is_refused_until_it_ends(tmp_path):
         assert not (run / "metrics.jsonl").exists()  # the race the old check lost: the first has written no metrics
         started = time.monotonic()
         # from another working directory, with a relative run.dir naming the same directory
-        rivals = {resume: subprocess.Popen([sys.executable, "-m", "p3d.cli", "run.dir=run", *TINY,
-                                            f"train.steps={steps}", f"train.resume={resume}"], cwd=tmp_path,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                  for resume in ("none", "auto")}
+        rivals = {
+            resume: subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "p3d.cli",
+                    "run.dir=run",
+                    *TINY,
+                    f"train.steps={steps}",
+                    f"train.resume={resume}",
+                ],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for resume in ("none", "auto")
+        }
         for resume, rival in rivals.items():
             _, err = rival.communicate(timeout=120)
             took = time.monotonic() - started

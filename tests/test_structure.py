@@ -1,5 +1,6 @@
 """The shape of the code base: an acyclic import graph, one definition of bubble, a run spec that keeps
 every option (issue 10)."""
+
 from __future__ import annotations
 
 import ast
@@ -29,9 +30,13 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
-                for n in ast.walk(node)}
+        skip = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
         deps: set[str] = set()
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -55,7 +60,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         stack.pop()
@@ -88,16 +93,30 @@ def test_no_library_module_imports_the_cli():
 
 def test_plan_options_survive_the_run_spec(tmp_path):
     """``plan.*`` (the planner's options) and the derived run plan are both in run_spec.yaml, apart."""
-    from p3d.launch.prepare import prepare
     from p3d.config.spec import read_spec, write_spec
+    from p3d.launch.prepare import prepare
 
-    node = compose("plan.force=true", "plan.efficiency=0.37", "plan.overlap_tp=true", "plan.overlap_dp=true",
-                   "plan.flash_attention=false", "plan.top=7", "mesh=tp2_pp2", run_dir=str(tmp_path))
+    node = compose(
+        "plan.force=true",
+        "plan.efficiency=0.37",
+        "plan.overlap_tp=true",
+        "plan.overlap_dp=true",
+        "plan.flash_attention=false",
+        "plan.top=7",
+        "mesh=tp2_pp2",
+        run_dir=str(tmp_path),
+    )
     cfg, plan = prepare(node)
     write_spec(cfg, plan, tmp_path)
     back, back_plan = read_spec(tmp_path)
-    assert (back.plan.force, back.plan.efficiency, back.plan.overlap_tp, back.plan.overlap_dp,
-            back.plan.flash_attention, back.plan.top) == (True, 0.37, True, True, False, 7)
+    assert (
+        back.plan.force,
+        back.plan.efficiency,
+        back.plan.overlap_tp,
+        back.plan.overlap_dp,
+        back.plan.flash_attention,
+        back.plan.top,
+    ) == (True, 0.37, True, True, False, 7)
     assert back.plan == cfg.plan and back_plan == plan and (back_plan.tp, back_plan.pp) == (2, 2)
 
 
@@ -109,7 +128,12 @@ def test_bubble_is_one_number_in_metrics_and_planner(tmp_path):
     run = p3d_train(f"run.dir={tmp_path / 'run'}", "train.steps=1", "logger=none", *args)
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    planned = subprocess.run([sys.executable, "-m", "p3d.plan.cli", "format=json", *args], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+    planned = subprocess.run(
+        [sys.executable, "-m", "p3d.plan.cli", "format=json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert record["bubble_theory"] == json.loads(planned.stdout)["bubble"] == pytest.approx(3 / 7)

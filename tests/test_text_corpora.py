@@ -5,6 +5,7 @@ file, a directory as ``data.path``, text with U+FFFD kept; parity and exact resu
 End-to-end cases run the user's command (``p3d-train data=files data.path=corpus.txt`` ...) from
 another working directory with relative paths, shrunk to a tiny run (``mesh=single train.steps=2``).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,23 @@ FILES = {
 }
 DOCUMENTS = {
     TextUnit.document: [FILES["a.txt"], "naïve café ✓\nsecond line\n\n   \nlast paragraph, no final line break"],
-    TextUnit.paragraph: ["def f():\n    return 1", 'class A:\n    """Doc."""', "    pass",
-                         "naïve café ✓\nsecond line", "last paragraph, no final line break"],
-    TextUnit.line: ["def f():", "    return 1", "class A:", '    """Doc."""', "    pass",
-                    "naïve café ✓", "second line", "last paragraph, no final line break"],
+    TextUnit.paragraph: [
+        "def f():\n    return 1",
+        'class A:\n    """Doc."""',
+        "    pass",
+        "naïve café ✓\nsecond line",
+        "last paragraph, no final line break",
+    ],
+    TextUnit.line: [
+        "def f():",
+        "    return 1",
+        "class A:",
+        '    """Doc."""',
+        "    pass",
+        "naïve café ✓",
+        "second line",
+        "last paragraph, no final line break",
+    ],
 }
 
 
@@ -60,8 +74,9 @@ def _write(folder: Path, files: dict[str, str | bytes]) -> Path:
 def _p3d(cwd: Path, module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """A p3d command as a user runs it, from ``cwd`` (this tree first on the path)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
-                            timeout=timeout, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert "Traceback" not in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -79,8 +94,15 @@ def test_tokens_decode_to_the_documents_joined_by_end_of_document(tmp_path, unit
     text (line breaks inside kept) followed by the end-of-document token: no token between the lines of a
     document, none lost."""
     corpus = _write(tmp_path / "corpus", FILES)
-    cfg, _ = typed("mesh=single", "data=files", f"data.path={corpus}/*.txt", f"data.text_unit={unit.value}",
-                   "data.val_fraction=0", "data.shuffle_buffer=0", "model.seq_len=15")
+    cfg, _ = typed(
+        "mesh=single",
+        "data=files",
+        f"data.path={corpus}/*.txt",
+        f"data.text_unit={unit.value}",
+        "data.val_fraction=0",
+        "data.shuffle_buffer=0",
+        "model.seq_len=15",
+    )
     expected = [t for doc in DOCUMENTS[unit] for t in (*doc.encode(), EOD)]
     window = cfg.model.seq_len + 1
     n = len(expected) // window
@@ -88,9 +110,9 @@ def test_tokens_decode_to_the_documents_joined_by_end_of_document(tmp_path, unit
     batches = global_batches(cfg.data, cfg.model.seq_len, 1, cfg.train.seed, stats=stats)
     got = [t for batch in islice(batches, n) for t in batch[0].tolist()]
     next(batches)  # the first window of the next epoch: the first one has been read to its end
-    assert got == expected[:n * window] and len(expected) - n * window < window  # only the tail of an epoch
+    assert got == expected[: n * window] and len(expected) - n * window < window  # only the tail of an epoch
     docs = bytes(t if t != EOD else 0 for t in got).decode().split("\0")
-    assert docs[:-1] == DOCUMENTS[unit][:len(docs) - 1]
+    assert docs[:-1] == DOCUMENTS[unit][: len(docs) - 1]
     if unit == TextUnit.document:  # the files' texts, joined by end-of-document only between files
         assert "".join(DOCUMENTS[unit]) == (FILES["a.txt"] + FILES["b.txt"]).replace("\r\n", "\n")
     assert stats.skipped_records == 0 and stats.failed_files == 0 and stats.summary() == ""
@@ -124,8 +146,15 @@ def test_a_corpus_with_blank_lines_reports_nothing_skipped(tmp_path):
     (in the checkpoint), not reported."""
     (tmp_path / "corpus.txt").write_text("\n\n".join(_stdlib_modules(10)))
     for unit in ("document", "line"):
-        result = _p3d(tmp_path, "p3d.cli", "data=files", "data.path=corpus.txt", f"data.text_unit={unit}",
-                      f"run.dir=run_{unit}", *TINY)
+        result = _p3d(
+            tmp_path,
+            "p3d.cli",
+            "data=files",
+            "data.path=corpus.txt",
+            f"data.text_unit={unit}",
+            f"run.dir=run_{unit}",
+            *TINY,
+        )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         out = (result.stdout + result.stderr).lower()
         assert "skipped" not in out and "unreadable" not in out and "not utf-8" not in out, out[-2000:]
@@ -135,27 +164,40 @@ def test_a_corpus_with_blank_lines_reports_nothing_skipped(tmp_path):
 
 @pytest.mark.parametrize("unit", list(TextUnit), ids=lambda u: u.value)
 def test_bytes_that_are_not_utf8_are_skipped_and_named(tmp_path, unit):
-    corpus = _write(tmp_path / "corpus", {"good.txt": "first paragraph\n\nsecond one\n",
-                                          "latin1.txt": "caf\xe9 au lait\n\nfine text\n".encode("latin-1")})
+    corpus = _write(
+        tmp_path / "corpus",
+        {
+            "good.txt": "first paragraph\n\nsecond one\n",
+            "latin1.txt": "caf\xe9 au lait\n\nfine text\n".encode("latin-1"),
+        },
+    )
     stats = DataStats()
-    texts = list(iter_texts(DataConfig(source=DataSource.files, path=str(corpus), text_unit=unit, val_fraction=0),
-                            stats=stats))
+    texts = list(
+        iter_texts(DataConfig(source=DataSource.files, path=str(corpus), text_unit=unit, val_fraction=0), stats=stats)
+    )
     kept = {TextUnit.document: 1, TextUnit.paragraph: 3, TextUnit.line: 3}[unit]
     assert len(texts) == kept and stats.skipped_records == 1 and stats.failed_files == 0
-    assert stats.summary() == (f"data: skipped 1 {unit.value} of {corpus / 'latin1.txt'} with bytes that are not "
-                               "UTF-8 (the first at byte 3): convert the file to UTF-8")
+    assert stats.summary() == (
+        f"data: skipped 1 {unit.value} of {corpus / 'latin1.txt'} with bytes that are not "
+        "UTF-8 (the first at byte 3): convert the file to UTF-8"
+    )
 
 
 def test_a_run_names_the_file_with_bytes_that_are_not_utf8(tmp_path):
     modules = _stdlib_modules(3)
-    _write(tmp_path / "corpus", {"a.txt": modules[0], "b.txt": modules[1].encode() + b"\n\xff\xfe\n",
-                                 "c.txt": modules[2]})
-    result = _p3d(tmp_path, "p3d.cli", "data=files", "data.path=corpus/*.txt", "data.text_unit=paragraph",
-                  "run.dir=run", *TINY)
+    _write(
+        tmp_path / "corpus", {"a.txt": modules[0], "b.txt": modules[1].encode() + b"\n\xff\xfe\n", "c.txt": modules[2]}
+    )
+    result = _p3d(
+        tmp_path, "p3d.cli", "data=files", "data.path=corpus/*.txt", "data.text_unit=paragraph", "run.dir=run", *TINY
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     # the file as data.path names it (relative here; absolute if the launcher resolves data.path)
-    assert re.search(r"data: skipped 1 paragraph of (\S*/)?corpus/b\.txt with bytes that are not UTF-8 \(the first at "
-                     r"byte \d+\): convert the file to UTF-8", result.stdout), result.stdout[-2000:]
+    assert re.search(
+        r"data: skipped 1 paragraph of (\S*/)?corpus/b\.txt with bytes that are not UTF-8 \(the first at "
+        r"byte \d+\): convert the file to UTF-8",
+        result.stdout,
+    ), result.stdout[-2000:]
 
 
 def test_a_corpus_with_no_utf8_text_is_refused_naming_the_file(tmp_path):
@@ -171,8 +213,17 @@ def test_a_directory_as_data_path(tmp_path):
     """Issue 23, item 8: ``p3d-train data=files data.path=corpus`` reads the directory's files of the known
     formats (recursively, sorted; hidden files and other extensions left out)."""
     modules = _stdlib_modules(3)
-    _write(tmp_path / "corpus", {"b.txt": modules[1], "a.txt": modules[0], "sub/c.md": modules[2],
-                                 "notes.pdf": b"%PDF", ".hidden.txt": "x", ".git/HEAD.txt": "ref"})
+    _write(
+        tmp_path / "corpus",
+        {
+            "b.txt": modules[1],
+            "a.txt": modules[0],
+            "sub/c.md": modules[2],
+            "notes.pdf": b"%PDF",
+            ".hidden.txt": "x",
+            ".git/HEAD.txt": "ref",
+        },
+    )
     corpus = tmp_path / "corpus"
     assert resolve_files(str(corpus)) == [str(corpus / "a.txt"), str(corpus / "b.txt"), str(corpus / "sub/c.md")]
     cfg = DataConfig(source=DataSource.files, path=str(corpus), val_fraction=0)
@@ -186,9 +237,12 @@ def test_a_directory_as_data_path(tmp_path):
     result = _p3d(tmp_path, "p3d.cli", "data=files", "data.path=empty", "run.dir=run2", *TINY, timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert re.search(r"data\.path=(\S*/)?empty (\(command line\) )?is a directory with no "
-                     r"\.csv/\.json/\.jsonl/\.md/\.parquet/\.text/\.txt file in it; point data\.path at the files "
-                     r"with a glob \(e\.g\. data\.path='(\S*/)?empty/\*\*/\*\.txt'\)$", lines[0]), lines[0]
+    assert re.search(
+        r"data\.path=(\S*/)?empty (\(command line\) )?is a directory with no "
+        r"\.csv/\.json/\.jsonl/\.md/\.parquet/\.text/\.txt file in it; point data\.path at the files "
+        r"with a glob \(e\.g\. data\.path='(\S*/)?empty/\*\*/\*\.txt'\)$",
+        lines[0],
+    ), lines[0]
     assert not (tmp_path / "run2").exists()
 
 
@@ -214,11 +268,20 @@ def test_p3d_tokenizer_reads_documents_with_their_line_breaks(tmp_path):
     _write(tmp_path / "corpus", {"a.txt": "\n\n".join(_stdlib_modules(4)), "bad.txt": b"ok\n\xff\n"})
     merges = {}
     for unit in ("document", "line"):
-        result = _p3d(tmp_path, "p3d.data.train_tokenizer", "data=files", "data.path=corpus", f"data.text_unit={unit}",
-                      "tokenizer.vocab_size=400", f"tokenizer.out=tok_{unit}.json", timeout=180)
+        result = _p3d(
+            tmp_path,
+            "p3d.data.train_tokenizer",
+            "data=files",
+            "data.path=corpus",
+            f"data.text_unit={unit}",
+            "tokenizer.vocab_size=400",
+            f"tokenizer.out=tok_{unit}.json",
+            timeout=180,
+        )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        assert re.search(rf"skipped 1 {unit} of (\S*/)?corpus/bad\.txt with bytes that are not UTF-8", result.stdout), \
+        assert re.search(rf"skipped 1 {unit} of (\S*/)?corpus/bad\.txt with bytes that are not UTF-8", result.stdout), (
             result.stdout
+        )
         vocab = json.loads((tmp_path / f"tok_{unit}.json").read_text())["model"]["vocab"]
         merges[unit] = [t for t in vocab if "Ċ" in t and len(t) > 1]
     assert merges["document"] and not merges["line"]
@@ -227,8 +290,15 @@ def test_p3d_tokenizer_reads_documents_with_their_line_breaks(tmp_path):
 # ---- parity and exact resume on a data=files text corpus
 
 STEPS = 6
-TEXT_RUN = ("data=files", "data.path={corpus}", "data.text_unit=paragraph", f"train.steps={STEPS}",
-            "train.warmup_steps=2", "train.save_every=3", "train.keep_last=3")
+TEXT_RUN = (
+    "data=files",
+    "data.path={corpus}",
+    "data.text_unit=paragraph",
+    f"train.steps={STEPS}",
+    "train.warmup_steps=2",
+    "train.save_every=3",
+    "train.keep_last=3",
+)
 
 
 @pytest.fixture(scope="module")
@@ -266,8 +336,9 @@ def test_resume_continues_the_same_curve_on_a_text_corpus(text_corpus, dp2_run, 
     """Resume the step-3 checkpoint of the dp2 run in a new run.dir: steps 4..6 repeat it exactly."""
     args = [a.format(corpus=text_corpus) for a in TEXT_RUN]
     ckpt = checkpoint.step_dir(dp2_run, 3)
-    result = _p3d(ROOT, "p3d.cli", f"run.dir={tmp_path / 'resumed'}", "mesh=dp2", *args, f"train.resume={ckpt}",
-                  timeout=400)
+    result = _p3d(
+        ROOT, "p3d.cli", f"run.dir={tmp_path / 'resumed'}", "mesh=dp2", *args, f"train.resume={ckpt}", timeout=400
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resumed from step 3" in result.stdout
     straight, resumed = read_metrics(dp2_run), read_metrics(tmp_path / "resumed")

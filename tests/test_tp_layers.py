@@ -3,6 +3,7 @@
 The unsharded twin is the same class built with tp = 1 (no group), whose weights are the master
 tensors the sharded layers slice. Each rank checks its shard of every gradient.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -149,7 +150,7 @@ def _check_block(rank, world):
             expected = fg.chunk(world, dim=1)[rank]
         else:  # RMSNorm weights: replicated, identical gradients on every rank
             expected = fg
-        torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"{name}: {m}")  # noqa: B023
 
 
 @pytest.mark.parametrize("tp", [2, 4])

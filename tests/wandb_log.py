@@ -3,6 +3,7 @@
 wandb 0.31 writes offline runs from its Go core and ships no Python reader for them any more. The
 format: a 7-byte header (``:W&B``, magic, version), then 32 KiB blocks of chunks, each with a 7-byte
 header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,8 @@ def records(path: Path):
         if room < 7:
             pos += room
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0:
             break

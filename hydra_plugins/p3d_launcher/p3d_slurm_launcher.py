@@ -1,4 +1,5 @@
 """``hydra/launcher=p3d_slurm``: see :mod:`p3d.dist.sweep`."""
+
 from p3d.dist.sweep import P3DSlurmLauncher as _P3DSlurmLauncher
 
 

@@ -1,10 +1,10 @@
 """The DeepSpeed JSON of a run, derived from the typed config and run plan. No DeepSpeed import: the
 launcher writes it beside the run spec without loading the engine."""
+
 from __future__ import annotations
 
-from p3d.run_dir import DS_CONFIG as DS_CONFIG_NAME  # noqa: F401 - the launcher writes it under this name
 from p3d.config.schema import DType
-
+from p3d.run_dir import DS_CONFIG as DS_CONFIG_NAME  # noqa: F401 - the launcher writes it under this name
 
 
 def deepspeed_config(cfg, plan) -> dict:
@@ -20,8 +20,11 @@ def deepspeed_config(cfg, plan) -> dict:
         "bf16": {"enabled": cfg.train.dtype == DType.bf16},
         # bf16 with ZeRO-1: accumulate micro-batch gradients in fp32 (DeepSpeed allows this mix only with
         # ZeRO-1; with ZeRO 0 its BF16_Optimizer accumulates in bf16 and warns)
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 1
-           else {}),
+        **(
+            {"data_types": {"grad_accum_dtype": "fp32"}}
+            if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 1
+            else {}
+        ),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -15,6 +15,7 @@ the config (``p3d.config.schema.Config``, flattened to ``group.field``) follows 
 ``RULES`` maps a field, or a whole group as ``group.*``, to its rule and the reason; a field's own entry
 wins over its group's. ``tests/test_resume_changes.py`` checks that every field of the schema has a rule.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -124,8 +125,11 @@ def diff(old: dict, new: dict) -> list[Change]:
     ``plan`` and ``segments``), in the schema's order. A field only one side has (a spec written before the
     field existed, or after it was removed) is not compared."""
     flat_old, flat_new = flatten(old), flatten(new)
-    return [Change(field, flat_old[field], now, *rule(field)) for field, now in flat_new.items()
-            if field in flat_old and flat_old[field] != now]
+    return [
+        Change(field, flat_old[field], now, *rule(field))
+        for field, now in flat_new.items()
+        if field in flat_old and flat_old[field] != now
+    ]
 
 
 def printed(changes: list[Change]) -> list[Change]:
@@ -138,9 +142,13 @@ def refusal(changes: list[Change], ckpt: str, step: int, steps: int) -> str | No
     above the checkpoint's step."""
     for c in changes:
         if c.rule == Rule.REFUSED:
-            return (f"{c.field}={_show(c.new)} differs from the checkpoint {ckpt} ({_show(c.old)}) and may not change "
-                    f"on resume ({c.reason}); resume with {c.field}={_show(c.old)} or start a new run.dir")
+            return (
+                f"{c.field}={_show(c.new)} differs from the checkpoint {ckpt} ({_show(c.old)}) and may not change "
+                f"on resume ({c.reason}); resume with {c.field}={_show(c.old)} or start a new run.dir"
+            )
     if steps <= step:
-        return (f"train.steps={steps} is not above the step of the checkpoint {ckpt} ({step}): nothing to train; "
-                f"set train.steps={step + 1} or more to train on")
+        return (
+            f"train.steps={steps} is not above the step of the checkpoint {ckpt} ({step}): nothing to train; "
+            f"set train.steps={step + 1} or more to train on"
+        )
     return None

@@ -4,6 +4,7 @@ Each YAML file under ``conf/<group>/`` extends one of these dataclasses (``defau
 so Hydra rejects unknown keys and wrong types at compose time. Cross-group rules (world size, head
 divisibility, batch arithmetic, ...) live in :mod:`p3d.config.validate`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -198,7 +199,9 @@ class PlanConfig:
     """Options of the analytic planner (p3d-plan, and the pre-flight check of p3d-train)."""
 
     force: bool = False  # launch even when the planner predicts the layout does not fit device memory
-    efficiency: Optional[float] = None  # achieved fraction of cluster.peak_tflops in matmuls; null: the device's default
+    efficiency: Optional[float] = (
+        None  # achieved fraction of cluster.peak_tflops in matmuls; null: the device's default
+    )
     hbm_gbps: Optional[float] = None  # device memory bandwidth (GB/s) for memory-bound kernels; null: the datasheet's
     flash_attention: bool = True  # attention keeps O(s) per token (flash kernels); false: the s x s probabilities
     overlap_dp: bool = False  # dp / ZeRO collectives overlap compute (DeepSpeed's pipeline engine: they do not)
@@ -242,26 +245,55 @@ BELOW_1 = Bound(0, 1, open_high=True)  # [0, 1)
 # Every int and float field of the schema has its bound here (tests/test_inputs.py checks that none is
 # missing); p3d.config.validate.check_fields refuses a value outside it in one line.
 BOUNDS: dict[str, Bound] = {
-    "model.n_layers": AT_LEAST_1, "model.hidden_size": AT_LEAST_1, "model.n_heads": AT_LEAST_1,
-    "model.n_kv_heads": AT_LEAST_1, "model.ffn_hidden_size": AT_LEAST_1, "model.vocab_size": AT_LEAST_1,
-    "model.seq_len": Bound(2), "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.init_std": POSITIVE,
-    "mesh.tp": AT_LEAST_1, "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.config.validate._world_size
-    "schedule.micro_batch_size": AT_LEAST_1, "schedule.global_batch_size": AT_LEAST_1,
+    "model.n_layers": AT_LEAST_1,
+    "model.hidden_size": AT_LEAST_1,
+    "model.n_heads": AT_LEAST_1,
+    "model.n_kv_heads": AT_LEAST_1,
+    "model.ffn_hidden_size": AT_LEAST_1,
+    "model.vocab_size": AT_LEAST_1,
+    "model.seq_len": Bound(2),
+    "model.rope_theta": POSITIVE,
+    "model.norm_eps": POSITIVE,
+    "model.init_std": POSITIVE,
+    "mesh.tp": AT_LEAST_1,
+    "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.config.validate._world_size
+    "schedule.micro_batch_size": AT_LEAST_1,
+    "schedule.global_batch_size": AT_LEAST_1,
     "schedule.virtual_stages": AT_LEAST_1,
     "zero.stage": Bound(0, 3),
-    "cluster.nodes": AT_LEAST_1, "cluster.gpus_per_node": AT_LEAST_1, "cluster.peak_tflops": POSITIVE,
-    "cluster.memory_gb": POSITIVE, "cluster.intra_node_gbps": POSITIVE, "cluster.inter_node_gbps": POSITIVE,
-    "cluster.timeout_s": AT_LEAST_1, "cluster.cpus_per_task": AT_LEAST_1, "cluster.signal_s": NON_NEGATIVE,
+    "cluster.nodes": AT_LEAST_1,
+    "cluster.gpus_per_node": AT_LEAST_1,
+    "cluster.peak_tflops": POSITIVE,
+    "cluster.memory_gb": POSITIVE,
+    "cluster.intra_node_gbps": POSITIVE,
+    "cluster.inter_node_gbps": POSITIVE,
+    "cluster.timeout_s": AT_LEAST_1,
+    "cluster.cpus_per_task": AT_LEAST_1,
+    "cluster.signal_s": NON_NEGATIVE,
     "cluster.max_requeues": NON_NEGATIVE,
-    "data.shuffle_buffer": NON_NEGATIVE, "data.val_fraction": BELOW_1,
+    "data.shuffle_buffer": NON_NEGATIVE,
+    "data.val_fraction": BELOW_1,
     "logger.log_every": AT_LEAST_1,
-    "train.steps": AT_LEAST_1, "train.lr": POSITIVE, "train.min_lr_ratio": FRACTION, "train.warmup_steps": NON_NEGATIVE,
-    "train.weight_decay": NON_NEGATIVE, "train.beta1": BELOW_1, "train.beta2": BELOW_1, "train.eps": POSITIVE,
-    "train.grad_clip": NON_NEGATIVE, "train.seed": NON_NEGATIVE, "train.eval_every": NON_NEGATIVE,
-    "train.eval_batches": AT_LEAST_1, "train.save_every": NON_NEGATIVE, "train.keep_last": NON_NEGATIVE,
+    "train.steps": AT_LEAST_1,
+    "train.lr": POSITIVE,
+    "train.min_lr_ratio": FRACTION,
+    "train.warmup_steps": NON_NEGATIVE,
+    "train.weight_decay": NON_NEGATIVE,
+    "train.beta1": BELOW_1,
+    "train.beta2": BELOW_1,
+    "train.eps": POSITIVE,
+    "train.grad_clip": NON_NEGATIVE,
+    "train.seed": NON_NEGATIVE,
+    "train.eval_every": NON_NEGATIVE,
+    "train.eval_batches": AT_LEAST_1,
+    "train.save_every": NON_NEGATIVE,
+    "train.keep_last": NON_NEGATIVE,
     "tokenizer.vocab_size": Bound(257),  # 256 bytes + end of text
-    "tokenizer.max_documents": AT_LEAST_1, "tokenizer.min_frequency": NON_NEGATIVE,
-    "plan.efficiency": Bound(0, 1, open_low=True), "plan.hbm_gbps": POSITIVE, "plan.top": AT_LEAST_1,
+    "tokenizer.max_documents": AT_LEAST_1,
+    "tokenizer.min_frequency": NON_NEGATIVE,
+    "plan.efficiency": Bound(0, 1, open_low=True),
+    "plan.hbm_gbps": POSITIVE,
+    "plan.top": AT_LEAST_1,
 }
 
 

@@ -10,6 +10,7 @@ continued), ``spec`` (``specs/from_step_<N>.yaml``, the whole spec that segment 
 history comes from the resumed checkpoint's copy of the spec, so resuming an older checkpoint drops the
 segments after it, as its steps are trained again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,11 @@ def _unknown_key_error(key: str, node: Any) -> P3DConfigError:
     section = OmegaConf.select(OmegaConf.structured(Config), group) if group else OmegaConf.structured(Config)
     close = difflib.get_close_matches(name, list(section.keys()), n=1)
     value = OmegaConf.select(node, key, throw_on_missing=False) if isinstance(node, DictConfig) else "..."
-    fix = f"try {group + '.' if group else ''}{close[0]}={value}" if close else \
-        "remove it (p3d-train --cfg job lists the options)"
+    fix = (
+        f"try {group + '.' if group else ''}{close[0]}={value}"
+        if close
+        else "remove it (p3d-train --cfg job lists the options)"
+    )
     return P3DConfigError(f"{key}={value} is not a p3d option and would be ignored; {fix}")
 
 
@@ -87,8 +91,7 @@ def _config_part(raw: dict) -> dict:
     """The config of a raw spec: without the derived run plan (``plan`` in specs written before it was
     renamed ``run_plan``, told apart from the planner's options by its ``world_size``) and the history."""
     legacy_plan = isinstance(raw.get("plan"), dict) and "world_size" in raw["plan"]
-    return {k: v for k, v in raw.items()
-            if k not in (RUN_PLAN_KEY, "segments") and not (k == "plan" and legacy_plan)}
+    return {k: v for k, v in raw.items() if k not in (RUN_PLAN_KEY, "segments") and not (k == "plan" and legacy_plan)}
 
 
 def resume_changes(cfg: Config, ckpt: str | Path) -> list[resume_rules.Change]:

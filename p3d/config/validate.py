@@ -4,13 +4,13 @@ Every rule raises :class:`P3DConfigError` with one line naming the field, its va
 that fixes it. ``build_plan`` returns the numbers every worker needs (dp, micro batches, padded
 vocab, stage boundaries, ...) so that no worker derives them again.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition, Recompute
 from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
@@ -74,11 +74,16 @@ def fill_cluster(cfg: Config) -> Config:
 
     c = cfg.cluster
     if c.device not in DEVICES:
-        raise P3DConfigError(f"cluster.device={c.device} is not a known device; try one of: "
-                             + ", ".join(f"cluster.device={d}" for d in sorted(DEVICES)))
+        raise P3DConfigError(
+            f"cluster.device={c.device} is not a known device; try one of: "
+            + ", ".join(f"cluster.device={d}" for d in sorted(DEVICES))
+        )
     preset = DEVICES[c.device]
-    filled = {f: getattr(preset, f) for f in ("gpus_per_node", "peak_tflops", "memory_gb", "intra_node_gbps",
-                                               "inter_node_gbps") if getattr(c, f) is None}
+    filled = {
+        f: getattr(preset, f)
+        for f in ("gpus_per_node", "peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps")
+        if getattr(c, f) is None
+    }
     train = cfg.train
     if train.dtype == DType.auto:
         train = dataclasses.replace(train, dtype=DType.fp32 if c.device == "cpu" else DType.bf16)
@@ -99,12 +104,14 @@ def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
             raise P3DConfigError(
                 f"mesh.tp*mesh.pp={tp * pp} must divide the world size {world} "
                 f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}); "
-                f"try cluster.nodes={math.ceil(world / (tp * pp)) * tp * pp // cluster.gpus_per_node or 1}")
+                f"try cluster.nodes={math.ceil(world / (tp * pp)) * tp * pp // cluster.gpus_per_node or 1}"
+            )
         return world, world // (tp * pp)
     if tp * pp * mesh.dp != world:
         raise P3DConfigError(
             f"mesh.tp*mesh.pp*mesh.dp={tp}*{pp}*{mesh.dp}={tp * pp * mesh.dp} must equal the world size {world} "
-            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}); try mesh.dp=auto")
+            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}); try mesh.dp=auto"
+        )
     return world, mesh.dp
 
 
@@ -146,16 +153,21 @@ def check_fields(cfg: Config) -> None:
             raise P3DConfigError(f"{key}={value} {_describe(b)}; try {key}={_suggest(b, value, default)}")
 
 
-LOGGER_CHOICES = {"name": ("none", "wandb"), "mode": ("auto", "online", "offline", "disabled"),
-                  "progress": ("auto", "bar", "lines")}
+LOGGER_CHOICES = {
+    "name": ("none", "wandb"),
+    "mode": ("auto", "online", "offline", "disabled"),
+    "progress": ("auto", "bar", "lines"),
+}
 
 
 def check_logger(cfg: Config) -> None:
     for name, choices in LOGGER_CHOICES.items():
         value = getattr(cfg.logger, name)
         if value not in choices:
-            raise P3DConfigError(f"logger.{name}={value} is not one of {', '.join(choices)}; "
-                                 f"try logger.{name}={choices[0] if name != 'name' else 'wandb'}")
+            raise P3DConfigError(
+                f"logger.{name}={value} is not one of {', '.join(choices)}; "
+                f"try logger.{name}={choices[0] if name != 'name' else 'wandb'}"
+            )
 
 
 def check_config(cfg: Config) -> None:
@@ -170,11 +182,15 @@ def check_model(cfg: Config) -> None:
     if m.hidden_size % m.n_heads:
         raise P3DConfigError(f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size}")
     if (m.hidden_size // m.n_heads) % 2:
-        raise P3DConfigError(f"model.hidden_size/model.n_heads={m.hidden_size // m.n_heads} (head dim) must be even "
-                             "for rotary embeddings; change model.n_heads")
+        raise P3DConfigError(
+            f"model.hidden_size/model.n_heads={m.hidden_size // m.n_heads} (head dim) must be even "
+            "for rotary embeddings; change model.n_heads"
+        )
     if m.n_heads % m.n_kv_heads:
-        raise P3DConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
-                             f"(grouped-query attention); try model.n_kv_heads={math.gcd(m.n_heads, m.n_kv_heads)}")
+        raise P3DConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+            f"(grouped-query attention); try model.n_kv_heads={math.gcd(m.n_heads, m.n_kv_heads)}"
+        )
 
 
 def check_mesh(cfg: Config, tp: int, pp: int) -> None:
@@ -184,22 +200,32 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
             raise P3DConfigError(f"mesh.{name}={v!r} must be a positive integer")
     if m.n_heads % tp or m.n_kv_heads % tp:
         ok = _largest_divisor_at_most(m.n_kv_heads, tp, m.n_heads)
-        raise P3DConfigError(f"mesh.tp={tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads} "
-                             f"(attention is split by heads); try {suggest_mesh(ok, pp, cfg.mesh.dp)}")
+        raise P3DConfigError(
+            f"mesh.tp={tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads} "
+            f"(attention is split by heads); try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
+        )
     if m.ffn_hidden_size % tp:
         ok = _largest_divisor_at_most(m.ffn_hidden_size, tp, m.n_kv_heads, m.n_heads)
-        raise P3DConfigError(f"mesh.tp={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}; "
-                             f"try {suggest_mesh(ok, pp, cfg.mesh.dp)}")
+        raise P3DConfigError(
+            f"mesh.tp={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}; "
+            f"try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
+        )
     if s.partition == Partition.blocks and m.n_layers < pp:
-        raise P3DConfigError(f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: every stage needs a block; "
-                             f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}")
+        raise P3DConfigError(
+            f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: every stage needs a block; "
+            f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
+        )
     if s.partition == Partition.uniform and m.n_layers + 3 < pp:
-        raise P3DConfigError(f"mesh.pp={pp} exceeds the {m.n_layers + 3} pipeline layers of this model; "
-                             f"try {suggest_mesh(tp, m.n_layers + 3, cfg.mesh.dp)}")
+        raise P3DConfigError(
+            f"mesh.pp={pp} exceeds the {m.n_layers + 3} pipeline layers of this model; "
+            f"try {suggest_mesh(tp, m.n_layers + 3, cfg.mesh.dp)}"
+        )
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and tp > gpn:
-        raise P3DConfigError(f"mesh.tp={tp} exceeds cluster.gpus_per_node={gpn}: a TP group must stay inside one node; "
-                             f"try {suggest_mesh(gpn, pp * tp // gpn)}")
+        raise P3DConfigError(
+            f"mesh.tp={tp} exceeds cluster.gpus_per_node={gpn}: a TP group must stay inside one node; "
+            f"try {suggest_mesh(gpn, pp * tp // gpn)}"
+        )
 
 
 def check_schedule(cfg: Config, dp: int, pp: int) -> int:
@@ -210,54 +236,71 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
         ok = max(per_round * pp, math.ceil(s.global_batch_size / per_round) * per_round)
         raise P3DConfigError(
             f"schedule.global_batch_size={s.global_batch_size} must be a multiple of schedule.micro_batch_size x dp "
-            f"= {s.micro_batch_size} x {dp} = {per_round}; try schedule.global_batch_size={ok}")
+            f"= {s.micro_batch_size} x {dp} = {per_round}; try schedule.global_batch_size={ok}"
+        )
     micro_batches = s.global_batch_size // per_round
     if micro_batches < pp:
         raise P3DConfigError(
             f"schedule.global_batch_size={s.global_batch_size} gives {micro_batches} micro batches per replica, fewer "
             f"than mesh.pp={pp} stages: 1F1B needs at least pp to fill the pipeline; "
-            f"try schedule.global_batch_size={per_round * pp}")
+            f"try schedule.global_batch_size={per_round * pp}"
+        )
     if s.recompute == Recompute.selective:
-        raise P3DConfigError("schedule.recompute=selective is modelled by p3d-plan but not built by the trainer; "
-                             "try schedule.recompute=full or schedule.recompute=none")
+        raise P3DConfigError(
+            "schedule.recompute=selective is modelled by p3d-plan but not built by the trainer; "
+            "try schedule.recompute=full or schedule.recompute=none"
+        )
     if s.sequence_parallel:
-        raise P3DConfigError("schedule.sequence_parallel=true is modelled by p3d-plan but not built by the trainer; "
-                             "try schedule.sequence_parallel=false")
+        raise P3DConfigError(
+            "schedule.sequence_parallel=true is modelled by p3d-plan but not built by the trainer; "
+            "try schedule.sequence_parallel=false"
+        )
     if s.virtual_stages != 1:
-        raise P3DConfigError(f"schedule.virtual_stages={s.virtual_stages}: the trainer runs DeepSpeed's plain 1F1B "
-                             "(interleaving is modelled by p3d-plan only); try schedule.virtual_stages=1")
+        raise P3DConfigError(
+            f"schedule.virtual_stages={s.virtual_stages}: the trainer runs DeepSpeed's plain 1F1B "
+            "(interleaving is modelled by p3d-plan only); try schedule.virtual_stages=1"
+        )
     return micro_batches
 
 
 def check_zero(cfg: Config, pp: int) -> None:
     stage = cfg.zero.stage
     if stage >= 2:
-        why = (f"with mesh.pp={pp} > 1 DeepSpeed's pipeline engine cannot shard gradients or parameters"
-               if pp > 1 else "p3d runs every mesh through DeepSpeed's pipeline engine, which supports ZeRO 0-1 only")
+        why = (
+            f"with mesh.pp={pp} > 1 DeepSpeed's pipeline engine cannot shard gradients or parameters"
+            if pp > 1
+            else "p3d runs every mesh through DeepSpeed's pipeline engine, which supports ZeRO 0-1 only"
+        )
         raise P3DConfigError(f"zero.stage={stage} is refused: {why}; try zero=stage1")
 
 
 def check_train(cfg: Config) -> None:
     t = cfg.train
     if t.eval_every > 0 and cfg.data.val_fraction <= 0:
-        raise P3DConfigError(f"data.val_fraction={cfg.data.val_fraction} leaves no validation data for train.eval_every="
-                             f"{t.eval_every}; try data.val_fraction=0.005, or train.eval_every=0 for no validation")
+        raise P3DConfigError(
+            f"data.val_fraction={cfg.data.val_fraction} leaves no validation data for train.eval_every="
+            f"{t.eval_every}; try data.val_fraction=0.005, or train.eval_every=0 for no validation"
+        )
 
 
-def check_data(cfg: Config, tokenizer_vocab: Optional[int]) -> None:
+def check_data(cfg: Config, tokenizer_vocab: int | None) -> None:
     d, m = cfg.data, cfg.model
     if d.source == DataSource.files and not d.path:
         raise P3DConfigError("data.path is not set for data.source=files; try data.path=/path/to/*.jsonl")
     if tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
-        raise P3DConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens "
-                             f"(data.tokenizer={d.tokenizer}); try model.vocab_size={tokenizer_vocab}")
+        raise P3DConfigError(
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens "
+            f"(data.tokenizer={d.tokenizer}); try model.vocab_size={tokenizer_vocab}"
+        )
 
 
-def build_plan(cfg: Config, tokenizer_vocab: Optional[int] = None, for_training: bool = True) -> RunPlan:
+def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bool = True) -> RunPlan:
     """Check every cross-group rule and derive the run plan. Raises P3DConfigError."""
     if cfg.model.arch != Arch.llama and for_training:
-        raise P3DConfigError(f"model.arch={cfg.model.arch.value}: the trainer builds llama only "
-                             "(gpt shapes are for p3d-plan); try model.arch=llama")
+        raise P3DConfigError(
+            f"model.arch={cfg.model.arch.value}: the trainer builds llama only "
+            "(gpt shapes are for p3d-plan); try model.arch=llama"
+        )
     tp, pp = cfg.mesh.tp, cfg.mesh.pp
     check_config(cfg)
     check_mesh(cfg, tp, pp)
@@ -267,11 +310,17 @@ def build_plan(cfg: Config, tokenizer_vocab: Optional[int] = None, for_training:
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
     if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
-        raise P3DConfigError(f"cluster.nodes={cfg.cluster.nodes} with cluster.launcher=local: local runs use one "
-                             "machine; try cluster.nodes=1 or cluster=slurm")
+        raise P3DConfigError(
+            f"cluster.nodes={cfg.cluster.nodes} with cluster.launcher=local: local runs use one "
+            "machine; try cluster.nodes=1 or cluster=slurm"
+        )
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
     return RunPlan(
-        world_size=world, tp=tp, pp=pp, dp=dp, micro_batches=micro_batches,
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batches=micro_batches,
         padded_vocab_size=padded_vocab(cfg.model.vocab_size, tp),
         tokens_per_step=cfg.schedule.global_batch_size * cfg.model.seq_len,
         layer_names=layer_names(cfg.model.n_layers),

@@ -1,6 +1,7 @@
 """Open the data before any worker starts, so that bad input is one clear error, not a traceback
 from deep inside a worker: the path matches files, the format is known, the text column exists,
 and the train (and, with evaluation, the validation) split holds at least one window of tokens."""
+
 from __future__ import annotations
 
 import logging
@@ -44,15 +45,25 @@ def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
                     break
         except (KeyError, FileNotFoundError, ValueError):
             raise
-        except Exception as exc:  # noqa: BLE001 - the datasets library raises many kinds; say which input failed
-            raise ValueError(f"cannot read data.path={cfg.path} ({cfg.source.value}): "
-                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        except Exception as exc:
+            raise ValueError(
+                f"cannot read data.path={cfg.path} ({cfg.source.value}): "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
         if tokens <= seq_len:
             where = f"data.path={cfg.path}" if cfg.path else f"data.source={cfg.source.value}"
-            more_docs = " (or split text files into more documents: data.text_unit=paragraph)" \
-                if cfg.source == DataSource.files and cfg.text_unit == TextUnit.document else ""
-            fix = (f"raise data.val_fraction{more_docs} or set train.eval_every=0" if split == "val"
-                   else "point data.path at more text or lower model.seq_len")
+            more_docs = (
+                " (or split text files into more documents: data.text_unit=paragraph)"
+                if cfg.source == DataSource.files and cfg.text_unit == TextUnit.document
+                else ""
+            )
+            fix = (
+                f"raise data.val_fraction{more_docs} or set train.eval_every=0"
+                if split == "val"
+                else "point data.path at more text or lower model.seq_len"
+            )
             skipped = f" ({stats.summary()})" if stats.summary() else ""
-            raise ValueError(f"the {split} split of {where} holds {tokens} tokens, fewer than one window of "
-                             f"model.seq_len+1={seq_len + 1}{skipped}; {fix}")
+            raise ValueError(
+                f"the {split} split of {where} holds {tokens} tokens, fewer than one window of "
+                f"model.seq_len+1={seq_len + 1}{skipped}; {fix}"
+            )

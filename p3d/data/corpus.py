@@ -14,22 +14,30 @@ so the split is the same on every machine and needs no index. Empty documents ar
 a document that cannot be read (bytes that are not UTF-8, no text) is skipped, counted and reported
 with its file; a file that fails mid-way is skipped from there (:mod:`p3d.data.stats`).
 """
+
 from __future__ import annotations
 
 import glob
 import os
 import sysconfig
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Union
 
 from p3d.config.schema import DataConfig, DataSource
 from p3d.data.stats import DataStats
 from p3d.data.text_units import decode_unit, file_units, split_text
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-            ".parquet": "parquet", ".csv": "csv"}
+_FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 
 
 def stdlib_documents() -> Iterator[dict]:
@@ -80,22 +88,28 @@ def no_files_error(cfg: DataConfig) -> FileNotFoundError:
     if dirs:
         kinds = sorted(s for s, f in _FORMATS.items() if cfg.format in ("auto", f))
         example = f"{dirs[0].rstrip('/')}/**/*.txt"
-        return FileNotFoundError(f"data.path={cfg.path} is a directory with no {'/'.join(kinds)} file in it; point "
-                                 f"data.path at the files with a glob (e.g. data.path='{example}')")
+        return FileNotFoundError(
+            f"data.path={cfg.path} is a directory with no {'/'.join(kinds)} file in it; point "
+            f"data.path at the files with a glob (e.g. data.path='{example}')"
+        )
     return FileNotFoundError(f"data.path={cfg.path} matches no file; check the path or glob")
 
 
 def file_format(cfg: DataConfig, files: list[str]) -> str:
     if cfg.format != "auto":
         if cfg.format not in set(_FORMATS.values()):
-            raise ValueError(f"data.format={cfg.format} is not one of auto, {', '.join(sorted(set(_FORMATS.values())))}; "
-                             "try data.format=auto")
+            raise ValueError(
+                f"data.format={cfg.format} is not one of auto, {', '.join(sorted(set(_FORMATS.values())))}; "
+                "try data.format=auto"
+            )
         return cfg.format
     suffixes = {Path(f).suffix.lower() for f in files}
     fmts = {_FORMATS.get(s) for s in suffixes}
     if len(fmts) != 1 or None in fmts:
-        raise ValueError(f"data.format=auto cannot tell the format of {sorted(suffixes)} (data.path={cfg.path}); "
-                         "set data.format=text|json|parquet|csv, or narrow data.path with a glob")
+        raise ValueError(
+            f"data.format=auto cannot tell the format of {sorted(suffixes)} (data.path={cfg.path}); "
+            "set data.format=text|json|parquet|csv, or narrow data.path with a glob"
+        )
     return fmts.pop()
 
 
@@ -110,7 +124,7 @@ def _datasets(cfg: DataConfig):
     return datasets
 
 
-def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, Union[dict, str]]]:
+def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, dict | str]]:
     """(where, item) of the whole corpus in its fixed order: a record of a json / parquet / csv / hub /
     stdlib source, or a unit of a text file, already cut by ``data.text_unit`` and decoded."""
     datasets = _datasets(cfg)
@@ -145,7 +159,7 @@ def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, Union[dic
                     yield f, record
         except StopIteration:  # datasets raises it for an empty json file: no records, not an error
             pass
-        except Exception as exc:  # noqa: BLE001 - a broken file must not end the run; it is counted and named
+        except Exception as exc:
             stats.file_failed(f, n, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         stats.passed.add(f)
 
@@ -166,8 +180,10 @@ def iter_texts(cfg: DataConfig, split: str = "train", stats: DataStats | None = 
             units = [item]
         else:
             if column not in item:
-                raise KeyError(f"data.text_column={column} is not a column of the data (columns: {sorted(item)}); "
-                               f"try data.text_column={sorted(item)[0] if item else 'text'}")
+                raise KeyError(
+                    f"data.text_column={column} is not a column of the data (columns: {sorted(item)}); "
+                    f"try data.text_column={sorted(item)[0] if item else 'text'}"
+                )
             value = item[column]
             if not isinstance(value, str):
                 stats.missing_text(where)

@@ -10,11 +10,12 @@ the samples of a step do not depend on the mesh, and the data position of a run 
 samples consumed so far (a checkpoint's ``samples``): a resumed run starts at exactly that sample,
 whatever batch size or mesh it resumes with.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Iterator
 from itertools import islice
-from typing import Iterable, Iterator
 
 import torch
 
@@ -46,8 +47,9 @@ def shuffled(items: Iterable, buffer: int, rng: random.Random) -> Iterator:
     yield from pool
 
 
-def sample_stream(data_cfg, seq_len: int, seed: int, split: str = "train", start: int = 0,
-                  stats: DataStats | None = None) -> Iterator[torch.Tensor]:
+def sample_stream(
+    data_cfg, seq_len: int, seed: int, split: str = "train", start: int = 0, stats: DataStats | None = None
+) -> Iterator[torch.Tensor]:
     """Windows (seq_len + 1,) in global sample order from sample index ``start``, epoch after epoch."""
     tok = load_tokenizer(data_cfg.tokenizer)
 
@@ -62,15 +64,24 @@ def sample_stream(data_cfg, seq_len: int, seed: int, split: str = "train", start
                 n += 1
                 yield w
             if n == 0:
-                raise ValueError(f"the {split} split of the data ({data_cfg.source.value} {data_cfg.path or ''}) holds "
-                                 f"fewer than model.seq_len+1={seq_len + 1} tokens")
+                raise ValueError(
+                    f"the {split} split of the data ({data_cfg.source.value} {data_cfg.path or ''}) holds "
+                    f"fewer than model.seq_len+1={seq_len + 1} tokens"
+                )
             epoch += 1
 
     return (torch.tensor(w, dtype=torch.long) for w in islice(epochs(), start, None))
 
 
-def global_batches(data_cfg, seq_len: int, global_batch_size: int, seed: int, start_sample: int = 0,
-                   split: str = "train", stats: DataStats | None = None) -> Iterator[torch.Tensor]:
+def global_batches(
+    data_cfg,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    start_sample: int = 0,
+    split: str = "train",
+    stats: DataStats | None = None,
+) -> Iterator[torch.Tensor]:
     """(B, seq_len + 1) per optimizer step from global sample index ``start_sample``: what the
     single-process reference trains on."""
     stream = sample_stream(data_cfg, seq_len, seed, split, start_sample, stats)
@@ -81,13 +92,22 @@ def global_batches(data_cfg, seq_len: int, global_batch_size: int, seed: int, st
 def rank_slice(batch: torch.Tensor, micro_batch_size: int, dp: int, dp_rank: int):
     """(inputs, labels) micro batches of one global batch for dp rank ``dp_rank``."""
     per_rank = batch.shape[0] // dp
-    mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    mine = batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     for chunk in mine.split(micro_batch_size):
         yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
 
-def micro_batches(data_cfg, seq_len: int, global_batch_size: int, micro_batch_size: int, dp: int, dp_rank: int,
-                  seed: int, start_sample: int = 0, stats: DataStats | None = None):
+def micro_batches(
+    data_cfg,
+    seq_len: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp: int,
+    dp_rank: int,
+    seed: int,
+    start_sample: int = 0,
+    stats: DataStats | None = None,
+):
     """(inputs, labels), each (micro_batch_size, seq_len): this replica's micro batches, step after step,
     from global sample index ``start_sample`` (the samples a resumed run has consumed)."""
     for batch in global_batches(data_cfg, seq_len, global_batch_size, seed, start_sample, stats=stats):

@@ -6,6 +6,7 @@ record) hold nothing to train on and are counted apart, without a warning. Unrea
 that are not UTF-8, a record with no text) and files that fail part-way are warned about once per
 file and summed up, file by file, in :meth:`DataStats.summary` at the end of a run.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,14 @@ class DataStats:
         seen = self.not_utf8.setdefault(where, [0, byte])
         seen[0] += 1
         if seen[0] == 1:
-            log.warning("p3d data: %s: a %s with bytes that are not UTF-8 (0x%02x at byte %d) is skipped; convert "
-                        "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)", where, self.unit, value, byte)
+            log.warning(
+                "p3d data: %s: a %s with bytes that are not UTF-8 (0x%02x at byte %d) is skipped; convert "
+                "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+                where,
+                self.unit,
+                value,
+                byte,
+            )
 
     def missing_text(self, where: str) -> None:
         self.skipped_records += 1
@@ -50,8 +57,11 @@ class DataStats:
             return
         self.no_text[where] = self.no_text.get(where, 0) + 1
         if self.no_text[where] == 1:
-            log.warning("p3d data: %s: a record has no text in column '%s' (null or not a string); it is skipped",
-                        where, self.column)
+            log.warning(
+                "p3d data: %s: a record has no text in column '%s' (null or not a string); it is skipped",
+                where,
+                self.column,
+            )
 
     def file_failed(self, where: str, after: int, why: str) -> None:
         self.failed_files += 1
@@ -66,18 +76,24 @@ class DataStats:
         if self.not_utf8:
             n = sum(c for c, _ in self.not_utf8.values())
             if len(self.not_utf8) == 1:
-                (where, (_, byte)), = self.not_utf8.items()
-                parts.append(f"{_plural(n, self.unit)} of {where} with bytes that are not UTF-8 (the first at byte "
-                             f"{byte}): convert the file to UTF-8")
+                ((where, (_, byte)),) = self.not_utf8.items()
+                parts.append(
+                    f"{_plural(n, self.unit)} of {where} with bytes that are not UTF-8 (the first at byte "
+                    f"{byte}): convert the file to UTF-8"
+                )
             else:
                 per_file = [f"{f}: {c} from byte {b}" for f, (c, b) in self.not_utf8.items()]
-                parts.append(f"{_plural(n, self.unit)} with bytes that are not UTF-8 ({_named(per_file)}): convert "
-                             "those files to UTF-8")
+                parts.append(
+                    f"{_plural(n, self.unit)} with bytes that are not UTF-8 ({_named(per_file)}): convert "
+                    "those files to UTF-8"
+                )
         if self.no_text:
             n = sum(self.no_text.values())
             per_file = [f"{f}: {c}" for f, c in self.no_text.items()]
-            parts.append(f"{_plural(n, 'record')} with no text in column '{self.column}' (null or not a string; "
-                         f"{_named(per_file)})")
+            parts.append(
+                f"{_plural(n, 'record')} with no text in column '{self.column}' (null or not a string; "
+                f"{_named(per_file)})"
+            )
         if self.failed:
             per_file = [f"{f} {why}" for f, why in self.failed.items()]
             files = _plural(len(self.failed), "file")

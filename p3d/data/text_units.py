@@ -10,9 +10,11 @@ A text file is read as bytes, cut into units and each unit decoded strictly, so 
 UTF-8 are found where they are decoded (file and byte offset) and only their unit is left out; valid
 text that contains U+FFFD, the replacement character, is text like any other.
 """
+
 from __future__ import annotations
 
-from typing import AnyStr, BinaryIO, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import AnyStr, BinaryIO
 
 from p3d.config.schema import TextUnit
 
@@ -61,7 +63,7 @@ def _file_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
         start = offset
         offset += len(line)
         if start == 0 and line.startswith(_BOM):
-            line, start = line[len(_BOM):], len(_BOM)
+            line, start = line[len(_BOM) :], len(_BOM)
         yield start, _strip_eol(line)
 
 

@@ -2,6 +2,7 @@
 
 ``data.tokenizer=auto`` (the default) is resolved by the launcher before anything reads it: the
 ``tokenizer.json`` of ``model.init_from`` when that directory has one, else ``byte``."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,11 @@ class HFTokenizer:
     ``tokenizer_config.json`` beside a ``tokenizer.json``, else the first of the usual names; begin and
     padding tokens, which p3d does not use, are found the same way so that an export names them."""
 
-    _NAMES = {"eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
-              "bos": ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>"),
-              "pad": ("<|pad|>", "<pad>", "[PAD]")}
+    _NAMES = {
+        "eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
+        "bos": ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>"),
+        "pad": ("<|pad|>", "<pad>", "[PAD]"),
+    }
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer

@@ -4,6 +4,7 @@ config and write ``tokenizer.json``, for ``data.tokenizer=<that file>``.
     p3d-tokenizer data=files data.path='corpus/*.jsonl' tokenizer.vocab_size=8192 tokenizer.out=tok.json
     p3d-train data=files data.path='corpus/*.jsonl' data.tokenizer=tok.json model.vocab_size=8192
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,25 +22,32 @@ def train_bpe(texts, vocab_size: int, min_frequency: int = 2):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
 def tokenizer_task(cfg_node: DictConfig) -> int:
-    from p3d.launch.hydra_app import config_error
-    from p3d.launch.prepare import typed_config
     from p3d.config.validate import P3DConfigError
     from p3d.data.check import check_data
     from p3d.data.corpus import DataStats, iter_texts
+    from p3d.launch.hydra_app import config_error
+    from p3d.launch.prepare import typed_config
 
     try:
         cfg = typed_config(cfg_node, resolve_auto=False)
         t = cfg.tokenizer
         if t.vocab_size < 257:
-            raise P3DConfigError(f"tokenizer.vocab_size={t.vocab_size} must be at least 257 (256 bytes + end of "
-                                 "text); try tokenizer.vocab_size=8192")
+            raise P3DConfigError(
+                f"tokenizer.vocab_size={t.vocab_size} must be at least 257 (256 bytes + end of "
+                "text); try tokenizer.vocab_size=8192"
+            )
         check_data(cfg.data, seq_len=1)
     except (P3DConfigError, OSError, ValueError, KeyError) as exc:
         return config_error(str(exc).strip(chr(39)))
@@ -50,8 +58,11 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
     size = tok.get_vocab_size(with_added_tokens=True)
-    print(f"p3d-tokenizer: wrote {out} ({size} tokens, end of text {EOS}={tok.token_to_id(EOS)}); train with "
-          f"data.tokenizer={out} model.vocab_size={size}", flush=True)
+    print(
+        f"p3d-tokenizer: wrote {out} ({size} tokens, end of text {EOS}={tok.token_to_id(EOS)}); train with "
+        f"data.tokenizer={out} model.vocab_size={size}",
+        flush=True,
+    )
     if stats.summary():
         print(f"p3d-tokenizer: {stats.summary()}", flush=True)
     return 0

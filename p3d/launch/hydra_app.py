@@ -4,13 +4,14 @@
 the task's own, 2 for a config Hydra cannot compose (unknown group option, bad override, wrong type),
 or a sweep's (``p3d.exit_codes.SweepNotDone``).
 """
+
 from __future__ import annotations
 
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -66,8 +67,11 @@ def is_multirun() -> bool:
 def _no_hydra_outputs(argv: list[str], name: str) -> list[str]:
     """Keep Hydra from creating output directories for a command that writes no run."""
     keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
-    defaults = {"hydra.output_subdir": "null", "hydra.run.dir": ".",
-                "hydra.sweep.dir": str(Path(tempfile.gettempdir()) / name)}
+    defaults = {
+        "hydra.output_subdir": "null",
+        "hydra.run.dir": ".",
+        "hydra.sweep.dir": str(Path(tempfile.gettempdir()) / name),
+    }
     return argv + [f"{k}={v}" for k, v in defaults.items() if k not in keys]
 
 

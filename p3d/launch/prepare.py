@@ -2,6 +2,7 @@
 ``prepare`` (types, presets, HF shape and tokenizer, absolute paths, every rule, the run plan),
 ``preflight`` (the memory plan), ``check_run`` (the checkpoint to resume, the run directory, the data).
 Each raises :class:`P3DConfigError` with one line naming the field and the fix."""
+
 from __future__ import annotations
 
 import sys
@@ -63,8 +64,10 @@ def with_hf_shape(cfg):
     for key, value in fields.items():
         given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"model.{key}=")]
         if given and str(getattr(cfg.model, key)) != str(value):
-            raise P3DConfigError(f"model.{key}={given[-1]} disagrees with {where}/config.json ({value}); drop the "
-                                 f"override or set model.{key}={value}")
+            raise P3DConfigError(
+                f"model.{key}={given[-1]} disagrees with {where}/config.json ({value}); drop the "
+                f"override or set model.{key}={value}"
+            )
     name = f"hf:{Path(where).name}"
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, **fields))
 
@@ -100,12 +103,17 @@ def preflight(cfg) -> None:
     print(report.render(), file=sys.stderr)
     mem = report.to_json()["memory_gb"]
     lay = report.layout
-    need = (f"{mem['all_ranks']:.3g} GB for its {lay.world_size} workers together" if report.shared_host
-            else f"{mem['total']:.3g} GB on its most loaded device")
-    raise P3DConfigError(f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
-                         f"more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
-                         "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
-                         "or plan.force=true")
+    need = (
+        f"{mem['all_ranks']:.3g} GB for its {lay.world_size} workers together"
+        if report.shared_host
+        else f"{mem['total']:.3g} GB on its most loaded device"
+    )
+    raise P3DConfigError(
+        f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
+        f"more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
+        "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
+        "or plan.force=true"
+    )
 
 
 def check_run(cfg, multirun: bool = False):
@@ -128,8 +136,10 @@ def check_run(cfg, multirun: bool = False):
         raise P3DConfigError(str(exc)) from None
     changes = check_resume(cfg, found, meta["step"]) if found is not None else []
     if cfg.train.resume == "none" and (holds_run(run_dir) or checkpoint.find(run_dir, "auto")):
-        raise P3DConfigError(f"run.dir={run_dir} already holds a run ({METRICS} / checkpoints); resume it with "
-                             "train.resume=auto, or choose a new run.dir")
+        raise P3DConfigError(
+            f"run.dir={run_dir} already holds a run ({METRICS} / checkpoints); resume it with "
+            "train.resume=auto, or choose a new run.dir"
+        )
     try:
         check_data(cfg.data, cfg.model.seq_len, need_val=cfg.train.eval_every > 0)
     except (OSError, ValueError, KeyError) as exc:

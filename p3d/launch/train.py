@@ -1,4 +1,5 @@
 """``p3d-train``'s task: prepare, take the run directory's lease, freeze the spec, launch; an exit status."""
+
 from __future__ import annotations
 
 import json
@@ -8,11 +9,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from p3d import exit_codes
+from p3d import exit_codes, run_dir
 from p3d.config.validate import P3DConfigError
 from p3d.launch.hydra_app import config_error, given_overrides, is_multirun, report_error, with_source
 from p3d.launch.prepare import check_run, preflight, prepare
-from p3d import run_dir
 from p3d.run_lock import take_lease
 
 
@@ -48,8 +48,9 @@ def _refused(message: str, multirun: bool) -> int:
     if multirun:
         from hydra.core.hydra_config import HydraConfig
 
-        run_dir.write_status(HydraConfig.get().runtime.output_dir, "skipped", exit_codes.CONFIG_ERROR,
-                     reason=with_source(message))
+        run_dir.write_status(
+            HydraConfig.get().runtime.output_dir, "skipped", exit_codes.CONFIG_ERROR, reason=with_source(message)
+        )
     return config_error(message, multirun)
 
 
@@ -71,8 +72,11 @@ def _launch(cfg, plan, lease) -> int:
 
             return run_step(cfg, plan, spec)
         return dispatch(cfg, plan, spec, lease)
-    print(f"p3d: run dir {spec.parent}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
-          f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}", flush=True)
+    print(
+        f"p3d: run dir {spec.parent}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
+        f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}",
+        flush=True,
+    )
     rc = launch_local(spec, plan)
     if rc == 0:
         print(f"p3d: done; metrics in {spec.parent / run_dir.METRICS}", flush=True)
@@ -86,8 +90,10 @@ def _run_as_worker(cfg, plan) -> int:
     from p3d.dist.rendezvous import RendezvousError
 
     if not any(o.startswith("run.dir=") for o in given_overrides()):
-        return report_error("under an external launcher (RANK is set) every rank must agree on the run "
-                            "directory; add run.dir=<a path all ranks share>")
+        return report_error(
+            "under an external launcher (RANK is set) every rank must agree on the run "
+            "directory; add run.dir=<a path all ranks share>"
+        )
     spec = Path(cfg.run.dir) / run_dir.SPEC
     if int(os.environ["RANK"]) == 0:
         write_spec(cfg, plan, cfg.run.dir)

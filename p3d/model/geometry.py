@@ -8,6 +8,7 @@ Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = 
 kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded to a multiple of tp), s sequence,
 t = tp, p = pp, m micro batches per replica per step, v virtual stages per device.
 """
+
 from __future__ import annotations
 
 import math
@@ -94,8 +95,9 @@ def model_flops_per_token(m: ModelConfig) -> float:
     without the recompute term: 72 L h^2 (1 + s / 6h + V / 12 L h) per token.
     """
     q, _ = head_dims(m)
-    return 6.0 * (m.n_layers * block_matmul_params(m) + m.hidden_size * m.vocab_size) \
-        + 12.0 * m.n_layers * m.seq_len * q
+    return (
+        6.0 * (m.n_layers * block_matmul_params(m) + m.hidden_size * m.vocab_size) + 12.0 * m.n_layers * m.seq_len * q
+    )
 
 
 def recompute_flops_per_token(m: ModelConfig, recompute: str) -> float:

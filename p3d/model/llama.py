@@ -6,6 +6,7 @@ whole heads and the GQA pairing of its query heads with its kv heads), the outpu
 row-parallel: one all-reduce forward and one backward per attention. The MLP likewise:
 gate|up column-parallel, down row-parallel.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,14 @@ class Attention(nn.Module):
         self.local_kv_heads = cfg.n_kv_heads // mesh.tp
         self.rope_theta = cfg.rope_theta
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.wqkv = ColumnParallelLinear(cfg.hidden_size, [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd],
-                                         mesh, [f"{prefix}.wq", f"{prefix}.wk", f"{prefix}.wv"], cfg.init_std, seed)
+        self.wqkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd],
+            mesh,
+            [f"{prefix}.wq", f"{prefix}.wk", f"{prefix}.wv"],
+            cfg.init_std,
+            seed,
+        )
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.hidden_size, mesh, f"{prefix}.wo", out_std, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +72,9 @@ class Attention(nn.Module):
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(s, self.head_dim, self.rope_theta, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=self.local_heads != self.local_kv_heads)  # (b, nh/tp, s, hd)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
+        )  # (b, nh/tp, s, hd)
         return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))  # (b, s, h)
 
 
@@ -76,8 +84,14 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg, mesh, prefix: str, seed: int):
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.w_gate_up = ColumnParallelLinear(cfg.hidden_size, [cfg.ffn_hidden_size, cfg.ffn_hidden_size], mesh,
-                                              [f"{prefix}.w_gate", f"{prefix}.w_up"], cfg.init_std, seed)
+        self.w_gate_up = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.ffn_hidden_size, cfg.ffn_hidden_size],
+            mesh,
+            [f"{prefix}.w_gate", f"{prefix}.w_up"],
+            cfg.init_std,
+            seed,
+        )
         self.w_down = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, mesh, f"{prefix}.w_down", out_std, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ The first stage reads token ids (b, s); the loss reads labels (b, s) on the last
 With tied embeddings, embed and head are one ``TiedLayerSpec`` (key "embed"): DeepSpeed keeps a
 copy on the first and on the last stage and all-reduces their gradients.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -34,8 +35,9 @@ class HeadPipe(ColumnParallelLinear):
     """Untied output projection, split by vocab: (b, s, h) -> local logits (b, s, V_pad/tp)."""
 
     def __init__(self, cfg, padded_vocab_size: int, mesh, seed: int):
-        super().__init__(cfg.hidden_size, [cfg.vocab_size], mesh, ["head"], cfg.init_std, seed,
-                         padded_rows=[padded_vocab_size])
+        super().__init__(
+            cfg.hidden_size, [cfg.vocab_size], mesh, ["head"], cfg.init_std, seed, padded_rows=[padded_vocab_size]
+        )
         rows = padded_vocab_size // mesh.tp
         real = max(0, min(rows, cfg.vocab_size - mesh.tp_rank * rows))
         self.padding_numel = (rows - real) * cfg.hidden_size  # vocab padding entries on this rank
@@ -62,8 +64,16 @@ def build_layer_specs(cfg, padded_vocab_size: int, mesh, seed: int) -> list[Laye
     """cfg: ModelConfig. The specs of every layer; PipelineModule builds only this stage's."""
     if cfg.tie_embeddings:
         embed = TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, tied_weight_attr="weight")
-        head = TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, tied_weight_attr="weight",
-                             forward_fn=tied_head_forward)
+        head = TiedLayerSpec(
+            "embed",
+            EmbeddingPipe,
+            cfg,
+            padded_vocab_size,
+            mesh,
+            seed,
+            tied_weight_attr="weight",
+            forward_fn=tied_head_forward,
+        )
     else:
         embed = LayerSpec(EmbeddingPipe, cfg, padded_vocab_size, mesh, seed)
         head = LayerSpec(HeadPipe, cfg, padded_vocab_size, mesh, seed)
@@ -81,8 +91,10 @@ class P3DPipelineModule(PipelineModule):
 
     def _partition_layers(self, method="uniform"):
         if len(self._p3d_stage_bounds) != self.num_stages + 1 or self._p3d_stage_bounds[-1] != len(self._layer_specs):
-            raise ValueError(f"stage bounds {self._p3d_stage_bounds} do not fit {self.num_stages} stages of "
-                             f"{len(self._layer_specs)} layers")
+            raise ValueError(
+                f"stage bounds {self._p3d_stage_bounds} do not fit {self.num_stages} stages of "
+                f"{len(self._layer_specs)} layers"
+            )
         self.parts = list(self._p3d_stage_bounds)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])

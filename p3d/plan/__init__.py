@@ -10,6 +10,7 @@ closed forms are p3d.model.geometry's), memory (model states, activations), step
 communication, bubble), render (text), report (PlanReport, evaluate), search (mesh=auto, plan), cli.
 Formulas and sources: docs/planner.md. Nothing here imports torch or deepspeed.
 """
+
 from p3d.plan.report import PlanReport, apply_layout, evaluate
 from p3d.plan.search import best_layout, plan, search
 from p3d.plan.shapes import Layout

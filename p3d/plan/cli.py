@@ -7,6 +7,7 @@
 Exit status: 0 a plan was made (whether or not it fits: read ``fits``); 2 a config error, one line,
 before anything else. Never starts a worker; imports neither torch nor deepspeed.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ import sys
 
 from omegaconf import DictConfig
 
+from p3d.config.validate import P3DConfigError
 from p3d.launch.hydra_app import config_error, is_multirun, run_hydra
 from p3d.launch.prepare import typed_config
-from p3d.config.validate import P3DConfigError
 
 FORMATS = ("text", "json")
 

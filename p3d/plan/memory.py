@@ -38,6 +38,7 @@ In flight under 1F1B, stage s (0-based) of p holds min(p - s, m) micro batches (
 TrainSchedule); interleaved with v chunks it holds min(2 (p - s - 1) + (v - 1) p + 1, m v) chunks
 of 1/v of the stage each (Narayanan et al. 2021; stage 0: 1 + (p - 1)/(p v) times p micro batches).
 """
+
 from __future__ import annotations
 
 import math
@@ -171,7 +172,8 @@ def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
     working = 0.0
     if cfg.schedule.recompute != Recompute.none:
         working = block_bytes(cfg, layout, Recompute.none) - (
-            0.0 if cfg.schedule.recompute == Recompute.full else per_block)
+            0.0 if cfg.schedule.recompute == Recompute.full else per_block
+        )
     for s, sp in enumerate(stage_params(cfg, layout)):
         params, grads, opt = state_bytes(cfg, layout, sp)
         if cfg.zero.stage >= 3:  # gathered full-size weights: the block in use and the prefetched one
@@ -182,6 +184,17 @@ def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
         last = "head" in sp.layers
         if last:
             act += last_stage_bytes(cfg, layout)
-        out.append(StageMemory(s, sp, params, grads, opt, act, in_flight(layout, s), working if sp.blocks else 0.0,
-                               loss_buffer_bytes(cfg, layout) if last else 0.0))
+        out.append(
+            StageMemory(
+                s,
+                sp,
+                params,
+                grads,
+                opt,
+                act,
+                in_flight(layout, s),
+                working if sp.blocks else 0.0,
+                loss_buffer_bytes(cfg, layout) if last else 0.0,
+            )
+        )
     return out

@@ -3,6 +3,7 @@
 ``plan(cfg)`` is the entry point (``cfg`` a typed Config after ``fill_cluster``); ``mesh=auto``
 plans the best layout of :mod:`p3d.plan.search` and keeps the ranking.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,11 +12,11 @@ from typing import Any
 
 from p3d.config.schema import Config, DType, Recompute
 from p3d.config.validate import P3DConfigError, build_plan, check_config
+from p3d.model.geometry import model_flops_per_token, pipeline_bubble, recompute_flops_per_token, total_params
 from p3d.plan import memory, step_time
 from p3d.plan.render import render
-from p3d.plan.step_time import assumptions
-from p3d.model.geometry import model_flops_per_token, pipeline_bubble, recompute_flops_per_token, total_params
 from p3d.plan.shapes import Layout, layout_of
+from p3d.plan.step_time import assumptions
 
 GB = memory.GB
 
@@ -36,7 +37,7 @@ class PlanReport:
     breakdown: dict[str, float]  # seconds per step
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    ranking: list["PlanReport"] = field(default_factory=list)  # mesh=auto: the best layouts, best first
+    ranking: list[PlanReport] = field(default_factory=list)  # mesh=auto: the best layouts, best first
 
     # ---- figures
     @property
@@ -101,33 +102,64 @@ class PlanReport:
         w = self.worst
         return {
             "fits": self.fits,
-            "memory_gb": {"params": w.params_bytes / GB, "grads": w.grads_bytes / GB,
-                          "optimizer": w.optimizer_bytes / GB, "activations": w.activations_total / GB,
-                          "total": w.total / GB, "loss_buffer": w.loss_bytes / GB,
-                          "capacity": self.cfg.cluster.memory_gb, "stage": w.stage,
-                          "all_ranks": self.all_ranks_bytes / GB},
-            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu, "hfu_tflops_per_gpu": self.hfu_tflops_per_gpu,
-            "mfu": self.mfu, "hfu": self.hfu, "bubble": self.bubble,
+            "memory_gb": {
+                "params": w.params_bytes / GB,
+                "grads": w.grads_bytes / GB,
+                "optimizer": w.optimizer_bytes / GB,
+                "activations": w.activations_total / GB,
+                "total": w.total / GB,
+                "loss_buffer": w.loss_bytes / GB,
+                "capacity": self.cfg.cluster.memory_gb,
+                "stage": w.stage,
+                "all_ranks": self.all_ranks_bytes / GB,
+            },
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "hfu_tflops_per_gpu": self.hfu_tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "bubble": self.bubble,
         }
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
         out = self.summary()
         out["warnings"] = list(self.warnings)
-        out["layout"] = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
-                         "micro_batches": lay.micro_batches, "virtual_stages": lay.virtual_stages,
-                         "world_size": lay.world_size}
+        out["layout"] = {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "micro_batch_size": lay.micro_batch_size,
+            "micro_batches": lay.micro_batches,
+            "virtual_stages": lay.virtual_stages,
+            "world_size": lay.world_size,
+        }
         m = self.cfg.model
-        out["model"] = {"name": m.name, "arch": m.arch.value, "params": total_params(m),
-                        "flops_per_token": model_flops_per_token(m)}
+        out["model"] = {
+            "name": m.name,
+            "arch": m.arch.value,
+            "params": total_params(m),
+            "flops_per_token": model_flops_per_token(m),
+        }
         out["time_s"] = dict(self.breakdown)
-        out["stages"] = [{"stage": s.stage, "blocks": s.params.blocks, "params": s.params.total,
-                          "in_flight": s.in_flight, "time_per_micro_batch_s": t.total,
-                          "memory_gb": {"params": s.params_bytes / GB, "grads": s.grads_bytes / GB,
-                                        "optimizer": s.optimizer_bytes / GB,
-                                        "activations": s.activations_total / GB, "total": s.total / GB}}
-                         for s, t in zip(self.stages, self.stage_times)]
+        out["stages"] = [
+            {
+                "stage": s.stage,
+                "blocks": s.params.blocks,
+                "params": s.params.total,
+                "in_flight": s.in_flight,
+                "time_per_micro_batch_s": t.total,
+                "memory_gb": {
+                    "params": s.params_bytes / GB,
+                    "grads": s.grads_bytes / GB,
+                    "optimizer": s.optimizer_bytes / GB,
+                    "activations": s.activations_total / GB,
+                    "total": s.total / GB,
+                },
+            }
+            for s, t in zip(self.stages, self.stage_times)
+        ]
         out["assumptions"] = assumptions(self.cfg)
         out["notes"] = list(self.notes)
         if self.ranking:
@@ -147,7 +179,7 @@ def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True) -> P
     t_mb = times[slow].total
     fill = (layout.pp - 1) / layout.virtual_stages
     tails = []
-    for s, (mem, t) in enumerate(zip(stages, times)):
+    for mem, t in zip(stages, times):
         dp = step_time.dp_seconds(cfg, layout, mem.params)
         if cfg.plan.overlap_dp:
             hide = layout.micro_batches * t.total if cfg.zero.stage >= 3 else t.forward_compute + t.backward_compute
@@ -157,9 +189,17 @@ def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True) -> P
     tied = step_time.tied_seconds(cfg, layout)
     m = layout.micro_batches
     step = (m + fill) * t_mb + tail + tied
-    breakdown = {"compute": m * times[slow].compute, "recompute": m * times[slow].recompute,
-                 "tp_comm": m * times[slow].tp_comm, "pp_comm": m * times[slow].pp_comm, "pipeline_idle": fill * t_mb,
-                 "dp_comm": dp_exposed, "optimizer": tail - dp_exposed, "tied_embedding": tied, "step": step}
+    breakdown = {
+        "compute": m * times[slow].compute,
+        "recompute": m * times[slow].recompute,
+        "tp_comm": m * times[slow].tp_comm,
+        "pp_comm": m * times[slow].pp_comm,
+        "pipeline_idle": fill * t_mb,
+        "dp_comm": dp_exposed,
+        "optimizer": tail - dp_exposed,
+        "tied_embedding": tied,
+        "step": step,
+    }
     report = PlanReport(cfg, layout, stages, times, step, breakdown)
     if check:
         report.warnings, report.notes = _verdict(report)
@@ -174,24 +214,34 @@ def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
         warnings.append(f"p3d-train would refuse this config: {exc}")
     w = r.worst
     if not r.fits and r.shared_host:
-        warnings.append(f"does not fit: the {lay.world_size} cpu workers need {r.all_ranks_bytes / GB:.1f} GB "
-                        f"together, cluster.memory_gb={cfg.cluster.memory_gb:g}")
+        warnings.append(
+            f"does not fit: the {lay.world_size} cpu workers need {r.all_ranks_bytes / GB:.1f} GB "
+            f"together, cluster.memory_gb={cfg.cluster.memory_gb:g}"
+        )
     elif not r.fits:
-        warnings.append(f"does not fit: stage {w.stage} needs {w.total / GB:.1f} GB of {cfg.cluster.memory_gb:g} GB "
-                        f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
-                        f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})")
+        warnings.append(
+            f"does not fit: stage {w.stage} needs {w.total / GB:.1f} GB of {cfg.cluster.memory_gb:g} GB "
+            f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
+            f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})"
+        )
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and lay.tp > gpn:
         warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
     if r.bubble > 0.1:
-        warnings.append(f"pipeline bubble {r.bubble:.0%} of the step ((p-1)/(v m+p-1) with m={lay.micro_batches}): raise "
-                        "schedule.global_batch_size or lower schedule.micro_batch_size")
+        warnings.append(
+            f"pipeline bubble {r.bubble:.0%} of the step ((p-1)/(v m+p-1) with m={lay.micro_batches}): raise "
+            "schedule.global_batch_size or lower schedule.micro_batch_size"
+        )
     if cfg.cluster.device == "cpu":
-        notes.append(f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
-                     f"(together {r.all_ranks_bytes / GB:.2f} GB); times use a nominal CPU peak")
+        notes.append(
+            f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
+            f"(together {r.all_ranks_bytes / GB:.2f} GB); times use a nominal CPU peak"
+        )
     if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 0:
-        notes.append("bf16 with zero.stage=0: DeepSpeed's BF16_Optimizer shards master weights and Adam moments "
-                     "over dp anyway and keeps a second bf16 gradient buffer")
+        notes.append(
+            "bf16 with zero.stage=0: DeepSpeed's BF16_Optimizer shards master weights and Adam moments "
+            "over dp anyway and keeps a second bf16 gradient buffer"
+        )
     if cfg.schedule.recompute == Recompute.full:
         notes.append("full recompute: each block keeps its input; one block's activations are rebuilt at a time")
     return warnings, notes
@@ -199,8 +249,9 @@ def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:
     """``cfg`` with the mesh and micro batch of ``layout`` (what p3d-train runs for mesh=auto)."""
-    mesh = dataclasses.replace(cfg.mesh, name=f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}", tp=layout.tp,
-                               pp=layout.pp, dp=layout.dp)
+    mesh = dataclasses.replace(
+        cfg.mesh, name=f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}", tp=layout.tp, pp=layout.pp, dp=layout.dp
+    )
     sched = dataclasses.replace(cfg.schedule, micro_batch_size=layout.micro_batch_size)
     return dataclasses.replace(cfg, mesh=mesh, schedule=sched)
 

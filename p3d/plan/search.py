@@ -6,6 +6,7 @@ micro_batch_size x dp, and there are at least pp micro batches (validate.check_m
 mesh rules, so the two cannot drift). Layouts predicted not to fit device memory are dropped; the
 rest are sorted by predicted tokens/s (ties: less memory first).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,10 @@ from p3d.plan.shapes import Layout, divisors, world_size
 def candidates(cfg: Config) -> list[Layout]:
     world = world_size(cfg)
     if world is None:
-        raise P3DConfigError("mesh=auto needs the number of GPUs: set cluster.device (a GPU preset) and cluster.nodes, "
-                             "or cluster.gpus_per_node for cpu workers")
+        raise P3DConfigError(
+            "mesh=auto needs the number of GPUs: set cluster.device (a GPU preset) and cluster.nodes, "
+            "or cluster.gpus_per_node for cpu workers"
+        )
     m, gbs, gpn = cfg.model, cfg.schedule.global_batch_size, cfg.cluster.gpus_per_node
     max_pp = m.n_layers if cfg.schedule.partition == Partition.blocks else m.n_layers + 3
     out = []
@@ -53,13 +56,16 @@ def search(cfg: Config) -> list[PlanReport]:
             smallest = r
     if not reports:
         if smallest is None:
-            raise P3DConfigError(f"mesh=auto: no valid layout of {world_size(cfg)} GPUs for model={cfg.model.name} "
-                                 f"with schedule.global_batch_size={cfg.schedule.global_batch_size}; change the "
-                                 "batch size or cluster.nodes")
+            raise P3DConfigError(
+                f"mesh=auto: no valid layout of {world_size(cfg)} GPUs for model={cfg.model.name} "
+                f"with schedule.global_batch_size={cfg.schedule.global_batch_size}; change the "
+                "batch size or cluster.nodes"
+            )
         raise P3DConfigError(
             f"mesh=auto: no layout of {world_size(cfg)} GPUs fits {cfg.cluster.memory_gb:g} GB; the leanest "
             f"({smallest.layout.describe()}) needs {smallest.worst.total / 1e9:.1f} GB; try zero=stage1, "
-            "schedule.recompute=full or more cluster.nodes")
+            "schedule.recompute=full or more cluster.nodes"
+        )
     reports.sort(key=lambda r: (-r.tokens_per_s, r.worst.total))
     return reports
 
@@ -78,6 +84,6 @@ def plan(cfg: Config) -> PlanReport:
     if cfg.mesh.name == "auto":
         ranked = search(cfg)
         best = evaluate(apply_layout(cfg, ranked[0].layout))
-        best.ranking = ranked[:max(1, cfg.plan.top)]
+        best.ranking = ranked[: max(1, cfg.plan.top)]
         return best
     return evaluate(cfg)

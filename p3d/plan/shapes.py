@@ -20,6 +20,7 @@ Parameters per tensor-parallel rank mirror the modules p3d builds (p3d/model/lla
 Layers are placed on stages by ``p3d.model.geometry.stage_bounds``, the function p3d-train uses;
 the per-block counts and FLOPs per token are ``p3d.model.geometry``'s too.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,10 @@ class Layout:
 
     def describe(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), micro batch "
-                f"{self.micro_batch_size} x {self.micro_batches}{v}")
+        return (
+            f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), micro batch "
+            f"{self.micro_batch_size} x {self.micro_batches}{v}"
+        )
 
 
 def world_size(cfg: Config) -> int | None:
@@ -64,9 +67,13 @@ def layout_of(cfg: Config) -> Layout:
     given (tp pp dp GPUs). Micro batches m = global_batch / (micro_batch dp), at least 1.
     """
     tp, pp, s = cfg.mesh.tp, cfg.mesh.pp, cfg.schedule
-    for name, val in (("mesh.tp", tp), ("mesh.pp", pp), ("schedule.micro_batch_size", s.micro_batch_size),
-                      ("schedule.global_batch_size", s.global_batch_size),
-                      ("schedule.virtual_stages", s.virtual_stages)):
+    for name, val in (
+        ("mesh.tp", tp),
+        ("mesh.pp", pp),
+        ("schedule.micro_batch_size", s.micro_batch_size),
+        ("schedule.global_batch_size", s.global_batch_size),
+        ("schedule.virtual_stages", s.virtual_stages),
+    ):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise P3DConfigError(f"{name}={val!r} must be a positive integer")
     dp = cfg.mesh.dp
@@ -75,9 +82,11 @@ def layout_of(cfg: Config) -> Layout:
         if world is None:
             dp = 1
         elif world % (tp * pp):
-            raise P3DConfigError(f"mesh.tp*mesh.pp={tp * pp} must divide the {world} GPUs of the cluster "
-                                 f"(cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node="
-                                 f"{cfg.cluster.gpus_per_node}); set mesh.dp or change cluster.nodes")
+            raise P3DConfigError(
+                f"mesh.tp*mesh.pp={tp * pp} must divide the {world} GPUs of the cluster "
+                f"(cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node="
+                f"{cfg.cluster.gpus_per_node}); set mesh.dp or change cluster.nodes"
+            )
         else:
             dp = world // (tp * pp)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
@@ -119,7 +128,7 @@ def stage_params(cfg: Config, layout: Layout) -> list[StageParams]:
     bounds = stage_bounds(m.n_layers, layout.pp, cfg.schedule.partition)
     out = []
     for s in range(layout.pp):
-        here = names[bounds[s]:bounds[s + 1]]
+        here = names[bounds[s] : bounds[s + 1]]
         mat = vec = 0
         for name in here:
             if name == "head" and m.tie_embeddings and "embed" in here:

@@ -27,25 +27,31 @@ backward (ZeRO 3: behind all compute of the step). Tied embeddings add one all-r
 gradient between the first and last stage. The optimizer step streams ~32 bytes per local
 optimizer element through HBM.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 from p3d.config.schema import Arch, Config, Recompute
-from p3d.plan.memory import dtype_bytes, optimizer_sharded
 from p3d.model.geometry import block_matmul_params, head_dims, padded_vocab
+from p3d.plan.memory import dtype_bytes, optimizer_sharded
 from p3d.plan.shapes import Layout, StageParams
 
 # Achieved fraction of the dense bf16 peak in the matmuls of a transformer block: the one fitted
 # constant, one per device generation, each set from one published run (MosaicML MPT-70B on 64 GPUs,
 # FSDP + activation checkpointing: MFU 53.33% on A100-80GB, 42.57% on H100) and used unchanged for
 # every other prediction (docs/planner.md). H200 / B200: H100's figure, no reference run.
-DEFAULT_EFFICIENCY = {"a100_40gb": 0.73, "a100_80gb": 0.73, "h100_sxm": 0.60, "h200": 0.60, "b200": 0.60,
-                      "cpu": 0.5}
+DEFAULT_EFFICIENCY = {"a100_40gb": 0.73, "a100_80gb": 0.73, "h100_sxm": 0.60, "h200": 0.60, "b200": 0.60, "cpu": 0.5}
 # HBM bandwidth, GB/s, datasheets: A100 40GB / 80GB SXM, H100 SXM, H200, B200; cpu: a DDR4/5 socket.
-DEFAULT_HBM_GBPS = {"a100_40gb": 1555.0, "a100_80gb": 2039.0, "h100_sxm": 3350.0, "h200": 4800.0, "b200": 8000.0,
-                    "cpu": 40.0}
+DEFAULT_HBM_GBPS = {
+    "a100_40gb": 1555.0,
+    "a100_80gb": 2039.0,
+    "h100_sxm": 3350.0,
+    "h200": 4800.0,
+    "b200": 8000.0,
+    "cpu": 40.0,
+}
 HBM_EFFICIENCY = 0.8  # memory-bound kernels reach about 80% of the datasheet bandwidth
 COMM_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100: ~0.8)
 LATENCY_S = {"intra": 10e-6, "inter": 25e-6}  # per collective or send
@@ -112,8 +118,14 @@ def _block_costs(cfg: Config, layout: Layout) -> dict[str, float]:
         tp_dir = 2 * (ring(cfg, act_bytes, t, t, "all_gather") + ring(cfg, act_bytes, t, t, "reduce_scatter"))
     else:
         tp_dir = 2 * ring(cfg, act_bytes, t, t)
-    return {"gemm": 2.0 * b * s * block_matmul_params(m, t), "attn": attn_flops, "attn_bwd": 2.5 if flash else 2.0,
-            "side_bytes": b * s * side * c, "core_bytes": b * s * core * c, "tp": tp_dir}
+    return {
+        "gemm": 2.0 * b * s * block_matmul_params(m, t),
+        "attn": attn_flops,
+        "attn_bwd": 2.5 if flash else 2.0,
+        "side_bytes": b * s * side * c,
+        "core_bytes": b * s * core * c,
+        "tp": tp_dir,
+    }
 
 
 def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
@@ -166,8 +178,9 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     nbytes = st.total * dtype_bytes(cfg)
     span = layout.tp * layout.dp
     if zero >= 3:
-        return layout.micro_batches * (2 * ring(cfg, nbytes, d, span, "all_gather")
-                                       + ring(cfg, nbytes, d, span, "reduce_scatter"))
+        return layout.micro_batches * (
+            2 * ring(cfg, nbytes, d, span, "all_gather") + ring(cfg, nbytes, d, span, "reduce_scatter")
+        )
     if zero == 2:
         grads = layout.micro_batches * ring(cfg, nbytes, d, span, "reduce_scatter")
     elif optimizer_sharded(cfg) and zero == 1:
@@ -194,8 +207,15 @@ def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
 
 def assumptions(cfg: Config) -> dict[str, Any]:
     """The planner's fixed assumptions for this config (printed and in format=json)."""
-    return {"efficiency": efficiency(cfg), "hbm_gbps": hbm_bytes_per_s(cfg) / HBM_EFFICIENCY / 1e9,
-            "peak_tflops": cfg.cluster.peak_tflops, "intra_node_gbps": cfg.cluster.intra_node_gbps,
-            "inter_node_gbps": cfg.cluster.inter_node_gbps, "comm_efficiency": COMM_EFFICIENCY,
-            "flash_attention": cfg.plan.flash_attention, "overlap_dp": cfg.plan.overlap_dp,
-            "overlap_tp": cfg.plan.overlap_tp, "overlap_pp": cfg.plan.overlap_pp}
+    return {
+        "efficiency": efficiency(cfg),
+        "hbm_gbps": hbm_bytes_per_s(cfg) / HBM_EFFICIENCY / 1e9,
+        "peak_tflops": cfg.cluster.peak_tflops,
+        "intra_node_gbps": cfg.cluster.intra_node_gbps,
+        "inter_node_gbps": cfg.cluster.inter_node_gbps,
+        "comm_efficiency": COMM_EFFICIENCY,
+        "flash_attention": cfg.plan.flash_attention,
+        "overlap_dp": cfg.plan.overlap_dp,
+        "overlap_tp": cfg.plan.overlap_tp,
+        "overlap_pp": cfg.plan.overlap_pp,
+    }

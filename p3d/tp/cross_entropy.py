@@ -6,6 +6,7 @@ m, the sum of exponentials and z_t are each one all-reduce of a (b, s) tensor.
 Columns >= vocab_size are vocab padding: masked to -inf so padding never changes the loss.
 Gradient: softmax(z) - onehot(t), each rank on its own columns.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,7 +56,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int,
-                                 vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int, vocab_size: int
+) -> torch.Tensor:
     """Per-token loss (b, s). ``logits``: (b, s, V_pad/tp) of this rank, columns from ``vocab_start``."""
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)

@@ -6,10 +6,11 @@ model. Under ``torch.device("meta")`` no master is drawn (dry runs of 70B+ model
 Sharded parameters carry ``model_parallel = True``: DeepSpeed's ZeRO and bf16 optimizers, and
 our own clipping, count them on every TP rank, and replicated ones on tp rank 0 only.
 """
+
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -53,8 +54,16 @@ class ColumnParallelLinear(nn.Module):
     The input is replicated over tp; its gradient is all-reduced (copy_to_tp).
     """
 
-    def __init__(self, in_features: int, out_features: Sequence[int], mesh, keys: Sequence[str], std: float,
-                 seed: int, padded_rows: Sequence[int] | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: Sequence[int],
+        mesh,
+        keys: Sequence[str],
+        std: float,
+        seed: int,
+        padded_rows: Sequence[int] | None = None,
+    ):
         super().__init__()
         tp, rank = mesh.tp, mesh.tp_rank
         self.group = mesh.tp_group
@@ -96,9 +105,12 @@ class RowParallelLinear(nn.Module):
         self.group = mesh.tp_group
         if in_features % tp:
             raise ValueError(f"in_features {in_features} not divisible by tp={tp}")
-        self.weight = mark_sharded(_new_param(
-            (out_features, in_features // tp),
-            lambda: master_normal((out_features, in_features), std, key, seed).chunk(tp, dim=1)[rank].contiguous()))
+        self.weight = mark_sharded(
+            _new_param(
+                (out_features, in_features // tp),
+                lambda: master_normal((out_features, in_features), std, key, seed).chunk(tp, dim=1)[rank].contiguous(),
+            )
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(F.linear(x, self.weight), self.group)  # (b, s, out)
@@ -115,18 +127,28 @@ class VocabParallelEmbedding(nn.Module):
     ``as_head`` reuses the table as a column-parallel output projection (tied embeddings).
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, mesh, key: str, std: float,
-                 seed: int):
+    def __init__(
+        self, vocab_size: int, padded_vocab_size: int, hidden_size: int, mesh, key: str, std: float, seed: int
+    ):
         super().__init__()
         tp, rank = mesh.tp, mesh.tp_rank
         self.group, self.tp = mesh.tp_group, tp
         self.vocab_size = vocab_size
         self.rows = padded_vocab_size // tp
         self.vocab_start = rank * self.rows
-        self.weight = mark_sharded(_new_param(
-            (self.rows, hidden_size),
-            lambda: F.pad(master_normal((vocab_size, hidden_size), std, key, seed),
-                          (0, 0, 0, padded_vocab_size - vocab_size)).chunk(tp, dim=0)[rank].contiguous()))
+        self.weight = mark_sharded(
+            _new_param(
+                (self.rows, hidden_size),
+                lambda: (
+                    F.pad(
+                        master_normal((vocab_size, hidden_size), std, key, seed),
+                        (0, 0, 0, padded_vocab_size - vocab_size),
+                    )
+                    .chunk(tp, dim=0)[rank]
+                    .contiguous()
+                ),
+            )
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:

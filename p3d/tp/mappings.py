@@ -3,6 +3,7 @@
 Every function takes its process group explicitly and is the identity for a group of one rank
 (or ``None``, the single-process reference), so tp=1 runs no collective at all.
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,6 +14,7 @@ written to ``.step_<N>.tmp``, renamed when every file is on disk, and only then 
 move (written to a temporary name, then renamed): a crash mid-save leaves the previous
 checkpoint complete and ``latest`` pointing at it.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from p3d.run_dir import CHECKPOINTS
 from p3d.ds_compat import has_hp_mapping, links_optimizer_states, relink_optimizer_states, wrapped_optimizer
+from p3d.run_dir import CHECKPOINTS
 
 FORMAT = "p3d-checkpoint-1"
 LATEST = "latest"
@@ -75,8 +76,10 @@ def _link_optimizer_states(engine) -> None:
     for group in base.param_groups:
         for flat in group["params"]:
             if not base.state[flat]:
-                base.state[flat] = {"step": torch.zeros((), dtype=torch.float32),
-                                    **{k: torch.zeros_like(flat) for k in ADAM_KEYS}}
+                base.state[flat] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    **{k: torch.zeros_like(flat) for k in ADAM_KEYS},
+                }
     relink_optimizer_states(wrapper)
 
 
@@ -144,10 +147,20 @@ def save(engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, sche
             shutil.copy(f, tmp / ("tokenizer.json" if i == 0 else f.name))
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-        meta = {"format": FORMAT, "step": step, "samples": samples,
-                "mesh": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "zero": cfg.zero.stage,
-                "dtype": cfg.train.dtype.value, "model": _model_identity(cfg), "tokenizer": cfg.data.tokenizer,
-                "stage_bounds": plan.stage_bounds, "scheduler": sched, "files": files, **extra}
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "samples": samples,
+            "mesh": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
+            "zero": cfg.zero.stage,
+            "dtype": cfg.train.dtype.value,
+            "model": _model_identity(cfg),
+            "tokenizer": cfg.data.tokenizer,
+            "stage_bounds": plan.stage_bounds,
+            "scheduler": sched,
+            "files": files,
+            **extra,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")  # last: marks it complete
         if final.exists():
             shutil.rmtree(final)
@@ -174,11 +187,24 @@ def _prune(ckpt_root: Path, keep_last: int) -> None:
 def _model_identity(cfg) -> dict:
     """The fields that make two runs the same model (the preset name does not count)."""
     m = cfg.model
-    return {k: getattr(m, k) for k in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "ffn_hidden_size",
-                                       "vocab_size", "tie_embeddings", "rope_theta", "norm_eps")}
+    return {
+        k: getattr(m, k)
+        for k in (
+            "n_layers",
+            "hidden_size",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "tie_embeddings",
+            "rope_theta",
+            "norm_eps",
+        )
+    }
 
 
 # ---- finding and checking (launcher side: JSON and file sizes only, no tensors)
+
 
 def find(run_dir: str | Path, resume: str) -> Path | None:
     """The checkpoint ``train.resume`` names: none -> None; auto -> the newest complete one (None if
@@ -203,8 +229,9 @@ def verify(path: Path) -> dict:
     """meta.json of a complete checkpoint whose files are all present at their recorded sizes."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        raise CheckpointError(f"train.resume={path}: no complete checkpoint there (no meta.json)",
-                              "try train.resume=auto")
+        raise CheckpointError(
+            f"train.resume={path}: no complete checkpoint there (no meta.json)", "try train.resume=auto"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
@@ -214,8 +241,9 @@ def verify(path: Path) -> dict:
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing", RESUME_EARLIER)
         if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {f} is truncated ({f.stat().st_size} of {size} bytes)",
-                                  RESUME_EARLIER)
+            raise CheckpointError(
+                f"checkpoint file {f} is truncated ({f.stat().st_size} of {size} bytes)", RESUME_EARLIER
+            )
     return meta
 
 
@@ -225,21 +253,27 @@ def check_compatible(meta: dict, cfg, path: Path) -> None:
     diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
     if diff:
         k, (was, now) = next(iter(diff.items()))
-        raise CheckpointError(f"checkpoint {path} holds another model: model.{k}={was} there, {now} here; "
-                              f"resume with model.{k}={was} or start a new run.dir")
+        raise CheckpointError(
+            f"checkpoint {path} holds another model: model.{k}={was} there, {now} here; "
+            f"resume with model.{k}={was} or start a new run.dir"
+        )
     if meta.get("tokenizer") != cfg.data.tokenizer:
-        raise CheckpointError(f"checkpoint {path} was trained with data.tokenizer={meta.get('tokenizer')}, "
-                              f"this run uses {cfg.data.tokenizer}; resume with data.tokenizer={meta.get('tokenizer')}")
+        raise CheckpointError(
+            f"checkpoint {path} was trained with data.tokenizer={meta.get('tokenizer')}, "
+            f"this run uses {cfg.data.tokenizer}; resume with data.tokenizer={meta.get('tokenizer')}"
+        )
 
 
 # ---- loading (workers)
 
+
 def _load_file(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
-        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})",
-                              RESUME_EARLIER) from None
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})", RESUME_EARLIER
+        ) from None
 
 
 def _local_states(path: Path, meta: dict, module, mesh, plan):
@@ -280,8 +314,10 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
             except KeyError:
                 raise CheckpointError(f"checkpoint {path} has no parameter {name}") from None
             if tuple(state["master"].shape) != tuple(p.shape):
-                raise CheckpointError(f"checkpoint {path}: {name} has shape {tuple(state['master'].shape)}, this "
-                                      f"rank needs {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"checkpoint {path}: {name} has shape {tuple(state['master'].shape)}, this "
+                    f"rank needs {tuple(p.shape)}"
+                )
             p.copy_(state["master"].to(p.dtype))
             if hp:
                 safe_set_full_fp32_param(p, state["master"].to(p.device))

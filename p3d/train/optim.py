@@ -7,6 +7,7 @@ is all-reduced over the pp x tp ranks of the replica (dp replicas hold identical
 DeepSpeed's ZeRO and bf16 optimizers count the same way; its plain fp32 path does not (it drops
 replicated parameters of every stage but the first), so for fp32 without ZeRO we clip here.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,11 +31,18 @@ NORM_CHUNK = 1 << 16
 def global_grad_norm(params, mesh) -> torch.Tensor:
     """L2 norm of the whole model's gradient. Per-chunk fp32 norms (one fused kernel), their squares
     summed in fp64 (so a sum over 10^11 elements keeps its digits), on the gradients' device."""
-    chunks = [c for p in params if p.grad is not None and counts_in_norm(p, mesh.tp_rank)
-              for c in p.grad.detach().reshape(-1).split(NORM_CHUNK)]
+    chunks = [
+        c
+        for p in params
+        if p.grad is not None and counts_in_norm(p, mesh.tp_rank)
+        for c in p.grad.detach().reshape(-1).split(NORM_CHUNK)
+    ]
     device = chunks[0].device if chunks else torch.device("cpu")
-    sq = torch.stack(torch._foreach_norm(chunks, 2.0)).double().pow(2).sum() if chunks else \
-        torch.zeros((), dtype=torch.float64, device=device)
+    sq = (
+        torch.stack(torch._foreach_norm(chunks, 2.0)).double().pow(2).sum()
+        if chunks
+        else torch.zeros((), dtype=torch.float64, device=device)
+    )
     if mesh.replica_group is not None and mesh.tp * mesh.pp > 1:
         dist.all_reduce(sq, group=mesh.replica_group)
     return sq.sqrt()

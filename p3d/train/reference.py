@@ -4,14 +4,15 @@ Same init (the seeded master weights), same data (the global sample order), torc
 ``clip_grad_norm_`` and the same schedule. Every mesh must reproduce its per-step loss and
 gradient norm (tests/test_parity.py); bench/overhead.py times it against p3d.
 """
+
 from __future__ import annotations
 
 import time
 
 import torch
 
-from p3d.model.geometry import padded_vocab
 from p3d.data.loader import global_batches
+from p3d.model.geometry import padded_vocab
 from p3d.model.pipe import to_sequential
 from p3d.train.optim import build_optimizer
 
@@ -39,6 +40,13 @@ def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        out.append({"step": step, "loss": total, "grad_norm": float(grad_norm), "lr": lr,
-                    "step_time_s": time.perf_counter() - t0})
+        out.append(
+            {
+                "step": step,
+                "loss": total,
+                "grad_norm": float(grad_norm),
+                "lr": lr,
+                "step_time_s": time.perf_counter() - t0,
+            }
+        )
     return out

@@ -8,6 +8,7 @@ Every parameter has a global name (its pipeline layer index and module path, e.g
 - ``replicated``: the same on every tp rank.
 Adam moments and fp32 master weights are cut exactly like their parameter.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,7 +40,7 @@ def shard_from_full(full: torch.Tensor, spec: dict, tp: int, rank: int) -> torch
         return full.chunk(tp, dim=1)[rank]
     out, start = [], 0
     for real, padded in zip(spec["blocks"], spec["padded"]):
-        block = F.pad(full[start:start + real], (0, 0, 0, padded - real))
+        block = F.pad(full[start : start + real], (0, 0, 0, padded - real))
         out.append(block.chunk(tp, dim=0)[rank])
         start += real
     return torch.cat(out, dim=0).contiguous()

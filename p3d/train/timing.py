@@ -6,6 +6,7 @@ rank: in 1F1B they are where a stage waits for the stage before or after it (the
 small next to the wait). The theoretical idle share for p stages and m micro batches is
 ``p3d.model.geometry.pipeline_bubble``, (p - 1) / (m + p - 1).
 """
+
 from __future__ import annotations
 
 import time
@@ -38,4 +39,3 @@ class StageTimer:
         """Seconds blocked on pipeline neighbours since the last call."""
         wait, self.wait_s = self.wait_s, 0.0
         return wait
-

@@ -1,6 +1,7 @@
 """One worker's training run: mesh, pipeline model, DeepSpeed engine, data, the step loop,
 validation, checkpoints, and a clean stop on SIGTERM / SIGUSR1 (what Slurm sends before a time
 limit or preemption): finish the step, save, exit with p3d.exit_codes.PREEMPTED."""
+
 from __future__ import annotations
 
 import logging
@@ -18,19 +19,22 @@ from p3d.config.schema import DType, Recompute
 from p3d.data.corpus import DataStats
 from p3d.data.loader import micro_batches, rank_slice, validation_batches
 from p3d.dist.mesh import Mesh
+from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
 from p3d.metrics import MetricsLogger, peak_memory_gb
+from p3d.model.geometry import pipeline_bubble
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
 from p3d.train import checkpoint
 from p3d.train.optim import build_optimizer
-from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
-from p3d.model.geometry import pipeline_bubble
 from p3d.train.timing import StageTimer
+
 
 def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
     specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
     recompute = cfg.schedule.recompute == Recompute.full
     return P3DPipelineModule(
-        specs, plan.stage_bounds, topology=mesh.topology,
+        specs,
+        plan.stage_bounds,
+        topology=mesh.topology,
         loss_fn=VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh),
         activation_checkpoint_interval=1 if recompute else 0,
         checkpointable_layers=["TransformerBlock"] if recompute else None,
@@ -61,18 +65,21 @@ def step_stats(stopper: Stopper, wait_share: float, device, stats: DataStats | N
     file failed on some ranks only, say an I/O error), inputs and labels no longer line up: stop the run,
     loudly."""
     skips = stats.counts() if stats is not None else [-1, -1, -1]  # -1: reads no data
-    mine = torch.tensor([float(stopper.signum), wait_share, peak_memory_gb(), *skips], dtype=torch.float64,
-                        device=device)
+    mine = torch.tensor(
+        [float(stopper.signum), wait_share, peak_memory_gb(), *skips], dtype=torch.float64, device=device
+    )
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     every = torch.stack(parts).cpu()
     readers = every[every[:, 3] >= 0, 3:]
     if len(readers) and not bool((readers == readers[0]).all()):
         per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, 3:].tolist()) if row[0] >= 0}
-        raise RuntimeError("the data-reading ranks skipped different records or files of the same stream (rank: "
-                           f"(unreadable records, failed files, empty records) = {per_rank}; see the 'p3d data' "
-                           "warnings in the rank logs), so their batches no longer match; fix the input and resume "
-                           "from the last checkpoint")
+        raise RuntimeError(
+            "the data-reading ranks skipped different records or files of the same stream (rank: "
+            f"(unreadable records, failed files, empty records) = {per_rank}; see the 'p3d data' "
+            "warnings in the rank logs), so their batches no longer match; fix the input and resume "
+            "from the last checkpoint"
+        )
     return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max())
 
 
@@ -101,8 +108,9 @@ def build_engine(cfg, plan, mesh: Mesh):
     clip_here = cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32
     optimizer, scheduler = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
     with quiet_stdout():
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=deepspeed_config(cfg, plan))
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, plan)
+        )
     if plan.dp == 1 and cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32:
         # nothing to all-reduce over one replica; DeepSpeed would still flatten, "reduce" over a group of
         # one and copy back every gradient each step (0.4 s per step for model=small on a CPU core)
@@ -126,12 +134,28 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     stats = DataStats()
     reads_data = mesh.is_first_stage or mesh.is_last_stage
     s = cfg.schedule
-    data = micro_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, s.micro_batch_size, plan.dp, mesh.dp_rank,
-                         cfg.train.seed, start_sample, stats) if reads_data else None
+    data = (
+        micro_batches(
+            cfg.data,
+            cfg.model.seq_len,
+            s.global_batch_size,
+            s.micro_batch_size,
+            plan.dp,
+            mesh.dp_rank,
+            cfg.train.seed,
+            start_sample,
+            stats,
+        )
+        if reads_data
+        else None
+    )
     val = []
     if cfg.train.eval_every > 0:
-        val = validation_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, cfg.train.eval_batches) \
-            if reads_data else [None] * cfg.train.eval_batches
+        val = (
+            validation_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, cfg.train.eval_batches)
+            if reads_data
+            else [None] * cfg.train.eval_batches
+        )
     stopper = Stopper()
     metrics = None
     if rank == plan.logging_rank:
@@ -139,9 +163,11 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
 
         metrics = MetricsLogger(run_dir, cfg, plan, start_step, spec=spec_dict(cfg, plan))
         resumed = f", resumed from step {start_step} after {start_sample} samples" if start_step else ""
-        metrics.print(f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
-                      f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
-                      f"{cfg.train.steps} steps{resumed}")
+        metrics.print(
+            f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
+            f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
+            f"{cfg.train.steps} steps{resumed}"
+        )
     bubble_theory = pipeline_bubble(plan.pp, plan.micro_batches)
     status = exit_codes.OK
     for step in range(start_step + 1, cfg.train.steps + 1):
@@ -155,13 +181,32 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
         if metrics:
-            metrics.log(step, loss=float(loss), lr=float(lr), grad_norm=float(engine.get_global_grad_norm()),
-                        step_time_s=step_time, samples=samples, bubble=bubble,
-                        bubble_theory=bubble_theory, peak_mem_gb=mem, **extra)
+            metrics.log(
+                step,
+                loss=float(loss),
+                lr=float(lr),
+                grad_norm=float(engine.get_global_grad_norm()),
+                step_time_s=step_time,
+                samples=samples,
+                bubble=bubble,
+                bubble_theory=bubble_theory,
+                peak_mem_gb=mem,
+                **extra,
+            )
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
-            path = checkpoint.save(engine, module, mesh, cfg, plan, run_dir, step, samples, scheduler,
-                                   {"skipped_records": stats.skipped_records, "empty_records": stats.empty_records})
+            path = checkpoint.save(
+                engine,
+                module,
+                mesh,
+                cfg,
+                plan,
+                run_dir,
+                step,
+                samples,
+                scheduler,
+                {"skipped_records": stats.skipped_records, "empty_records": stats.empty_records},
+            )
             if metrics:
                 metrics.print(f"saved checkpoint {path}" + (" after a stop signal" if stop else ""))
         if stop:  # a stop at the last step leaves nothing to resume: the run is done

@@ -1,4 +1,5 @@
 """Planner tests: typed configs composed through Hydra exactly as p3d-train and p3d-plan compose them."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,14 +1,21 @@
 """The Python API p3d-train uses: plan(cfg) -> report (fits, to_json, render), best_layout(cfg) for mesh=auto."""
+
 from __future__ import annotations
 
 import pytest
 
 from p3d.config.validate import P3DConfigError, build_plan
-from p3d.plan import Layout, apply_layout, best_layout, plan, search
 from p3d.model.geometry import block_matmul_params, total_params
+from p3d.plan import Layout, apply_layout, best_layout, plan, search
 
-H100_x8 = ["cluster.device=h100_sxm", "cluster.launcher=slurm", "cluster.nodes=8", "train.dtype=bf16", "zero=stage1",
-           "schedule=large"]
+H100_x8 = [
+    "cluster.device=h100_sxm",
+    "cluster.launcher=slurm",
+    "cluster.nodes=8",
+    "train.dtype=bf16",
+    "zero=stage1",
+    "schedule=large",
+]
 
 
 def test_a_replicated_70b_does_not_fit_and_a_sharded_one_does(make_cfg):
@@ -45,8 +52,15 @@ def test_best_layout_is_trainable_and_ranked_first(make_cfg):
 
 
 def test_nothing_fits_is_a_config_error(make_cfg):
-    cfg = make_cfg("model=llama3_405b", "mesh=auto", "cluster.device=a100_40gb", "cluster.launcher=slurm",
-                   "cluster.nodes=1", "train.dtype=bf16", "schedule.global_batch_size=64")
+    cfg = make_cfg(
+        "model=llama3_405b",
+        "mesh=auto",
+        "cluster.device=a100_40gb",
+        "cluster.launcher=slurm",
+        "cluster.nodes=1",
+        "train.dtype=bf16",
+        "schedule.global_batch_size=64",
+    )
     with pytest.raises(P3DConfigError, match="no layout of 8 GPUs fits"):
         best_layout(cfg)
 
@@ -58,26 +72,55 @@ def test_auto_on_cpu_needs_a_gpu_count(make_cfg):
 
 def test_refused_configs_are_modelled_and_flagged(make_cfg):
     """ZeRO-3 with tp only: p3d-train refuses it; the planner divides the parameters by dp and says so."""
-    r = plan(make_cfg("model=small", "mesh.tp=2", "mesh.pp=1", "mesh.dp=4", "zero.stage=3",
-                      "schedule.global_batch_size=16"))
+    r = plan(
+        make_cfg("model=small", "mesh.tp=2", "mesh.pp=1", "mesh.dp=4", "zero.stage=3", "schedule.global_batch_size=16")
+    )
     assert any("p3d-train would refuse" in w and "zero.stage=3" in w for w in r.warnings)
     sp = r.stages[0].params.total
     assert r.stages[0].grads_bytes == pytest.approx(sp * 4 / 4)  # fp32, sharded over dp=4
-    gpt = plan(make_cfg("model=gpt_175b", "mesh=tp8_pp8", "cluster.device=a100_80gb", "cluster.launcher=slurm",
-                        "cluster.nodes=8", "train.dtype=bf16", "schedule=large"))
+    gpt = plan(
+        make_cfg(
+            "model=gpt_175b",
+            "mesh=tp8_pp8",
+            "cluster.device=a100_80gb",
+            "cluster.launcher=slurm",
+            "cluster.nodes=8",
+            "train.dtype=bf16",
+            "schedule=large",
+        )
+    )
     assert any("builds llama only" in w for w in gpt.warnings)
     assert gpt.to_json()["model"]["arch"] == "gpt"
 
 
 def test_layout_that_does_not_divide_the_cluster_is_an_error(make_cfg):
     with pytest.raises(P3DConfigError, match="must divide the 8 GPUs"):
-        plan(make_cfg("mesh.tp=3", "mesh.pp=1", "mesh.dp=auto", "model.hidden_size=96", "model.n_heads=6",
-                      "model.n_kv_heads=3", "cluster.device=h100_sxm", "cluster.launcher=slurm"))
+        plan(
+            make_cfg(
+                "mesh.tp=3",
+                "mesh.pp=1",
+                "mesh.dp=auto",
+                "model.hidden_size=96",
+                "model.n_heads=6",
+                "model.n_kv_heads=3",
+                "cluster.device=h100_sxm",
+                "cluster.launcher=slurm",
+            )
+        )
 
 
 def test_report_figures_are_consistent(make_cfg):
-    r = plan(make_cfg("model=llama3_8b", "mesh=tp2_pp2", "mesh.dp=auto", *H100_x8[:-1],
-                      "schedule.global_batch_size=256", "schedule.micro_batch_size=1", "schedule.recompute=full"))
+    r = plan(
+        make_cfg(
+            "model=llama3_8b",
+            "mesh=tp2_pp2",
+            "mesh.dp=auto",
+            *H100_x8[:-1],
+            "schedule.global_batch_size=256",
+            "schedule.micro_batch_size=1",
+            "schedule.recompute=full",
+        )
+    )
     j = r.to_json()
     mem = j["memory_gb"]
     assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"])

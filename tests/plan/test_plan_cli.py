@@ -1,4 +1,5 @@
 """p3d-plan as a user runs it: same overrides as p3d-train, text or JSON, exit 2 on a bad config."""
+
 from __future__ import annotations
 
 import json
@@ -13,19 +14,44 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
 
-FIELDS = {"fits": bool, "memory_gb": dict, "step_time_s": float, "tokens_per_s": float, "tflops_per_gpu": float,
-          "hfu_tflops_per_gpu": float, "mfu": float, "hfu": float, "bubble": float, "warnings": list}
+FIELDS = {
+    "fits": bool,
+    "memory_gb": dict,
+    "step_time_s": float,
+    "tokens_per_s": float,
+    "tflops_per_gpu": float,
+    "hfu_tflops_per_gpu": float,
+    "mfu": float,
+    "hfu": float,
+    "bubble": float,
+    "warnings": list,
+}
 
 
 def p3d_plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "p3d.plan.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    return subprocess.run(
+        [sys.executable, "-m", "p3d.plan.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+    )
 
 
 def test_json_has_the_issue_fields(tmp_path):
-    out = p3d_plan("mesh=tp8_pp8", "model=llama70b", "cluster.device=h100_sxm", "cluster.nodes=8",
-                   "cluster.launcher=slurm", "schedule=large", "train.dtype=bf16", "zero=stage1", "format=json",
-                   cwd=tmp_path)
+    out = p3d_plan(
+        "mesh=tp8_pp8",
+        "model=llama70b",
+        "cluster.device=h100_sxm",
+        "cluster.nodes=8",
+        "cluster.launcher=slurm",
+        "schedule=large",
+        "train.dtype=bf16",
+        "zero=stage1",
+        "format=json",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     for name, kind in FIELDS.items():
@@ -43,11 +69,14 @@ def test_text_report_names_stages_and_verdict():
     assert "tokens/s" in out.stdout
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("format=yaml", "format=yaml"),
-    ("cluster.device=tpu_v5", "cluster.device=tpu_v5"),
-    ("mesh.dp=0", "mesh.dp=0"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("format=yaml", "format=yaml"),
+        ("cluster.device=tpu_v5", "cluster.device=tpu_v5"),
+        ("mesh.dp=0", "mesh.dp=0"),
+    ],
+)
 def test_bad_config_exits_2_with_one_line(override, needle):
     out = p3d_plan(override)
     assert out.returncode == 2
@@ -67,8 +96,17 @@ def test_refused_layout_is_planned_with_a_warning():
 
 
 def test_mesh_auto_prints_a_ranking():
-    out = p3d_plan("mesh=auto", "model=llama70b", "cluster.device=h100_sxm", "cluster.nodes=8",
-                   "cluster.launcher=slurm", "schedule=large", "train.dtype=bf16", "zero=stage1", "format=json")
+    out = p3d_plan(
+        "mesh=auto",
+        "model=llama70b",
+        "cluster.device=h100_sxm",
+        "cluster.nodes=8",
+        "cluster.launcher=slurm",
+        "schedule=large",
+        "train.dtype=bf16",
+        "zero=stage1",
+        "format=json",
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     ranking = report["ranking"]
@@ -78,16 +116,19 @@ def test_mesh_auto_prints_a_ranking():
 
 
 def test_fast_and_without_torch():
-    code = "\n".join([
-        "import sys, time",
-        "t = time.perf_counter()",
-        "sys.argv = ['p3d-plan', 'model=llama70b', 'mesh=tp8_pp8', 'format=json']",
-        "from p3d.plan.cli import main",
-        "try:",
-        "    main()",
-        "except SystemExit as e:",
-        "    assert not e.code",
-        "print('HEAVY', sorted(m for m in ('torch', 'deepspeed') if m in sys.modules), time.perf_counter() - t)"])
+    code = "\n".join(
+        [
+            "import sys, time",
+            "t = time.perf_counter()",
+            "sys.argv = ['p3d-plan', 'model=llama70b', 'mesh=tp8_pp8', 'format=json']",
+            "from p3d.plan.cli import main",
+            "try:",
+            "    main()",
+            "except SystemExit as e:",
+            "    assert not e.code",
+            "print('HEAVY', sorted(m for m in ('torch', 'deepspeed') if m in sys.modules), time.perf_counter() - t)",
+        ]
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "HEAVY [] " in out.stdout  # planning imports neither torch nor deepspeed: about a second

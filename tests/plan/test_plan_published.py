@@ -36,6 +36,7 @@ Calibration: the matmul efficiency of each device generation is the one fitted c
 time model (p3d/plan/step_time.py DEFAULT_EFFICIENCY). It was set from the MPT-70B rows on 64 A100 and 64
 H100 (test_calibration_rows); every other row here is a prediction.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,26 +45,63 @@ from p3d.plan import evaluate
 
 
 def gpt(layers, hidden, heads, vocab=51200, seq=2048, tied=True):
-    return ["model.arch=gpt", "model.name=gpt", f"model.n_layers={layers}", f"model.hidden_size={hidden}",
-            f"model.n_heads={heads}", f"model.n_kv_heads={heads}", f"model.ffn_hidden_size={4 * hidden}",
-            f"model.vocab_size={vocab}", f"model.seq_len={seq}", f"model.tie_embeddings={tied}"]
+    return [
+        "model.arch=gpt",
+        "model.name=gpt",
+        f"model.n_layers={layers}",
+        f"model.hidden_size={hidden}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={heads}",
+        f"model.ffn_hidden_size={4 * hidden}",
+        f"model.vocab_size={vocab}",
+        f"model.seq_len={seq}",
+        f"model.tie_embeddings={tied}",
+    ]
 
 
-def run(tp, pp, dp, mbs, gbs, device, recompute="full", sp=False, v=1, zero=0, flash=False, megatron=True,
-        overlap_dp=False, *extra):
+def run(
+    tp,
+    pp,
+    dp,
+    mbs,
+    gbs,
+    device,
+    recompute="full",
+    sp=False,
+    v=1,
+    zero=0,
+    flash=False,
+    megatron=True,
+    overlap_dp=False,
+    *extra,
+):
     """A layout on ``device`` nodes of 8; megatron: asynchronous pipeline sends (Megatron's schedules)."""
-    return [f"mesh.tp={tp}", f"mesh.pp={pp}", f"mesh.dp={dp}", f"schedule.micro_batch_size={mbs}",
-            f"schedule.global_batch_size={gbs}", f"schedule.recompute={recompute}",
-            f"schedule.sequence_parallel={sp}", f"schedule.virtual_stages={v}", f"zero.stage={zero}",
-            "train.dtype=bf16", f"cluster.device={device}", "cluster.launcher=slurm",
-            f"cluster.nodes={max(1, tp * pp * dp // 8)}", f"plan.flash_attention={flash}",
-            f"plan.overlap_pp={megatron}", f"plan.overlap_dp={overlap_dp}", *extra]
+    return [
+        f"mesh.tp={tp}",
+        f"mesh.pp={pp}",
+        f"mesh.dp={dp}",
+        f"schedule.micro_batch_size={mbs}",
+        f"schedule.global_batch_size={gbs}",
+        f"schedule.recompute={recompute}",
+        f"schedule.sequence_parallel={sp}",
+        f"schedule.virtual_stages={v}",
+        f"zero.stage={zero}",
+        "train.dtype=bf16",
+        f"cluster.device={device}",
+        "cluster.launcher=slurm",
+        f"cluster.nodes={max(1, tp * pp * dp // 8)}",
+        f"plan.flash_attention={flash}",
+        f"plan.overlap_pp={megatron}",
+        f"plan.overlap_dp={overlap_dp}",
+        *extra,
+    ]
 
 
 def mpt(layers, hidden, heads, gpus, mbs, gbs, device, ckpt):
     """MosaicML MPT: FSDP FULL_SHARD (ZeRO 3, prefetching: overlapped), flash attention, vocab 50368."""
-    return gpt(layers, hidden, heads, vocab=50368) + run(1, 1, gpus, mbs, gbs, device, "full" if ckpt else "none",
-                                                         zero=3, flash=True, overlap_dp=True)
+    return gpt(layers, hidden, heads, vocab=50368) + run(
+        1, 1, gpus, mbs, gbs, device, "full" if ckpt else "none", zero=3, flash=True, overlap_dp=True
+    )
 
 
 # name: (overrides, published TFLOP/s per GPU, convention, source)
@@ -81,21 +119,47 @@ ROWS = {
     "N21-1008B": (gpt(128, 25600, 160) + run(8, 64, 6, 1, 3072, "a100_80gb"), 163, "hfu", N21),
     # MFU 41.5 / 51.4 / 56.0 / 56.3 % of 312 TFLOP/s, selective recompute + sequence parallelism
     "K22-22B": (gpt(48, 6144, 64) + run(8, 1, 1, 1, 4, "a100_80gb", "selective", True), 0.415 * 312, "mfu", "K22 T5"),
-    "K22-175B": (gpt(96, 12288, 96) + run(8, 8, 1, 1, 64, "a100_80gb", "selective", True), 0.514 * 312, "mfu",
-                 "K22 T5"),
-    "K22-530B": (gpt(105, 20480, 128) + run(8, 35, 1, 1, 280, "a100_80gb", "selective", True), 0.560 * 312, "mfu",
-                 "K22 T5"),
-    "K22-1T": (gpt(128, 25600, 160) + run(8, 64, 1, 1, 512, "a100_80gb", "selective", True), 0.563 * 312, "mfu",
-               "K22 T5"),
+    "K22-175B": (
+        gpt(96, 12288, 96) + run(8, 8, 1, 1, 64, "a100_80gb", "selective", True),
+        0.514 * 312,
+        "mfu",
+        "K22 T5",
+    ),
+    "K22-530B": (
+        gpt(105, 20480, 128) + run(8, 35, 1, 1, 280, "a100_80gb", "selective", True),
+        0.560 * 312,
+        "mfu",
+        "K22 T5",
+    ),
+    "K22-1T": (
+        gpt(128, 25600, 160) + run(8, 64, 1, 1, 512, "a100_80gb", "selective", True),
+        0.563 * 312,
+        "mfu",
+        "K22 T5",
+    ),
     # Llama 3: 16M-token batches of 8192 tokens, sequence parallel; assumed: micro batch 1, 8 virtual
     # stages (one layer per chunk), no recompute, FSDP-style overlapped dp traffic
-    "L3-405B-8192": (["model=llama3_405b"] + run(8, 16, 64, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True, True),
-                     430, "mfu", "L3 Table 4"),
-    "L3-405B-16384": (["model=llama3_405b"] + run(8, 16, 128, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True,
-                                                   True), 400, "mfu", "L3 Table 4"),
+    "L3-405B-8192": (
+        ["model=llama3_405b"] + run(8, 16, 64, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True, True),
+        430,
+        "mfu",
+        "L3 Table 4",
+    ),
+    "L3-405B-16384": (
+        ["model=llama3_405b"] + run(8, 16, 128, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True, True),
+        400,
+        "mfu",
+        "L3 Table 4",
+    ),
     # BLOOM: Megatron-DeepSpeed (DeepSpeed's pipeline engine: blocking sends, dp after the flush)
-    "BLOOM-176B": (["model=gpt_bloom_176b"] + run(4, 12, 8, 2, 2048, "a100_80gb", zero=1, megatron=False)
-                   + ["cluster.inter_node_gbps=6.25"], 156, "hfu", "BLOOM 3.4"),
+    "BLOOM-176B": (
+        ["model=gpt_bloom_176b"]
+        + run(4, 12, 8, 2, 2048, "a100_80gb", zero=1, megatron=False)
+        + ["cluster.inter_node_gbps=6.25"],
+        156,
+        "hfu",
+        "BLOOM 3.4",
+    ),
     "MPT-30B-a100": (mpt(48, 7168, 56, 8, 3, 504, "a100_80gb", True), 0.553 * 312, "mfu", "MPT"),
     "MPT-7B-a100": (mpt(32, 4096, 32, 8, 6, 96, "a100_80gb", False), 0.6423 * 312, "mfu", "MPT"),
     "MPT-30B-h100": (mpt(48, 7168, 56, 8, 3, 504, "h100_sxm", True), 0.3811 * 989, "mfu", "MPT"),
@@ -103,12 +167,22 @@ ROWS = {
 # Runs the planner is known to over-predict by more than 15 % (kept, strict, so a change shows)
 MISSES = {
     # DeepSpeed pipeline engine at tp 2, fp16, 12.5 GB/s per GPU between nodes: the planner says ~147
-    "NEOX-20B": (["model=gpt_neox_20b"] + run(2, 4, 12, 4, 1536, "a100_40gb", zero=1, megatron=False)
-                 + ["cluster.inter_node_gbps=12.5"], 117, "hfu", "NEOX 3"),
+    "NEOX-20B": (
+        ["model=gpt_neox_20b"]
+        + run(2, 4, 12, 4, 1536, "a100_40gb", zero=1, megatron=False)
+        + ["cluster.inter_node_gbps=12.5"],
+        117,
+        "hfu",
+        "NEOX 3",
+    ),
     # the same DeepSpeed engine for MT-NLG 530B on 2240 GPUs (Eq. 3: 126 TFLOP/s = its 60.1 s
     # iterations): the planner says ~156
-    "MTNLG-530B-2240": (["model=gpt_530b"] + run(8, 35, 8, 1, 1920, "a100_80gb", zero=1, megatron=False), 126, "hfu",
-                        "MTNLG 2"),
+    "MTNLG-530B-2240": (
+        ["model=gpt_530b"] + run(8, 35, 8, 1, 1920, "a100_80gb", zero=1, megatron=False),
+        126,
+        "hfu",
+        "MTNLG 2",
+    ),
     # small-model FSDP runs on H100 (2023 software): the planner is 15-35 % optimistic there
     "MPT-7B-h100": (mpt(32, 4096, 32, 8, 6, 48, "h100_sxm", False), 0.4644 * 989, "mfu", "MPT"),
     "MPT-13B-h100": (mpt(40, 5120, 40, 8, 2, 16, "h100_sxm", False), 0.3979 * 989, "mfu", "MPT"),
@@ -128,12 +202,15 @@ def predicted(make_cfg, overrides, convention) -> float:
 def test_tflops_per_gpu_within_15_percent(make_cfg, name):
     overrides, published, convention, source = ROWS[name]
     got = predicted(make_cfg, overrides, convention)
-    assert got == pytest.approx(published, rel=0.15), \
+    assert got == pytest.approx(published, rel=0.15), (
         f"{name} ({source}): predicted {got:.1f}, published {published:.1f}"
+    )
 
 
 @pytest.mark.parametrize("name", list(MISSES))
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known over-prediction > 15%; see docs/planner.md, Limits")
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="known over-prediction > 15%; see docs/planner.md, Limits"
+)
 def test_known_misses(make_cfg, name):
     overrides, published, convention, source = MISSES[name]
     assert predicted(make_cfg, overrides, convention) == pytest.approx(published, rel=0.15)
@@ -147,12 +224,15 @@ def test_calibration_rows(make_cfg, name):
 
 # ---- orderings of layouts of one model
 
+
 def test_mtnlg_throughput_falls_with_more_replicas_at_fixed_batch(make_cfg):
     """[MTNLG]: 530B, tp 8 pp 35, batch 1920: 126 > 121 > 113 TFLOP/s on 8 / 10 / 12 replicas (fewer
     micro batches each, a larger bubble). Same order, and each ratio to the first within 5 %."""
     published = [126, 121, 113]
-    got = [predicted(make_cfg, ["model=gpt_530b"] + run(8, 35, dp, 1, 1920, "a100_80gb", zero=1, megatron=False), "hfu")
-           for dp in (8, 10, 12)]
+    got = [
+        predicted(make_cfg, ["model=gpt_530b"] + run(8, 35, dp, 1, 1920, "a100_80gb", zero=1, megatron=False), "hfu")
+        for dp in (8, 10, 12)
+    ]
     assert got == sorted(got, reverse=True)
     for g, p in zip(got[1:], published[1:]):
         assert g / got[0] == pytest.approx(p / published[0], rel=0.05)
@@ -165,15 +245,22 @@ def test_llama3_8k_gpus_beat_16k_gpus_per_gpu(make_cfg):
     assert b / a == pytest.approx(400 / 430, rel=0.05)
 
 
-@pytest.mark.parametrize("shape,pp,gbs,full_s,present_s", [
-    ((48, 6144, 64), 1, 4, 1.42, 1.10), ((96, 12288, 96), 8, 64, 18.13, 13.75),
-    ((105, 20480, 128), 35, 280, 49.05, 37.83), ((128, 25600, 160), 64, 512, 94.42, 71.49)])
+@pytest.mark.parametrize(
+    "shape,pp,gbs,full_s,present_s",
+    [
+        ((48, 6144, 64), 1, 4, 1.42, 1.10),
+        ((96, 12288, 96), 8, 64, 18.13, 13.75),
+        ((105, 20480, 128), 35, 280, 49.05, 37.83),
+        ((128, 25600, 160), 64, 512, 94.42, 71.49),
+    ],
+)
 def test_selective_with_sequence_parallel_beats_full_recompute(make_cfg, shape, pp, gbs, full_s, present_s):
     """[K22] Table 5: iteration time with full recompute vs selective recompute + sequence parallelism
     (dp 1, tp 8): faster in every case, speedup 1.29-1.32x; predicted speedup within 10 %."""
     full = evaluate(make_cfg(*gpt(*shape), *run(8, pp, 1, 1, gbs, "a100_80gb")), check=False).step_time_s
-    present = evaluate(make_cfg(*gpt(*shape), *run(8, pp, 1, 1, gbs, "a100_80gb", "selective", True)),
-                       check=False).step_time_s
+    present = evaluate(
+        make_cfg(*gpt(*shape), *run(8, pp, 1, 1, gbs, "a100_80gb", "selective", True)), check=False
+    ).step_time_s
     assert present < full
     assert full / present == pytest.approx(full_s / present_s, rel=0.10)
 
@@ -183,8 +270,10 @@ def test_tensor_parallel_peaks_at_gpus_per_node(make_cfg, gbs):
     """[N21] Sec. 5.4.1, Fig. 13: a ~162B GPT on 64 A100, (t, p) from (2, 32) to (32, 2), dp 1: throughput
     peaks at t = 8, the GPUs of one node, and falls sharply once tensor parallelism crosses nodes.
     (The shape is not given in the text; 88 layers of h = 12288 make 160 B.)"""
-    tput = {t: predicted(make_cfg, gpt(88, 12288, 96) + run(t, 64 // t, 1, 1, gbs, "a100_80gb"), "hfu")
-            for t in (2, 4, 8, 16, 32)}
+    tput = {
+        t: predicted(make_cfg, gpt(88, 12288, 96) + run(t, 64 // t, 1, 1, gbs, "a100_80gb"), "hfu")
+        for t in (2, 4, 8, 16, 32)
+    }
     assert max(tput, key=tput.get) == 8
     assert tput[8] > tput[16] > tput[32]
 
@@ -194,8 +283,9 @@ def test_interleaving_helps_most_at_small_batch(make_cfg):
     and its advantage shrinks as the batch (micro batches per pipeline) grows."""
     gains = []
     for gbs in (24, 48, 96):
-        plain, inter = (predicted(make_cfg, ["model=gpt_175b"] + run(8, 12, 1, 1, gbs, "a100_80gb", v=v), "hfu")
-                        for v in (1, 2))
+        plain, inter = (
+            predicted(make_cfg, ["model=gpt_175b"] + run(8, 12, 1, 1, gbs, "a100_80gb", v=v), "hfu") for v in (1, 2)
+        )
         gains.append(inter / plain)
     assert all(g > 1 for g in gains)
     assert gains == sorted(gains, reverse=True)
@@ -203,13 +293,14 @@ def test_interleaving_helps_most_at_small_batch(make_cfg):
 
 # ---- memory tables
 
+
 def test_zero_stages_through_a_config(make_cfg):
     """[ZERO] Table 1, the 7.5 B model on 64 GPUs, mixed-precision Adam (K = 12), model states per GPU:
     31.4 GB with P_os, 16.6 GB with P_os+g, 1.88 GB with P_os+g+p. Through the planner's own path: a
     GPT of 36 x 4096 on 64 GPUs (pp 1, tp 1), bf16 with the ZeRO stage's sharding. Its bytes per
     parameter are Psi (2 + 2 + 12/64) etc. exactly, and at the paper's Psi = 7.5e9 they give the table."""
-    from p3d.plan.memory import stage_memory
     from p3d.model.geometry import block_matmul_params, total_params
+    from p3d.plan.memory import stage_memory
     from p3d.plan.shapes import layout_of
 
     for stage, factor, published_gb in ((1, 2 + 2 + 12 / 64, 31.4), (2, 2 + 14 / 64, 16.6), (3, 16 / 64, 1.88)):

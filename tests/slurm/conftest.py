@@ -3,6 +3,7 @@
 idempotent, about 3 s when already up). Nothing here mocks Slurm: jobs are submitted with sbatch,
 their states read from scontrol / sacct, and every wait has a deadline (then the job is cancelled).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,17 @@ from tests.conftest import ROOT
 START = ROOT / ".ci" / "slurm" / "start-local-slurm.sh"
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
 OURS = "# managed by start-local-slurm.sh"
-DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-        "DEADLINE"}
+DONE = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def run(*cmd: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -59,8 +69,9 @@ class Slurm:
     env = {**os.environ, "P3D_PYTHON": sys.executable}
 
     def sbatch(self, *args: str, cwd: Path = ROOT) -> str:
-        out = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60, cwd=cwd,
-                             env=self.env)
+        out = subprocess.run(
+            ["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60, cwd=cwd, env=self.env
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout.strip().split(";")[0]
 

@@ -1,12 +1,21 @@
 """The job a mesh needs: nodes, tasks per node and GPUs derived from the mesh and the cluster config,
 the partition check, time limits. Pure functions on configs composed through Hydra; no Slurm needed."""
+
 from __future__ import annotations
 
 import pytest
 
 from p3d.config.validate import P3DConfigError
-from p3d.dist.slurm import (Partition, check_fits, layout, parse_gres_gpus, parse_sinfo, sbatch_args, time_minutes,
-                            time_seconds)
+from p3d.dist.slurm import (
+    Partition,
+    check_fits,
+    layout,
+    parse_gres_gpus,
+    parse_sinfo,
+    sbatch_args,
+    time_minutes,
+    time_seconds,
+)
 from tests.conftest import compose, typed
 
 CLUSTERS = ["local", "slurm", "a100_80gb", "h100_sxm", "h200", "b200"]
@@ -36,14 +45,28 @@ def test_gpu_cluster_multi_node_llama70b():
     lay = layout(cfg, plan)
     assert (lay.nodes, lay.ntasks_per_node, lay.gpus_per_node, lay.world_size) == (8, 8, 8, 64)
     args = sbatch_args(cfg, lay, "/shared/runs/r1")
-    for expected in ("--nodes=8", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=8", "--requeue",
-                     "--signal=B:USR1@300", "--open-mode=append", "--output=/shared/runs/r1/slurm-%j.out"):
+    for expected in (
+        "--nodes=8",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--cpus-per-task=8",
+        "--requeue",
+        "--signal=B:USR1@300",
+        "--open-mode=append",
+        "--output=/shared/runs/r1/slurm-%j.out",
+    ):
         assert expected in args, (expected, args)
 
 
 def test_gpu_cluster_dp_fills_the_nodes():
-    cfg, plan = typed("cluster=h100_sxm", "cluster.nodes=4", "mesh=tp8_pp1", "model=llama3_8b", "mesh.dp=auto",
-                      "schedule.global_batch_size=64")
+    cfg, plan = typed(
+        "cluster=h100_sxm",
+        "cluster.nodes=4",
+        "mesh=tp8_pp1",
+        "model=llama3_8b",
+        "mesh.dp=auto",
+        "schedule.global_batch_size=64",
+    )
     lay = layout(cfg, plan)
     assert plan.dp == 4 and (lay.nodes, lay.ntasks_per_node, lay.gpus_per_node) == (4, 8, 8)
 
@@ -72,25 +95,47 @@ def test_uneven_or_split_tp_layouts_are_refused():
 
 
 def test_cluster_options_and_extra_lines_pass_through():
-    args = args_of("cluster=slurm", "mesh=pp2", "cluster.partition=gpu", "cluster.account=proj1", "cluster.qos=high",
-                   "cluster.constraint='h100&ib'", "cluster.time=2-00:00:00", "cluster.cpus_per_task=16",
-                   "cluster.job_name=llama", "cluster.requeue=false", "cluster.signal_s=600",
-                   "cluster.extra_sbatch=[--exclusive,'--mem=0']")
-    for expected in ("--partition=gpu", "--account=proj1", "--qos=high", "--constraint=h100&ib",
-                     "--time=2-00:00:00", "--cpus-per-task=16", "--job-name=llama", "--no-requeue",
-                     "--signal=B:USR1@600"):
+    args = args_of(
+        "cluster=slurm",
+        "mesh=pp2",
+        "cluster.partition=gpu",
+        "cluster.account=proj1",
+        "cluster.qos=high",
+        "cluster.constraint='h100&ib'",
+        "cluster.time=2-00:00:00",
+        "cluster.cpus_per_task=16",
+        "cluster.job_name=llama",
+        "cluster.requeue=false",
+        "cluster.signal_s=600",
+        "cluster.extra_sbatch=[--exclusive,'--mem=0']",
+    )
+    for expected in (
+        "--partition=gpu",
+        "--account=proj1",
+        "--qos=high",
+        "--constraint=h100&ib",
+        "--time=2-00:00:00",
+        "--cpus-per-task=16",
+        "--job-name=llama",
+        "--no-requeue",
+        "--signal=B:USR1@600",
+    ):
         assert expected in args, (expected, args)
     assert args[-2:] == ["--exclusive", "--mem=0"]  # last: the user's lines win over the derived ones
 
 
 def test_unset_options_are_left_to_slurm():
     args = args_of("cluster=slurm", "mesh=pp2", "cluster.time=null", "cluster.signal_s=0")
-    assert not any(a.split("=")[0] in ("--partition", "--account", "--qos", "--constraint", "--time", "--signal",
-                                       "--cpus-per-task") for a in args), args
+    assert not any(
+        a.split("=")[0]
+        in ("--partition", "--account", "--qos", "--constraint", "--time", "--signal", "--cpus-per-task")
+        for a in args
+    ), args
 
 
-@pytest.mark.parametrize("value,minutes", [("30", 30), ("90:30", 91), ("01:00:00", 60), ("2-0", 2880),
-                                           ("1-12:30", 2190), ("0-00:00:30", 1)])
+@pytest.mark.parametrize(
+    "value,minutes", [("30", 30), ("90:30", 91), ("01:00:00", 60), ("2-0", 2880), ("1-12:30", 2190), ("0-00:00:30", 1)]
+)
 def test_slurm_time_formats(value, minutes):
     assert time_minutes(value) == minutes
 
@@ -122,13 +167,22 @@ def test_mesh_that_does_not_fit_the_partition_is_refused():
     cfg, plan = typed("cluster=slurm", "mesh=dp2_pp2_tp2")  # 8 ranks, 8 CPUs: fits
     check_fits(layout(cfg, plan), debug, plan)
     cfg, plan = typed("cluster=slurm", "mesh=tp2_pp2", "mesh.dp=4", "schedule.global_batch_size=32")  # 16 ranks
-    with pytest.raises(P3DConfigError, match=r"needs 16 tasks x 1 CPUs = 16 CPUs per node.*have 8; try "
-                                             r"cluster.nodes=2 cluster.gpus_per_node=8"):
+    with pytest.raises(
+        P3DConfigError,
+        match=r"needs 16 tasks x 1 CPUs = 16 CPUs per node.*have 8; try "
+        r"cluster.nodes=2 cluster.gpus_per_node=8",
+    ):
         check_fits(layout(cfg, plan), debug, plan)
     cfg, plan = typed("cluster=slurm", "mesh=dp2_pp2_tp2", "cluster.nodes=4")
     with pytest.raises(P3DConfigError, match=r"cluster.nodes=4 exceeds the 2 node\(s\) of partition debug"):
         check_fits(layout(cfg, plan), debug, plan)
-    cfg, plan = typed("cluster=h100_sxm", "cluster.partition=gpu", "mesh=tp8_pp1", "model=llama3_8b", "mesh.dp=auto",
-                      "schedule.global_batch_size=64")
+    cfg, plan = typed(
+        "cluster=h100_sxm",
+        "cluster.partition=gpu",
+        "mesh=tp8_pp1",
+        "model=llama3_8b",
+        "mesh.dp=auto",
+        "schedule.global_batch_size=64",
+    )
     with pytest.raises(P3DConfigError, match=r"cluster.gpus_per_node=8 exceeds the 4 GPUs per node of partition gpu"):
         check_fits(layout(cfg, plan), parse_sinfo(SINFO, "gpu"), plan)

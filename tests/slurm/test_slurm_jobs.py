@@ -3,6 +3,7 @@ cluster=slurm, a -m sweep through Hydra's submitit launcher with its report, and
 time-limit signal, checkpoints, requeues itself and resumes. Tiny meshes on CPU (gloo).
 
 Each job has a Slurm time limit and each wait a deadline; job states come from scontrol and sacct."""
+
 from __future__ import annotations
 
 import csv
@@ -39,9 +40,16 @@ def complete_checkpoints(run_dir) -> list[str]:
 def test_sbatch_recipe_trains_a_4_rank_mesh(slurm_cluster, tmp_path):
     """sbatch recipes/slurm/train.sbatch <overrides>: 4 srun tasks, metrics, checkpoint, one log."""
     run_dir = tmp_path / "run"
-    job = slurm_cluster.sbatch("--ntasks-per-node=4", "--time=5", "--signal=B:USR1@30",
-                               f"--output={tmp_path}/job-%j.out", RECIPE,
-                               "mesh=tp2_pp2", "train.steps=3", f"run.dir={run_dir}")
+    job = slurm_cluster.sbatch(
+        "--ntasks-per-node=4",
+        "--time=5",
+        "--signal=B:USR1@30",
+        f"--output={tmp_path}/job-%j.out",
+        RECIPE,
+        "mesh=tp2_pp2",
+        "train.steps=3",
+        f"run.dir={run_dir}",
+    )
     state = slurm_cluster.wait(job, timeout=240)
     log = (tmp_path / f"job-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
@@ -61,8 +69,15 @@ def test_sbatch_recipe_trains_a_4_rank_mesh(slurm_cluster, tmp_path):
 @pytest.mark.timeout(300)
 def test_p3d_train_cluster_slurm_submits_and_the_job_completes(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    result = p3d_train("cluster=slurm", "mesh=pp2", "train.steps=3", "cluster.time=5", "cluster.signal_s=30",
-                       f"run.dir={run_dir}", timeout=120)
+    result = p3d_train(
+        "cluster=slurm",
+        "mesh=pp2",
+        "train.steps=3",
+        "cluster.time=5",
+        "cluster.signal_s=30",
+        f"run.dir={run_dir}",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     match = re.search(r"submitted Slurm job (\d+): .* 1 node\(s\) x 2 tasks", result.stdout)
     assert match, result.stdout
@@ -77,19 +92,28 @@ def test_p3d_train_cluster_slurm_submits_and_the_job_completes(slurm_cluster, tm
     assert "NumNodes=1" in detail and "NumTasks=2" in detail and "TimeLimit=00:05:00" in detail, detail
     assert "gres/gpu" not in detail  # device=cpu asks for no GPUs
     assert json.loads((run_dir / "p3d_status.json").read_text())["job_id"] == job
-    report = subprocess.run([sys.executable, "-m", "p3d.report", str(run_dir), "--no-plot"], capture_output=True,
-                            text=True, timeout=60)
+    report = subprocess.run(
+        [sys.executable, "-m", "p3d.report", str(run_dir), "--no-plot"], capture_output=True, text=True, timeout=60
+    )
     assert report.returncode == 0 and re.search(r"pp2 .* 3/3\s+done", report.stdout), report.stdout + report.stderr
 
 
 @pytest.mark.timeout(120)
 def test_a_mesh_larger_than_the_partition_is_refused_before_submitting(slurm_cluster, tmp_path):
     name = f"p3d-refused-{uuid.uuid4().hex[:8]}"
-    result = p3d_train("cluster=slurm", "mesh=tp2_pp2", "mesh.dp=4", "schedule.global_batch_size=32",
-                       f"cluster.job_name={name}", f"run.dir={tmp_path / 'run'}", timeout=90)
+    result = p3d_train(
+        "cluster=slurm",
+        "mesh=tp2_pp2",
+        "mesh.dp=4",
+        "schedule.global_batch_size=32",
+        f"cluster.job_name={name}",
+        f"run.dir={tmp_path / 'run'}",
+        timeout=90,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
-    assert re.search(r"needs 16 tasks x 1 CPUs = 16 CPUs per node, but the nodes of partition \w+ have \d+",
-                     result.stderr), result.stderr
+    assert re.search(
+        r"needs 16 tasks x 1 CPUs = 16 CPUs per node, but the nodes of partition \w+ have \d+", result.stderr
+    ), result.stderr
     assert "nothing was submitted" in result.stderr
     assert run("squeue", "-h", "-n", name).stdout.strip() == ""
     assert run("sacct", "-n", "-X", "--name", name, "-S", "now-1hour").stdout.strip() == ""
@@ -99,8 +123,17 @@ def test_a_mesh_larger_than_the_partition_is_refused_before_submitting(slurm_clu
 def test_sweep_through_submitit_runs_one_job_per_point_and_reports(slurm_cluster, tmp_path):
     """p3d-train -m cluster=slurm: two Slurm jobs (2 and 4 ranks), one infeasible point never submitted."""
     sweep = tmp_path / "sweep"
-    result = p3d_train("-m", "cluster=slurm", "mesh=pp2", "mesh.tp=1,2,8", "train.steps=3", "cluster.time=5",
-                       "cluster.signal_s=30", f"hydra.sweep.dir={sweep}", timeout=400)
+    result = p3d_train(
+        "-m",
+        "cluster=slurm",
+        "mesh=pp2",
+        "mesh.tp=1,2,8",
+        "train.steps=3",
+        "cluster.time=5",
+        "cluster.signal_s=30",
+        f"hydra.sweep.dir={sweep}",
+        timeout=400,
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-4000:]  # the skipped point: the sweep is not all done
     assert "p3d: 1 of 3 sweep points not done (1 skipped: point 2); exit status 2" in result.stderr, out[-4000:]
@@ -110,7 +143,7 @@ def test_sweep_through_submitit_runs_one_job_per_point_and_reports(slurm_cluster
     for _, job, _ in jobs:
         assert slurm_cluster.wait_accounted(job)[-1]["State"] == "COMPLETED"
     # the report printed at the end of the sweep: both rows, and the skipped point
-    table = result.stdout[result.stdout.index("p3d-report:"):]
+    table = result.stdout[result.stdout.index("p3d-report:") :]
     assert re.search(r"^0\s+pp2\s+1 x 2 x 1\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
     assert re.search(r"^1\s+pp2\s+1 x 2 x 2\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
     assert re.search(r"^2\s+.*skipped: mesh.tp=8", table, re.M), table
@@ -121,8 +154,10 @@ def test_sweep_through_submitit_runs_one_job_per_point_and_reports(slurm_cluster
     assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for point, job in (("0", jobs[0][1]), ("1", jobs[1][1])):
         assert steps_done(sweep / point) == [1, 2, 3]
-        assert json.loads((sweep / point / "p3d_status.json").read_text()) | {"status": "done", "job_id": job} \
-            == json.loads((sweep / point / "p3d_status.json").read_text())
+        assert json.loads((sweep / point / "p3d_status.json").read_text()) | {
+            "status": "done",
+            "job_id": job,
+        } == json.loads((sweep / point / "p3d_status.json").read_text())
 
 
 @pytest.mark.timeout(420)
@@ -135,9 +170,16 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_p
     a spec with train.resume=auto resumes from the newest complete checkpoint."""
     run_dir = tmp_path / "run"
     steps = 12
-    job = slurm_cluster.sbatch("--ntasks-per-node=4", "--time=10", "--signal=B:USR1@60",
-                               f"--output={tmp_path}/job-%j.out", RECIPE,
-                               "mesh=tp2_pp2", f"train.steps={steps}", f"run.dir={run_dir}")
+    job = slurm_cluster.sbatch(
+        "--ntasks-per-node=4",
+        "--time=10",
+        "--signal=B:USR1@60",
+        f"--output={tmp_path}/job-%j.out",
+        RECIPE,
+        "mesh=tp2_pp2",
+        f"train.steps={steps}",
+        f"run.dir={run_dir}",
+    )
     wait_for(lambda: len(steps_done(run_dir)) >= 2, 180, "two training steps")
     assert run("scancel", "--batch", "--signal=USR1", job).returncode == 0
     # requeued: pending again (Slurm holds a requeued job ~2 min; released early so the test stays short)
@@ -158,7 +200,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, tmp_p
     assert f"{job} exit 75 after SIGUSR1" in jobs_log and f"{job} requeue after restart 0" in jobs_log
     assert f"{job} start (restart 1)" in jobs_log and f"{job} exit 0" in jobs_log
     # the second start resumed: its first step is k+1, and step 1 is not run again
-    second = log[log.index("(restart 1)"):]
+    second = log[log.index("(restart 1)") :]
     first_step = re.search(r"step\s+(\d+)/", second)
     assert first_step and int(first_step.group(1)) == k + 1, second[:3000]
     assert steps_done(run_dir) == list(range(1, steps + 1))
@@ -172,8 +214,18 @@ def test_sweep_job_signalled_before_its_time_limit_requeues_and_resumes(slurm_cl
     and the sweep waits for it and reports the point done. Needs the durable-runs contract too."""
     sweep = tmp_path / "sweep"
     steps = 16
-    cmd = [sys.executable, "-m", "p3d.cli", "-m", "cluster=slurm", "mesh=pp2", f"train.steps={steps}",
-           "cluster.time=10", "cluster.signal_s=60", f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "p3d.cli",
+        "-m",
+        "cluster=slurm",
+        "mesh=pp2",
+        f"train.steps={steps}",
+        "cluster.time=10",
+        "cluster.signal_s=60",
+        f"hydra.sweep.dir={sweep}",
+    ]
     sweep_proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: len(steps_done(sweep / "0")) >= 2, 180, "two training steps")
@@ -192,6 +244,6 @@ def test_sweep_job_signalled_before_its_time_limit_requeues_and_resumes(slurm_cl
     assert [r["State"].split()[0] for r in slurm_cluster.wait_accounted(job, runs=2)] == ["REQUEUED", "COMPLETED"]
     assert re.search(rf"^0\s+pp2\s+1 x 2 x 1\s+[\d,]+.*{steps}/{steps}\s+done$", out, re.M), out[-3000:]
     log = (sweep / "0" / f"slurm-{job}.out").read_text()
-    second = log[log.index("requeueing job"):]
+    second = log[log.index("requeueing job") :]
     assert int(re.search(r"step\s+(\d+)/", second).group(1)) == k + 1, second[:3000]
     assert steps_done(sweep / "0") == list(range(1, steps + 1))
