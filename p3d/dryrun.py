@@ -8,6 +8,7 @@ shards add up to the closed-form count of the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,13 +17,17 @@ from p3d.model.geometry import total_params
 from p3d.model.pipe import build_layer_specs
 from p3d.tp.layers import owned_by_tp_rank
 
+if TYPE_CHECKING:
+    from p3d.config.schema import Config
+    from p3d.config.validate import RunPlan
+
 MAX_MAP_ROWS = 64
 
 
 @dataclass
 class DryRunReport:
-    cfg: object
-    plan: object
+    cfg: Config
+    plan: RunPlan
     mesh_map: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)  # rank, dp, pp, tp, node, local
     stage_layers: list[list[str]] = field(default_factory=list)
     params: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> parameters on that rank

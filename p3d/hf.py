@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,8 @@ def hf_names(name: str, n_layers: int) -> list[str]:
     """HF tensor names, in block order, of the p3d parameter ``name``."""
     if name == "tied_modules.embed.weight" or name == "0.weight":
         return ["model.embed_tokens.weight"]
-    layer, rest = name.split(".", 1)
-    layer = int(layer)
+    head, rest = name.split(".", 1)
+    layer = int(head)
     if layer == n_layers + 1:
         return ["model.norm.weight"]
     if layer == n_layers + 2:
@@ -160,7 +161,7 @@ class SafetensorsDir:
         for file in sorted(set(self.where.values())):
             if not (self.dir / file).is_file():
                 raise HFImportError(f"model.init_from={hf_dir}: shard {self.dir / file} is missing")
-        self._open = {}
+        self._open: dict[str, Any] = {}  # file name -> open safetensors handle
 
     def _file(self, name: str):
         from safetensors import safe_open

@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hydra.experimental.callback import Callback
 
@@ -66,7 +66,7 @@ def mesh_label(task_cfg) -> str:
         return "?"
 
 
-def _median(values: list[float]) -> float | None:
+def _median(values: list[Any]) -> float | None:
     values = [v for v in values if isinstance(v, (int, float))]
     return statistics.median(values) if values else None
 
@@ -84,19 +84,19 @@ def slurm_state(job_id: str) -> str | None:
 
 
 def read_point(point: Path, name: str) -> Row:
-    from omegaconf import OmegaConf
+    from omegaconf import ListConfig, OmegaConf
 
     status = read_status(point)
     row = Row(point=name, mesh=status.get("mesh", "?"), run_dir=str(point))
     spec_path = point / SPEC
     if spec_path.is_file():
-        spec = OmegaConf.to_container(OmegaConf.load(spec_path))
+        spec = cast(dict, OmegaConf.to_container(OmegaConf.load(spec_path)))
         plan, mesh = spec.get(RUN_PLAN_KEY, {}), spec.get("mesh", {})
         row.dp, row.pp, row.tp = plan.get("dp"), plan.get("pp"), plan.get("tp")
         row.mesh = mesh.get("name", "?")
         row.total_steps = spec.get("train", {}).get("steps")
     elif row.mesh == "?" and (point / ".hydra" / "overrides.yaml").is_file():
-        overrides = OmegaConf.load(point / ".hydra" / "overrides.yaml")
+        overrides = cast(ListConfig, OmegaConf.load(point / ".hydra" / "overrides.yaml"))  # a list of strings
         row.mesh = " ".join(o for o in overrides if str(o).startswith("mesh")) or "?"
     records = read_json_lines(point / METRICS) if (point / METRICS).is_file() else []
     if records:
@@ -176,7 +176,7 @@ def table(rows: list[Row]) -> str:
         out.append("  ".join(cells + [line[-1]]).rstrip())
     done = [r for r in rows if r.status == "done" and r.tokens_per_s]
     if done:
-        best = max(done, key=lambda r: r.tokens_per_s)
+        best = max(done, key=lambda r: cast(float, r.tokens_per_s))  # set: done keeps rows with tokens_per_s
         out.append(
             f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}): "
             f"{best.tokens_per_s:,.0f} tokens/s"

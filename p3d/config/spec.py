@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,12 +66,12 @@ def to_config(node: DictConfig | dict) -> Config:
     if unknown:
         raise _unknown_key_error(unknown[0], node)
     merged = OmegaConf.merge(OmegaConf.structured(Config), node)
-    return OmegaConf.to_object(merged)
+    return cast(Config, OmegaConf.to_object(merged))
 
 
 def config_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain nested data, enums as their names (the config part of run_spec.yaml)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
 
 
 def spec_dict(cfg: Config, plan: RunPlan) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def _checkpoint_spec(ckpt: Path) -> tuple[int, dict]:
     """(step, raw run spec) of a checkpoint directory: what the segment that wrote it ran with."""
     step = json.loads((ckpt / "meta.json").read_text())["step"]
     spec = ckpt / SPEC_NAME
-    return step, OmegaConf.to_container(OmegaConf.load(spec)) if spec.is_file() else {}
+    return step, cast(dict, OmegaConf.to_container(OmegaConf.load(spec))) if spec.is_file() else {}
 
 
 def _config_part(raw: dict) -> dict:
@@ -143,7 +143,7 @@ def read_spec(path: str | Path) -> tuple[Config, RunPlan]:
         path = path / SPEC_NAME
     if not path.is_file():
         raise FileNotFoundError(f"run spec {path} does not exist; run p3d-train to create it")
-    raw = OmegaConf.to_container(OmegaConf.load(path))
+    raw = cast(dict, OmegaConf.to_container(OmegaConf.load(path)))
     plan = RunPlan(**raw.pop(RUN_PLAN_KEY))
     raw.pop("segments", None)
     return to_config(raw), plan

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition, Recompute
 from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
@@ -41,11 +42,11 @@ class RunPlan:
 
 def _mesh_presets() -> dict[tuple[int, int, str], str]:
     """(tp, pp, dp) -> preset name, read from conf/mesh/ to suggest a fix by name."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     presets: dict[tuple[int, int, str], str] = {}
     for f in sorted((CONF_DIR / "mesh").glob("*.yaml")):
-        vals = OmegaConf.load(f)
+        vals = cast(DictConfig, OmegaConf.load(f))  # conf/mesh/*.yaml are mappings
         try:
             if vals["name"] != "auto":  # a placeholder for the planner's search, not a layout
                 presets[(int(vals["tp"]), int(vals["pp"]), str(vals["dp"]))] = f.stem

@@ -23,6 +23,7 @@ import sysconfig
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 from p3d.config.schema import DataConfig, DataSource
 from p3d.data.stats import DataStats
@@ -110,7 +111,7 @@ def file_format(cfg: DataConfig, files: list[str]) -> str:
             f"data.format=auto cannot tell the format of {sorted(suffixes)} (data.path={cfg.path}); "
             "set data.format=text|json|parquet|csv, or narrow data.path with a glob"
         )
-    return fmts.pop()
+    return cast(str, fmts.pop())  # None was ruled out above
 
 
 def _datasets(cfg: DataConfig):

@@ -35,7 +35,7 @@ def pack(token_docs: Iterable[list[int]], window: int, eos_id: int) -> Iterator[
 
 def shuffled(items: Iterable, buffer: int, rng: random.Random) -> Iterator:
     """A deterministic streaming shuffle: each item leaves a buffer of ``buffer`` items at random."""
-    pool = []
+    pool: list = []
     for item in items:
         if len(pool) < buffer:
             pool.append(item)

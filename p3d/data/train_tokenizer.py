@@ -76,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # exits through sys.exit

@@ -113,7 +113,7 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None)
 def first_stage_bytes(cfg: Config, layout: Layout) -> float:
     """Embedding: token ids (int64), the out-of-slice mask with tp > 1; gpt: its dropout mask."""
     b, s, t = layout.micro_batch_size, cfg.model.seq_len, layout.tp
-    per_token = 8 + (1 if t > 1 else 0)
+    per_token: float = 8 + (1 if t > 1 else 0)
     if cfg.model.arch == Arch.gpt:
         per_token += cfg.model.hidden_size / (t if cfg.schedule.sequence_parallel else 1)
     return b * s * per_token

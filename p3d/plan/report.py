@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from p3d.config.schema import Config, DType, Recompute
 from p3d.config.validate import P3DConfigError, build_plan, check_config
@@ -42,7 +42,7 @@ class PlanReport:
     # ---- figures
     @property
     def capacity_bytes(self) -> float:
-        return self.cfg.cluster.memory_gb * GB
+        return cast(float, self.cfg.cluster.memory_gb) * GB
 
     @property
     def worst(self) -> memory.StageMemory:
@@ -86,11 +86,11 @@ class PlanReport:
 
     @property
     def mfu(self) -> float:
-        return self.tflops_per_gpu / self.cfg.cluster.peak_tflops
+        return self.tflops_per_gpu / cast(float, self.cfg.cluster.peak_tflops)
 
     @property
     def hfu(self) -> float:
-        return self.hfu_tflops_per_gpu / self.cfg.cluster.peak_tflops
+        return self.hfu_tflops_per_gpu / cast(float, self.cfg.cluster.peak_tflops)
 
     @property
     def bubble(self) -> float:

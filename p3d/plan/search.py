@@ -10,6 +10,7 @@ rest are sorted by predicted tokens/s (ties: less memory first).
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from p3d.config.schema import Config, Partition
 from p3d.config.validate import P3DConfigError, check_mesh
@@ -24,7 +25,8 @@ def candidates(cfg: Config) -> list[Layout]:
             "mesh=auto needs the number of GPUs: set cluster.device (a GPU preset) and cluster.nodes, "
             "or cluster.gpus_per_node for cpu workers"
         )
-    m, gbs, gpn = cfg.model, cfg.schedule.global_batch_size, cfg.cluster.gpus_per_node
+    # gpus_per_node is set: world is not None
+    m, gbs, gpn = cfg.model, cfg.schedule.global_batch_size, cast(int, cfg.cluster.gpus_per_node)
     max_pp = m.n_layers if cfg.schedule.partition == Partition.blocks else m.n_layers + 3
     out = []
     for tp in divisors(world):

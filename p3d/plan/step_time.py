@@ -31,7 +31,7 @@ optimizer element through HBM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from p3d.config.schema import Arch, Config, Recompute
 from p3d.model.geometry import block_matmul_params, head_dims, padded_vocab
@@ -70,7 +70,7 @@ def _link(cfg: Config, span: int) -> tuple[float, float]:
     """(bytes/s, latency) of a group whose ranks span ``span`` consecutive ranks (tp fastest, then dp, then pp)."""
     c = cfg.cluster
     intra = c.gpus_per_node is None or span <= c.gpus_per_node
-    gbps = c.intra_node_gbps if intra else c.inter_node_gbps
+    gbps = cast(float, c.intra_node_gbps if intra else c.inter_node_gbps)
     return gbps * 1e9 * COMM_EFFICIENCY, LATENCY_S["intra" if intra else "inter"]
 
 
@@ -130,7 +130,7 @@ def _block_costs(cfg: Config, layout: Layout) -> dict[str, float]:
 
 def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
     m = cfg.model
-    flops_s = cfg.cluster.peak_tflops * 1e12 * efficiency(cfg)
+    flops_s = cast(float, cfg.cluster.peak_tflops) * 1e12 * efficiency(cfg)
     mem_s = hbm_bytes_per_s(cfg)
     k = _block_costs(cfg, layout)
     b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)

@@ -30,8 +30,8 @@ def master_normal(shape: Sequence[int], std: float, key: str, seed: int) -> torc
 
 
 def mark_sharded(p: nn.Parameter) -> nn.Parameter:
-    p.model_parallel = True
-    p.tensor_model_parallel = True
+    p.model_parallel = True  # type: ignore[attr-defined]  # a marker attribute the Parameter stub does not declare
+    p.tensor_model_parallel = True  # type: ignore[attr-defined]  # likewise
     return p
 
 

@@ -88,7 +88,7 @@ def _gather_optimizer_state(engine, module, keep: bool) -> dict[str, dict[str, t
     the dp group (every dp rank calls it); only a rank with ``keep`` copies the result to the CPU."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    out = {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
     hp = has_hp_mapping(module)
     if not (hp or keep):
         return out  # ZeRO-0 fp32: each replica holds the whole state; nothing to join

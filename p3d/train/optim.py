@@ -11,6 +11,7 @@ replicated parameters of every stage but the first), so for fp32 without ZeRO we
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,8 @@ class ClippedAdamW(torch.optim.AdamW):
 
 def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Matrices decay; vectors (norm weights) do not."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in module.named_parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
@@ -103,7 +105,8 @@ def lr_factor(step: int, t: TrainConfig) -> float:
 def build_optimizer(module: torch.nn.Module, t: TrainConfig, mesh=None, clip_here: bool = False):
     """AdamW (+ our clipping when ``clip_here``) and its LambdaLR schedule."""
     groups = param_groups(module, t.weight_decay)
-    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    kwargs: dict[str, Any] = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    opt: torch.optim.AdamW
     if clip_here:
         opt = ClippedAdamW(groups, mesh, t.grad_clip, **kwargs)
     else:

@@ -149,7 +149,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         if reads_data
         else None
     )
-    val = []
+    val: list[torch.Tensor] | list[None] = []
     if cfg.train.eval_every > 0:
         val = (
             validation_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, cfg.train.eval_batches)
