@@ -13,30 +13,45 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Device:
-    peak_tflops: float
+    peak_tflops: float  # dense bf16 (GPUs)
     memory_gb: float
     gpus_per_node: int | None
     intra_node_gbps: float
     inter_node_gbps: float
+    hbm_gbps: float  # device memory bandwidth, datasheet (cpu: a DDR4/5 socket)
+    # Achieved fraction of peak_tflops in a transformer block's matmuls: the planner's one fitted constant
+    # per device generation, each set from one published run (MosaicML MPT-70B on 64 GPUs, FSDP + activation
+    # checkpointing: MFU 53.33% on A100-80GB, 42.57% on H100) and used unchanged for every other prediction
+    # (docs/planner.md). H200 / B200: H100's figure, no reference run.
+    matmul_efficiency: float
+
+
+def _gpu(peak: float, memory: float, nvlink: float, nic: float, hbm: float, efficiency: float) -> Device:
+    return Device(
+        peak_tflops=peak,
+        memory_gb=memory,
+        gpus_per_node=8,
+        intra_node_gbps=nvlink,
+        inter_node_gbps=nic,
+        hbm_gbps=hbm,
+        matmul_efficiency=efficiency,
+    )
 
 
 DEVICES: dict[str, Device] = {
-    "a100_40gb": Device(
-        peak_tflops=312.0, memory_gb=40.0, gpus_per_node=8, intra_node_gbps=300.0, inter_node_gbps=25.0
-    ),
-    "a100_80gb": Device(
-        peak_tflops=312.0, memory_gb=80.0, gpus_per_node=8, intra_node_gbps=300.0, inter_node_gbps=25.0
-    ),
-    "h100_sxm": Device(peak_tflops=989.0, memory_gb=80.0, gpus_per_node=8, intra_node_gbps=450.0, inter_node_gbps=50.0),
-    "h200": Device(peak_tflops=989.0, memory_gb=141.0, gpus_per_node=8, intra_node_gbps=450.0, inter_node_gbps=50.0),
-    "b200": Device(peak_tflops=2250.0, memory_gb=180.0, gpus_per_node=8, intra_node_gbps=900.0, inter_node_gbps=50.0),
+    "a100_40gb": _gpu(312.0, 40.0, nvlink=300.0, nic=25.0, hbm=1555.0, efficiency=0.73),
+    "a100_80gb": _gpu(312.0, 80.0, nvlink=300.0, nic=25.0, hbm=2039.0, efficiency=0.73),
+    "h100_sxm": _gpu(989.0, 80.0, nvlink=450.0, nic=50.0, hbm=3350.0, efficiency=0.60),
+    "h200": _gpu(989.0, 141.0, nvlink=450.0, nic=50.0, hbm=4800.0, efficiency=0.60),
+    "b200": _gpu(2250.0, 180.0, nvlink=900.0, nic=50.0, hbm=8000.0, efficiency=0.60),
     # One CPU worker process: a nominal fp32 figure so MFU is defined on laptops; the world runs on one node.
-    "cpu": Device(peak_tflops=0.1, memory_gb=24.0, gpus_per_node=None, intra_node_gbps=10.0, inter_node_gbps=1.0),
+    "cpu": Device(
+        peak_tflops=0.1,
+        memory_gb=24.0,
+        gpus_per_node=None,
+        intra_node_gbps=10.0,
+        inter_node_gbps=1.0,
+        hbm_gbps=40.0,
+        matmul_efficiency=0.5,
+    ),
 }
-
-
-def device(name: str) -> Device:
-    try:
-        return DEVICES[name]
-    except KeyError:
-        raise KeyError(f"cluster.device={name} is not a known device; choose one of {sorted(DEVICES)}") from None

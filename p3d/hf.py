@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch is imported where weights are read: the launcher checks HF dirs without it
+    import torch
+
 
 ARCH = "LlamaForCausalLM"
 _BLOCK = {
@@ -188,6 +189,9 @@ class SafetensorsDir:
 
 def local_from_hf(src: SafetensorsDir, name: str, spec: dict, n_layers: int, tp: int, rank: int) -> torch.Tensor:
     """This rank's shard of p3d parameter ``name``, read slice by slice from the HF tensors."""
+    import torch
+    import torch.nn.functional as F
+
     parts = hf_names(name, n_layers)
     if spec["kind"] == "replicated":
         return src.whole(parts[0])
@@ -203,13 +207,17 @@ def local_from_hf(src: SafetensorsDir, name: str, spec: dict, n_layers: int, tp:
     return torch.cat(out, dim=0)
 
 
-@torch.no_grad()
 def load_into(module: torch.nn.Module, hf_dir: str | Path, n_layers: int, mesh) -> int:
     """Copy a HF checkpoint's weights into this rank's pipeline stage; returns the number of tensors."""
+    import torch
+
     from p3d.train.checkpoint import shard_specs
 
-    src = SafetensorsDir(hf_dir)
-    specs = shard_specs(module)
+    with torch.no_grad():
+        return _load_into(module, SafetensorsDir(hf_dir), shard_specs(module), hf_dir, n_layers, mesh)
+
+
+def _load_into(module, src: SafetensorsDir, specs: dict, hf_dir, n_layers: int, mesh) -> int:
     n = 0
     for name, p in module.named_parameters():
         local = local_from_hf(src, name, specs[name], n_layers, mesh.tp, mesh.tp_rank)

@@ -34,24 +34,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from p3d.config.schema import Arch, Config, Recompute
+from p3d.hardware import DEVICES
 from p3d.model.geometry import block_matmul_params, head_dims, padded_vocab
 from p3d.plan.memory import dtype_bytes, optimizer_sharded
 from p3d.plan.shapes import Layout, StageParams
 
-# Achieved fraction of the dense bf16 peak in the matmuls of a transformer block: the one fitted
-# constant, one per device generation, each set from one published run (MosaicML MPT-70B on 64 GPUs,
-# FSDP + activation checkpointing: MFU 53.33% on A100-80GB, 42.57% on H100) and used unchanged for
-# every other prediction (docs/planner.md). H200 / B200: H100's figure, no reference run.
-DEFAULT_EFFICIENCY = {"a100_40gb": 0.73, "a100_80gb": 0.73, "h100_sxm": 0.60, "h200": 0.60, "b200": 0.60, "cpu": 0.5}
-# HBM bandwidth, GB/s, datasheets: A100 40GB / 80GB SXM, H100 SXM, H200, B200; cpu: a DDR4/5 socket.
-DEFAULT_HBM_GBPS = {
-    "a100_40gb": 1555.0,
-    "a100_80gb": 2039.0,
-    "h100_sxm": 3350.0,
-    "h200": 4800.0,
-    "b200": 8000.0,
-    "cpu": 40.0,
-}
 HBM_EFFICIENCY = 0.8  # memory-bound kernels reach about 80% of the datasheet bandwidth
 COMM_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100: ~0.8)
 LATENCY_S = {"intra": 10e-6, "inter": 25e-6}  # per collective or send
@@ -59,11 +46,11 @@ OPTIMIZER_BYTES_PER_ELEMENT = 32.0  # Adam step: grad, fp32 master, m, v read + 
 
 
 def efficiency(cfg: Config) -> float:
-    return cfg.plan.efficiency or DEFAULT_EFFICIENCY.get(cfg.cluster.device, 0.6)
+    return cfg.plan.efficiency or DEVICES[cfg.cluster.device].matmul_efficiency
 
 
 def hbm_bytes_per_s(cfg: Config) -> float:
-    return (cfg.plan.hbm_gbps or DEFAULT_HBM_GBPS.get(cfg.cluster.device, 2000.0)) * 1e9 * HBM_EFFICIENCY
+    return (cfg.plan.hbm_gbps or DEVICES[cfg.cluster.device].hbm_gbps) * 1e9 * HBM_EFFICIENCY
 
 
 def _link(cfg: Config, span: int) -> tuple[float, float]:

@@ -33,7 +33,7 @@ FLOPs / iteration time / GPUs / 312 TFLOP/s; [MTNLG] 126 / 121 / 113 TFLOP/s = E
 1920 x 2048-token batch over 60.1 / 50.2 / 44.4 s iterations; [MPT] rows copied from the README.
 
 Calibration: the matmul efficiency of each device generation is the one fitted constant of the
-time model (p3d/plan/step_time.py DEFAULT_EFFICIENCY). It was set from the MPT-70B rows on 64 A100 and 64
+time model (p3d/hardware.py matmul_efficiency). It was set from the MPT-70B rows on 64 A100 and 64
 H100 (test_calibration_rows); every other row here is a prediction.
 """
 
