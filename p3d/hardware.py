@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p3d.config.choice import Choice
+
 
 @dataclass(frozen=True)
 class Device:
@@ -55,3 +57,6 @@ DEVICES: dict[str, Device] = {
         matmul_efficiency=0.5,
     ),
 }
+
+# The values cluster.device accepts: the keys of DEVICES (compose-time checked by OmegaConf).
+DeviceName = Choice("DeviceName", {name: name for name in DEVICES})  # type: ignore[call-overload]  # functional API

@@ -96,8 +96,8 @@ def hydra_output_overrides(argv: list[str], base: Base = None) -> list[str]:
     """``argv`` with Hydra's own output moved into the run directory when ``run.dir`` is given, so that
     nothing appears under ``./outputs`` or ``./multirun``:
 
-    - a single run: ``hydra.run.dir`` = the run directory (``.hydra/`` lands inside it); under an
-      external launcher (``RANK`` set) every rank composes, so Hydra writes no ``.hydra/`` at all;
+    - a single run: ``hydra.run.dir`` = the run directory, and no ``.hydra/`` (``run_spec.yaml`` is the
+      run's frozen config), so a refused config leaves nothing behind (see ``unused_new_dirs``);
     - a ``-m`` sweep with one ``run.dir``: that directory is the sweep's (``hydra.sweep.dir``), each
       point running in ``<run.dir>/<n>``, as the points of a sweep without ``run.dir`` do.
 
@@ -113,9 +113,32 @@ def hydra_output_overrides(argv: list[str], base: Base = None) -> list[str]:
         return argv
     if not multirun:
         extra = [] if "hydra.run.dir" in keys else [f"hydra.run.dir={target}"]
-        if "RANK" in os.environ and "hydra.output_subdir" not in keys:
+        if "hydra.output_subdir" not in keys:
             extra.append("hydra.output_subdir=null")
         return argv + extra
     if "hydra.sweep.dir" in keys:
         return argv
     return [a for a in argv if a.split("=", 1)[0] != "run.dir"] + [f"hydra.sweep.dir={target}"]
+
+
+def missing_run_dirs(argv: list[str], base: Base = None) -> list[Path]:
+    """The run directory of a single run and its parents that do not exist yet (deepest first): Hydra
+    creates them before p3d can refuse a config, and ``remove_if_empty`` takes them back."""
+    multirun = any(a in ("-m", "--multirun") for a in argv) or "hydra.mode=MULTIRUN" in argv
+    value, _ = _given_run_dir(argv)
+    if value is None or multirun:
+        return []
+    out, path = [], absolute(value, base)
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """Remove these directories, deepest first, while they are empty (never anything written into them)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty, or gone: keep the rest too
+            return

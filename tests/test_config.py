@@ -58,7 +58,19 @@ def test_default_job_is_tiny_on_dp2_pp2_tp2():
     assert cfg.cluster.peak_tflops is not None  # filled from the device preset
 
 
-@pytest.mark.parametrize("override", ["model.hiden_size=3", "mesh=tp3", "train.steps=many", "model=gpt9"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "model.hiden_size=3",
+        "mesh=tp3",
+        "train.steps=many",
+        "model=gpt9",
+        "cluster.device=h100",
+        "logger.mode=ofline",
+        "logger.progress=bars",
+        "format=yaml",
+    ],
+)
 def test_unknown_or_mistyped_overrides_fail_at_compose(override):
     with pytest.raises((HydraException, OmegaConfBaseException)):
         typed(override)
@@ -103,7 +115,6 @@ RULES = [
         "data.tokenizer=/nonexistent/tokenizer.json",
         "data.tokenizer=byte",
     ),
-    (["cluster.device=h100"], "cluster.device=h100 is not a known device", "cluster.device=h100_sxm"),
     (["cluster.nodes=2"], "cluster.nodes=2 with cluster.launcher=local", "cluster.nodes=1"),
 ]
 

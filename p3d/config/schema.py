@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
+from p3d.config.choice import Choice
+from p3d.hardware import DeviceName
+
 
 class Arch(Enum):
     llama = "llama"
@@ -49,6 +52,24 @@ class DataSource(Enum):
     stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
     files = "files"  # local text / json / jsonl / parquet files or globs
     hub = "hub"  # a Hugging Face hub dataset by name (needs network access), streamed
+
+
+class Progress(Choice):
+    auto = "auto"  # a live progress bar when the console is a terminal, else lines
+    bar = "bar"
+    lines = "lines"
+
+
+class WandbMode(Choice):
+    auto = "auto"  # WANDB_MODE if set, else online with an API key and offline without
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class OutputFormat(Choice):
+    text = "text"
+    json = "json"
 
 
 class TextUnit(Enum):
@@ -106,7 +127,7 @@ class ZeroConfig:
 class ClusterConfig:
     name: str = "local"
     launcher: Launcher = Launcher.local
-    device: str = "cpu"  # a preset of p3d/hardware.py: cpu, a100_40gb, a100_80gb, h100_sxm, h200, b200
+    device: DeviceName = DeviceName.cpu  # a preset of p3d/hardware.py: cpu, a100_40gb, a100_80gb, h100_sxm, h200, b200
     nodes: int = 1
     # The numbers below come from the device preset when left null; set any to override it.
     gpus_per_node: Optional[int] = None  # processes per node; null on cpu: the whole world on one node
@@ -150,10 +171,12 @@ class DataConfig:
 class LoggerConfig:
     name: str = "none"  # none: console + metrics.jsonl; wandb: also Weights & Biases
     log_every: int = 1  # console line every N steps (metrics.jsonl gets every step)
-    progress: str = "auto"  # auto: a live progress bar when the console is a terminal; bar; lines
+    progress: Progress = Progress.auto  # auto: a live progress bar when the console is a terminal; bar; lines
     project: str = "p3d"  # wandb project
     entity: Optional[str] = None  # wandb entity (team or user)
-    mode: str = "auto"  # wandb: online, offline, disabled; auto: WANDB_MODE, else online with an API key or offline
+    mode: WandbMode = (
+        WandbMode.auto
+    )  # wandb: online, offline, disabled; auto: WANDB_MODE, else online with an API key or offline
     group: Optional[str] = None  # wandb group; a -m sweep sets it to the sweep's name
 
 
@@ -224,7 +247,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     dry_run: bool = False
-    format: str = "text"  # p3d-plan output: text or json
+    format: OutputFormat = OutputFormat.text  # p3d-plan output: text or json
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def fill_cluster(cfg: Config) -> Config:
     from p3d.hardware import DEVICES
 
     c = cfg.cluster
-    if c.device not in DEVICES:
+    if c.device not in DEVICES:  # an Enum of DEVICES' keys: only a spec edited by hand gets here
         raise P3DConfigError(
             f"cluster.device={c.device} is not a known device; try one of: "
             + ", ".join(f"cluster.device={d}" for d in sorted(DEVICES))
@@ -154,11 +154,7 @@ def check_fields(cfg: Config) -> None:
             raise P3DConfigError(f"{key}={value} {_describe(b)}; try {key}={_suggest(b, value, default)}")
 
 
-LOGGER_CHOICES = {
-    "name": ("none", "wandb"),
-    "mode": ("auto", "online", "offline", "disabled"),
-    "progress": ("auto", "bar", "lines"),
-}
+LOGGER_CHOICES = {"name": ("none", "wandb")}  # logger.mode and logger.progress are Enums, checked at compose time
 
 
 def check_logger(cfg: Config) -> None:

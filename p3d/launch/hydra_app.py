@@ -79,10 +79,21 @@ def run_hydra(task: Callable[[DictConfig], int], writes_outputs: bool = True) ->
     """Compose with Hydra, run ``task``; its exit status (the worst of a sweep's points, or the sweep's)."""
     if not writes_outputs:
         sys.argv = [sys.argv[0]] + _no_hydra_outputs(sys.argv[1:], Path(sys.argv[0]).name)
-    else:  # with run.dir given, Hydra's own output (.hydra/) goes inside it, never to ./outputs
-        from p3d.paths import hydra_output_overrides
+    made: list[Path] = []
+    if writes_outputs:  # with run.dir given, Hydra runs there, never in ./outputs, and writes no .hydra/
+        from p3d.paths import hydra_output_overrides, missing_run_dirs
 
+        made = missing_run_dirs(sys.argv[1:])
         sys.argv = [sys.argv[0]] + hydra_output_overrides(sys.argv[1:])
+    status = _run(task)
+    if status == exit_codes.CONFIG_ERROR and made:  # refused before anything was written: leave no directory
+        from p3d.paths import remove_if_empty
+
+        remove_if_empty(made)
+    return status
+
+
+def _run(task: Callable[[DictConfig], int]) -> int:
     statuses: list[int] = []
 
     def task_started(cfg_node: DictConfig) -> int:

@@ -20,16 +20,12 @@ from p3d.config.validate import P3DConfigError
 from p3d.launch.hydra_app import config_error, is_multirun, run_hydra
 from p3d.launch.prepare import typed_config
 
-FORMATS = ("text", "json")
-
 
 def plan_task(cfg_node: DictConfig) -> int:
     from p3d.plan.search import plan
 
     try:
         cfg = typed_config(cfg_node, resolve_auto=False)  # plan() ranks the layouts itself
-        if cfg.format not in FORMATS:
-            raise P3DConfigError(f"format={cfg.format} is not one of {', '.join(FORMATS)}; try format=json")
         report = plan(cfg)
     except P3DConfigError as exc:  # 'mesh.tp=4 (mesh/tp4.yaml) ...', as p3d-train says it
         return config_error(str(exc), is_multirun())

@@ -72,11 +72,16 @@ def test_text_report_names_stages_and_verdict():
 @pytest.mark.parametrize(
     "override,needle",
     [
-        ("format=yaml", "format=yaml"),
-        ("cluster.device=tpu_v5", "cluster.device=tpu_v5"),
-        ("mesh.dp=0", "mesh.dp=0"),
+        ("format=yaml", "Invalid value 'yaml', expected one of [text, json]"),
+        ("cluster.device=tpu_v5", "Invalid value 'tpu_v5', expected one of [a100_40gb, a100_80gb, h100_sxm"),
     ],
 )
+def test_a_closed_choice_fails_at_compose_with_hydras_message(override, needle):
+    out = p3d_plan(override)
+    assert out.returncode == 2 and needle in out.stderr and out.stdout == "", out.stderr
+
+
+@pytest.mark.parametrize("override,needle", [("mesh.dp=0", "mesh.dp=0")])
 def test_bad_config_exits_2_with_one_line(override, needle):
     out = p3d_plan(override)
     assert out.returncode == 2

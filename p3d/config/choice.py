@@ -1,0 +1,15 @@
+"""Closed choices of the config: Enums that OmegaConf checks at compose time (a typo fails with Hydra's
+message listing the valid values) and that compare, hash and print as their values, so code and YAML
+keep using plain strings."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Choice(str, Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
