@@ -330,6 +330,12 @@ def test_an_older_checkpoint_without_its_tokenizer_names_where_to_export_from(wo
     (ckpt / "tokenizer.json").unlink()
     meta = json.loads((ckpt / "meta.json").read_text())
     del meta["files"]["tokenizer.json"]
+    from omegaconf import OmegaConf
+
+    spec = OmegaConf.load(ckpt / "run_spec.yaml")  # older specs kept the path as the user gave it
+    spec.data.tokenizer = "tok.json"
+    OmegaConf.save(spec, ckpt / "run_spec.yaml")
+    meta["files"]["run_spec.yaml"] = (ckpt / "run_spec.yaml").stat().st_size
     (ckpt / "meta.json").write_text(json.dumps(meta))
     cwd = os.getcwd()
     try:

@@ -303,4 +303,4 @@ def test_report_csv_into_a_missing_folder_is_created(tmp_path):
         [*report, "--csv", "a_file/x.csv", "--no-plot"], cwd=tmp_path, capture_output=True, text=True, timeout=100
     )  # a folder that cannot be made: one line, exit 2
     assert refused.returncode == 2
-    assert one_error_line(refused).startswith("p3d-report: cannot write the report there (a_file: ")
+    assert one_error_line(refused).startswith(f"p3d-report: cannot write the report there ({tmp_path / 'a_file'}: ")

@@ -92,10 +92,8 @@ def tokenizer_files(spec: str) -> list[Path]:
 
 
 def load_tokenizer(spec: str):
-    if spec == "byte":
+    if spec in ("byte", AUTO):  # auto without model.init_from is byte (the launcher resolves it with one)
         return ByteTokenizer()
-    if spec == AUTO:  # a programming error: typed_config resolves it before anything loads a tokenizer
-        raise ValueError("data.tokenizer=auto was not resolved; try data.tokenizer=byte")
     path = Path(spec).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"data.tokenizer={spec}: no such tokenizer.json; try data.tokenizer=byte")
