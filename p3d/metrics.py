@@ -44,7 +44,7 @@ def wandb_mode(logger_mode: str, env=None) -> tuple[str, str]:
     environment variable; without it online when an API key is known (WANDB_API_KEY, ~/.netrc), else offline."""
     env = os.environ if env is None else env
     if logger_mode != "auto":
-        return logger_mode, f"logger.mode={logger_mode}"
+        return str(logger_mode), f"logger.mode={logger_mode}"  # a plain str for wandb, not the Enum
     given = env.get("WANDB_MODE", "").strip().lower()
     if given in WANDB_MODES:
         return WANDB_MODES[given], f"WANDB_MODE={given}"
