@@ -297,7 +297,10 @@ class SweepCallback(Callback):
             return
         rc = job_return._return_value if isinstance(job_return._return_value, int) else 0
         if before.get("status") in ("submitted", "skipped") and rc in (0, 2):
-            return  # recorded where it happened: the job id, or why p3d-train skipped the point
+            # recorded where it happened (the job id, or why p3d-train skipped the point); add the mesh
+            if "mesh" not in before:
+                write_status(out, before.pop("status"), before.pop("returncode", rc), **before, mesh=mesh)
+            return
         extra: dict[str, Any] = {}
         if os.environ.get("SLURM_JOB_ID"):
             extra["job_id"] = os.environ["SLURM_JOB_ID"]
