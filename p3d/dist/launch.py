@@ -97,9 +97,10 @@ def describe_exit(rc: int) -> str:
     return f"exited with status {rc}"
 
 
-def launch_local(spec_path: Path, plan, console=None) -> int:
+def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
     """Run the workers to completion. Returns 0; PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
-    first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank."""
+    first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank.
+    ``on_started()`` runs once every worker is started (the run lease records their pids then)."""
     console = console or sys.stdout
     run_dir = spec_path.parent
     logs = run_logs(run_dir)
@@ -121,6 +122,8 @@ def launch_local(spec_path: Path, plan, console=None) -> int:
                 t = threading.Thread(target=_pump, args=(p.stdout, log, console), daemon=True)
                 t.start()
                 pumps.append(t)
+        if on_started is not None:
+            on_started()
         ok = (exit_codes.OK, exit_codes.PREEMPTED)
         while True:
             failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, *ok)]

@@ -77,7 +77,8 @@ def _launch(cfg, plan, lease) -> int:
         f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}",
         flush=True,
     )
-    rc = launch_local(spec, plan)
+    # the lease names the workers as soon as they exist: a launcher killed now leaves a lease that stays live
+    rc = launch_local(spec, plan, on_started=lease.refresh if lease is not None else None)
     if rc == 0:
         print(f"p3d: done; metrics in {spec.parent / run_dir.METRICS}", flush=True)
     return rc
