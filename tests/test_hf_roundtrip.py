@@ -99,6 +99,7 @@ def _leftovers(parent):
 # ---- 1. a fresh directory renamed into place; overwrite=true replaces it whole
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_export_twice_into_one_directory(work, tmp_path):
     from p3d.export import load_sequential
@@ -138,6 +139,7 @@ def test_export_twice_into_one_directory(work, tmp_path):
     torch.testing.assert_close(src.whole("lm_head.weight"), ours.state_dict()["layers.6.weight"])  # n_layers + 2
 
 
+@pytest.mark.procs
 def test_import_refuses_index_and_single_file_together(work, tmp_path):
     shards = p3d_export(
         f"run.dir={work / 'run'}", f"out={tmp_path / 'mixed'}", "step=15", "max_shard_gb=0.0002", cwd=tmp_path
@@ -156,6 +158,7 @@ def test_import_refuses_index_and_single_file_together(work, tmp_path):
 # ---- 2. the tokenizer files name EOS; generate() stops at it
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_exported_tokenizer_names_eos_and_generate_stops_there(work, tmp_path):
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -175,6 +178,7 @@ def test_exported_tokenizer_names_eos_and_generate_stops_there(work, tmp_path):
     assert tok.decode(stopped) == EOS
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_begin_and_padding_tokens_are_named_where_the_tokenizer_defines_them(work, tmp_path):
     """A HF-style tokenizer directory whose tokenizer_config.json declares <s>, </s> and <pad>."""
@@ -263,6 +267,7 @@ def _copy_run(work, tmp_path):
     return run
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_failed_export_leaves_nothing_and_keeps_the_old_export(work, tmp_path):
     run = _copy_run(work, tmp_path)
@@ -307,6 +312,7 @@ def test_a_checkpoint_pruned_during_export_is_named(work, tmp_path, monkeypatch)
 # ---- relative paths: a run trained with data.tokenizer=tok.json, exported from elsewhere
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_export_from_another_working_directory(work, tmp_path):
     elsewhere = tmp_path / "elsewhere"
@@ -366,6 +372,7 @@ def exported(work, tmp_path_factory):
     return out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_init_from_trains_with_the_checkpoint_tokenizer(work, exported, tmp_path):
     cfg, _ = typed(f"model.init_from={exported}")
@@ -393,6 +400,7 @@ def test_init_from_accepts_the_same_tokenizer_elsewhere(work, exported):
     assert cfg.data.tokenizer == str(work / "tok.json")
 
 
+@pytest.mark.procs
 def test_init_from_refuses_another_tokenizer_in_one_line(exported, tmp_path):
     result = p3d_train(f"run.dir={tmp_path / 'run'}", f"model.init_from={exported}", "data.tokenizer=byte", timeout=120)
     assert result.returncode == exit_codes.CONFIG_ERROR, result.stdout[-1000:]

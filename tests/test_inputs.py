@@ -54,6 +54,7 @@ def _wandb_env(tmp_path, **env):
     return {"HOME": str(tmp_path), "WANDB_DIR": str(tmp_path / "wandb-home"), **env}  # no ~/.netrc
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(420)
 def test_wandb_mode_disabled_writes_no_wandb_run(tmp_path):
     run = tmp_path / "run"
@@ -73,6 +74,7 @@ def test_wandb_mode_disabled_writes_no_wandb_run(tmp_path):
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(420)
 def test_wandb_mode_offline_with_an_api_key_runs_offline_without_network(tmp_path):
     # WANDB_MODE=offline WANDB_API_KEY=<key> p3d-train logger=wandb: an online attempt would fail here (no
@@ -97,6 +99,7 @@ def test_wandb_mode_offline_with_an_api_key_runs_offline_without_network(tmp_pat
     print(f"offline W&B run of 2 steps: {elapsed:.1f} s")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(420)
 def test_wandb_that_cannot_start_does_not_stop_training(tmp_path):
     # logger.mode=online (above WANDB_MODE=offline) against a server that refuses connections: W&B fails
@@ -125,6 +128,7 @@ def test_wandb_that_cannot_start_does_not_stop_training(tmp_path):
     assert not list(run.rglob("offline-run-*"))  # logger.mode=online won over WANDB_MODE=offline
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_wandb_failing_during_the_run_warns_once_and_metrics_go_on(tmp_path, monkeypatch, capsys):
     for key, value in _wandb_env(tmp_path).items():
@@ -186,6 +190,7 @@ def test_zero_and_minus_one_are_refused_in_one_line_unless_allowed(key):
         assert "\n" not in text and text.startswith(f"{key}={value}") and "; try " in text, text
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_log_every_zero_is_refused_before_any_worker(tmp_path):
     # p3d-train logger.log_every=0 (it used to kill every worker with ZeroDivisionError after step 1)
@@ -207,6 +212,7 @@ def p3d_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("arg", ["model.hidden_size=0", "model.n_heads=0"])
 def test_p3d_plan_refuses_a_zero_model_dimension(arg, tmp_path):
@@ -219,6 +225,7 @@ def test_p3d_plan_refuses_a_zero_model_dimension(arg, tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither wrote anything
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_p3d_plan_refuses_a_model_whose_heads_do_not_divide_it(tmp_path):
     result = p3d_plan("model.hidden_size=4", cwd=tmp_path)  # head dim 4 / 8 = 0
@@ -231,6 +238,7 @@ def test_p3d_plan_refuses_a_model_whose_heads_do_not_divide_it(tmp_path):
 # ---- 4. keys added with + are checked like every other key
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_unknown_key_added_with_plus_is_refused(tmp_path):
     run = tmp_path / "run"
@@ -264,6 +272,7 @@ def test_sweep_status_counts_points_not_done():
     assert status == 1 and line.startswith("p3d: 2 of 3 sweep points not done (1 skipped, 1 failed: points 1, 2)")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_sweep_with_a_skipped_point_exits_non_zero(tmp_path):
     # tp8 cannot split model=tiny's 4 kv heads: point 1 is skipped by a config rule, point 0 trains
@@ -282,6 +291,7 @@ def test_sweep_with_a_skipped_point_exits_non_zero(tmp_path):
 # ---- 7. p3d-report --csv into a folder that does not exist
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_report_csv_into_a_missing_folder_is_created(tmp_path):
     sweep = tmp_path / "sweep"

@@ -110,6 +110,7 @@ def before_root():
 # ---- the pieces, without processes
 
 
+@pytest.mark.procs
 def test_paths_resolve_against_the_given_directory(tmp_path):
     from p3d.paths import absolute, absolute_globs, hydra_output_overrides
 
@@ -159,6 +160,7 @@ def test_file_rendezvous_url_is_absolute():
         file_url(Path("runs/exp1/.rendezvous-x"))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_missing_peer_is_bounded_by_cluster_timeout(tmp_path):
     """One worker of two joins a reachable file store: it gives up after cluster.timeout_s (3 s here),
@@ -188,6 +190,7 @@ def test_missing_peer_is_bounded_by_cluster_timeout(tmp_path):
 # ---- as a user runs it
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(1200)
 def test_relative_run_dir_trains_like_an_absolute_one(tmp_path, before_root):
     """The issue's command (2 ranks here): it finishes, in the time of an absolute-path run, and writes
@@ -208,6 +211,7 @@ def test_relative_run_dir_trains_like_an_absolute_one(tmp_path, before_root):
     assert rel_s < 2 * abs_s + 30  # the same work (the bug waited out a 300 s store timeout); the machine is shared
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(1200)
 def test_resume_by_the_printed_directory_made_relative(tmp_path, before_root):
     proc, _ = p3d_train(*FAST, "mesh=single", cwd=tmp_path)
@@ -223,6 +227,7 @@ def test_resume_by_the_printed_directory_made_relative(tmp_path, before_root):
     assert stray_stores(tmp_path) == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(1200)
 def test_sweep_with_relative_dirs(tmp_path, before_root):
     """``-m`` with ``run.dir``: that directory is the sweep's, one point per subdirectory; with
@@ -252,6 +257,7 @@ def _corpus(where: Path) -> None:
         (where / f"part{i}.txt").write_text("\n".join(texts[i::3]))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(1500)
 def test_files_tokenizer_spaces_and_export(tmp_path, before_root):
     """data=files with a relative glob, a tokenizer written and read by relative paths, a run
@@ -299,6 +305,7 @@ def test_files_tokenizer_spaces_and_export(tmp_path, before_root):
     assert stray_stores(tmp_path) == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_unreachable_rendezvous_fails_in_seconds(tmp_path, before_root):
     """Test hook P3D_TEST_RENDEZVOUS_DIR puts the file store in a directory that does not exist: the

@@ -185,6 +185,7 @@ def test_a_new_global_batch_reads_the_samples_after_the_last_one_trained(batch, 
 # ---- end to end
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_new_lr_applies_from_the_next_step(home):
     """lr, warmup, decay and steps changed at step 3: every step's lr is its segment's schedule formula."""
@@ -219,6 +220,7 @@ def test_a_new_lr_applies_from_the_next_step(home):
         assert lr == pytest.approx(formula[step], rel=1e-12), step
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("batch,mesh", [(32, "dp2"), (8, "single")])
 def test_a_new_global_batch_and_dp_train_on_the_next_samples(home, batch, mesh):
@@ -249,6 +251,7 @@ def test_a_new_global_batch_and_dp_train_on_the_next_samples(home, batch, mesh):
     assert records[3]["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("steps", [3, 2])
 def test_train_steps_not_above_the_checkpoint_is_refused_and_writes_nothing(home, steps):
@@ -268,6 +271,7 @@ def test_train_steps_not_above_the_checkpoint_is_refused_and_writes_nothing(home
     assert not (home / "r1" / "specs" / "from_step_00000003.yaml").exists()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("override,old", [("train.seed=7", "1234"), ("model.seq_len=32", "64")])
 def test_a_field_that_may_not_change_is_refused(home, override, old):

@@ -58,6 +58,7 @@ def test_a_held_lease_refuses_a_second_holder_until_released(tmp_path):
     assert not list((tmp_path / "run").glob(".run.lock*"))  # no temporary files left behind
 
 
+@pytest.mark.procs
 def test_a_dead_holder_is_taken_over_with_a_note(tmp_path, capsys):
     holder = _sleeper()
     Lease.acquire(tmp_path, pid=holder.pid)
@@ -71,6 +72,7 @@ def test_a_dead_holder_is_taken_over_with_a_note(tmp_path, capsys):
     lease.release()
 
 
+@pytest.mark.procs
 def test_a_live_worker_of_a_dead_holder_keeps_the_lease(tmp_path):
     worker = _sleeper()
     try:
@@ -179,6 +181,7 @@ def _no_traceback(out: str, run_dir: Path) -> None:
 TINY = ("model=tiny", "mesh=single", "train.warmup_steps=3")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_second_launch_into_a_running_run_is_refused_until_it_ends(tmp_path):
     run = tmp_path / "run"
@@ -228,6 +231,7 @@ def test_a_second_launch_into_a_running_run_is_refused_until_it_ends(tmp_path):
     assert f"resumed from step {steps}" in resumed.stdout
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_the_lease_of_a_sigkilled_run_is_taken_over_with_a_note(tmp_path):
     run = tmp_path / "run"
@@ -262,6 +266,7 @@ CTRL_C_STEPS = 24
 DP2 = ("model=tiny", "mesh=dp2", "train.warmup_steps=3")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_ctrl_c_once_saves_the_step_and_resume_continues_bitwise(tmp_path):
     straight = p3d_train(f"run.dir={tmp_path / 'a'}", *DP2, f"train.steps={CTRL_C_STEPS}", timeout=300)
@@ -292,6 +297,7 @@ def test_ctrl_c_once_saves_the_step_and_resume_continues_bitwise(tmp_path):
         assert (y["loss"], y["grad_norm"], y["lr"], y["samples"]) == (x["loss"], x["grad_norm"], x["lr"], x["samples"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path):
     run = tmp_path / "run"

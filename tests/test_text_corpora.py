@@ -140,6 +140,7 @@ def test_record_texts_follow_the_same_unit(tmp_path):
         assert stats.skipped_records == 0 and stats.empty_records >= 1
 
 
+@pytest.mark.procs
 def test_a_corpus_with_blank_lines_reports_nothing_skipped(tmp_path):
     """The issue's run: Python modules joined by blank lines, ``p3d-train data=files data.path=corpus.txt``,
     with every text_unit: no "skipped" or "unreadable" line; the blank lines are counted as empty records
@@ -183,6 +184,7 @@ def test_bytes_that_are_not_utf8_are_skipped_and_named(tmp_path, unit):
     )
 
 
+@pytest.mark.procs
 def test_a_run_names_the_file_with_bytes_that_are_not_utf8(tmp_path):
     modules = _stdlib_modules(3)
     _write(
@@ -200,6 +202,7 @@ def test_a_run_names_the_file_with_bytes_that_are_not_utf8(tmp_path):
     ), result.stdout[-2000:]
 
 
+@pytest.mark.procs
 def test_a_corpus_with_no_utf8_text_is_refused_naming_the_file(tmp_path):
     (tmp_path / "corpus.txt").write_bytes("Grüße aus Köln\n".encode("latin-1") * 50)
     result = _p3d(tmp_path, "p3d.cli", "data=files", "data.path=corpus.txt", "run.dir=run", *TINY)
@@ -209,6 +212,7 @@ def test_a_corpus_with_no_utf8_text_is_refused_naming_the_file(tmp_path):
     assert re.search(r"1 document of (\S*/)?corpus\.txt with bytes that are not UTF-8", lines[0]), lines[0]
 
 
+@pytest.mark.procs
 def test_a_directory_as_data_path(tmp_path):
     """Issue 23, item 8: ``p3d-train data=files data.path=corpus`` reads the directory's files of the known
     formats (recursively, sorted; hidden files and other extensions left out)."""
@@ -246,6 +250,7 @@ def test_a_directory_as_data_path(tmp_path):
     assert not (tmp_path / "run2").exists()
 
 
+@pytest.mark.procs
 def test_text_with_the_replacement_character_trains(tmp_path):
     """Issue 23, item 9: every line holds U+FFFD (common in web text); it is valid UTF-8 and is kept, as the
     same lines in a .jsonl are."""
@@ -262,6 +267,7 @@ def test_text_with_the_replacement_character_trains(tmp_path):
     assert "skipped" not in result.stdout + result.stderr
 
 
+@pytest.mark.procs
 def test_p3d_tokenizer_reads_documents_with_their_line_breaks(tmp_path):
     """p3d-tokenizer follows data.text_unit: trained on whole files it learns tokens that hold a line break
     (Ċ in byte-level BPE); trained on lines it sees none. Bytes that are not UTF-8 are reported by file."""
@@ -331,6 +337,7 @@ def test_dp2_matches_the_single_process_reference_on_a_text_corpus(text_corpus, 
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5), f"step {r['step']} grad norm"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_resume_continues_the_same_curve_on_a_text_corpus(text_corpus, dp2_run, tmp_path):
     """Resume the step-3 checkpoint of the dp2 run in a new run.dir: steps 4..6 repeat it exactly."""
