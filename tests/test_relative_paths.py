@@ -110,16 +110,35 @@ def before_root():
 # ---- the pieces, without processes
 
 
-@pytest.mark.procs
 def test_paths_resolve_against_the_given_directory(tmp_path):
-    from p3d.paths import absolute, absolute_globs, hydra_output_overrides
+    from p3d.paths import absolute, absolute_globs, hydra_output_overrides, missing_run_dirs, remove_if_empty
 
     assert absolute("runs/exp1", tmp_path) == tmp_path / "runs" / "exp1"
     assert absolute("~/x", tmp_path) == Path.home() / "x"
     assert absolute("a/../b c", tmp_path) == tmp_path / "b c"
     assert absolute_globs("data/*.txt, /abs/*.jsonl", tmp_path) == f"{tmp_path}/data/*.txt,/abs/*.jsonl"
-    assert hydra_output_overrides(["run.dir=runs/a"], tmp_path)[-1] == f"hydra.run.dir='{tmp_path}/runs/a'"
-    assert hydra_output_overrides(["run.dir=a", "hydra.run.dir=b"], tmp_path) == ["run.dir=a", "hydra.run.dir=b"]
+    assert hydra_output_overrides(["run.dir=runs/a"], tmp_path) == [
+        "run.dir=runs/a",
+        f"hydra.run.dir='{tmp_path}/runs/a'",
+        "hydra.output_subdir=null",  # a single run writes no .hydra/: run_spec.yaml is its config
+    ]
+    assert hydra_output_overrides(["run.dir=a", "hydra.run.dir=b"], tmp_path) == [
+        "run.dir=a",
+        "hydra.run.dir=b",
+        "hydra.output_subdir=null",
+    ]
+    # the directories Hydra will make for a run that may be refused, and taking back only empty ones
+    (tmp_path / "runs").mkdir()
+    made = missing_run_dirs(["run.dir=runs/a/b"], tmp_path)
+    assert made == [tmp_path / "runs" / "a" / "b", tmp_path / "runs" / "a"]
+    assert missing_run_dirs(["-m", "run.dir=runs/a/b"], tmp_path) == []
+    (tmp_path / "runs" / "a" / "b").mkdir(parents=True)
+    remove_if_empty(made)
+    assert (tmp_path / "runs").is_dir() and not (tmp_path / "runs" / "a").exists()
+    (tmp_path / "runs" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "b" / "kept").write_text("")
+    remove_if_empty(made)
+    assert (tmp_path / "runs" / "a" / "b" / "kept").is_file()
     assert hydra_output_overrides(["-m", "run.dir=s", "train.seed=1,2"], tmp_path) == [
         "-m",
         "train.seed=1,2",
