@@ -52,6 +52,19 @@ def p3d_train(
     )
 
 
+def start_p3d_train(run_dir, *overrides: str, cwd: Path = ROOT, new_session: bool = False) -> subprocess.Popen:
+    """p3d-train in the background, output captured; ``new_session``: its own process group, as a shell
+    starts a foreground job (so a test can send the group a terminal's Ctrl-C)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
 def worker_pids(run_dir: Path) -> dict[int, int]:
     """rank -> pid of the p3d workers of this run (read from /proc)."""
     pids = {}

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from p3d import exit_codes
 from p3d.metrics import read_metrics
 from p3d.train import checkpoint
-from tests.conftest import ROOT, p3d_train, worker_pids
+from tests.conftest import p3d_train, start_p3d_train, worker_pids
 
 pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
 
@@ -24,13 +23,7 @@ STEPS = 10
 
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_p3d_train(run_dir, *overrides)
 
 
 def _kill_run(proc: subprocess.Popen, run_dir: Path) -> None:

@@ -18,7 +18,7 @@ from p3d import exit_codes
 from p3d.metrics import read_metrics
 from p3d.run_lock import LOCK_NAME, STALE_S, Lease, RunLocked, read
 from p3d.train import checkpoint
-from tests.conftest import ROOT, p3d_train, worker_pids
+from tests.conftest import ROOT, p3d_train, start_p3d_train, worker_pids
 from tests.test_durable import _kill_run, _wait_for_steps
 
 # ---- the lease, in-process
@@ -152,14 +152,7 @@ def test_a_lease_handed_to_a_submitted_job_is_taken_by_that_job_only(tmp_path, m
 
 def _start(run_dir: Path | str, *overrides: str, cwd: Path = ROOT) -> subprocess.Popen:
     """p3d-train in its own process group, as a shell starts a foreground job."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_p3d_train(run_dir, *overrides, cwd=cwd, new_session=True)
 
 
 def _wait_for(what, timeout: float, proc: subprocess.Popen) -> None:
