@@ -90,15 +90,15 @@ def _compact(names: list[str]) -> str:
 
 def dry_run(cfg, plan) -> DryRunReport:
     report = DryRunReport(cfg, plan)
-    base = Mesh.from_plan(plan, 0)
+    dims = plan.dims
     for rank in range(plan.world_size):
-        dp, pp, tp = base.coords_of(rank)
-        report.mesh_map.append((rank, dp, pp, tp, base.node_of(rank), base.local_rank_of(rank)))
+        dp, pp, tp = dims.coords_of(rank)
+        report.mesh_map.append((rank, dp, pp, tp, dims.node_of(rank), dims.local_rank_of(rank)))
     bounds = plan.stage_bounds
     report.stage_layers = [plan.layer_names[bounds[s] : bounds[s + 1]] for s in range(plan.pp)]
     for pp in range(plan.pp):
         for tp in range(plan.tp):
-            mesh = Mesh.from_plan(plan, base.rank_of(0, pp, tp))
+            mesh = Mesh.from_plan(plan, dims.rank_of(0, pp, tp))
             specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
             n = pad = owned = 0
             built_tied: set[str] = set()

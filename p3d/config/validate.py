@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition, Recompute
 from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
+from p3d.parallel_dims import ParallelDims, resolve_dp
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
-class P3DConfigError(ValueError):
-    """A config that cannot run. The message is one line: field, value, fix."""
+__all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,13 @@ class RunPlan:
     layer_names: list[str] = field(default_factory=list)  # the flat pipeline layer list
     stage_bounds: list[int] = field(default_factory=list)  # stage s holds layers [b[s], b[s+1])
     procs_per_node: int = 1
-    logging_rank: int = 0  # last stage, dp 0, tp 0: where the loss is known
+    logging_rank: int = 0  # last stage, dp 0, tp 0: where the loss is known (ParallelDims.logging_rank)
     backend: str = "gloo"
     n_params: int = 0  # closed form, unpadded vocab, tied embedding counted once
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node)
 
 
 def _mesh_presets() -> dict[tuple[int, int, str], str]:
@@ -92,28 +97,17 @@ def fill_cluster(cfg: Config) -> Config:
 
 
 def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
-    """(world size, dp) from the cluster and mesh."""
-    mesh, cluster = cfg.mesh, cfg.cluster
-    if mesh.dp != "auto" and (not isinstance(mesh.dp, int) or isinstance(mesh.dp, bool) or mesh.dp < 1):
-        raise P3DConfigError(f"mesh.dp={mesh.dp!r} must be a positive integer or auto; try mesh.dp=auto")
-    if cluster.gpus_per_node is None:  # local: the mesh decides the world
-        dp = 1 if mesh.dp == "auto" else mesh.dp
-        return tp * pp * dp, dp
-    world = cluster.nodes * cluster.gpus_per_node
-    if mesh.dp == "auto":
-        if world % (tp * pp):
-            raise P3DConfigError(
-                f"mesh.tp*mesh.pp={tp * pp} must divide the world size {world} "
-                f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}); "
-                f"try cluster.nodes={math.ceil(world / (tp * pp)) * tp * pp // cluster.gpus_per_node or 1}"
-            )
-        return world, world // (tp * pp)
-    if tp * pp * mesh.dp != world:
+    """(world size, dp) from the cluster and mesh: the cluster's GPUs must be exactly tp pp dp."""
+    cluster = cfg.cluster
+    gpn = cluster.gpus_per_node
+    world = None if gpn is None else cluster.nodes * gpn  # None on cpu: the mesh decides the world
+    dp = resolve_dp(tp, pp, cfg.mesh.dp, cluster.nodes, gpn)
+    if world is not None and tp * pp * dp != world:
         raise P3DConfigError(
-            f"mesh.tp*mesh.pp*mesh.dp={tp}*{pp}*{mesh.dp}={tp * pp * mesh.dp} must equal the world size {world} "
-            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}); try mesh.dp=auto"
+            f"mesh.tp*mesh.pp*mesh.dp={tp}*{pp}*{dp}={tp * pp * dp} must equal the world size {world} "
+            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={gpn}); try mesh.dp=auto"
         )
-    return world, mesh.dp
+    return tp * pp * dp, dp
 
 
 def _describe(b: Bound) -> str:
@@ -312,6 +306,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
             "machine; try cluster.nodes=1 or cluster=slurm"
         )
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
+    dims = ParallelDims(tp, pp, dp)
     return RunPlan(
         world_size=world,
         tp=tp,
@@ -323,7 +318,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
         layer_names=layer_names(cfg.model.n_layers),
         stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition),
         procs_per_node=cfg.cluster.gpus_per_node or world,
-        logging_rank=(pp - 1) * dp * tp,  # coordinates (pipe=pp-1, data=0, model=0), tp fastest
+        logging_rank=dims.logging_rank,
         backend=backend,
         n_params=total_params(cfg.model),
     )

@@ -144,7 +144,7 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
         if received:
             print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
             return 128 + received[0]
-        dp, pp, tp = Mesh.from_plan(plan, rank).coords
+        dp, pp, tp = plan.dims.coords_of(rank)
         then = f" (ranks {', '.join(map(str, also))} failed with it)" if also else ""
         if rc == exit_codes.RENDEZVOUS_FAILED:  # the worker's own line names the store or host:port and the cause
             why = [ln for ln in _tail(logs / f"rank{rank}.log").splitlines() if MARKER in ln]

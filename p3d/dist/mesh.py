@@ -1,11 +1,8 @@
-"""The device mesh: G = dp x pp x tp ranks, tp fastest.
+"""The device mesh of one worker: its rank in a :class:`ParallelDims` and the process groups.
 
-A rank's coordinates follow DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model;
-the last varies fastest): rank = (pp * dp_size + dp) * tp_size + tp. A TP group is a run of adjacent
-ranks (one node, the fastest links); the dp replicas of a stage come next (stride tp) and pipeline
-stages are furthest apart (stride tp * dp). With tp = GPUs per node each node holds one TP group,
-and both the dp all-reduce and the pp sends cross nodes. The rank arithmetic needs no process
-group and is unit-tested; ``with_groups`` creates the process groups.
+The rank arithmetic (tp fastest, then dp, then pp; DeepSpeed's pipe/data/model axes) lives in
+:mod:`p3d.parallel_dims`, shared with validation, the planner and the dry run; ``with_groups``
+creates the process groups in the same order on every rank.
 """
 from __future__ import annotations
 
@@ -13,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional
+
+from p3d.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -28,9 +27,6 @@ class Mesh:
     replica_group: Any = field(default=None, compare=False, repr=False)  # pp x tp ranks of one dp replica
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Mesh.{name}={getattr(self, name)} must be positive")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"Mesh.rank={self.rank} outside world size {self.world_size}")
 
@@ -40,26 +36,21 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.dims.world_size
 
     @cached_property
-    def topology(self):
+    def topology(self):  # DeepSpeed's PipelineModule wants its own; the same arithmetic (tests/test_mesh.py)
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
 
-    # ---- rank arithmetic (no processes needed)
-    def coords_of(self, rank: int) -> tuple[int, int, int]:
-        """(dp, pp, tp) coordinates of a global rank."""
-        c = self.topology.get_coord(rank)
-        return c.data, c.pipe, c.model
-
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return self.topology.get_rank(pipe=pp, data=dp, model=tp)
+    @cached_property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node)
 
     @property
     def coords(self) -> tuple[int, int, int]:
-        return self.coords_of(self.rank)
+        return self.dims.coords_of(self.rank)
 
     @property
     def dp_rank(self) -> int:
@@ -81,34 +72,15 @@ class Mesh:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    def node_of(self, rank: int) -> int:
-        return rank // (self.procs_per_node or self.world_size)
-
-    def local_rank_of(self, rank: int) -> int:
-        return rank % (self.procs_per_node or self.world_size)
-
-    def tp_ranks(self) -> list[list[int]]:
-        """All TP groups (ranks sharing dp and pp)."""
-        return self.topology.get_axis_comm_lists("model") or [[r] for r in range(self.world_size)]
-
-    def pp_ranks(self) -> list[list[int]]:
-        return self.topology.get_axis_comm_lists("pipe") or [[r] for r in range(self.world_size)]
-
-    def dp_ranks(self) -> list[list[int]]:
-        return self.topology.get_axis_comm_lists("data") or [[r] for r in range(self.world_size)]
-
-    def replica_ranks(self) -> list[list[int]]:
-        """The pp x tp ranks of each dp replica (all ranks with one dp coordinate)."""
-        return [[self.rank_of(d, p, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
-
     # ---- process groups
     def with_groups(self) -> "Mesh":
         """Create every group; each rank must call this with the same mesh (same order of new_group)."""
         import torch.distributed as dist
 
         groups = {}
-        for name, lists in (("tp_group", self.tp_ranks()), ("pp_group", self.pp_ranks()),
-                            ("dp_group", self.dp_ranks()), ("replica_group", self.replica_ranks())):
+        d = self.dims
+        for name, lists in (("tp_group", d.tp_ranks()), ("pp_group", d.pp_ranks()),
+                            ("dp_group", d.dp_ranks()), ("replica_group", d.replica_ranks())):
             for ranks in lists:
                 g = dist.new_group(ranks=ranks)
                 if self.rank in ranks:
@@ -116,4 +88,4 @@ class Mesh:
         return dataclasses.replace(self, **groups)
 
     def describe(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x tp={self.tp} ({self.world_size} ranks)"
+        return self.dims.describe()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from p3d.config.schema import Arch, Config, ModelConfig
 from p3d.config.validate import P3DConfigError
 from p3d.model.geometry import block_matmul_params, block_vector_params, layer_names, padded_vocab, stage_bounds
+from p3d.parallel_dims import resolve_dp
 
 
 @dataclass(frozen=True)
@@ -76,21 +77,7 @@ def layout_of(cfg: Config) -> Layout:
     ):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise P3DConfigError(f"{name}={val!r} must be a positive integer")
-    dp = cfg.mesh.dp
-    if dp == "auto":
-        world = world_size(cfg)
-        if world is None:
-            dp = 1
-        elif world % (tp * pp):
-            raise P3DConfigError(
-                f"mesh.tp*mesh.pp={tp * pp} must divide the {world} GPUs of the cluster "
-                f"(cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node="
-                f"{cfg.cluster.gpus_per_node}); set mesh.dp or change cluster.nodes"
-            )
-        else:
-            dp = world // (tp * pp)
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise P3DConfigError(f"mesh.dp={dp!r} must be a positive integer or auto; try mesh.dp=auto")
+    dp = resolve_dp(tp, pp, cfg.mesh.dp, cfg.cluster.nodes, cfg.cluster.gpus_per_node)
     m = max(1, s.global_batch_size // (s.micro_batch_size * dp))
     return Layout(tp, pp, dp, s.micro_batch_size, m, s.virtual_stages)
 

@@ -94,7 +94,10 @@ def test_refused_configs_are_modelled_and_flagged(make_cfg):
 
 
 def test_layout_that_does_not_divide_the_cluster_is_an_error(make_cfg):
-    with pytest.raises(P3DConfigError, match="must divide the 8 GPUs"):
+    with pytest.raises(
+        P3DConfigError,
+        match=r"mesh.tp\*mesh.pp=3 must divide the world size 8 \(cluster.nodes=1 x cluster.gpus_per_node=8\)",
+    ):
         plan(
             make_cfg(
                 "mesh.tp=3",
