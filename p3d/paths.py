@@ -97,7 +97,7 @@ def hydra_output_overrides(argv: list[str], base: Base = None) -> list[str]:
     nothing appears under ``./outputs`` or ``./multirun``:
 
     - a single run: ``hydra.run.dir`` = the run directory, and no ``.hydra/`` (``run_spec.yaml`` is the
-      run's frozen config), so a refused config leaves nothing behind (see ``unused_new_dirs``);
+      run's frozen config; also without ``run.dir``), so a refused config leaves nothing behind;
     - a ``-m`` sweep with one ``run.dir``: that directory is the sweep's (``hydra.sweep.dir``), each
       point running in ``<run.dir>/<n>``, as the points of a sweep without ``run.dir`` do.
 
@@ -106,8 +106,9 @@ def hydra_output_overrides(argv: list[str], base: Base = None) -> list[str]:
     keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
     multirun = any(a in ("-m", "--multirun") for a in argv) or "hydra.mode=MULTIRUN" in argv
     value, _ = _given_run_dir(argv)
-    if value is None:
-        return argv
+    if value is None:  # Hydra's default ./outputs/<date>/<time>; still no .hydra/ for a single run
+        single = not multirun and "hydra.output_subdir" not in keys
+        return argv + ["hydra.output_subdir=null"] if single else argv
     target = _quoted(absolute(value, base))
     if target is None:
         return argv

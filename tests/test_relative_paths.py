@@ -144,7 +144,8 @@ def test_paths_resolve_against_the_given_directory(tmp_path):
         "train.seed=1,2",
         f"hydra.sweep.dir='{tmp_path}/s'",
     ]
-    assert hydra_output_overrides(["train.steps=2"], tmp_path) == ["train.steps=2"]
+    assert hydra_output_overrides(["train.steps=2"], tmp_path) == ["train.steps=2", "hydra.output_subdir=null"]
+    assert hydra_output_overrides(["-m", "train.steps=2,3"], tmp_path) == ["-m", "train.steps=2,3"]
 
 
 def test_config_paths_are_frozen_absolute(tmp_path, monkeypatch):

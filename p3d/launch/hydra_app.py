@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,26 +78,44 @@ def _no_hydra_outputs(argv: list[str], name: str) -> list[str]:
 
 def run_hydra(task: Callable[[DictConfig], int], writes_outputs: bool = True) -> int:
     """Compose with Hydra, run ``task``; its exit status (the worst of a sweep's points, or the sweep's)."""
+    argv = sys.argv[1:]
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    if not multirun and any(a.lower() in ("dry_run=true", "+dry_run=true") for a in argv):
+        writes_outputs = False  # a dry run prints and writes nothing
     if not writes_outputs:
-        sys.argv = [sys.argv[0]] + _no_hydra_outputs(sys.argv[1:], Path(sys.argv[0]).name)
+        sys.argv = [sys.argv[0]] + _no_hydra_outputs(argv, Path(sys.argv[0]).name)
     made: list[Path] = []
-    if writes_outputs:  # with run.dir given, Hydra runs there, never in ./outputs, and writes no .hydra/
+    if writes_outputs:  # with run.dir given, Hydra runs there, never in ./outputs; no .hydra/ for one run
         from p3d.paths import hydra_output_overrides, missing_run_dirs
 
-        made = missing_run_dirs(sys.argv[1:])
-        sys.argv = [sys.argv[0]] + hydra_output_overrides(sys.argv[1:])
-    status = _run(task)
-    if status == exit_codes.CONFIG_ERROR and made:  # refused before anything was written: leave no directory
+        made = missing_run_dirs(argv)
+        sys.argv = [sys.argv[0]] + hydra_output_overrides(argv)
+    started = time.time()
+    out_dirs: list[Path] = []
+    status = _run(task, out_dirs)
+    if status == exit_codes.CONFIG_ERROR and writes_outputs and not multirun:  # refused: leave no directory
         from p3d.paths import remove_if_empty
 
-        remove_if_empty(made)
+        remove_if_empty(made or _made_since(out_dirs, started))
     return status
 
 
-def _run(task: Callable[[DictConfig], int]) -> int:
+def _made_since(out_dirs: list[Path], started: float) -> list[Path]:
+    """Hydra's default run directory (outputs/<date>/<time>) and the parents it made for this run."""
+    made: list[Path] = []
+    for path in out_dirs[:1]:
+        while path != Path.cwd() and path.is_dir() and path.stat().st_ctime >= started - 1:
+            made.append(path)
+            path = path.parent
+    return made
+
+
+def _run(task: Callable[[DictConfig], int], out_dirs: list[Path]) -> int:
     statuses: list[int] = []
 
     def task_started(cfg_node: DictConfig) -> int:
+        if HydraConfig.initialized():
+            out_dirs.append(Path(HydraConfig.get().runtime.output_dir))
         status = task(cfg_node)
         statuses.append(status)
         return status

@@ -1,0 +1,142 @@
+"""The command lines README.md and the recipe headers show, and how each one is run by the tests.
+
+A documented line is an indented line of a README code block that starts with a command, or a
+``#   `` line of a recipe header that does. Every one must have an entry in ``CASES`` (a test fails
+otherwise), so that a line added to the docs cannot go untested. ``run`` lines are typed as written,
+in a fresh working directory, with the few overrides that keep them small here appended; ``refused``
+lines need what this machine lacks and must fail with the one-line error that says so; ``dry`` lines
+need GPU nodes and are checked by the dry run of the same config; ``not_here`` lines say why not.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = {
+    "README.md": re.compile(r"^    ((?:p3d-|make |sbatch |\.venv/bin/|NPROC=)\S*.*)$"),
+    "recipes/slurm/train.sbatch": re.compile(r"^#   ((?:p3d-|sbatch |NPROC=)\S*.*)$"),
+    "recipes/torchrun.sh": re.compile(r"^#   ((?:p3d-|sbatch |NPROC=)\S*.*)$"),
+}
+SMALL = ("train.steps=1",)  # appended to every training line: the last value of a field wins in Hydra
+
+
+def strip_comment(line: str) -> str:
+    """The command without its trailing ``# comment`` (a ``#`` after a space)."""
+    return re.split(r"\s+#\s", line, maxsplit=1)[0].strip()
+
+
+def documented_lines() -> list[tuple[str, str]]:
+    """(file, command) for every documented command line, in document order."""
+    out = []
+    for name, pattern in DOCS.items():
+        for text in (ROOT / name).read_text().splitlines():
+            found = pattern.match(text)
+            if found:
+                out.append((name, strip_comment(found.group(1))))
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # run | slurm | refused | dry | not_here
+    extra: tuple[str, ...] = SMALL  # appended overrides
+    setup: str = ""  # a name in tests/test_documented_commands.py's SETUPS: files the line needs
+    expect: str = ""  # refused: a regex the one-line error must match; not_here: the reason
+    then: tuple[str, ...] = field(default_factory=tuple)  # further documented lines run in the same directory
+
+
+def argv_of(command: str, tmp: Path) -> tuple[dict[str, str], list[str]]:
+    """(environment assignments, argv) of a documented line, with the paths that only exist on the
+    reader's cluster mapped into ``tmp`` and the repository's recipes addressed from any directory."""
+    command = command.replace("/shared/runs/", f"{tmp}/shared/runs/")
+    words = shlex.split(command)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    words = [str(ROOT / w) if w.startswith("recipes/") else w for w in words]
+    return env, words
+
+
+CASES: dict[str, Case] = {
+    # README: getting started
+    "make train": Case("run"),
+    "make test": Case("not_here", expect="the suite itself: CI's .ci/run runs it"),
+    "p3d-train": Case("run"),
+    "p3d-train mesh=tp2_pp2 train.steps=200": Case("run"),
+    "p3d-train mesh=dp2_pp2_tp2 zero=stage1": Case("run"),
+    "p3d-train model=small mesh=pp4 schedule=recompute": Case("run"),
+    "p3d-train data=files data.path='/data/*.jsonl'": Case(
+        "refused", expect=r"^p3d: (config|input) error: data.path=/data/\*.jsonl .*matches no file"
+    ),
+    "p3d-train mesh=tp8_pp8 model=llama70b dry_run=true": Case("run", extra=()),
+    "p3d-train -m mesh=dp2,tp2,pp2 train.steps=20": Case("run", then=("p3d-report multirun/2025-01-01/12-00-00",)),
+    # README: Slurm
+    "p3d-train cluster=slurm mesh=tp2_pp2 train.steps=200": Case("slurm"),
+    "p3d-train cluster=h100_sxm cluster.nodes=8 mesh=tp8_pp8 model=llama70b cluster.partition=gpu "
+    "cluster.account=proj": Case("dry", extra=("dry_run=true",)),
+    "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 run.dir=/shared/runs/exp1": Case("slurm"),
+    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch cluster=h100_sxm mesh=tp8_pp8 model=llama70b": Case(
+        "dry", extra=("cluster.nodes=8", "dry_run=true")
+    ),
+    "p3d-train -m mesh=dp4,tp2_pp2,pp4 train.steps=50": Case("run"),
+    "p3d-train -m cluster=slurm mesh=dp4,tp2_pp2,pp4 train.steps=50": Case("slurm"),
+    "p3d-report multirun/2025-01-01/12-00-00": Case("not_here", expect="run after the -m sweep above (its `then`)"),
+    # README: data, checkpoints, resume
+    "p3d-train train.save_every=100 train.eval_every=50 logger=wandb": Case(
+        "run", extra=("train.steps=2", "train.save_every=2", "train.eval_every=2")
+    ),
+    "p3d-train train.resume=auto run.dir=outputs/run1": Case(
+        "run",
+        setup="trained_run1",
+        extra=("train.steps=3",),
+        then=(
+            "p3d-train train.resume=auto run.dir=outputs/run1 mesh=pp4",
+            "p3d-export run.dir=outputs/run1 out=hf/run1 [step=N] [max_shard_gb=5] [overwrite=true]",
+        ),
+    ),
+    "p3d-train train.resume=auto run.dir=outputs/run1 mesh=pp4": Case("run", extra=("train.steps=4",)),
+    "p3d-tokenizer data=files data.path='corpus/*.jsonl' tokenizer.vocab_size=8192 tokenizer.out=tok.json": Case(
+        "run",
+        setup="jsonl_corpus",
+        extra=(),
+        then=("p3d-train data=files data.path='corpus/*.jsonl' data.tokenizer=tok.json model.vocab_size=8192",),
+    ),
+    "p3d-train data=files data.path='corpus/*.jsonl' data.tokenizer=tok.json model.vocab_size=8192": Case("run"),
+    "p3d-train data.source=hub data.path=HuggingFaceFW/fineweb-edu data.subset=sample-10BT": Case(
+        "not_here", expect="needs the Hugging Face Hub; this machine reaches package registries only"
+    ),
+    "p3d-train data=files data.path=corpus data.text_unit=paragraph": Case("run", setup="txt_corpus"),
+    # README: HF import and export
+    "p3d-train model.init_from=/models/Meta-Llama-3-8B mesh=tp2_pp2": Case(
+        "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/Meta-Llama-3-8B .*"
+    ),
+    "p3d-export run.dir=outputs/run1 out=hf/run1 [step=N] [max_shard_gb=5] [overwrite=true]": Case(
+        "not_here", expect="run after its resume line above (its `then`), once bare and once with every option"
+    ),
+    # README: planner
+    "p3d-plan mesh=tp8_pp8 model=llama70b cluster.device=h100_sxm cluster.nodes=8 schedule=large": Case(
+        "run", extra=()
+    ),
+    "p3d-plan model=llama3_405b mesh=auto cluster.device=h100_sxm cluster.nodes=1024 format=json": Case(
+        "run", extra=()
+    ),
+    # README: development
+    "make test-fast": Case("not_here", expect="a tier of this suite; CI runs the whole of it"),
+    "make lint": Case("not_here", expect="CI's .ci/run runs it before the tests"),
+    'make test PYTEST_ARGS="tests/test_config.py"': Case("not_here", expect="the suite itself, on one file"),
+    "make bench": Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    ".venv/bin/python bench/overhead_breakdown.py": Case("not_here", expect="a benchmark, never a test"),
+    # recipe headers
+    "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 model=tiny": Case("slurm"),
+    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch mesh=tp8_pp8 model=llama70b cluster=h100_sxm": Case(
+        "dry", extra=("cluster.nodes=8", "dry_run=true")
+    ),
+    "sbatch --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=tp2_pp2 run.dir=/shared/runs/exp1": Case("slurm"),
+    "p3d-train cluster=slurm mesh=tp2_pp2 ...": Case("not_here", expect="the README's cluster=slurm line, with ..."),
+    "NPROC=8 RUN_DIR=/shared/runs/exp1 recipes/torchrun.sh mesh=dp2_pp2_tp2 model=tiny": Case("run"),
+}

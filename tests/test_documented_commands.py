@@ -1,0 +1,156 @@
+"""Every command line of README.md and the recipe headers, typed as a new user types it: from a fresh
+working directory, relative paths, the console scripts on PATH. The Slurm lines run on the local
+Slurm in ``tests/slurm/test_documented_slurm.py``; which line runs how is ``tests/documented.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.documented import CASES, ROOT, argv_of, documented_lines
+
+BIN = Path(sys.executable).parent
+
+
+def test_every_documented_line_has_a_case():
+    lines = documented_lines()
+    assert len(lines) >= 30, lines  # the pattern still finds the docs' command lines
+    missing = [f"{name}: {cmd}" for name, cmd in lines if cmd not in CASES]
+    assert not missing, "documented command lines without a case in tests/documented.py:\n" + "\n".join(missing)
+    stale = sorted(set(CASES) - {cmd for _, cmd in lines})
+    assert not stale, f"cases for lines the docs no longer show: {stale}"
+
+
+def user_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A shell whose PATH starts with the environment p3d is installed in, as after `source .venv/bin/activate`."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra or {})}
+
+
+def run_line(command: str, cwd: Path, extra: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+    env, argv = argv_of(command, cwd)
+    if argv[0] == "make":  # the Makefile's commands run in the checkout; ARGS reaches p3d-train
+        args = " ".join([f"run.dir={cwd / 'make-train'}", *extra])
+        argv = ["make", "-C", str(ROOT), *argv[1:], f"ARGS={args}"]
+    else:
+        argv = [*argv, *extra]
+    return subprocess.run(argv, cwd=cwd, env=user_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def _setup_trained_run1(cwd: Path) -> None:
+    done = run_line("p3d-train run.dir=outputs/run1", cwd, ("train.steps=2", "train.save_every=2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _setup_jsonl_corpus(cwd: Path) -> None:
+    """A user's own JSON-lines corpus: a text field per line, from the Python sources of the stdlib."""
+    import inspect
+    import json as json_mod
+
+    (cwd / "corpus").mkdir()
+    for part, mod in enumerate((json_mod, re, subprocess)):
+        src = inspect.getsource(mod)
+        docs = [src[i : i + 2000] for i in range(0, len(src), 2000)]
+        with open(cwd / "corpus" / f"part{part}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+
+
+def _setup_txt_corpus(cwd: Path) -> None:
+    """A directory of plain .txt files with paragraphs, as a user has them."""
+    import inspect
+
+    (cwd / "corpus").mkdir()
+    for part, mod in enumerate((json, re, subprocess)):
+        paragraphs = [p.strip() for p in inspect.getsource(mod).split("\n\n") if p.strip()]
+        (cwd / "corpus" / f"notes{part}.txt").write_text("\n\n".join(paragraphs) + "\n")
+
+
+SETUPS = {"trained_run1": _setup_trained_run1, "jsonl_corpus": _setup_jsonl_corpus, "txt_corpus": _setup_txt_corpus}
+
+
+def metrics_files(where: Path) -> list[Path]:
+    return sorted(where.rglob("metrics.jsonl"))
+
+
+def last_step(metrics: Path) -> int:
+    return max(r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r and "loss" in r)
+
+
+def check_ran(command: str, cwd: Path, before: set[Path], result: subprocess.CompletedProcess) -> None:
+    """What a user sees after a documented line that should work: status 0, and the runs it promises."""
+    assert result.returncode == 0, f"{command!r} exited {result.returncode}:\n{result.stderr[-4000:]}"
+    words = command.split()
+    if words[0] in ("p3d-plan",):
+        out = result.stdout
+        if "format=json" in command:
+            assert json.loads(out)["layout"]["world_size"] == 1024 * 8
+        else:
+            assert "tp=8 pp=8" in out and "bubble" in out
+        assert not any(cwd.iterdir()), "p3d-plan wrote files"
+        return
+    if "dry_run=true" in command:
+        assert "closed form" in result.stdout and "match" in result.stdout, result.stdout[-2000:]
+        assert not any(cwd.iterdir()), f"a dry run wrote {sorted(cwd.rglob('*'))}"
+        return
+    if words[0] == "p3d-tokenizer":
+        assert (cwd / "tok.json").is_file()
+        return
+    new = [m for m in metrics_files(cwd) if m not in before]
+    points = len(re.search(r"mesh=(\S+)", command).group(1).split(",")) if "-m" in words else 1
+    assert len(new) == points, f"{command!r}: expected {points} new run(s), found {new}\n{result.stdout[-2000:]}"
+    steps = int(re.findall(r"train\.steps=(\d+)", command)[-1])  # the last value given wins, as in Hydra
+    for m in new:
+        assert last_step(m) == steps, f"{m}: last step {last_step(m)}, expected {steps}"
+
+
+def check_export(cwd: Path) -> None:
+    bare = "p3d-export run.dir=outputs/run1 out=hf/run1"
+    done = run_line(bare, cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (cwd / "hf" / "run1" / "config.json").is_file()
+    step = max(int(p.name.split("-")[-1]) for p in (cwd / "outputs" / "run1" / "checkpoints").glob("step-*"))
+    every = f"{bare} step={step} max_shard_gb=5 overwrite=true"
+    done = run_line(every, cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+RUNNABLE = [cmd for cmd, case in CASES.items() if case.kind in ("run", "refused", "dry")]
+FOLLOWERS = {follower for case in CASES.values() for follower in case.then}
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("command", [c for c in RUNNABLE if c not in FOLLOWERS])
+def test_documented_line(command, tmp_path):
+    cwd = tmp_path / "work dir"  # a space, as in many users' home folders
+    cwd.mkdir()
+    case = CASES[command]
+    if case.setup:
+        SETUPS[case.setup](cwd)
+    for line in (command, *case.then):
+        line_case = CASES.get(line, case)
+        if line.startswith("p3d-export"):
+            check_export(cwd)
+            continue
+        if line.startswith("p3d-report"):  # the sweep directory this user's sweep printed
+            sweep = next(p for p in (cwd / "multirun").glob("*/*") if p.is_dir())
+            done = run_line(f"p3d-report {sweep.relative_to(cwd)}", cwd)
+            assert done.returncode == 0 and "p3d-report:" in done.stdout, done.stderr[-2000:]
+            continue
+        if line_case.kind == "dry":  # the config this line would freeze on its GPU nodes, checked by a dry run
+            overrides = [w for w in argv_of(line, cwd)[1] if "=" in w and not w.startswith("--")]
+            line = " ".join(["p3d-train", *overrides])
+        before = set(metrics_files(cwd))
+        result = run_line(line, cwd, line_case.extra)
+        if line_case.kind == "refused":
+            lines = result.stderr.strip().splitlines()
+            assert result.returncode == 2, f"{line!r} exited {result.returncode}:\n{result.stderr[-3000:]}"
+            assert len(lines) == 1 and re.search(line_case.expect, lines[0]), result.stderr[-3000:]
+            assert not any(cwd.iterdir()), f"a refused line wrote {sorted(cwd.rglob('*'))}"
+            continue
+        check_ran(" ".join([line, *line_case.extra]), cwd, before, result)
