@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from p3d.console import error
+
 
 def train() -> None:
     """Console script ``p3d-train``."""
@@ -25,7 +27,7 @@ def train() -> None:
     try:
         status = run_hydra(train_task)
     except KeyboardInterrupt:  # Ctrl-C before the workers started (once they run, p3d.dist.stop handles it)
-        print("p3d: interrupted (Ctrl-C) before training started; nothing was trained", file=sys.stderr, flush=True)
+        error("interrupted (Ctrl-C) before training started; nothing was trained")
         status = 128 + signal.SIGINT
     if status == 128 + signal.SIGINT:  # Ctrl-C twice: the workers are gone; skip the interpreter's slow teardown
         sys.stdout.flush()

@@ -28,6 +28,7 @@ from hydra.experimental.callback import Callback
 
 from p3d import exit_codes
 from p3d.config.spec import RUN_PLAN_KEY
+from p3d.console import error, say
 from p3d.run_dir import METRICS, SPEC, STATUS, read_json_lines, read_status, write_status
 
 STATUS_BY_CODE = {
@@ -230,7 +231,7 @@ def report(
         return rows
     csv_path = csv_path or sweep_dir / "report.csv"
     png_path = png_path or sweep_dir / "report.png"
-    print(f"p3d-report: {sweep_dir} ({len(rows)} point{'s' if len(rows) != 1 else ''})", file=stream)
+    say(f"{sweep_dir} ({len(rows)} point{'s' if len(rows) != 1 else ''})", "p3d-report", stream=stream)
     print(table(rows), file=stream)
     for path in (csv_path, png_path) if make_plot else (csv_path,):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +240,7 @@ def report(
     if make_plot:
         plot(rows, png_path, f"p3d sweep {sweep_dir}")
         written.append(str(png_path))
-    print(f"p3d-report: wrote {', '.join(written)}", file=stream, flush=True)
+    say(f"wrote {', '.join(written)}", "p3d-report", stream=stream)
     return rows
 
 
@@ -255,19 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     args.sweep_dir = absolute(args.sweep_dir)  # against the directory the command ran from, ~ expanded
     args.csv, args.png = (absolute(p) if p is not None else None for p in (args.csv, args.png))
     if not args.sweep_dir.is_dir():
-        print(f"p3d-report: {args.sweep_dir} is not a directory", file=sys.stderr)
+        error(f"{args.sweep_dir} is not a directory", "p3d-report")
         return 2
     try:
         rows = report(args.sweep_dir, args.csv, args.png, make_plot=not args.no_plot)
     except OSError as exc:  # --csv / --png in a folder that cannot be made or written
-        print(
-            f"p3d-report: cannot write the report there ({exc.filename}: {exc.strerror or exc}); choose another "
-            "--csv / --png",
-            file=sys.stderr,
+        error(
+            f"cannot write the report there ({exc.filename}: {exc.strerror or exc}); choose another --csv / --png",
+            "p3d-report",
         )
         return 2
     if not rows:
-        print(f"p3d-report: no p3d run under {args.sweep_dir} (no {SPEC}, {METRICS} or {STATUS})", file=sys.stderr)
+        error(f"no p3d run under {args.sweep_dir} (no {SPEC}, {METRICS} or {STATUS})", "p3d-report")
         return 2
     return 0
 
@@ -315,11 +315,7 @@ class SweepCallback(Callback):
         try:
             rows = report(sweep_dir)
         except Exception as exc:
-            print(
-                f"p3d-report: could not report {config.hydra.sweep.dir}: {type(exc).__name__}: {exc}",
-                file=sys.stderr,
-                flush=True,
-            )
+            error(f"could not report {config.hydra.sweep.dir}: {type(exc).__name__}: {exc}", "p3d-report")
             rows = collect(sweep_dir)
         status, summary = sweep_status(rows)
         if status:

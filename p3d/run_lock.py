@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from p3d.config.validate import P3DConfigError
+from p3d.console import error, say
 from p3d.dist.slurm import FREEZE_ONLY_ENV
 from p3d.run_dir import LOCK as LOCK_NAME
 
@@ -239,11 +240,7 @@ class Lease:
                     f"lease {path}); wait for it to end or stop it, or choose another run.dir"
                 )
             if _take_aside(path, held):
-                print(
-                    f"p3d: took over the lease of {run_dir} ({describe(held)}): {why}",
-                    file=out or sys.stderr,
-                    flush=True,
-                )
+                say(f"took over the lease of {run_dir} ({describe(held)}): {why}", stream=out or sys.stderr)
         raise RunLocked(f"run.dir={run_dir}: could not take {path} (other launches compete for it); try again")
 
     def start_heartbeat(self, interval: float = HEARTBEAT_S) -> Lease:
@@ -270,11 +267,7 @@ class Lease:
             return False
         if held.get("token") != self.body["token"]:
             if not (held.get("handed_over") and held.get("pid") == self.body["pid"]):
-                print(
-                    f"p3d: warning: lost the lease {self.path} (now {describe(held) if held else 'none'})",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                error(f"warning: lost the lease {self.path} (now {describe(held) if held else 'none'})")
             return False
         self.body["heartbeat"] = time.time()
         self.body["workers"] = _children(int(self.body["pid"]))
@@ -377,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             Lease.acquire(args.run_dir, pid=args.pid, what="the Slurm recipe")
         except P3DConfigError as exc:
-            print(f"p3d: {exc}", file=sys.stderr, flush=True)
+            error(str(exc))
             return 2
         return 0
     lease = _held_by(args.run_dir, args.pid)

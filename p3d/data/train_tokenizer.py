@@ -13,6 +13,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from p3d.console import say
+
 EOS = "<|endoftext|>"
 
 
@@ -58,13 +60,13 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
     size = tok.get_vocab_size(with_added_tokens=True)
-    print(
-        f"p3d-tokenizer: wrote {out} ({size} tokens, end of text {EOS}={tok.token_to_id(EOS)}); train with "
+    say(
+        f"wrote {out} ({size} tokens, end of text {EOS}={tok.token_to_id(EOS)}); train with "
         f"data.tokenizer={out} model.vocab_size={size}",
-        flush=True,
+        "p3d-tokenizer",
     )
     if stats.summary():
-        print(f"p3d-tokenizer: {stats.summary()}", flush=True)
+        say(f"{stats.summary()}", "p3d-tokenizer")
     return 0
 
 

@@ -29,6 +29,7 @@ from p3d.dist.slurm import check_fits, checked_time_limit, layout, partition_inf
 from p3d.run_dir import write_status
 from p3d.report import mesh_label
 from p3d.run_lock import check_free
+from p3d.console import error, say
 
 def _resume_auto(overrides: list[str]) -> list[str]:
     """A requeued sweep job runs the same point again: let it resume its own checkpoint."""
@@ -84,8 +85,7 @@ class P3DSlurmLauncher(SlurmLauncher):
         return params
 
     def _skip(self, overrides, task_cfg, cfg, out: Path, idx: int, msg: str) -> JobReturn:
-        print(f"p3d: point #{idx} ({' '.join(filter_overrides(overrides))}) skipped, not submitted: {msg}",
-              file=sys.stderr, flush=True)
+        error(f"point #{idx} ({' '.join(filter_overrides(overrides))}) skipped, not submitted: {msg}")
         write_status(out, "skipped", exit_codes.CONFIG_ERROR, reason=msg, mesh=mesh_label(task_cfg),
                      overrides=list(overrides))
         return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),
@@ -130,8 +130,8 @@ class P3DSlurmLauncher(SlurmLauncher):
                     why = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
                     slots.append(self._skip(overrides, task_cfg, cfg_full, out, idx, f"sbatch refused it: {why}"))
                     continue
-                print(f"p3d: point #{idx} ({' '.join(filter_overrides(overrides))}): Slurm job {job.job_id}, "
-                      f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks; run dir {out}", flush=True)
+                say(f"point #{idx} ({' '.join(filter_overrides(overrides))}): Slurm job {job.job_id}, "
+                    f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks; run dir {out}")
                 slots.append((job, overrides, task_cfg, cfg_full, out))
         finally:
             HydraConfig.instance().cfg = original
@@ -145,7 +145,7 @@ class P3DSlurmLauncher(SlurmLauncher):
             return job.results()[0]
         except Exception as exc:  # noqa: BLE001 - submitit raises several kinds
             reason = f"Slurm job {job.job_id} {job.state}: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
-            print(f"p3d: {reason}", file=sys.stderr, flush=True)
+            error(reason)
             write_status(out, "failed", exit_codes.WORKER_FAILED, reason=reason, job_id=job.job_id,
                          mesh=mesh_label(task_cfg))
             return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from p3d import exit_codes
 from p3d.config.schema import register_configs
+from p3d.console import error
 
 CONFIG_PATH = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -47,7 +48,7 @@ def with_source(message: str) -> str:
 
 def report_error(message: str, status: int = exit_codes.CONFIG_ERROR, prefix: str = "p3d") -> int:
     """Print one line on stderr; return ``status`` (the caller's exit status)."""
-    print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    error(message, prefix)
     return status
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from p3d.config.validate import P3DConfigError, build_plan, check_config, fill_cluster
+from p3d.console import say
 from p3d.launch.hydra_app import given_overrides
 from p3d.run_dir import METRICS, holds_run
 
@@ -145,9 +146,9 @@ def check_run(cfg, multirun: bool = False):
     except (OSError, ValueError, KeyError) as exc:
         raise P3DConfigError(str(exc).strip("'\"")) from None
     if found is None and cfg.train.resume == "auto":
-        print(f"p3d: no checkpoint in {checkpoint.root(run_dir)}; starting from step 0", flush=True)
+        say(f"no checkpoint in {checkpoint.root(run_dir)}; starting from step 0")
     for line in changes:
-        print(f"p3d: {line}", flush=True)
+        say(line)
     train = dataclasses.replace(cfg.train, resume=str(found) if found else "none")
     logger = cfg.logger
     if multirun and logger.group is None:

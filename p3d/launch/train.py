@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from p3d import exit_codes, run_dir
 from p3d.config.validate import P3DConfigError
+from p3d.console import say
 from p3d.launch.hydra_app import config_error, given_overrides, is_multirun, report_error, with_source
 from p3d.launch.prepare import check_run, preflight, prepare
 from p3d.run_lock import take_lease
@@ -72,15 +73,15 @@ def _launch(cfg, plan, lease) -> int:
 
             return run_step(cfg, plan, spec)
         return dispatch(cfg, plan, spec, lease)
-    print(
-        f"p3d: run dir {spec.parent}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
-        f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}",
-        flush=True,
+    say(f"run dir {spec.parent}")
+    say(
+        f"{cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
+        f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}"
     )
     # the lease names the workers as soon as they exist: a launcher killed now leaves a lease that stays live
     rc = launch_local(spec, plan, on_started=lease.refresh if lease is not None else None)
     if rc == 0:
-        print(f"p3d: done; metrics in {spec.parent / run_dir.METRICS}", flush=True)
+        say(f"done; metrics in {spec.parent / run_dir.METRICS}")
     return rc
 
 
