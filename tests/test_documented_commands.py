@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def user_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_line(command: str, cwd: Path, extra: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
     env, argv = argv_of(command, cwd)
     if argv[0] == "make":  # the Makefile's commands run in the checkout; ARGS reaches p3d-train
-        args = " ".join([f"run.dir={cwd / 'make-train'}", *extra])
+        args = " ".join([shlex.quote(f"run.dir={cwd / 'make-train'}"), *extra])  # the recipe's shell splits ARGS
         argv = ["make", "-C", str(ROOT), *argv[1:], f"ARGS={args}"]
     else:
         argv = [*argv, *extra]
