@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args.csv, args.png = (absolute(p) if p is not None else None for p in (args.csv, args.png))
     if not args.sweep_dir.is_dir():
         error(f"{args.sweep_dir} is not a directory", "p3d-report")
-        return 2
+        return exit_codes.CONFIG_ERROR
     try:
         rows = report(args.sweep_dir, args.csv, args.png, make_plot=not args.no_plot)
     except OSError as exc:  # --csv / --png in a folder that cannot be made or written
@@ -265,11 +265,11 @@ def main(argv: list[str] | None = None) -> int:
             f"cannot write the report there ({exc.filename}: {exc.strerror or exc}); choose another --csv / --png",
             "p3d-report",
         )
-        return 2
+        return exit_codes.CONFIG_ERROR
     if not rows:
         error(f"no p3d run under {args.sweep_dir} (no {SPEC}, {METRICS} or {STATUS})", "p3d-report")
-        return 2
-    return 0
+        return exit_codes.CONFIG_ERROR
+    return exit_codes.OK
 
 
 # ---- the Hydra callback (hydra.callbacks in conf/config.yaml)

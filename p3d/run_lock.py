@@ -40,6 +40,7 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
+from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
 from p3d.console import error, say
 from p3d.dist.slurm import FREEZE_ONLY_ENV
@@ -371,17 +372,17 @@ def main(argv: list[str] | None = None) -> int:
             Lease.acquire(args.run_dir, pid=args.pid, what="the Slurm recipe")
         except P3DConfigError as exc:
             error(str(exc))
-            return 2
-        return 0
+            return exit_codes.CONFIG_ERROR
+        return exit_codes.OK
     lease = _held_by(args.run_dir, args.pid)
     if lease is None:
-        return 0
+        return exit_codes.OK
     if args.command == "release":
         lease.release()
-        return 0
+        return exit_codes.OK
     while _alive(args.pid) and lease.refresh():  # heartbeat: until the batch shell ends
         time.sleep(HEARTBEAT_S)
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from p3d import exit_codes
 from p3d.console import say
 
 EOS = "<|endoftext|>"
@@ -66,8 +67,8 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
         "p3d-tokenizer",
     )
     if stats.summary():
-        say(f"{stats.summary()}", "p3d-tokenizer")
-    return 0
+        say(stats.summary(), "p3d-tokenizer")
+    return exit_codes.OK
 
 
 def main() -> None:

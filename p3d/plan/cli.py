@@ -16,6 +16,7 @@ import sys
 
 from omegaconf import DictConfig
 
+from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
 from p3d.launch.hydra_app import config_error, is_multirun, run_hydra
 from p3d.launch.prepare import typed_config
@@ -34,7 +35,7 @@ def plan_task(cfg_node: DictConfig) -> int:
         print(text, flush=True)
     except BrokenPipeError:  # p3d-plan ... | head
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    return exit_codes.OK
 
 
 def main() -> None:
