@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def last_step(metrics: Path) -> int:
     return max(r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r and "loss" in r)
 
 
-def check_ran(command: str, cwd: Path, before: set[Path], result: subprocess.CompletedProcess) -> None:
+def check_ran(command: str, cwd: Path, started: float, result: subprocess.CompletedProcess) -> None:
     """What a user sees after a documented line that should work: status 0, and the runs it promises."""
     assert result.returncode == 0, f"{command!r} exited {result.returncode}:\n{result.stderr[-4000:]}"
     words = command.split()
@@ -101,7 +102,7 @@ def check_ran(command: str, cwd: Path, before: set[Path], result: subprocess.Com
     if words[0] == "p3d-tokenizer":
         assert (cwd / "tok.json").is_file()
         return
-    new = [m for m in metrics_files(cwd) if m not in before]
+    new = [m for m in metrics_files(cwd) if m.stat().st_mtime >= started]  # a resumed run appends to its own
     points = len(re.search(r"mesh=(\S+)", command).group(1).split(",")) if "-m" in words else 1
     assert len(new) == points, f"{command!r}: expected {points} new run(s), found {new}\n{result.stdout[-2000:]}"
     steps = int(re.findall(r"train\.steps=(\d+)", command)[-1])  # the last value given wins, as in Hydra
@@ -146,7 +147,7 @@ def test_documented_line(command, tmp_path):
         if line_case.kind == "dry":  # the config this line would freeze on its GPU nodes, checked by a dry run
             overrides = [w for w in argv_of(line, cwd)[1] if "=" in w and not w.startswith("--")]
             line = " ".join(["p3d-train", *overrides])
-        before = set(metrics_files(cwd))
+        started = time.time()
         result = run_line(line, cwd, line_case.extra)
         if line_case.kind == "refused":
             lines = result.stderr.strip().splitlines()
@@ -154,4 +155,4 @@ def test_documented_line(command, tmp_path):
             assert len(lines) == 1 and re.search(line_case.expect, lines[0]), result.stderr[-3000:]
             assert not any(cwd.iterdir()), f"a refused line wrote {sorted(cwd.rglob('*'))}"
             continue
-        check_ran(" ".join([line, *line_case.extra]), cwd, before, result)
+        check_ran(" ".join([line, *line_case.extra]), cwd, started, result)
