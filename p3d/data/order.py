@@ -95,6 +95,13 @@ class Blend:
             source[i], before[i] = s, taken[s]
             taken[s] += 1
         self.source, self.before = source, before
+        self.prefix = np.zeros((self.PERIOD + 1, len(quota)), dtype=np.int64)  # per-source counts of each prefix
+        self.prefix[np.arange(1, self.PERIOD + 1), source] = 1
+        np.cumsum(self.prefix, axis=0, out=self.prefix)
+
+    def counts(self, n: int) -> np.ndarray:
+        """Samples of each source among the first ``n`` of the order."""
+        return (n // self.PERIOD) * self.quota + self.prefix[n % self.PERIOD]
 
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within that source's own order) of each global sample index."""

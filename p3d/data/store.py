@@ -48,8 +48,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def tokenizer_identity(spec: str) -> dict:
     """{spec, sha256}: the hash covers the files that define the tokenizer (``byte``: its name), so two
     copies of one tokenizer.json agree and an edited one does not."""
-    from p3d.data.tokenizer import tokenizer_files
+    from p3d.data.tokenizer import AUTO, tokenizer_files
 
+    spec = "byte" if spec == AUTO else spec  # auto without model.init_from is byte, as load_tokenizer reads it
     h = hashlib.sha256()
     files = tokenizer_files(spec)
     if not files:
