@@ -218,3 +218,38 @@ def test_prepare_counts_and_skips_bad_and_empty_documents(tmp_path):
     assert m["train"]["documents"] == 2 and m["skipped"]["not_utf8_or_no_text"] == 1 and m["skipped"]["empty"] == 3
     size = (corpus / "a.txt").stat().st_size
     assert m["sources"][0]["path"] == str(corpus / "a.txt") and m["sources"][0]["bytes"] == size
+
+
+# ---- slices of the input files, merged
+
+
+def test_slices_merged_give_the_windows_of_one_prepare(tmp_path, capsys):
+    from p3d.data.prepare_store import prepare_task
+    from tests.conftest import compose
+
+    for k in range(5):
+        _corpus(tmp_path / "c" / f"f{k}", 120, seed=k)
+    glob_ = f"data.path={tmp_path}/c/*/docs.jsonl"
+    args = ("data=files", glob_, "prepare.workers=1", "prepare.shard_bytes=3000")
+    assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'whole'}")) == 0
+    for i in range(3):
+        assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'parts'}", f"prepare.shard={i}/3")) == 0
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [f"part-0000{i}-of-00003" for i in range(3)]
+    assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'parts'}", "prepare.merge=true")) == 0
+    whole, parts = TokenStore(tmp_path / "whole"), TokenStore(tmp_path / "parts")
+    parts.check_files()
+    assert parts.manifest["sources"] == whole.manifest["sources"] and parts.manifest["train"] == whole.manifest["train"]
+    n = whole.tokens("train") // (SEQ + 1)
+    for shuffle in (0, 1):
+        a = PreparedSamples(_prepared(tmp_path / "whole", shuffle_buffer=shuffle), SEQ, seed=3).read(np.arange(n))
+        b = PreparedSamples(_prepared(tmp_path / "parts", shuffle_buffer=shuffle), SEQ, seed=3).read(np.arange(n))
+        assert torch.equal(a, b)
+    capsys.readouterr()
+    assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p2'}", "prepare.shard=1/3")) == 0
+    assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p2'}", "prepare.merge=true")) == 2
+    assert "missing [0, 2]" in capsys.readouterr().err
+    assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p3'}", "prepare.shard=3/3")) == 2
+    assert "prepare.shard=3/3 is not i/n" in capsys.readouterr().err
+    assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p4'}", "prepare.shard=0/6")) == 2
+    assert "gets no file (5 input files in 6 slices)" in capsys.readouterr().err
+    assert not (tmp_path / "p3").exists() and not (tmp_path / "p4").exists()

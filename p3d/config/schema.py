@@ -235,6 +235,8 @@ class PrepareConfig:
     workers: Optional[int] = None  # tokenizing processes; null: every core this process may use
     overwrite: bool = False  # rebuild a finished store (else it is left as it is)
     shard_bytes: int = 16_000_000  # text per shard (UTF-8 bytes, whole documents); the unit of work and of resume
+    shard: Optional[str] = None  # "i/n": prepare slice i of n of the input files into <out>/part-i-of-n
+    merge: bool = False  # write <out>/manifest.json over the n finished parts <out>/part-i-of-n
 
 
 @dataclass

@@ -256,6 +256,7 @@ def check_prepare(cfg, out: Path) -> str | None:
 
 def prepare_task(cfg_node: DictConfig) -> int:
     from p3d.config.validate import P3DConfigError
+    from p3d.data.store_parts import slice_config
     from p3d.launch.hydra_app import config_error
     from p3d.launch.prepare import typed_config
     from p3d.paths import absolute
@@ -263,6 +264,10 @@ def prepare_task(cfg_node: DictConfig) -> int:
     try:
         cfg = typed_config(cfg_node, resolve_auto=False)
         out = absolute(cfg.prepare.out)
+        if cfg.prepare.merge:
+            return merge_task(cfg, out)
+        if cfg.prepare.shard:
+            cfg, out = slice_config(cfg, out)
         finished = check_prepare(cfg, out)
     except (P3DConfigError, OSError, ValueError, KeyError) as exc:
         return config_error(str(exc).strip(chr(39)))
@@ -277,6 +282,21 @@ def prepare_task(cfg_node: DictConfig) -> int:
         f"p3d-prepare: wrote {out}: {len(m['shards'])} shards, {m['train']['documents']} + {m['val']['documents']} "
         f"documents, {m['train']['tokens']} train + {m['val']['tokens']} val tokens ({m['dtype']}); train with "
         f"data=prepared data.path={out}",
+        flush=True,
+    )
+    return 0
+
+
+def merge_task(cfg, out: Path) -> int:
+    from p3d.data.store_parts import merge_parts
+
+    if (out / MANIFEST).is_file() and not cfg.prepare.overwrite:
+        print(f"p3d-prepare: {out} is a finished store; left as it is (prepare.overwrite=true merges again)")
+        return 0
+    m = merge_parts(out)
+    print(
+        f"p3d-prepare: merged {m['parts']} parts into {out}: {len(m['shards'])} shards, {m['train']['tokens']} train "
+        f"+ {m['val']['tokens']} val tokens; train with data=prepared data.path={out}",
         flush=True,
     )
     return 0
