@@ -17,7 +17,7 @@ import torch
 
 from p3d.config.schema import DataConfig, DataSource, MixSource
 from p3d.data.check import check_data
-from p3d.data.loader import global_batches, micro_batches
+from p3d.data.loader import global_batches, micro_batches, validation_batches
 from p3d.data.order import Blend, permute
 from p3d.data.prepare_store import prepare_store
 from p3d.data.prepared import PreparedSamples
@@ -107,6 +107,8 @@ def test_store_windows_are_the_streaming_windows(files_store):
     va = next(global_batches(plain, SEQ, 8, seed=0, split="val"))
     vb = next(global_batches(_prepared(out), SEQ, 8, seed=0, split="val"))
     assert torch.equal(va, vb)  # the held-out split: the same documents by the same hash rule
+    for x, y in zip(validation_batches(plain, SEQ, 8, 3), validation_batches(_prepared(out), SEQ, 8, 3)):
+        assert torch.equal(x, y)  # what train.eval_every evaluates on
 
 
 def test_a_shuffled_epoch_is_the_streaming_epoch_as_a_multiset(files_store):

@@ -151,3 +151,24 @@ def test_store_resumes_exactly_and_under_another_dp(store, tmp_path):
     cfg, _ = typed("mesh=single", *data, *COMMON)
     for x, y in zip(reference_run(cfg), a):  # the shuffled store: parity with the single-process reference
         assert y["loss"] == pytest.approx(x["loss"], rel=RTOL), x["step"]
+
+
+@pytest.mark.timeout(600)
+def test_a_mixture_trains_like_the_reference_and_logs_tokens_per_store(store, tmp_path):
+    """A mixture of the stdlib store and a small files store on dp2: the reference's losses (the same
+    samples whatever the mesh), and metrics.jsonl's tokens_by_source follows the blend, step by step."""
+    from tests.test_token_store import _corpus, _store
+
+    small, _ = _store(tmp_path, "small", _corpus(tmp_path / "c", 200, seed=1), "prepare.shard_bytes=4000")
+    mix = f"data.mix=[{{path:{store},weight:0.8}},{{path:{small},weight:0.2}}]"
+    r = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=dp2", "data=prepared", mix, *COMMON[1:], "train.steps=4")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = read_metrics(tmp_path / "run")
+    cfg, _ = typed("mesh=single", "data=prepared", mix, *COMMON[1:], "train.steps=4")
+    width = cfg.model.seq_len + 1
+    for x, y in zip(reference_run(cfg), got):
+        assert y["loss"] == pytest.approx(x["loss"], rel=RTOL), x["step"]
+    for g in got:
+        per = g["tokens_by_source"]
+        assert sum(per.values()) == g["samples"] * width
+        assert abs(per["small"] - 0.2 * g["samples"] * width) <= width, g  # within one sample of the weight

@@ -15,6 +15,7 @@ sample i's source and its index within that source are found from i // P and a t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -30,6 +31,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+@functools.lru_cache(maxsize=64)
 def _keys(seed: int, epoch: int) -> list[np.uint64]:
     return [
         np.uint64(int.from_bytes(hashlib.blake2b(f"{seed}/{epoch}/{r}".encode(), digest_size=8).digest(), "little"))

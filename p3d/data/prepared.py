@@ -119,7 +119,10 @@ class PreparedSamples:
 
     def read(self, samples) -> torch.Tensor:
         """(len(samples), seq_len + 1) int64."""
-        store, window = self.locate(np.asarray(samples, dtype=np.int64))
+        return self.read_windows(*self.locate(np.asarray(samples, dtype=np.int64)))
+
+    def read_windows(self, store: np.ndarray, window: np.ndarray) -> torch.Tensor:
+        """(len(window), seq_len + 1) int64: window ``window[j]`` of store ``store[j]``."""
         out = np.empty((len(window), self.width), dtype=np.int64)
         for row, (s, w) in enumerate(zip(store.tolist(), window.tolist())):
             out[row] = self.sources[s].store.split(self.split).read(w * self.width, (w + 1) * self.width)
@@ -138,8 +141,9 @@ def prepared_micro_batches(data_cfg, seq_len, global_batch_size, micro_batch_siz
     step = 0
     while True:
         first = start_sample + step * global_batch_size + dp_rank * per_rank
+        store, window = samples.locate(np.arange(first, first + per_rank))  # this replica's share of the step
         for m in range(0, per_rank, micro_batch_size):
-            chunk = samples.read(np.arange(first + m, first + min(m + micro_batch_size, per_rank)))
+            chunk = samples.read_windows(store[m : m + micro_batch_size], window[m : m + micro_batch_size])
             yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
         step += 1
 
