@@ -35,13 +35,13 @@ SEQ, MBS, GBS = 1024, 2, 16  # model=small, schedule=default
 
 FIRST_BATCH = """
 import sys, time
-t0 = time.perf_counter()
 from p3d.config.schema import DataConfig, DataSource
 from p3d.data.loader import micro_batches
+t0, c0 = time.perf_counter(), time.process_time()
 source, path, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = DataConfig(source=DataSource.prepared, path=path) if source == "store" else DataConfig()
 x, y = next(micro_batches(cfg, {seq}, {gbs}, {mbs}, 1, 0, 1234, start_sample=step * {gbs}))
-print(time.perf_counter() - t0)
+print(time.perf_counter() - t0, time.process_time() - c0)
 """
 
 
@@ -82,8 +82,9 @@ def loader_rate(store: Path, steps: int) -> tuple[float, float]:
     return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
 
 
-def first_batch(source: str, store: Path, step: int) -> tuple[float, float]:
-    """(wall, CPU) seconds of a fresh process from its start to its first micro batch at ``step``."""
+def first_batch(source: str, store: Path, step: int) -> tuple[float, float, float, float]:
+    """(wall, CPU) seconds of a fresh process from its start to its first micro batch at ``step``, then
+    (wall, CPU) of the part after the imports (torch, p3d): opening the data and reading that batch."""
     code = FIRST_BATCH.format(seq=SEQ, gbs=GBS, mbs=MBS)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0, c0 = time.perf_counter(), child_cpu()
@@ -93,7 +94,8 @@ def first_batch(source: str, store: Path, step: int) -> tuple[float, float]:
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(r.stderr[-2000:])
-    return wall, child_cpu() - c0
+    data_wall, data_cpu = (float(v) for v in r.stdout.split()[-2:])
+    return wall, child_cpu() - c0, data_wall, data_cpu
 
 
 def main() -> None:
@@ -121,11 +123,19 @@ def main() -> None:
         )
         step_far = 100_000
         for step in (0, step_far):
-            wall, cpu = first_batch("store", store, step)
-            out[f"store_first_batch_step{step}"] = {"wall_s": wall, "cpu_s": cpu}
-            print(f"store: launch to first batch at step {step:,}: {wall:.2f} s wall, {cpu:.2f} CPU s")
-        w0, c0 = first_batch("stream", store, 0)
-        wn, cn = first_batch("stream", store, args.stream_step)
+            wall, cpu, dwall, dcpu = first_batch("store", store, step)
+            out[f"store_first_batch_step{step}"] = {
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "data_wall_s": dwall,
+                "data_cpu_s": dcpu,
+            }
+            print(
+                f"store: launch to first batch at step {step:,}: {wall:.2f} s wall, {cpu:.2f} CPU s; after the "
+                f"imports {dwall:.3f} s wall, {dcpu:.3f} CPU s"
+            )
+        w0, c0, _, _ = first_batch("stream", store, 0)
+        wn, cn, _, _ = first_batch("stream", store, args.stream_step)
         tokens_far = step_far * GBS * (SEQ + 1)
         per_token = max(cn - c0, 0.0) / (args.stream_step * GBS * (SEQ + 1))
         far = c0 + per_token * tokens_far
@@ -134,7 +144,7 @@ def main() -> None:
         print(f"streaming: at step {args.stream_step}: {wn:.2f} s wall, {cn:.2f} CPU s")
         print(
             f"streaming: at step {step_far:,} ({tokens_far / 1e9:.2f}B tokens to re-read), extrapolated from the "
-            f"CPU s per skipped token: {far:,.0f} CPU s ({far / 3600:.1f} h)"
+            f"CPU s per skipped token: {far:,.0f} CPU s ({far / 60:.1f} min) with this tokenizer"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -172,3 +172,19 @@ def test_a_mixture_trains_like_the_reference_and_logs_tokens_per_store(store, tm
         per = g["tokens_by_source"]
         assert sum(per.values()) == g["samples"] * width
         assert abs(per["small"] - 0.2 * g["samples"] * width) <= width, g  # within one sample of the weight
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_store_stops_p3d_train_in_one_line_before_any_worker(store, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(store, bad)
+    (bad / "shard-00001.val.idx").unlink()
+    for path, needle in (
+        (tmp_path / "none", "is not a token store (no such directory)"),
+        (bad, "shard-00001.val.idx is missing"),
+    ):
+        r = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=single", "data=prepared", f"data.path={path}")
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], r.stderr
+        assert not (tmp_path / "run").exists()  # nothing written
