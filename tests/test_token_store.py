@@ -255,3 +255,18 @@ def test_slices_merged_give_the_windows_of_one_prepare(tmp_path, capsys):
     assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p4'}", "prepare.shard=0/6")) == 2
     assert "gets no file (5 input files in 6 slices)" in capsys.readouterr().err
     assert not (tmp_path / "p3").exists() and not (tmp_path / "p4").exists()
+
+
+def test_a_bpe_store_holds_the_streaming_windows_of_that_tokenizer(tmp_path):
+    from p3d.data.train_tokenizer import train_bpe
+
+    corpus = _corpus(tmp_path / "c", 300, seed=4)
+    tok = tmp_path / "tok.json"
+    train_bpe((json.loads(line)["text"] for line in corpus.read_text().splitlines()), 300, 1).save(str(tok))
+    out, stream_cfg = _store(tmp_path, "s", corpus, f"data.tokenizer={tok}", "model.vocab_size=300")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dtype"] == "uint16" and m["tokenizer"]["spec"] == str(tok) and 257 < m["vocab_size"] <= 300
+    plain = replace(stream_cfg, shuffle_buffer=0)
+    a = next(global_batches(plain, SEQ, 16, seed=0))
+    b = next(global_batches(_prepared(out, shuffle_buffer=0, tokenizer=str(tok)), SEQ, 16, seed=0))
+    assert torch.equal(a, b) and int(a.max()) > 256  # merged tokens, not bytes

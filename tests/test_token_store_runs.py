@@ -174,7 +174,7 @@ def test_a_mixture_trains_like_the_reference_and_logs_tokens_per_store(store, tm
         assert abs(per["small"] - 0.2 * g["samples"] * width) <= width, g  # within one sample of the weight
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_bad_store_stops_p3d_train_in_one_line_before_any_worker(store, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(store, bad)
