@@ -41,7 +41,8 @@ def absolute_globs(spec: str, base: Base = None) -> str:
 
 def resolve_config_paths(cfg, base: Base = None):
     """The typed Config with every user-given path absolute: ``run.dir``, ``data.path`` (files; its
-    globs), ``data.tokenizer`` (unless ``byte`` or ``auto``), ``train.resume`` (unless ``none``/``auto``),
+    globs; prepared: the store, and each ``data.mix`` store), ``data.tokenizer`` (unless ``byte`` or
+    ``auto``), ``train.resume`` (unless ``none``/``auto``),
     ``model.init_from`` and ``tokenizer.out``."""
     from p3d.config.schema import DataSource
 
@@ -50,6 +51,10 @@ def resolve_config_paths(cfg, base: Base = None):
     data, train, model = cfg.data, cfg.train, cfg.model
     if data.source == DataSource.files and data.path:
         data = rep(data, path=absolute_globs(data.path, base))
+    if data.source == DataSource.prepared:
+        if data.path:
+            data = rep(data, path=str(absolute(data.path, base)))
+        data = rep(data, mix=[rep(m, path=str(absolute(m.path, base))) for m in data.mix])
     if data.tokenizer not in ("byte", "auto"):
         data = rep(data, tokenizer=str(absolute(data.tokenizer, base)))
     if train.resume not in ("none", "auto"):

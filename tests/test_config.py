@@ -22,6 +22,7 @@ COMPANIONS = {
     ("mesh", "tp4_pp2"): ["model=llama3_8b"],
     ("mesh", "tp2_pp4"): ["model=llama3_8b"],
     ("data", "files"): ["data.path=/tmp/x.jsonl"],
+    ("data", "prepared"): ["data.path=/tmp/store"],
     ("mesh", "auto"): ["cluster.device=h100_sxm", "model=llama3_8b", "schedule=large"],  # one 8-GPU node
     ("cluster", "h100_64"): ["mesh=tp8_pp8", "model=llama70b", "schedule=large"],  # 64 GPUs: tp8 x pp8 x dp1
     # gpt shapes are for p3d-plan (published runs); the trainer builds llama only, a dry run composes them

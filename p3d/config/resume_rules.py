@@ -72,6 +72,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "run.*": (Rule.QUIET, "where this launch writes"),
     "plan.*": (Rule.QUIET, "options of the pre-launch memory check"),
     "tokenizer.*": (Rule.QUIET, "options of p3d-tokenizer"),
+    "prepare.*": (Rule.QUIET, "options of p3d-prepare"),
     "dry_run": (Rule.QUIET, "a dry run trains nothing"),
     "format": (Rule.QUIET, "p3d-plan's output format"),
 }

@@ -52,6 +52,7 @@ class DataSource(Enum):
     stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
     files = "files"  # local text / json / jsonl / parquet files or globs
     hub = "hub"  # a Hugging Face hub dataset by name (needs network access), streamed
+    prepared = "prepared"  # a token store written by p3d-prepare (data.path, or data.mix): memory-mapped
 
 
 class Progress(Choice):
@@ -153,6 +154,14 @@ class ClusterConfig:
 
 
 @dataclass
+class MixSource:
+    """One store of a ``data.mix``: its directory and its share of the samples (weights are normalised)."""
+
+    path: str = "???"
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     name: str = "stdlib"
     source: DataSource = DataSource.stdlib
@@ -165,6 +174,7 @@ class DataConfig:
     tokenizer: str = "auto"  # byte, a HF tokenizer.json (see p3d-tokenizer), or auto: model.init_from's, else byte
     shuffle_buffer: int = 1024  # windows; 0 keeps the corpus order. Seeded by train.seed and the epoch
     val_fraction: float = 0.005  # share of documents held out for validation (chosen by a hash of the text)
+    mix: list[MixSource] = field(default_factory=list)  # prepared: stores blended by weight, [{path, weight}, ...]
 
 
 @dataclass
@@ -218,6 +228,18 @@ class TokenizerConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """What ``p3d-prepare`` writes: the ``data`` group's documents tokenized into a token store."""
+
+    out: str = "store"  # the store's directory
+    workers: Optional[int] = None  # tokenizing processes; null: every core this process may use
+    overwrite: bool = False  # rebuild a finished store (else it is left as it is)
+    shard_bytes: int = 16_000_000  # text per shard (UTF-8 bytes, whole documents); the unit of work and of resume
+    shard: Optional[str] = None  # "i/n": prepare slice i of n of the input files into <out>/part-i-of-n
+    merge: bool = False  # write <out>/manifest.json over the n finished parts <out>/part-i-of-n
+
+
+@dataclass
 class PlanConfig:
     """Options of the analytic planner (p3d-plan, and the pre-flight check of p3d-train)."""
 
@@ -246,6 +268,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     dry_run: bool = False
     format: OutputFormat = OutputFormat.text  # p3d-plan output: text or json
 
@@ -314,6 +337,8 @@ BOUNDS: dict[str, Bound] = {
     "tokenizer.vocab_size": Bound(257),  # 256 bytes + end of text
     "tokenizer.max_documents": AT_LEAST_1,
     "tokenizer.min_frequency": NON_NEGATIVE,
+    "prepare.workers": AT_LEAST_1,
+    "prepare.shard_bytes": AT_LEAST_1,
     "plan.efficiency": Bound(0, 1, open_low=True),
     "plan.hbm_gbps": POSITIVE,
     "plan.top": AT_LEAST_1,

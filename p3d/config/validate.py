@@ -267,7 +267,7 @@ def check_zero(cfg: Config, pp: int) -> None:
 
 def check_train(cfg: Config) -> None:
     t = cfg.train
-    if t.eval_every > 0 and cfg.data.val_fraction <= 0:
+    if t.eval_every > 0 and cfg.data.val_fraction <= 0 and cfg.data.source != DataSource.prepared:
         raise P3DConfigError(
             f"data.val_fraction={cfg.data.val_fraction} leaves no validation data for train.eval_every="
             f"{t.eval_every}; try data.val_fraction=0.005, or train.eval_every=0 for no validation"
@@ -278,6 +278,12 @@ def check_data(cfg: Config, tokenizer_vocab: int | None) -> None:
     d, m = cfg.data, cfg.model
     if d.source == DataSource.files and not d.path:
         raise P3DConfigError("data.path is not set for data.source=files; try data.path=/path/to/*.jsonl")
+    if d.source == DataSource.prepared and not d.path and not d.mix:
+        raise P3DConfigError("data.path is not set for data=prepared; try data.path=<a store written by p3d-prepare>")
+    if d.mix and d.source != DataSource.prepared:
+        raise P3DConfigError(
+            f"data.mix is set for data.source={d.source.value}; mixtures are of stores: try data=prepared"
+        )
     if tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
         raise P3DConfigError(
             f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens "

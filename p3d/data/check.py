@@ -27,6 +27,12 @@ def check_data(cfg: DataConfig, seq_len: int, need_val: bool = False) -> None:
 
 
 def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
+    if cfg.source == DataSource.prepared:
+        from p3d.data.prepared import open_stores
+
+        for split in ("train", "val") if need_val else ("train",):
+            open_stores(cfg, seq_len, split, check=True)
+        return
     if cfg.source == DataSource.files:
         files = resolve_files(cfg.path or "", cfg.format)
         if not files:

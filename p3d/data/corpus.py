@@ -173,6 +173,11 @@ def in_split(text: str, val_fraction: float, split: str) -> bool:
 def iter_texts(cfg: DataConfig, split: str = "train", stats: DataStats | None = None) -> Iterator[str]:
     """Documents of one split, per ``data.text_unit``. A missing text column is an error; an empty
     document is counted, an unreadable one skipped and counted, both in ``stats``."""
+    return (text for text in iter_documents(cfg, stats) if in_split(text, cfg.val_fraction, split))
+
+
+def iter_documents(cfg: DataConfig, stats: DataStats | None = None) -> Iterator[str]:
+    """Every non-empty document of both splits, in the corpus order (what ``p3d-prepare`` stores)."""
     stats = stats if stats is not None else DataStats()
     column = "text" if cfg.source == DataSource.stdlib else cfg.text_column
     stats.column = column
@@ -193,5 +198,5 @@ def iter_texts(cfg: DataConfig, split: str = "train", stats: DataStats | None = 
         for text in units:
             if not text.strip():
                 stats.empty_records += 1
-            elif in_split(text, cfg.val_fraction, split):
+            else:
                 yield text

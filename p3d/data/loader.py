@@ -19,6 +19,7 @@ from itertools import islice
 
 import torch
 
+from p3d.config.schema import DataSource
 from p3d.data.corpus import DataStats, iter_texts
 from p3d.data.tokenizer import load_tokenizer
 
@@ -84,6 +85,11 @@ def global_batches(
 ) -> Iterator[torch.Tensor]:
     """(B, seq_len + 1) per optimizer step from global sample index ``start_sample``: what the
     single-process reference trains on."""
+    if data_cfg.source == DataSource.prepared:
+        from p3d.data.prepared import prepared_global_batches
+
+        yield from prepared_global_batches(data_cfg, seq_len, global_batch_size, seed, start_sample, split)
+        return
     stream = sample_stream(data_cfg, seq_len, seed, split, start_sample, stats)
     while True:
         yield torch.stack(list(islice(stream, global_batch_size)))
@@ -109,7 +115,15 @@ def micro_batches(
     stats: DataStats | None = None,
 ):
     """(inputs, labels), each (micro_batch_size, seq_len): this replica's micro batches, step after step,
-    from global sample index ``start_sample`` (the samples a resumed run has consumed)."""
+    from global sample index ``start_sample`` (the samples a resumed run has consumed). From a token store
+    (``data=prepared``) only this replica's windows are read, found by arithmetic (p3d.data.prepared)."""
+    if data_cfg.source == DataSource.prepared:
+        from p3d.data.prepared import prepared_micro_batches
+
+        yield from prepared_micro_batches(
+            data_cfg, seq_len, global_batch_size, micro_batch_size, dp, dp_rank, seed, start_sample
+        )
+        return
     for batch in global_batches(data_cfg, seq_len, global_batch_size, seed, start_sample, stats=stats):
         yield from rank_slice(batch, micro_batch_size, dp, dp_rank)
 

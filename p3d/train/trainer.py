@@ -169,6 +169,11 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             f"{cfg.train.steps} steps{resumed}"
         )
     bubble_theory = pipeline_bubble(plan.pp, plan.micro_batches)
+    mixture = None
+    if metrics and cfg.data.mix:  # the tokens each store of the mixture gave so far, by arithmetic
+        from p3d.data.prepared import PreparedSamples
+
+        mixture = PreparedSamples(cfg.data, cfg.model.seq_len, cfg.train.seed)
     status = exit_codes.OK
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
@@ -177,9 +182,11 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
         stop, bubble, mem = step_stats(stopper, timer.take() / step_time, device, stats if reads_data else None)
-        extra = {}
+        extra: dict = {}
         if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
+        if mixture is not None:
+            extra["tokens_by_source"] = mixture.tokens_by_source(samples)
         if metrics:
             metrics.log(
                 step,
