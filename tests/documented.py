@@ -1,11 +1,13 @@
 """The command lines README.md and the recipe headers show, and how each one is run by the tests.
 
-A documented line is an indented line of a README code block that starts with a command, or a
+A documented line is a line of a README code block (indented four spaces) that starts with a command, or a
 ``#   `` line of a recipe header that does. Every one must have an entry in ``CASES`` (a test fails
 otherwise), so that a line added to the docs cannot go untested. ``run`` lines are typed as written,
 in a fresh working directory, with the few overrides that keep them small here appended; ``refused``
 lines need what this machine lacks and must fail with the one-line error that says so; ``dry`` lines
 need GPU nodes and are checked by the dry run of the same config; ``not_here`` lines say why not.
+The examples indented inside a README bullet (a feature's own walk-through) are not collected here;
+the feature's tests run them.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ CASES: dict[str, Case] = {
         "refused", expect=r"^p3d: (config|input) error: data.path=/data/\*.jsonl .*matches no file"
     ),
     "p3d-train mesh=tp8_pp8 model=llama70b dry_run=true": Case("run", extra=()),
+    "p3d-prepare data=files data.path='corpus/*.jsonl' prepare.out=store": Case(
+        "run", setup="jsonl_corpus", extra=(), then=("p3d-train data=prepared data.path=store",)
+    ),
+    "p3d-train data=prepared data.path=store": Case("run"),
     "p3d-train -m mesh=dp2,tp2,pp2 train.steps=20": Case("run", then=("p3d-report multirun/2025-01-01/12-00-00",)),
     # README: Slurm
     "p3d-train cluster=slurm mesh=tp2_pp2 train.steps=200": Case("slurm"),
@@ -131,6 +137,7 @@ CASES: dict[str, Case] = {
     'make test PYTEST_ARGS="tests/test_config.py"': Case("not_here", expect="the suite itself, on one file"),
     "make bench": Case("not_here", expect="a benchmark (minutes of timing), never a test"),
     ".venv/bin/python bench/overhead_breakdown.py": Case("not_here", expect="a benchmark, never a test"),
+    ".venv/bin/python bench/data.py": Case("not_here", expect="a benchmark, never a test"),
     # recipe headers
     "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 model=tiny": Case("slurm"),
     "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch mesh=tp8_pp8 model=llama70b cluster=h100_sxm": Case(

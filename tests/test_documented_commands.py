@@ -102,6 +102,9 @@ def check_ran(command: str, cwd: Path, started: float, result: subprocess.Comple
     if words[0] == "p3d-tokenizer":
         assert (cwd / "tok.json").is_file()
         return
+    if words[0] == "p3d-prepare":
+        assert json.loads((cwd / "store" / "manifest.json").read_text())["train"]["tokens"] > 0
+        return
     new = [m for m in metrics_files(cwd) if m.stat().st_mtime >= started]  # a resumed run appends to its own
     points = len(re.search(r"mesh=(\S+)", command).group(1).split(",")) if "-m" in words else 1
     assert len(new) == points, f"{command!r}: expected {points} new run(s), found {new}\n{result.stdout[-2000:]}"
