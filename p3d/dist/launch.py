@@ -98,7 +98,8 @@ def describe_exit(rc: int) -> str:
 
 
 def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
-    """Run the workers to completion. Returns 0; PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
+    """Run the workers to completion. Returns 0; NONFINITE when they stopped at a step with an inf/nan loss or
+    gradient norm (p3d.train.faults); PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
     first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank.
     ``on_started()`` runs once every worker is started (the run lease records their pids then)."""
     console = console or sys.stdout
@@ -124,7 +125,7 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
                 pumps.append(t)
         if on_started is not None:
             on_started()
-        ok = (exit_codes.OK, exit_codes.PREEMPTED)
+        ok = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.NONFINITE)  # every rank ends with the same one
         while True:
             failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, *ok)]
             if failed:
@@ -133,8 +134,10 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
             if all(p.returncode in ok for p in procs.values()):
                 for t in pumps:
                     t.join(timeout=5)
-                preempted = any(p.returncode == exit_codes.PREEMPTED for p in procs.values())
-                return exit_codes.PREEMPTED if preempted else exit_codes.OK
+                for status in (exit_codes.NONFINITE, exit_codes.PREEMPTED):
+                    if any(p.returncode == status for p in procs.values()):
+                        return status  # NONFINITE: the logging rank printed the step, the quantity and the stage
+                return exit_codes.OK
             time.sleep(POLL_S)
         others = sum(1 for p in procs.values() if p.poll() is None)
         _stop(procs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from p3d.metrics import MetricsLogger, peak_memory_gb
 from p3d.model.geometry import pipeline_bubble
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
 from p3d.train import checkpoint
+from p3d.train.faults import StepGate, StepPolicy
 from p3d.train.optim import build_optimizer
 from p3d.train.timing import StageTimer
 
@@ -119,13 +121,14 @@ def build_engine(cfg, plan, mesh: Mesh):
 
 
 def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
-    """Returns p3d.exit_codes.OK, or PREEMPTED after a signal-triggered checkpoint."""
+    """Returns p3d.exit_codes.OK, PREEMPTED after a signal-triggered checkpoint, or NONFINITE (p3d.train.faults)."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     run_dir = Path(run_dir)
     mesh = Mesh.from_plan(plan, rank).with_groups()
     engine, module, scheduler = build_engine(cfg, plan, mesh)
     timer = StageTimer(engine)
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
+    gate, policy = StepGate(engine, module, mesh, plan, cfg.train, device), StepPolicy(cfg.train)
     start_step = start_sample = 0  # the data position is the samples consumed, whatever batch size made them
     if cfg.train.resume != "none":
         meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
@@ -177,8 +180,9 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
         stop, bubble, mem = step_stats(stopper, timer.take() / step_time, device, stats if reads_data else None)
-        extra = {}
-        if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+        assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
+        failed, fault_line, extra = policy.apply(gate.verdict)
+        if not failed and cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
         if metrics:
             metrics.log(
@@ -193,6 +197,13 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 peak_mem_gb=mem,
                 **extra,
             )
+        if fault_line and metrics:
+            metrics.print(f"p3d: {fault_line}")
+        elif fault_line:  # every rank's log says it too
+            print(f"[rank {rank}] p3d: {fault_line}", file=sys.stderr, flush=True)
+        if failed:  # no checkpoint of a failed step: the last complete one stays the newest
+            status = exit_codes.NONFINITE
+            break
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
             path = checkpoint.save(

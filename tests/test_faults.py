@@ -1,0 +1,99 @@
+"""Faults of long runs, injected for real into real runs: non-finite steps (train.lr=1e6, or an inf written into
+one stage's gradient by the P3D_TEST_NONFINITE hook)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from p3d import exit_codes
+from p3d.metrics import read_metrics
+from p3d.train import checkpoint
+from p3d.train.faults import INJECT_ENV
+from tests.conftest import p3d_train
+
+pytestmark = pytest.mark.procs
+
+
+def _out(proc) -> str:
+    return proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested dict / list, by its path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    found: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        found.update(_tensors(v, f"{prefix}/{k}"))
+    return found
+
+
+def _state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer states (master weights, Adam moments, step counts) of a checkpoint."""
+    state = {}
+    for f in sorted(ckpt.rglob("*.pt")):
+        if f.parts[-2] in ("model", "optim"):
+            state.update(_tensors(torch.load(f, weights_only=False), f"{f.parent.name}/{f.name}"))
+    assert state, f"no model/optim files in {ckpt}"
+    return state
+
+
+def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(400)
+def test_huge_lr_stops_at_the_first_nonfinite_step(tmp_path):
+    """train.lr=1e6: the run stops at the first step whose loss or gradient norm is not finite, names it, exits
+    with NONFINITE and leaves the newest complete checkpoint the one before it."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=dp2_pp2", "train.steps=8", "train.lr=1e6", "train.warmup_steps=0",
+        "train.save_every=1", "train.keep_last=0", timeout=360,
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.NONFINITE, _out(proc)
+    records = read_metrics(run)
+    bad = records[-1]["step"]
+    assert 1 < bad < 8, _out(proc)
+    assert all(torch.tensor(r["grad_norm"]).isfinite() and torch.tensor(r["loss"]).isfinite() for r in records[:-1])
+    lines = [ln for ln in proc.stdout.splitlines() if f"step {bad}: non-finite" in ln]
+    assert len(lines) == 1 and "stage" in lines[0] and "train.on_nonfinite=stop" in lines[0], _out(proc)
+    newest = checkpoint.find(run, "auto")
+    assert newest is not None and newest.name == f"step_{bad - 1:08d}", newest  # nothing of the bad step saved
+
+
+@pytest.mark.timeout(400)
+def test_skip_discards_the_update_bitwise(tmp_path):
+    """on_nonfinite=skip with an inf injected into stage 1's gradient at steps 3 and 4: those steps change no
+    parameter, no Adam state and not the learning rate (bitwise), are counted, and the run goes on."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=pp2", "train.steps=6", "train.warmup_steps=4", "train.on_nonfinite=skip",
+        "train.save_every=1", "train.keep_last=0", timeout=360, env={INJECT_ENV: "1:3,4"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OK, _out(proc)
+    records = read_metrics(run)
+    assert [r["skipped"] for r in records] == [0, 0, 1, 1, 0, 0]
+    assert records[-1]["skipped_steps"] == 2
+    assert "step 3: non-finite gradient norm on stage 1; update discarded (1 in a row" in proc.stdout, _out(proc)
+    lr = [r["lr"] for r in records]  # the lr each step ran with: warmup rises, but not over discarded steps
+    assert lr[1] < lr[2] == lr[3] == lr[4] < lr[5], lr
+    states = {s: _state(checkpoint.step_dir(run, s)) for s in (2, 3, 4, 5)}
+    assert _bitwise_equal(states[2], states[3]) and _bitwise_equal(states[2], states[4])
+    assert not _bitwise_equal(states[4], states[5])  # an applied step does change them
+
+
+@pytest.mark.timeout(400)
+def test_more_skips_in_a_row_than_max_skipped_stop_the_run(tmp_path):
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=pp2", "train.steps=6", "train.on_nonfinite=skip", "train.max_skipped=2",
+        timeout=360, env={INJECT_ENV: "0:2,3,4"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.NONFINITE, _out(proc)
+    assert "step 4: non-finite gradient norm on stage 0; 3 steps in a row discarded" in proc.stdout, _out(proc)
+    assert [r["skipped"] for r in read_metrics(run)] == [0, 1, 1, 1]
