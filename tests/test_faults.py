@@ -12,6 +12,7 @@ from p3d import exit_codes
 from p3d.metrics import read_metrics
 from p3d.train import checkpoint
 from p3d.train.faults import INJECT_ENV
+from p3d.train.timing import SLOW_ENV
 from tests.conftest import p3d_train
 
 pytestmark = pytest.mark.procs
@@ -97,3 +98,47 @@ def test_more_skips_in_a_row_than_max_skipped_stop_the_run(tmp_path):
     assert proc.returncode == exit_codes.NONFINITE, _out(proc)
     assert "step 4: non-finite gradient norm on stage 0; 3 steps in a row discarded" in proc.stdout, _out(proc)
     assert [r["skipped"] for r in read_metrics(run)] == [0, 1, 1, 1]
+
+
+@pytest.mark.timeout(400)
+def test_loss_spikes_are_flagged_and_skipped(tmp_path):
+    """spike_factor=1 over a window of 3: every step whose loss is above the median of the last 3 applied
+    steps is flagged and (on_spike=skip) discarded; checked against the losses in metrics.jsonl."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=pp2", "train.steps=12", "train.lr=0.05", "train.warmup_steps=0",
+        "train.spike_factor=1", "train.spike_window=3", "train.on_spike=skip", timeout=360,
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OK, _out(proc)
+    records = read_metrics(run)
+    assert [r["skipped"] for r in records] == [r["loss_spike"] for r in records]
+    applied: list[float] = []
+    checked = 0
+    for r in records:
+        if len(applied) >= 3:
+            median = sorted(applied[-3:])[1]
+            if abs(r["loss"] - median) > 1e-4:  # the gate's fp64 mean and the engine's loss agree to ~1e-6
+                assert r["loss_spike"] == int(r["loss"] > median), (r, applied[-3:])
+                checked += 1
+        else:
+            assert r["loss_spike"] == 0
+        if not r["skipped"]:
+            applied.append(r["loss"])
+    assert checked >= 5 and 0 < sum(r["loss_spike"] for r in records) < len(records), records
+    assert f"step {next(r['step'] for r in records if r['loss_spike'])}: loss spike" in proc.stdout
+
+
+@pytest.mark.timeout(400)
+def test_a_slowed_rank_is_named_as_the_straggler(tmp_path):
+    """Rank 3 of dp2_pp2 sleeps 0.4 s in each forward pass (the P3D_TEST_SLOW_RANK hook): metrics name it as
+    the slowest rank every step, and the console names it once it has been slow 3 steps in a row."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=dp2_pp2", "train.steps=5", "train.straggler_factor=2", "train.straggler_steps=3",
+        timeout=360, env={SLOW_ENV: "3:0.4"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OK, _out(proc)
+    records = read_metrics(run)
+    assert all(r["slowest_rank"] == 3 and r["slowest_ratio"] > 2 for r in records), records
+    named = [ln for ln in proc.stdout.splitlines() if "is a straggler" in ln]
+    assert len(named) == 1 and named[0].startswith("p3d: warning: rank 3 (dp 1, pp 1, tp 0) is a straggler"), named

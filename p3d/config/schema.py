@@ -213,6 +213,8 @@ class TrainConfig:
     spike_factor: float = 0.0  # flag a loss above spike_factor x the median of the last spike_window steps; 0: off
     spike_window: int = 20
     on_spike: OnSpike = OnSpike.warn
+    straggler_factor: float = 2.0  # name a rank whose forward+backward time is above this x the median; 0: off
+    straggler_steps: int = 3  # ... for this many steps in a row
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
 
 
@@ -329,6 +331,8 @@ BOUNDS: dict[str, Bound] = {
     "train.max_skipped": NON_NEGATIVE,
     "train.spike_factor": NON_NEGATIVE,
     "train.spike_window": AT_LEAST_1,
+    "train.straggler_factor": NON_NEGATIVE,
+    "train.straggler_steps": AT_LEAST_1,
     "tokenizer.vocab_size": Bound(257),  # 256 bytes + end of text
     "tokenizer.max_documents": AT_LEAST_1,
     "tokenizer.min_frequency": NON_NEGATIVE,
