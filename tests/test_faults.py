@@ -1,8 +1,13 @@
 """Faults of long runs, injected for real into real runs: non-finite steps (train.lr=1e6, or an inf written into
-one stage's gradient by the P3D_TEST_NONFINITE hook)."""
+one stage's gradient by the P3D_TEST_NONFINITE hook), loss spikes, a straggler (a rank made to sleep in its
+forward), a hang (a worker SIGSTOPped)."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +18,21 @@ from p3d.metrics import read_metrics
 from p3d.train import checkpoint
 from p3d.train.faults import INJECT_ENV
 from p3d.train.timing import SLOW_ENV
-from tests.conftest import p3d_train
+from tests.conftest import p3d_train, start_p3d_train, worker_pids
 
 pytestmark = pytest.mark.procs
+
+
+def _wait_for_steps(run_dir: Path, n: int, proc, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.1)
+    pytest.fail("training did not reach the expected step")
 
 
 def _out(proc) -> str:
@@ -142,3 +159,37 @@ def test_a_slowed_rank_is_named_as_the_straggler(tmp_path):
     assert all(r["slowest_rank"] == 3 and r["slowest_ratio"] > 2 for r in records), records
     named = [ln for ln in proc.stdout.splitlines() if "is a straggler" in ln]
     assert len(named) == 1 and named[0].startswith("p3d: warning: rank 3 (dp 1, pp 1, tp 0) is a straggler"), named
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_worker_is_named_and_the_others_dump_their_stacks(tmp_path):
+    """SIGSTOP rank 2 of dp2_pp2 with cluster.timeout_s=20: within 60 s the job ends with HUNG, the
+    launcher names rank 2 as the rank that never arrived, and every other rank's log holds its stack."""
+    run = tmp_path / "run"
+    proc = start_p3d_train(run, "mesh=dp2_pp2", "train.steps=500", "cluster.timeout_s=20")
+    pids: dict[int, int] = {}
+    try:
+        _wait_for_steps(run, 2, proc)
+        pids = worker_pids(run)
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        stopped_at = time.monotonic()
+        os.kill(pids[2], signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in worker_pids(run).values():  # what this test started, found by its own run directory
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == exit_codes.HUNG, out[-4000:]
+    assert took < 60, took
+    summary = [ln for ln in out.splitlines() if ln.startswith("p3d: hang:")]
+    assert len(summary) == 1, out[-4000:]
+    print(summary[0])
+    assert re.search(r"Never arrived: rank 2 \(dp \d, pp \d, tp 0, still running: stopped or stuck\)\. ", summary[0])
+    for rank in (0, 1, 3):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert f"[rank {rank}] p3d: no progress for" in log and "most recent call first" in log, (rank, log[-3000:])
+        assert f"rank {rank} in " in summary[0]
+    assert "p3d: no progress" not in (run / "logs" / "rank2.log").read_text()

@@ -19,11 +19,13 @@ from p3d.config.deepspeed_json import deepspeed_config
 from p3d.config.schema import DType, Recompute
 from p3d.data.corpus import DataStats
 from p3d.data.loader import micro_batches, rank_slice, validation_batches
+from p3d.dist.hang import HangWatch
 from p3d.dist.mesh import Mesh
 from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
 from p3d.metrics import MetricsLogger, peak_memory_gb
 from p3d.model.geometry import pipeline_bubble
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
+from p3d.run_dir import logs as run_logs
 from p3d.train import checkpoint
 from p3d.train.faults import StepGate, StepPolicy
 from p3d.train.optim import build_optimizer
@@ -133,6 +135,9 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     stragglers = StragglerWatch(cfg.train.straggler_factor, cfg.train.straggler_steps, plan)
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
     gate, policy = StepGate(engine, module, mesh, plan, cfg.train, device), StepPolicy(cfg.train)
+    hang = HangWatch(
+        engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir)
+    )  # last: its marks wrap the other wrappers' waits
     start_step = start_sample = 0  # the data position is the samples consumed, whatever batch size made them
     if cfg.train.resume != "none":
         meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
@@ -183,9 +188,10 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
-        stop, bubble, mem, compute = step_stats(
-            stopper, timer.take() / step_time, timer.take_compute(), device, stats if reads_data else None
-        )
+        with hang.phase("the per-step all-gather", step):
+            stop, bubble, mem, compute = step_stats(
+                stopper, timer.take() / step_time, timer.take_compute(), device, stats if reads_data else None
+            )
         assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
         failed, fault_line, extra = policy.apply(gate.verdict)
         slow_fields, slow_lines = stragglers.update(compute)
