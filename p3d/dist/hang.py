@@ -138,8 +138,9 @@ def read_reports(logs: Path) -> dict[int, dict]:
     return found
 
 
-def summarize(reports: dict[int, dict], running: list[int], mesh: Mesh) -> str:
-    """One paragraph: who waited where on whom, and who never arrived."""
+def summarize(reports: dict[int, dict], running: list[int] | None, mesh: Mesh) -> str:
+    """One paragraph: who waited where on whom, and who never arrived (``running``: the ranks still alive,
+    when the caller knows)."""
     waiting = []
     for rank, r in sorted(reports.items()):
         on = f" on rank{'s' if len(r['peers']) != 1 else ''} {', '.join(map(str, r['peers']))}" if r["peers"] else ""
@@ -149,8 +150,8 @@ def summarize(reports: dict[int, dict], running: list[int], mesh: Mesh) -> str:
     named = []
     for rank in absent:
         dp, pp, tp = mesh.coords_of(rank)
-        state = "still running: stopped or stuck" if rank in running else "exited"
-        named.append(f"rank {rank} (dp {dp}, pp {pp}, tp {tp}, {state})")
+        state = "" if running is None else ", still running: stopped or stuck" if rank in running else ", exited"
+        named.append(f"rank {rank} (dp {dp}, pp {pp}, tp {tp}{state})")
     return (
         f"p3d: hang: no progress for cluster.timeout_s={timeout_s:g} s. Waiting: {'; '.join(waiting)}. "
         f"Never arrived: {', '.join(named) if named else 'none named'}. Every waiting rank's log holds its stack; "
