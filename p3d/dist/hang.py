@@ -119,12 +119,31 @@ class HangWatch:
                       f"ranks {d.peers}; the stack of every thread:", file=self.stream, flush=True)
                 faulthandler.dump_traceback(file=self.stream, all_threads=True)
                 self.stream.flush()
+                dump_flight_recorder(self.logs, self.mesh.rank, self.stream)
                 tmp = report_path(self.logs, self.mesh.rank).with_suffix(".tmp")
                 tmp.write_text(json.dumps(report) + "\n")
                 tmp.rename(report_path(self.logs, self.mesh.rank))
             finally:
                 time.sleep(EXIT_AFTER_S)
                 os._exit(exit_codes.HUNG)
+
+
+FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def dump_flight_recorder(logs: Path, rank: int, stream) -> None:
+    """With torch's Flight Recorder on (FR_ENV > 0), write its trace of this rank's collectives to
+    ``logs/fr_trace_<N>`` for ``python -m torch.distributed.flight_recorder.fr_trace`` (docs/faults.md).
+    ``torch._C._distributed_c10d._dump_fr_trace`` is torch's private API; a failure is said and ignored."""
+    if not any(os.environ.get(v, "0") not in ("", "0") for v in FR_ENV):
+        return
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        (logs / f"fr_trace_{rank}").write_bytes(c10d._dump_fr_trace())  # type: ignore[attr-defined]
+        print(f"[rank {rank}] p3d: Flight Recorder trace in {logs / f'fr_trace_{rank}'}", file=stream, flush=True)
+    except Exception as exc:  # an older torch, a recorder that is off: the Python report still stands
+        print(f"[rank {rank}] p3d: no Flight Recorder trace ({type(exc).__name__}: {exc})", file=stream, flush=True)
 
 
 def read_reports(logs: Path) -> dict[int, dict]:
