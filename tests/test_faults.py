@@ -18,6 +18,7 @@ from p3d.metrics import read_metrics
 from p3d.train import checkpoint
 from p3d.train.faults import INJECT_ENV
 from p3d.train.timing import SLOW_ENV
+from p3d.train.trainer import KILL_ENV
 from tests.conftest import p3d_train, start_p3d_train, worker_pids
 
 pytestmark = pytest.mark.procs
@@ -193,3 +194,46 @@ def test_a_stopped_worker_is_named_and_the_others_dump_their_stacks(tmp_path):
         assert f"[rank {rank}] p3d: no progress for" in log and "most recent call first" in log, (rank, log[-3000:])
         assert f"rank {rank} in " in summary[0]
     assert "p3d: no progress" not in (run / "logs" / "rank2.log").read_text()
+
+
+RESTART_RUN = ("mesh=pp2", "train.steps=12", "train.warmup_steps=3", "train.save_every=5")
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_ends_bitwise_equal(tmp_path):
+    """SIGKILL one worker after step 7 with save_every=5, max_restarts=2: every worker restarts from step 5,
+    the run finishes, the restart is printed with its cause, and the final loss equals an uninterrupted run's."""
+    straight = p3d_train(f"run.dir={tmp_path / 'a'}", *RESTART_RUN, timeout=400)
+    assert straight.returncode == 0, _out(straight)
+    run = tmp_path / "b"
+    proc = start_p3d_train(run, *RESTART_RUN, "train.max_restarts=2")
+    try:
+        _wait_for_steps(run, 7, proc)
+        os.kill(worker_pids(run)[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in worker_pids(run).values():
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"p3d: restart 1 of 2: rank 0 was killed by SIGKILL at step \d+; restarting", out), out[-4000:]
+    assert "resumed from step 5" in out, out[-4000:]
+    a, b = read_metrics(tmp_path / "a"), read_metrics(run)
+    assert [r["step"] for r in b] == list(range(1, 13))
+    assert b[-1]["loss"] == a[-1]["loss"] and b[-1]["grad_norm"] == a[-1]["grad_norm"]  # bitwise
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_killed_at_the_same_step_again_ends_the_run(tmp_path):
+    """The P3D_TEST_KILL_AT hook SIGKILLs rank 1 as step 7 starts, in every attempt: one restart, then the
+    repeat (same step, same cause) ends the run with the cause, though restarts are left."""
+    proc = p3d_train(
+        f"run.dir={tmp_path / 'run'}", *RESTART_RUN, "train.max_restarts=5", timeout=500, env={KILL_ENV: "1:7"}
+    )
+    assert proc.returncode == exit_codes.WORKER_FAILED, _out(proc)
+    assert proc.stdout.count("p3d: restart ") == 1, _out(proc)
+    assert "p3d: rank 1 was killed by SIGKILL at step 7 again, as before the last restart: not restarting" in (
+        proc.stdout
+    ), _out(proc)

@@ -215,6 +215,7 @@ class TrainConfig:
     on_spike: OnSpike = OnSpike.warn
     straggler_factor: float = 2.0  # name a rank whose forward+backward time is above this x the median; 0: off
     straggler_steps: int = 3  # ... for this many steps in a row
+    max_restarts: int = 0  # a worker killed by a signal or a hang: restart all from the newest checkpoint, N times
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
 
 
@@ -333,6 +334,7 @@ BOUNDS: dict[str, Bound] = {
     "train.spike_window": AT_LEAST_1,
     "train.straggler_factor": NON_NEGATIVE,
     "train.straggler_steps": AT_LEAST_1,
+    "train.max_restarts": NON_NEGATIVE,
     "tokenizer.vocab_size": Bound(257),  # 256 bytes + end of text
     "tokenizer.max_documents": AT_LEAST_1,
     "tokenizer.min_frequency": NON_NEGATIVE,

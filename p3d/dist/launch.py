@@ -93,7 +93,7 @@ def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
     return min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), f[0]))
 
 
-def _report_hang(procs: dict[int, subprocess.Popen], plan, logs: Path, console, pumps) -> int:
+def _report_hang(procs: dict[int, subprocess.Popen], plan, logs: Path, console, pumps, failure: dict) -> int:
     """A rank's hang watch fired (p3d.dist.hang): give the other waiting ranks a moment to report too, stop
     the job, and say who waited on whom and who never arrived."""
     deadline = time.monotonic() + HANG_GATHER_S
@@ -109,6 +109,8 @@ def _report_hang(procs: dict[int, subprocess.Popen], plan, logs: Path, console, 
         t.join(timeout=5)
     mesh = Mesh.from_plan(plan, 0)
     print(hang.summarize(reports, running, mesh), file=console, flush=True)
+    absent = sorted({p for r in reports.values() for p in r["peers"]} - set(reports))
+    failure.update(restartable=True, cause=f"a hang (ranks {', '.join(map(str, absent)) or '?'} never arrived)")
     return exit_codes.HUNG
 
 
@@ -118,11 +120,14 @@ def describe_exit(rc: int) -> str:
     return f"exited with status {rc}"
 
 
-def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
+def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: dict | None = None) -> int:
     """Run the workers to completion. Returns 0; NONFINITE when they stopped at a step with an inf/nan loss or
     gradient norm (p3d.train.faults); PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
     first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank.
-    ``on_started()`` runs once every worker is started (the run lease records their pids then)."""
+    ``on_started()`` runs once every worker is started (the run lease records their pids then). ``failure``
+    receives ``cause`` (one phrase) and ``restartable`` (a worker killed by a signal, or a hang: not an error
+    the worker raised) when the run fails (p3d.dist.restart)."""
+    failure = {} if failure is None else failure
     console = console or sys.stdout
     run_dir = spec_path.parent
     logs = run_logs(run_dir)
@@ -152,7 +157,7 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
         while True:
             failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, *ok)]
             if any(rc == exit_codes.HUNG for _, rc in failed) or hang.read_reports(logs):
-                return _report_hang(procs, plan, logs, console, pumps)
+                return _report_hang(procs, plan, logs, console, pumps, failure)
             if failed:
                 rank, rc = _first_cause(failed, logs)
                 break
@@ -169,6 +174,7 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
         also = sorted(r for r, _ in failed if r != rank)
         for t in pumps:
             t.join(timeout=5)
+        failure.update(restartable=rc < 0 and not received, cause=f"rank {rank} {describe_exit(rc)}")
         if received:
             print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
             return 128 + received[0]

@@ -31,6 +31,8 @@ from p3d.train.faults import StepGate, StepPolicy
 from p3d.train.optim import build_optimizer
 from p3d.train.timing import StageTimer, StragglerWatch
 
+KILL_ENV = "P3D_TEST_KILL_AT"
+
 
 def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
     specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
@@ -182,7 +184,10 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         )
     bubble_theory = pipeline_bubble(plan.pp, plan.micro_batches)
     status = exit_codes.OK
+    kill_at = os.environ.get(KILL_ENV, "")  # test hook "<rank>:<step>": that rank SIGKILLs itself as the step starts
     for step in range(start_step + 1, cfg.train.steps + 1):
+        if kill_at == f"{rank}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
         lr = engine.get_lr()[0]
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
         t0 = time.perf_counter()
