@@ -16,6 +16,7 @@ waited on that never reported waiting themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
@@ -50,15 +51,24 @@ class Doing:
     since: float
 
 
+def coords_of(mesh: Mesh, rank: int) -> tuple[int, int, int]:
+    """(dp, pp, tp) of ``rank`` in ``mesh``'s layout."""
+    return dataclasses.replace(mesh, rank=rank).coords
+
+
+def rank_at(mesh: Mesh, dp: int, pp: int, tp: int) -> int:
+    return next(r for r in range(mesh.world_size) if coords_of(mesh, r) == (dp, pp, tp))
+
+
 def instruction_peers(mesh: Mesh, name: str) -> list[int]:
     """The ranks a pipeline instruction of this rank waits on."""
     dp, pp, tp = mesh.coords
     if name in ("RecvActivation", "SendGrad") and pp > 0:
-        return [mesh.rank_of(dp, pp - 1, tp)]
+        return [rank_at(mesh, dp, pp - 1, tp)]
     if name in ("SendActivation", "RecvGrad") and pp < mesh.pp - 1:
-        return [mesh.rank_of(dp, pp + 1, tp)]
+        return [rank_at(mesh, dp, pp + 1, tp)]
     if name == "ReduceGrads":
-        return [mesh.rank_of(d, pp, tp) for d in range(mesh.dp) if d != dp]
+        return [rank_at(mesh, d, pp, tp) for d in range(mesh.dp) if d != dp]
     if name in ("ReduceTiedGrads", "OptimizerStep"):  # tied copies, the mesh-wide norm and the gate's all-gather
         return [r for r in range(mesh.world_size) if r != mesh.rank]
     return []
@@ -168,7 +178,7 @@ def summarize(reports: dict[int, dict], running: list[int] | None, mesh: Mesh) -
     absent = sorted({p for r in reports.values() for p in r["peers"]} - set(reports))
     named = []
     for rank in absent:
-        dp, pp, tp = mesh.coords_of(rank)
+        dp, pp, tp = coords_of(mesh, rank)
         state = "" if running is None else ", still running: stopped or stuck" if rank in running else ", exited"
         named.append(f"rank {rank} (dp {dp}, pp {pp}, tp {tp}{state})")
     return (
