@@ -61,8 +61,9 @@ def disable_cpu_shm_comm() -> None:
 
 
 def pipeline_instruction_map(engine) -> dict:
-    """The pipeline engine's private instruction -> method table (``PipelineEngine._INSTRUCTION_MAP``)."""
-    return type(engine)._INSTRUCTION_MAP
+    """The pipeline engine's private instruction -> method table (``PipelineEngine._INSTRUCTION_MAP``), as this
+    instance sees it (with the wrappers an earlier :func:`set_pipeline_instruction_map` put there)."""
+    return engine._INSTRUCTION_MAP
 
 
 def set_pipeline_instruction_map(engine, table: dict) -> None:
@@ -78,6 +79,14 @@ def skip_backward_allreduce(engine) -> None:
 def set_engine_position(engine, steps: int, samples: int) -> None:
     """The engine's own step and sample counters (``global_steps``, ``global_samples``) after a resume."""
     engine.global_steps, engine.global_samples = steps, samples
+
+
+def local_gradients(engine, module) -> list:
+    """This rank's gradients as they stand after the step's last backward pass: the parameters' ``.grad`` and,
+    under DeepSpeed's bf16 optimizer, the fp32 gradients it accumulates the micro batches in
+    (``fp32_groups_gradients_flat``; its bf16 ``.grad`` holds the last micro batch only)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return grads + list(getattr(engine.optimizer, "fp32_groups_gradients_flat", []))
 
 
 # The attribute DeepSpeed's engine copies from a client optimizer after ``step`` to report the grad norm.
@@ -148,6 +157,24 @@ TOUCHPOINTS = (
         "PipelineEngine._INSTRUCTION_MAP",
         "p3d.train.timing",
         lambda: isinstance(getattr(_pipe_engine(), "_INSTRUCTION_MAP", None), dict),
+    ),
+    Touchpoint(
+        "TrainSchedule: ReduceTiedGrads first after the last BackwardPass",
+        "p3d.train.faults",
+        lambda: _source_has("deepspeed.runtime.pipe.schedule:TrainSchedule", "cmds.append(ReduceTiedGrads())"),
+    ),
+    Touchpoint(
+        "PipelineEngine.total_loss / DeepSpeedEngine.skipped_steps (optimizer.overflow)",
+        "p3d.train.faults",
+        lambda: (
+            _source_has("deepspeed.runtime.pipe.engine:PipelineEngine", "self.total_loss")
+            and _source_has("deepspeed.runtime.engine:DeepSpeedEngine", "overflow = self.optimizer.overflow")
+        ),
+    ),
+    Touchpoint(
+        "BF16_Optimizer.fp32_groups_gradients_flat",
+        "p3d.train.faults",
+        lambda: _source_has("deepspeed.runtime.bf16_optimizer:BF16_Optimizer", "self.fp32_groups_gradients_flat"),
     ),
     Touchpoint(
         "PipelineEngine.pipeline_enable_backward_allreduce",

@@ -4,6 +4,8 @@ OK = 0
 WORKER_FAILED = 1  # a worker raised or died; the launcher names the rank
 CONFIG_ERROR = 2  # refused before any worker started; one line names the field and the fix
 RENDEZVOUS_FAILED = 3  # a worker could not join the others (store path, host or port); p3d-train reports it, exits 1
+NONFINITE = 4  # a step's loss or gradient norm was inf/nan (train.on_nonfinite=stop, or train.max_skipped exceeded)
+HUNG = 5  # no progress for cluster.timeout_s in a collective / p2p wait; the launcher names who never arrived
 PREEMPTED = 75  # (EX_TEMPFAIL) SIGTERM/SIGUSR1: the step finished, a checkpoint was saved; requeue and resume
 
 

@@ -31,10 +31,12 @@ def init_process_group(plan, rank: int, timeout_s: int) -> None:
         skip_cpu_shm_build()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    from p3d.dist.hang import COLLECTIVE_MARGIN_S
     from p3d.dist.rendezvous import join
 
-    join(plan.backend, rank, plan.world_size, timeout_s)  # RendezvousError: the store / host:port and why
-    timeout = datetime.timedelta(seconds=timeout_s)
+    # RendezvousError: the store / host:port and why. Collectives time out after the hang watch has spoken.
+    join(plan.backend, rank, plan.world_size, timeout_s, COLLECTIVE_MARGIN_S)
+    timeout = datetime.timedelta(seconds=timeout_s + COLLECTIVE_MARGIN_S)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=plan.backend, timeout=timeout)  # adopts the group made above

@@ -43,6 +43,16 @@ class LRDecay(Enum):
     constant = "constant"
 
 
+class OnNonFinite(Enum):
+    stop = "stop"  # no update for that step; the run stops with exit_codes.NONFINITE
+    skip = "skip"  # the update is discarded, the run goes on (train.max_skipped in a row at most)
+
+
+class OnSpike(Enum):
+    warn = "warn"  # flagged in metrics and on the console; the update is applied
+    skip = "skip"  # flagged, and the update is discarded like a non-finite step's
+
+
 class Launcher(Enum):
     local = "local"
     slurm = "slurm"
@@ -208,6 +218,14 @@ class TrainConfig:
     eval_batches: int = 2  # global batches of held-out data per validation pass
     save_every: int = 0  # steps between checkpoints (<run.dir>/checkpoints); 0: only on SIGTERM/SIGUSR1 and at the end
     keep_last: int = 2  # complete checkpoints kept (0: all); older ones are deleted once a newer one is complete
+    on_nonfinite: OnNonFinite = OnNonFinite.stop  # a step with an inf/nan loss or gradient norm: stop | skip
+    max_skipped: int = 5  # on_nonfinite=skip: the most steps discarded in a row; one more stops the run
+    spike_factor: float = 0.0  # flag a loss above spike_factor x the median of the last spike_window steps; 0: off
+    spike_window: int = 20
+    on_spike: OnSpike = OnSpike.warn
+    straggler_factor: float = 2.0  # name a rank whose forward+backward time is above this x the median; 0: off
+    straggler_steps: int = 3  # ... for this many steps in a row
+    max_restarts: int = 0  # a worker killed by a signal or a hang: restart all from the newest checkpoint, N times
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
 
 
@@ -334,6 +352,12 @@ BOUNDS: dict[str, Bound] = {
     "train.eval_batches": AT_LEAST_1,
     "train.save_every": NON_NEGATIVE,
     "train.keep_last": NON_NEGATIVE,
+    "train.max_skipped": NON_NEGATIVE,
+    "train.spike_factor": NON_NEGATIVE,
+    "train.spike_window": AT_LEAST_1,
+    "train.straggler_factor": NON_NEGATIVE,
+    "train.straggler_steps": AT_LEAST_1,
+    "train.max_restarts": NON_NEGATIVE,
     "tokenizer.vocab_size": Bound(257),  # 256 bytes + end of text
     "tokenizer.max_documents": AT_LEAST_1,
     "tokenizer.min_frequency": NON_NEGATIVE,

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from p3d import exit_codes
+from p3d.dist import hang
 from p3d.dist.mesh import Mesh
 from p3d.run_dir import logs as run_logs
 from p3d.dist.rendezvous import MARKER, file_url, store_path
@@ -24,6 +25,7 @@ from p3d.dist.stop import StopSignals
 
 POLL_S = 0.1
 GRACE_S = 5.0
+HANG_GATHER_S = 10.0  # after the first hang report, how long the other waiting ranks have to write theirs
 
 
 def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
@@ -91,20 +93,47 @@ def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
     return min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), f[0]))
 
 
+def _report_hang(procs: dict[int, subprocess.Popen], plan, logs: Path, console, pumps, failure: dict) -> int:
+    """A rank's hang watch fired (p3d.dist.hang): give the other waiting ranks a moment to report too, stop
+    the job, and say who waited on whom and who never arrived."""
+    deadline = time.monotonic() + HANG_GATHER_S
+    while time.monotonic() < deadline:
+        reports = hang.read_reports(logs)
+        if all(r in reports or p.poll() is not None for r, p in procs.items()):
+            break
+        time.sleep(POLL_S)
+    reports = hang.read_reports(logs)
+    running = [r for r, p in procs.items() if p.poll() is None and r not in reports]
+    _stop(procs)
+    for t in pumps:
+        t.join(timeout=5)
+    mesh = Mesh.from_plan(plan, 0)
+    print(hang.summarize(reports, running, mesh), file=console, flush=True)
+    absent = sorted({p for r in reports.values() for p in r["peers"]} - set(reports))
+    failure.update(restartable=True, cause=f"a hang (ranks {', '.join(map(str, absent)) or '?'} never arrived)")
+    return exit_codes.HUNG
+
+
 def describe_exit(rc: int) -> str:
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
     return f"exited with status {rc}"
 
 
-def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
-    """Run the workers to completion. Returns 0; PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
+def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: dict | None = None) -> int:
+    """Run the workers to completion. Returns 0; NONFINITE when they stopped at a step with an inf/nan loss or
+    gradient norm (p3d.train.faults); PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
     first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank.
-    ``on_started()`` runs once every worker is started (the run lease records their pids then)."""
+    ``on_started()`` runs once every worker is started (the run lease records their pids then). ``failure``
+    receives ``cause`` (one phrase) and ``restartable`` (a worker killed by a signal, or a hang: not an error
+    the worker raised) when the run fails (p3d.dist.restart)."""
+    failure = {} if failure is None else failure
     console = console or sys.stdout
     run_dir = spec_path.parent
     logs = run_logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
+    for old in logs.glob(f"rank*{hang.REPORT_SUFFIX}"):  # an earlier launch's hang reports
+        old.unlink()
     store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
     procs: dict[int, subprocess.Popen] = {}
     pumps = []
@@ -124,23 +153,28 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None) -> int:
                 pumps.append(t)
         if on_started is not None:
             on_started()
-        ok = (exit_codes.OK, exit_codes.PREEMPTED)
+        ok = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.NONFINITE)  # every rank ends with the same one
         while True:
             failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, *ok)]
+            if any(rc == exit_codes.HUNG for _, rc in failed) or hang.read_reports(logs):
+                return _report_hang(procs, plan, logs, console, pumps, failure)
             if failed:
                 rank, rc = _first_cause(failed, logs)
                 break
             if all(p.returncode in ok for p in procs.values()):
                 for t in pumps:
                     t.join(timeout=5)
-                preempted = any(p.returncode == exit_codes.PREEMPTED for p in procs.values())
-                return exit_codes.PREEMPTED if preempted else exit_codes.OK
+                for status in (exit_codes.NONFINITE, exit_codes.PREEMPTED):
+                    if any(p.returncode == status for p in procs.values()):
+                        return status  # NONFINITE: the logging rank printed the step, the quantity and the stage
+                return exit_codes.OK
             time.sleep(POLL_S)
         others = sum(1 for p in procs.values() if p.poll() is None)
         _stop(procs)
         also = sorted(r for r, _ in failed if r != rank)
         for t in pumps:
             t.join(timeout=5)
+        failure.update(restartable=rc < 0 and not received, cause=f"rank {rank} {describe_exit(rc)}")
         if received:
             print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
             return 128 + received[0]

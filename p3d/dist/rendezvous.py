@@ -62,9 +62,10 @@ def _file_store(url: str, world_size: int, timeout: datetime.timedelta):
     return store
 
 
-def join(backend: str, rank: int, world_size: int, timeout_s: int) -> None:
+def join(backend: str, rank: int, world_size: int, timeout_s: int, margin_s: int = 0) -> None:
     """``torch.distributed.init_process_group`` through the store the launcher gave, every wait bounded
-    by ``timeout_s``. Raises RendezvousError naming the cause."""
+    by ``timeout_s`` (collectives by ``timeout_s + margin_s``: p3d.dist.hang reports a hang first).
+    Raises RendezvousError naming the cause."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -77,7 +78,8 @@ def join(backend: str, rank: int, world_size: int, timeout_s: int) -> None:
                  "MASTER_ADDR:MASTER_PORT)") if url == "env://" else url
         kwargs = {"init_method": url}
     try:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=timeout + datetime.timedelta(seconds=margin_s), **kwargs)
     except (RuntimeError, ValueError) as exc:  # DistError, DistStoreError, gloo's "Wait timeout", a bad URL
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RendezvousError(f"cannot join the other {world_size - 1} workers through {where} within "

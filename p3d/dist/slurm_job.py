@@ -159,6 +159,7 @@ def run_step(cfg, plan, spec: Path) -> int:
         sys.stderr.flush()
         os._exit(rc)
     if rc and rc != exit_codes.PREEMPTED:
+        hang_summary(str(run_dir))
         print(f"p3d: srun exited with status {rc}; the rank logs are in {run_dir / 'logs'}", file=sys.stderr,
               flush=True)
     return rc
@@ -197,11 +198,25 @@ def resume_spec(run_dir: str) -> int:
     return 0
 
 
+def hang_summary(run_dir: str) -> int:
+    """After srun failed: the hang reports of the workers (p3d.dist.hang), if any, as one paragraph; 1 if none."""
+    from p3d.config.spec import read_spec
+    from p3d.dist import hang
+    from p3d.dist.mesh import Mesh
+
+    reports = hang.read_reports(run_logs(Path(run_dir)))
+    if not reports:
+        return 1
+    _, plan = read_spec(run_dir)
+    print(hang.summarize(reports, None, Mesh.from_plan(plan, 0)), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"layout": print_layout, "resume": resume_spec}
+    commands = {"layout": print_layout, "resume": resume_spec, "hang": hang_summary}
     if len(argv) != 2 or argv[0] not in commands:
-        print("usage: python -m p3d.dist.slurm_job {layout|resume} <run_dir>", file=sys.stderr)
+        print("usage: python -m p3d.dist.slurm_job {layout|resume|hang} <run_dir>", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
     try:
         return commands[argv[0]](argv[1])

@@ -79,7 +79,12 @@ def _launch(cfg, plan, lease) -> int:
         f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}"
     )
     # the lease names the workers as soon as they exist: a launcher killed now leaves a lease that stays live
-    rc = launch_local(spec, plan, on_started=lease.refresh if lease is not None else None)
+    from p3d.dist.restart import run_with_restarts
+
+    def launch_once(failure: dict) -> int:
+        return launch_local(spec, plan, on_started=lease.refresh if lease is not None else None, failure=failure)
+
+    rc = run_with_restarts(launch_once, spec.parent, cfg.train.max_restarts)
     if rc == 0:
         say(f"done; metrics in {spec.parent / run_dir.METRICS}")
     return rc

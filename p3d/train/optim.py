@@ -53,19 +53,25 @@ class ClippedAdamW(torch.optim.AdamW):
     """AdamW that clips to ``max_norm`` by the exact mesh-wide gradient norm before each step.
 
     Matches ``torch.nn.utils.clip_grad_norm_``: grads *= min(1, max_norm / (norm + 1e-6)).
-    DeepSpeed's engine reads the norm after ``step`` from ``ds_compat.GRAD_NORM_ATTR``.
+    DeepSpeed's engine reads the norm after ``step`` from ``ds_compat.GRAD_NORM_ATTR``. A non-finite norm skips
+    the update (parameters and Adam state untouched) and sets ``overflow``, which the engine reads to leave the
+    LR schedule where it was and count the step in ``skipped_steps`` (p3d.train.faults discards steps this way).
     """
 
     def __init__(self, params, mesh, max_norm: float, **kwargs):
         super().__init__(params, **kwargs)
         self.mesh, self.max_norm = mesh, max_norm
         setattr(self, GRAD_NORM_ATTR, 0.0)
+        self.overflow = False
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for g in self.param_groups for p in g["params"]]
         norm = float(global_grad_norm(params, self.mesh))
         setattr(self, GRAD_NORM_ATTR, norm)
+        self.overflow = not math.isfinite(norm)
+        if self.overflow:
+            return None
         if self.max_norm > 0:
             coef = self.max_norm / (norm + 1e-6)
             if coef < 1.0:

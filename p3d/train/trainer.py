@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -18,14 +19,19 @@ from p3d.config.deepspeed_json import deepspeed_config
 from p3d.config.schema import DType, Recompute
 from p3d.data.corpus import DataStats
 from p3d.data.loader import micro_batches, rank_slice, validation_batches
+from p3d.dist.hang import HangWatch
 from p3d.dist.mesh import Mesh
 from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
 from p3d.metrics import MetricsLogger, peak_memory_gb
 from p3d.model.geometry import pipeline_bubble
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
+from p3d.run_dir import logs as run_logs
 from p3d.train import checkpoint
+from p3d.train.faults import StepGate, StepPolicy
 from p3d.train.optim import build_optimizer
-from p3d.train.timing import StageTimer
+from p3d.train.timing import StageTimer, StragglerWatch
+
+KILL_ENV = "P3D_TEST_KILL_AT"
 
 
 def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
@@ -57,8 +63,11 @@ class Stopper:
         self.signum = signum
 
 
-def step_stats(stopper: Stopper, wait_share: float, device, stats: DataStats | None) -> tuple[bool, float, float]:
-    """(stop, mean bubble, max peak memory) over all ranks: one small all-gather per step.
+def step_stats(
+    stopper: Stopper, wait_share: float, compute_s: float, device, stats: DataStats | None
+) -> tuple[bool, float, float, list[float]]:
+    """(stop, mean bubble, max peak memory, every rank's compute seconds) over all ranks: one small all-gather
+    per step.
 
     Every rank that reads data (``stats`` given: first and last stages) reads the same stream, so its
     skipped records, failed files and empty records agree with every other reader's. If they do not (a
@@ -66,21 +75,21 @@ def step_stats(stopper: Stopper, wait_share: float, device, stats: DataStats | N
     loudly."""
     skips = stats.counts() if stats is not None else [-1, -1, -1]  # -1: reads no data
     mine = torch.tensor(
-        [float(stopper.signum), wait_share, peak_memory_gb(), *skips], dtype=torch.float64, device=device
+        [float(stopper.signum), wait_share, peak_memory_gb(), compute_s, *skips], dtype=torch.float64, device=device
     )
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     every = torch.stack(parts).cpu()
-    readers = every[every[:, 3] >= 0, 3:]
+    readers = every[every[:, 4] >= 0, 4:]
     if len(readers) and not bool((readers == readers[0]).all()):
-        per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, 3:].tolist()) if row[0] >= 0}
+        per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, 4:].tolist()) if row[0] >= 0}
         raise RuntimeError(
             "the data-reading ranks skipped different records or files of the same stream (rank: "
             f"(unreadable records, failed files, empty records) = {per_rank}; see the 'p3d data' "
             "warnings in the rank logs), so their batches no longer match; fix the input and resume "
             "from the last checkpoint"
         )
-    return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max())
+    return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max()), every[:, 3].tolist()
 
 
 def evaluate(engine, val_batches, cfg, plan, mesh) -> float:
@@ -119,13 +128,18 @@ def build_engine(cfg, plan, mesh: Mesh):
 
 
 def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
-    """Returns p3d.exit_codes.OK, or PREEMPTED after a signal-triggered checkpoint."""
+    """Returns p3d.exit_codes.OK, PREEMPTED after a signal-triggered checkpoint, or NONFINITE (p3d.train.faults)."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     run_dir = Path(run_dir)
     mesh = Mesh.from_plan(plan, rank).with_groups()
     engine, module, scheduler = build_engine(cfg, plan, mesh)
-    timer = StageTimer(engine)
+    timer = StageTimer(engine, rank)
+    stragglers = StragglerWatch(cfg.train.straggler_factor, cfg.train.straggler_steps, plan)
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
+    gate, policy = StepGate(engine, module, mesh, plan, cfg.train, device), StepPolicy(cfg.train)
+    hang = HangWatch(
+        engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir)
+    )  # last: its marks wrap the other wrappers' waits
     start_step = start_sample = 0  # the data position is the samples consumed, whatever batch size made them
     if cfg.train.resume != "none":
         meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
@@ -175,15 +189,26 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
 
         mixture = PreparedSamples(cfg.data, cfg.model.seq_len, cfg.train.seed)
     status = exit_codes.OK
+    kill_at = os.environ.get(KILL_ENV, "")  # test hook "<rank>:<step>": that rank SIGKILLs itself as the step starts
     for step in range(start_step + 1, cfg.train.steps + 1):
+        if kill_at == f"{rank}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
         lr = engine.get_lr()[0]
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
-        stop, bubble, mem = step_stats(stopper, timer.take() / step_time, device, stats if reads_data else None)
-        extra: dict = {}
-        if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+        with hang.phase("the per-step all-gather", step):
+            stop, bubble, mem, compute = step_stats(
+                stopper, timer.take() / step_time, timer.take_compute(), device, stats if reads_data else None
+            )
+        assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
+        failed, fault_line, extra = policy.apply(gate.verdict)
+        slow_fields, slow_lines = stragglers.update(compute)
+        extra.update(slow_fields)
+        for line in slow_lines if metrics else []:
+            metrics.print(line)  # type: ignore[union-attr]
+        if not failed and cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
         if mixture is not None:
             extra["tokens_by_source"] = mixture.tokens_by_source(samples)
@@ -200,6 +225,13 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 peak_mem_gb=mem,
                 **extra,
             )
+        if fault_line and metrics:
+            metrics.print(f"p3d: {fault_line}")
+        elif fault_line:  # every rank's log says it too
+            print(f"[rank {rank}] p3d: {fault_line}", file=sys.stderr, flush=True)
+        if failed:  # no checkpoint of a failed step: the last complete one stays the newest
+            status = exit_codes.NONFINITE
+            break
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
             path = checkpoint.save(

@@ -1,0 +1,175 @@
+"""A step's faults, found before its optimizer update: a non-finite loss or gradient, a loss spike.
+
+The gate runs at the pipeline instruction ``ReduceTiedGrads``: the first one after the step's last backward
+pass, before any gradient is reduced over dp or tied copies and before the optimizer runs. There every rank
+puts (its stage's loss for the step, if it computes one; whether its local gradients hold an inf or a nan)
+into one small all-gather, so every rank takes the same decision from the same numbers.
+
+To discard a step's update, every rank fills its gradients with nan: the optimizer's own overflow path
+(p3d's ``ClippedAdamW``, DeepSpeed's bf16 and ZeRO wrappers) then skips the update and clears the gradients,
+and DeepSpeed's engine leaves the LR schedule where it was and counts the step in ``skipped_steps``. So
+parameters, Adam moments, the optimizer's step count and the learning rate stay exactly as before the step.
+
+Test hook (real faults in real runs): ``P3D_TEST_NONFINITE=<stage>:<step>[,<step>...]`` writes an inf into
+one gradient of that pipeline stage at those steps, before the check.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from p3d.dist.mesh import Mesh
+from p3d.ds_compat import local_gradients, pipeline_instruction_map, set_pipeline_instruction_map
+
+INJECT_ENV = "P3D_TEST_NONFINITE"
+
+
+@dataclass
+class StepVerdict:
+    """What the gate found at one step; the same on every rank."""
+
+    step: int
+    loss: float  # the step's loss, mean over the last stage's ranks (nan or inf when it is not finite)
+    loss_stages: list[int] = field(default_factory=list)  # stages whose loss is not finite (the last, if any)
+    grad_stages: list[int] = field(default_factory=list)  # stages with an inf or nan in their gradients
+    spike_over: float = 0.0  # the median the loss exceeded spike_factor times; 0: no spike
+    discarded: bool = False  # the update was not applied
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.loss_stages or self.grad_stages)
+
+    def describe(self) -> str:
+        """``step 7: non-finite loss on stage 1 and non-finite gradient norm on stages 0, 1``."""
+
+        def on(stages: list[int]) -> str:
+            return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
+
+        found = []
+        if self.loss_stages:
+            found.append(f"non-finite loss ({self.loss}) on {on(self.loss_stages)}")
+        if self.grad_stages:
+            found.append(f"non-finite gradient norm on {on(self.grad_stages)}")
+        return f"step {self.step}: " + " and ".join(found)
+
+
+def _injected_steps(stage: int) -> set[int]:
+    text = os.environ.get(INJECT_ENV, "")
+    if not text:
+        return set()
+    where, _, steps = text.partition(":")
+    return {int(s) for s in steps.split(",") if s} if int(where) == stage else set()
+
+
+class StepGate:
+    """Wraps this engine's ``ReduceTiedGrads`` instruction; ``verdict`` is the last step's finding."""
+
+    def __init__(self, engine, module, mesh: Mesh, plan, train_cfg, device: torch.device):
+        self.module, self.mesh, self.device = module, mesh, device
+        self.stage_of = [Mesh.from_plan(plan, r).coords[1] for r in range(plan.world_size)]
+        self.micro_batches = plan.micro_batches
+        self.spike_factor = float(train_cfg.spike_factor)
+        self.spike_skips = train_cfg.on_spike.value == "skip"
+        self.recent: deque[float] = deque(maxlen=train_cfg.spike_window)  # losses of applied steps
+        self.inject = _injected_steps(mesh.pp_rank)
+        self.verdict: StepVerdict | None = None
+        table = dict(pipeline_instruction_map(engine))
+        for instr, fn in table.items():
+            if instr.__name__ == "ReduceTiedGrads":
+                table[instr] = self._wrap(fn)
+        set_pipeline_instruction_map(engine, table)
+
+    def _wrap(self, fn):
+        def gated(engine, *args, **kwargs):
+            self.verdict = self.judge(engine)
+            if self.verdict.discarded:
+                for g in local_gradients(engine, self.module):
+                    g.fill_(math.nan)
+            return fn(engine, *args, **kwargs)
+
+        return gated
+
+    def _local(self, engine, step: int) -> torch.Tensor:
+        grads = local_gradients(engine, self.module)
+        if step in self.inject and grads:
+            grads[0].view(-1)[0] = math.inf
+        grad_bad = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads, 2.0)).isfinite().all())
+        loss = math.nan
+        total = getattr(engine, "total_loss", None)  # the sum of this step's micro-batch losses (last stage)
+        if engine.is_last_stage() and total is not None:
+            loss = float(total.detach().float()) / self.micro_batches
+        has_loss = float(engine.is_last_stage())
+        return torch.tensor([has_loss, loss, float(grad_bad)], dtype=torch.float64, device=self.device)
+
+    def judge(self, engine) -> StepVerdict:
+        step = engine.global_steps + 1
+        mine = self._local(engine, step)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        every = torch.stack(parts).cpu().tolist()
+        losses = [row[1] for row in every if row[0] > 0]
+        loss = sum(losses) / len(losses) if losses else math.nan
+        v = StepVerdict(step, loss)
+        v.loss_stages = sorted(
+            {self.stage_of[r] for r, row in enumerate(every) if row[0] > 0 and not math.isfinite(row[1])}
+        )
+        v.grad_stages = sorted({self.stage_of[r] for r, row in enumerate(every) if row[2] > 0})
+        if not v.nonfinite and self.spike_factor > 0 and len(self.recent) == self.recent.maxlen:
+            median = statistics.median(self.recent)
+            if loss > self.spike_factor * median:
+                v.spike_over = median
+        v.discarded = v.nonfinite or (v.spike_over > 0 and self.spike_skips)
+        if not v.discarded:
+            self.recent.append(loss)
+        return v
+
+
+class StepPolicy:
+    """train.on_nonfinite / max_skipped / on_spike applied to each step's verdict: console lines, metrics
+    fields, and whether the run must stop."""
+
+    def __init__(self, train_cfg):
+        self.stop_on_nonfinite = train_cfg.on_nonfinite.value == "stop"
+        self.max_skipped = train_cfg.max_skipped
+        self.spike_factor, self.window = train_cfg.spike_factor, train_cfg.spike_window
+        self.in_row = 0  # steps discarded in a row
+        self.total = 0  # steps discarded in this run (this process)
+
+    def apply(self, v: StepVerdict) -> tuple[bool, str, dict]:
+        """(stop the run, a console line or "", metrics fields) for this step."""
+        fields: dict[str, float] = {"skipped": int(v.discarded), "loss_spike": int(v.spike_over > 0)}
+        self.in_row = self.in_row + 1 if v.discarded else 0
+        self.total += int(v.discarded)
+        fields["skipped_steps"] = self.total
+        if v.nonfinite and self.stop_on_nonfinite:
+            return (
+                True,
+                f"error: {v.describe()}; stopped without applying its update (train.on_nonfinite=stop); lower "
+                "train.lr or train.grad_clip, or set train.on_nonfinite=skip",
+                fields,
+            )
+        if v.nonfinite and self.in_row > self.max_skipped:
+            return (
+                True,
+                f"error: {v.describe()}; {self.in_row} steps in a row discarded, more than train.max_skipped="
+                f"{self.max_skipped}: stopped; lower train.lr, or resume an earlier checkpoint",
+                fields,
+            )
+        line = ""
+        if v.nonfinite:
+            line = f"warning: {v.describe()}; update discarded ({self.in_row} in a row, train.max_skipped="
+            line += f"{self.max_skipped})"
+        elif v.spike_over > 0:
+            what = "update discarded" if v.discarded else "update applied"
+            line = (
+                f"warning: step {v.step}: loss spike {v.loss:.4f} > {self.spike_factor:g} x {v.spike_over:.4f} (median "
+                f"of the last {self.window} steps); {what}"
+            )
+        return False, line, fields

@@ -1,0 +1,56 @@
+"""The rules behind tests/test_faults.py, in-process: the step policy, the straggler streaks, the hang summary."""
+
+from __future__ import annotations
+
+import json
+
+from p3d.dist import hang
+from p3d.dist.mesh import Mesh
+from p3d.train.faults import StepPolicy, StepVerdict
+from p3d.train.timing import StragglerWatch
+from tests.conftest import typed
+
+
+def test_skip_policy_counts_discards_in_a_row_and_stops_after_max_skipped():
+    cfg, _ = typed("train.on_nonfinite=skip", "train.max_skipped=2")
+    policy = StepPolicy(cfg.train)
+    bad = [StepVerdict(s, float("nan"), loss_stages=[1], discarded=True) for s in (1, 2)]
+    assert [policy.apply(v)[0] for v in bad] == [False, False]
+    assert not policy.apply(StepVerdict(3, 2.0))[0]  # an applied step ends the run of discards
+    stops = [policy.apply(StepVerdict(s, 2.0, grad_stages=[0, 1], discarded=True))[0] for s in (4, 5, 6)]
+    assert stops == [False, False, True]
+    stop, line, fields = policy.apply(StepVerdict(7, 2.0, grad_stages=[0], discarded=True))
+    assert stop and "step 7: non-finite gradient norm on stage 0; 4 steps in a row" in line
+    assert fields == {"skipped": 1, "loss_spike": 0, "skipped_steps": 6}
+
+
+def test_stop_policy_names_step_quantity_and_stages():
+    cfg, _ = typed()
+    stop, line, _ = StepPolicy(cfg.train).apply(StepVerdict(9, float("inf"), [1], [0, 1], discarded=True))
+    assert stop
+    assert line.startswith(
+        "error: step 9: non-finite loss (inf) on stage 1 and non-finite gradient norm on stages 0, 1"
+    )
+
+
+def test_a_straggler_is_named_once_per_streak():
+    _, plan = typed("mesh=dp2_pp2")
+    watch = StragglerWatch(2.0, 3, plan)
+    fast, slow = [0.1, 0.1, 0.1, 0.5], [0.1, 0.1, 0.1, 0.1]
+    named = [watch.update(fast)[1] for _ in range(5)]
+    assert [len(n) for n in named] == [0, 0, 1, 0, 0] and "rank 3 (dp 1, pp 1, tp 0) is a straggler" in named[2][0]
+    fields, _ = watch.update(fast)
+    assert fields == {"slowest_rank": 3, "slowest_ratio": 5.0}
+    watch.update(slow)  # the streak ends; a new one is named again
+    assert [len(watch.update(fast)[1]) for _ in range(3)] == [0, 0, 1]
+
+
+def test_hang_summary_names_who_never_arrived(tmp_path):
+    _, plan = typed("mesh=dp2_pp2")
+    for rank, what, peers in ((0, "RecvGrad", [2]), (1, "ReduceGrads", [3])):
+        report = {"rank": rank, "what": what, "step": 4, "micro_batch": 2, "peers": peers, "timeout_s": 20}
+        hang.report_path(tmp_path, rank).write_text(json.dumps(report))
+    reports = hang.read_reports(tmp_path)
+    line = hang.summarize(reports, [2, 3], Mesh.from_plan(plan, 0))
+    assert "Waiting: rank 0 in RecvGrad (step 4, micro batch 2) on rank 2; rank 1 in ReduceGrads" in line
+    assert "Never arrived: rank 2 (dp 0, pp 1, tp 0, still running: stopped or stuck), rank 3 (" in line

@@ -1,0 +1,242 @@
+"""Faults of long runs, injected for real into real runs: non-finite steps (train.lr=1e6, or an inf written into
+one stage's gradient by the P3D_TEST_NONFINITE hook), loss spikes, a straggler (a rank made to sleep in its
+forward), a hang (a worker SIGSTOPped)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from p3d import exit_codes
+from p3d.metrics import read_metrics
+from p3d.train import checkpoint
+from p3d.train.faults import INJECT_ENV
+from p3d.train.timing import SLOW_ENV
+from p3d.train.trainer import KILL_ENV
+from tests.conftest import p3d_train, start_p3d_train, worker_pids
+
+pytestmark = pytest.mark.procs
+
+
+def _wait_for_steps(run_dir: Path, n: int, proc, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.1)
+    pytest.fail("training did not reach the expected step")
+
+
+def _out(proc) -> str:
+    return proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested dict / list, by its path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    found: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        found.update(_tensors(v, f"{prefix}/{k}"))
+    return found
+
+
+def _state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer states (master weights, Adam moments, step counts) of a checkpoint."""
+    state = {}
+    for f in sorted(ckpt.rglob("*.pt")):
+        if f.parts[-2] in ("model", "optim"):
+            state.update(_tensors(torch.load(f, weights_only=False), f"{f.parent.name}/{f.name}"))
+    assert state, f"no model/optim files in {ckpt}"
+    return state
+
+
+def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(400)
+def test_huge_lr_stops_at_the_first_nonfinite_step(tmp_path):
+    """train.lr=1e6: the run stops at the first step whose loss or gradient norm is not finite, names it, exits
+    with NONFINITE and leaves the newest complete checkpoint the one before it."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=dp2_pp2", "train.steps=8", "train.lr=1e6", "train.warmup_steps=0",
+        "train.save_every=1", "train.keep_last=0", timeout=360,
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.NONFINITE, _out(proc)
+    records = read_metrics(run)
+    bad = records[-1]["step"]
+    assert 1 < bad < 8, _out(proc)
+    assert all(torch.tensor(r["grad_norm"]).isfinite() and torch.tensor(r["loss"]).isfinite() for r in records[:-1])
+    lines = [ln for ln in proc.stdout.splitlines() if f"step {bad}: non-finite" in ln]
+    assert len(lines) == 1 and "stage" in lines[0] and "train.on_nonfinite=stop" in lines[0], _out(proc)
+    newest = checkpoint.find(run, "auto")
+    assert newest is not None and newest.name == f"step_{bad - 1:08d}", newest  # nothing of the bad step saved
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("zero", ["stage0", "stage1"])
+def test_skip_discards_the_update_bitwise(zero, tmp_path):
+    """on_nonfinite=skip with an inf injected into stage 1's gradient at steps 3 and 4: those steps change no
+    parameter, no Adam state and not the learning rate (bitwise), are counted, and the run goes on. Under
+    ZeRO-1 (dp2_pp2) the discard goes through DeepSpeed's ZeRO optimizer's own overflow path."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=pp2" if zero == "stage0" else "mesh=dp2_pp2", f"zero={zero}", "train.steps=6",
+        "train.warmup_steps=4", "train.on_nonfinite=skip", "train.save_every=1", "train.keep_last=0",
+        timeout=500, env={INJECT_ENV: "1:3,4"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OK, _out(proc)
+    records = read_metrics(run)
+    assert [r["skipped"] for r in records] == [0, 0, 1, 1, 0, 0]
+    assert records[-1]["skipped_steps"] == 2
+    assert "step 3: non-finite gradient norm on stage 1; update discarded (1 in a row" in proc.stdout, _out(proc)
+    lr = [r["lr"] for r in records]  # the lr each step ran with: warmup rises, but not over discarded steps
+    assert lr[1] < lr[2] == lr[3] == lr[4] < lr[5], lr
+    states = {s: _state(checkpoint.step_dir(run, s)) for s in (2, 3, 4, 5)}
+    assert _bitwise_equal(states[2], states[3]) and _bitwise_equal(states[2], states[4])
+    assert not _bitwise_equal(states[4], states[5])  # an applied step does change them
+
+
+@pytest.mark.timeout(400)
+def test_more_skips_in_a_row_than_max_skipped_stop_the_run(tmp_path):
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=pp2", "train.steps=6", "train.on_nonfinite=skip", "train.max_skipped=2",
+        timeout=360, env={INJECT_ENV: "0:2,3,4"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.NONFINITE, _out(proc)
+    assert "step 4: non-finite gradient norm on stage 0; 3 steps in a row discarded" in proc.stdout, _out(proc)
+    assert [r["skipped"] for r in read_metrics(run)] == [0, 1, 1, 1]
+
+
+@pytest.mark.timeout(400)
+def test_loss_spikes_are_flagged_and_skipped(tmp_path):
+    """spike_factor=1 over a window of 3: every step whose loss is above the median of the last 3 applied
+    steps is flagged and (on_spike=skip) discarded; checked against the losses in metrics.jsonl."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=pp2", "train.steps=12", "train.lr=0.05", "train.warmup_steps=0",
+        "train.spike_factor=1", "train.spike_window=3", "train.on_spike=skip", timeout=360,
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OK, _out(proc)
+    records = read_metrics(run)
+    assert [r["skipped"] for r in records] == [r["loss_spike"] for r in records]
+    applied: list[float] = []
+    checked = 0
+    for r in records:
+        if len(applied) >= 3:
+            median = sorted(applied[-3:])[1]
+            if abs(r["loss"] - median) > 1e-4:  # the gate's fp64 mean and the engine's loss agree to ~1e-6
+                assert r["loss_spike"] == int(r["loss"] > median), (r, applied[-3:])
+                checked += 1
+        else:
+            assert r["loss_spike"] == 0
+        if not r["skipped"]:
+            applied.append(r["loss"])
+    assert checked >= 5 and 0 < sum(r["loss_spike"] for r in records) < len(records), records
+    assert f"step {next(r['step'] for r in records if r['loss_spike'])}: loss spike" in proc.stdout
+
+
+@pytest.mark.timeout(400)
+def test_a_slowed_rank_is_named_as_the_straggler(tmp_path):
+    """Rank 3 of dp2_pp2 sleeps 0.4 s in each forward pass (the P3D_TEST_SLOW_RANK hook): metrics name it as
+    the slowest rank every step, and the console names it once it has been slow 3 steps in a row."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=dp2_pp2", "train.steps=5", "train.straggler_factor=2", "train.straggler_steps=3",
+        timeout=360, env={SLOW_ENV: "3:0.4"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OK, _out(proc)
+    records = read_metrics(run)
+    assert all(r["slowest_rank"] == 3 and r["slowest_ratio"] > 2 for r in records), records
+    named = [ln for ln in proc.stdout.splitlines() if "is a straggler" in ln]
+    assert len(named) == 1 and named[0].startswith("p3d: warning: rank 3 (dp 1, pp 1, tp 0) is a straggler"), named
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_worker_is_named_and_the_others_dump_their_stacks(tmp_path):
+    """SIGSTOP rank 2 of dp2_pp2 with cluster.timeout_s=20: within 60 s the job ends with HUNG, the
+    launcher names rank 2 as the rank that never arrived, and every other rank's log holds its stack."""
+    run = tmp_path / "run"
+    proc = start_p3d_train(run, "mesh=dp2_pp2", "train.steps=500", "cluster.timeout_s=20")
+    pids: dict[int, int] = {}
+    try:
+        _wait_for_steps(run, 2, proc)
+        pids = worker_pids(run)
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        stopped_at = time.monotonic()
+        os.kill(pids[2], signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in worker_pids(run).values():  # what this test started, found by its own run directory
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == exit_codes.HUNG, out[-4000:]
+    assert took < 60, took
+    summary = [ln for ln in out.splitlines() if ln.startswith("p3d: hang:")]
+    assert len(summary) == 1, out[-4000:]
+    print(summary[0])
+    assert re.search(r"Never arrived: rank 2 \(dp \d, pp \d, tp 0, still running: stopped or stuck\)\. ", summary[0])
+    for rank in (0, 1, 3):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert f"[rank {rank}] p3d: no progress for" in log and "most recent call first" in log, (rank, log[-3000:])
+        assert f"rank {rank} in " in summary[0]
+    assert "p3d: no progress" not in (run / "logs" / "rank2.log").read_text()
+
+
+RESTART_RUN = ("mesh=pp2", "train.steps=12", "train.warmup_steps=3", "train.save_every=5")
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_ends_bitwise_equal(tmp_path):
+    """SIGKILL one worker after step 7 with save_every=5, max_restarts=2: every worker restarts from step 5,
+    the run finishes, the restart is printed with its cause, and the final loss equals an uninterrupted run's."""
+    straight = p3d_train(f"run.dir={tmp_path / 'a'}", *RESTART_RUN, timeout=400)
+    assert straight.returncode == 0, _out(straight)
+    run = tmp_path / "b"
+    proc = start_p3d_train(run, *RESTART_RUN, "train.max_restarts=2")
+    try:
+        _wait_for_steps(run, 7, proc)
+        os.kill(worker_pids(run)[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in worker_pids(run).values():
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"p3d: restart 1 of 2: rank 0 was killed by SIGKILL at step \d+; restarting", out), out[-4000:]
+    assert "resumed from step 5" in out, out[-4000:]
+    a, b = read_metrics(tmp_path / "a"), read_metrics(run)
+    assert [r["step"] for r in b] == list(range(1, 13))
+    assert b[-1]["loss"] == a[-1]["loss"] and b[-1]["grad_norm"] == a[-1]["grad_norm"]  # bitwise
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_killed_at_the_same_step_again_ends_the_run(tmp_path):
+    """The P3D_TEST_KILL_AT hook SIGKILLs rank 1 as step 7 starts, in every attempt: one restart, then the
+    repeat (same step, same cause) ends the run with the cause, though restarts are left."""
+    proc = p3d_train(
+        f"run.dir={tmp_path / 'run'}", *RESTART_RUN, "train.max_restarts=5", timeout=500, env={KILL_ENV: "1:7"}
+    )
+    assert proc.returncode == exit_codes.WORKER_FAILED, _out(proc)
+    assert proc.stdout.count("p3d: restart ") == 1, _out(proc)
+    assert "p3d: rank 1 was killed by SIGKILL at step 7 again, as before the last restart: not restarting" in (
+        proc.stdout
+    ), _out(proc)
