@@ -63,7 +63,10 @@ def hf_names(name: str, n_layers: int) -> list[str]:
 def read_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir).expanduser() / "config.json"
     if not path.is_file():
-        raise HFImportError(f"model.init_from={hf_dir}: no config.json there")
+        raise HFImportError(
+            f"model.init_from={hf_dir}: no config.json there; give a local directory of a Hugging Face Llama "
+            "checkpoint (config.json and *.safetensors)"
+        )
     return json.loads(path.read_text())
 
 

@@ -128,7 +128,7 @@ CASES: dict[str, Case] = {
     "p3d-plan mesh=tp8_pp8 model=llama70b cluster.device=h100_sxm cluster.nodes=8 schedule=large": Case(
         "run", extra=()
     ),
-    "p3d-plan model=llama3_405b mesh=auto cluster.device=h100_sxm cluster.nodes=1024 format=json": Case(
+    "p3d-plan model=llama3_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json": Case(
         "run", extra=()
     ),
     # README: development

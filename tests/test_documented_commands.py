@@ -90,7 +90,8 @@ def check_ran(command: str, cwd: Path, started: float, result: subprocess.Comple
     if words[0] in ("p3d-plan",):
         out = result.stdout
         if "format=json" in command:
-            assert json.loads(out)["layout"]["world_size"] == 1024 * 8
+            layout = json.loads(out)["layout"]
+            assert layout["tp"] * layout["pp"] * layout["dp"] == 1024 * 8 and json.loads(out)["fits"]
         else:
             assert "tp=8 pp=8" in out and "bubble" in out
         assert not any(cwd.iterdir()), "p3d-plan wrote files"

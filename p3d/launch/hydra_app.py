@@ -33,6 +33,8 @@ def given_overrides() -> list[str]:
 def with_source(message: str) -> str:
     """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
     head, _, rest = message.partition(" ")
+    colon = ":" if head.endswith(":") else ""  # 'model.init_from=/x: no config.json there'
+    head = head.removesuffix(":")
     field = head.split("=", 1)[0]
     if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z0-9_]+", field) or not HydraConfig.initialized():
         return message  # not one field (e.g. tp*pp*dp), or no Hydra to ask
@@ -43,7 +45,7 @@ def with_source(message: str) -> str:
         group = field.split(".", 1)[0]
         choice = hc.runtime.choices.get(group)
         where = f"{group}/{choice}.yaml" if choice else "config.yaml"
-    return f"{head} ({where}) {rest}"
+    return f"{head} ({where}){colon} {rest}"
 
 
 def report_error(message: str, status: int = exit_codes.CONFIG_ERROR, prefix: str = "p3d") -> int:
