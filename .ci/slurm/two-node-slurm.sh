@@ -5,7 +5,8 @@
 # bridge in the root namespace). No systemd, no accounting. Root only. Idempotent.
 # (Carried from shared/slurm/ for .ci/run and tests/multinode/; changed here: munged is started
 # directly when it does not answer, and start-local-slurm.sh runs only to install Slurm, with
-# SLURM_CONF unset and its own accounting default, so that the single-node config stays its own.)
+# SLURM_CONF unset and its own accounting default, so that the single-node config stays its own;
+# no `cmd | grep -q` tests under pipefail.)
 #
 #   two-node-slurm.sh start            install (via start-local-slurm.sh) if needed, set up, start; waits idle
 #   two-node-slurm.sh stop             stop the daemons it started, remove namespaces, bridge, hosts lines
@@ -38,11 +39,13 @@ idx() { case $1 in n1) echo 1;; n2) echo 2;; *) die "unknown node $1 (n1 or n2)"
 
 network_up() {
   ip link show "$BR" >/dev/null 2>&1 || ip link add "$BR" type bridge
-  ip addr show dev "$BR" | grep -q "$NET.1/24" || ip addr add "$NET.1/24" dev "$BR"
+  # (no `cmd | grep -q` tests here: grep -q exits at the first match, and under pipefail the writer's
+  # SIGPIPE then reads as "not found", which made a warm start fail now and then)
+  [[ $(ip addr show dev "$BR") == *" $NET.1/24 "* ]] || ip addr add "$NET.1/24" dev "$BR"
   ip link set "$BR" up
   for n in "${NODES[@]}"; do
     local i; i=$(idx "$n")
-    ip netns list | grep -qw "p3d$n" || ip netns add "p3d$n"
+    [[ " $(ip netns list | cut -d' ' -f1 | tr '\n' ' ') " == *" p3d$n "* ]] || ip netns add "p3d$n"
     if ! ip link show "p3dv$i" >/dev/null 2>&1; then
       ip link add "p3dv$i" type veth peer name eth0 netns "p3d$n"
       ip link set "p3dv$i" master "$BR"

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -126,7 +128,19 @@ class TwoNodes:
         slurm("scancel", job)
         pytest.fail(f"job {job} still {state} after {timeout:.0f}s; cancelled it")
 
-    def kill_node(self, node: str) -> None:
+    def pids_on(self, node: str) -> list[int]:
+        """The processes in the node's network namespace (its slurmd, and the job steps running there)."""
+        out = subprocess.run(["ip", "netns", "pids", f"p3d{node}"], capture_output=True, text=True, timeout=30)
+        return [int(p) for p in out.stdout.split()]
+
+    def kill_node(self, node: str, first: Sequence[int] = ()) -> None:
+        """The node is lost: SIGKILL ``first`` (its processes, listed beforehand: no delay of a script
+        start on a loaded machine), then kill-node, which SIGKILLs whatever else runs there."""
+        for pid in first:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         result = script("kill-node", node, timeout=60)
         assert result.returncode == 0, result.stderr
 

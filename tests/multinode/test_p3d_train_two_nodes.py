@@ -18,7 +18,7 @@ pytestmark = pytest.mark.procs
 STEPS = 3
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_p3d_train_cluster_nodes_2_submits_a_two_node_job(two_nodes, tmp_path):
     """mesh=dp2_tp2 on two nodes: 2 tasks per node, one TP group per node, the DP all-reduce across them."""
     run_dir = tmp_path / "run"
@@ -40,7 +40,7 @@ def test_p3d_train_cluster_nodes_2_submits_a_two_node_job(two_nodes, tmp_path):
     job = match.group(1)
     detail = two_nodes.show(job)
     assert (detail["NumNodes"], detail["NumTasks"]) == ("2", "4"), detail
-    state = two_nodes.wait(job, timeout=240)
+    state = two_nodes.wait(job, timeout=360)
     log = (run_dir / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     assert "srun 4 tasks (2 node(s) x 2)" in log, log[-3000:]
@@ -52,7 +52,7 @@ def test_p3d_train_cluster_nodes_2_submits_a_two_node_job(two_nodes, tmp_path):
     assert all(len(h) == 2 for h in hosts_of(mesh.dp_ranks(), host)), host
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_sweep_runs_a_two_node_point_with_the_one_node_points_losses(two_nodes, tmp_path):
     sweep = tmp_path / "sweep"
     result = p3d_train(
@@ -65,7 +65,7 @@ def test_sweep_runs_a_two_node_point_with_the_one_node_points_losses(two_nodes, 
         "cluster.time=10",
         "cluster.signal_s=60",
         f"hydra.sweep.dir={sweep}",
-        timeout=400,
+        timeout=580,
         env=client_env(),
     )
     out = result.stdout + result.stderr
