@@ -64,7 +64,7 @@ def sbatch_two_node_job(two_nodes, tmp_path: Path, run_dir: Path, *extra: str) -
     return two_nodes.sbatch(
         "--nodes=2",
         "--ntasks-per-node=4",
-        "--time=10",
+        "--time=30",  # the recipe's time-limit signal comes 300 s before it: not in a test on a loaded machine
         f"--output={tmp_path}/job-%j.out",
         RECIPE,
         *RUN,
