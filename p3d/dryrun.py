@@ -1,17 +1,21 @@
 """``dry_run=true``: build every pipeline stage of every (pp, tp) coordinate on torch's meta device.
 
 No worker, no process group, no memory: it shows the mesh map (rank -> dp, pp, tp -> node, local
-device), the layers of each stage and the exact parameter count of each rank, and checks that the
-shards add up to the closed-form count of the model.
+device; inside a Slurm allocation with the run's node count, each node's hostname too), the layers
+of each stage and the exact parameter count of each rank, and checks that the shards add up to the
+closed-form count of the model.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from p3d.config.schema import Launcher
 from p3d.dist.mesh import Mesh
 from p3d.model.geometry import total_params
 from p3d.model.pipe import build_layer_specs
@@ -33,6 +37,7 @@ class DryRunReport:
     params: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> parameters on that rank
     padding: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> vocab padding entries
     owned: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> its share of the model
+    node_names: list[str] = field(default_factory=list)  # node index -> hostname, inside a Slurm allocation
 
     @property
     def total(self) -> int:
@@ -52,8 +57,11 @@ class DryRunReport:
             "",
             "mesh map (rank: dp pp tp -> node/local device)",
         ]
+        if self.node_names:
+            out[-1] += f"; node i is host i of the allocation: {' '.join(self.node_names)}"
         for rank, dp, pp, tp, node, local in self.mesh_map[:MAX_MAP_ROWS]:
-            out.append(f"  rank {rank:>5}: dp {dp:>3} pp {pp:>3} tp {tp:>2} -> node {node:>3} device {local}")
+            host = f" ({self.node_names[node]})" if self.node_names else ""
+            out.append(f"  rank {rank:>5}: dp {dp:>3} pp {pp:>3} tp {tp:>2} -> node {node:>3}{host} device {local}")
         if len(self.mesh_map) > MAX_MAP_ROWS:
             out.append(
                 f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = (pp * dp_size + dp) * tp_size + tp)"
@@ -88,8 +96,24 @@ def _compact(names: list[str]) -> str:
     return ", ".join(out)
 
 
+def allocation_hosts(cfg, plan) -> list[str]:
+    """The hosts of the Slurm allocation this runs in (node i of the mesh map runs on host i, as the
+    recipe's srun places tasks: block by block, in node-list order), when it has the run's node count."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if cfg.cluster.launcher != Launcher.slurm or not nodelist:
+        return []
+    from p3d.dist.slurm_job import hostnames
+
+    try:
+        hosts = hostnames(nodelist)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return hosts if len(hosts) * plan.procs_per_node == plan.world_size else []
+
+
 def dry_run(cfg, plan) -> DryRunReport:
     report = DryRunReport(cfg, plan)
+    report.node_names = allocation_hosts(cfg, plan)
     dims = plan.dims
     for rank in range(plan.world_size):
         dp, pp, tp = dims.coords_of(rank)

@@ -52,6 +52,17 @@ def rank_env_from_slurm() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
+def log_placement(plan, rank: int) -> None:
+    """One line per rank: the host it runs on and its mesh coordinates (tests/multinode checks them)."""
+    import socket
+
+    from p3d.dist.mesh import Mesh
+
+    dp, pp, tp = Mesh.from_plan(plan, rank).coords
+    local = os.environ.get("LOCAL_RANK", "0")
+    print(f"[rank {rank}] placement: host {socket.gethostname()} dp {dp} pp {pp} tp {tp} local {local}", flush=True)
+
+
 def run(spec_path: str | Path, cfg=None, plan=None) -> int:
     from p3d.config.spec import read_spec
     from p3d.train.trainer import train
@@ -67,6 +78,7 @@ def run(spec_path: str | Path, cfg=None, plan=None) -> int:
         )
     os.environ.setdefault("LOCAL_RANK", "0")
     init_process_group(plan, rank, cfg.cluster.timeout_s)
+    log_placement(plan, rank)
     import torch.distributed as dist
 
     try:

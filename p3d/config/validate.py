@@ -313,6 +313,8 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
         )
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
     dims = ParallelDims(tp, pp, dp)
+    # cpu workers on several nodes: spread evenly (p3d.dist.slurm.layout refuses an uneven split)
+    per_node = world // cfg.cluster.nodes if world % cfg.cluster.nodes == 0 else world
     return RunPlan(
         world_size=world,
         tp=tp,
@@ -323,7 +325,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
         tokens_per_step=cfg.schedule.global_batch_size * cfg.model.seq_len,
         layer_names=layer_names(cfg.model.n_layers),
         stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition),
-        procs_per_node=cfg.cluster.gpus_per_node or world,
+        procs_per_node=cfg.cluster.gpus_per_node or per_node,
         logging_rank=dims.logging_rank,
         backend=backend,
         n_params=total_params(cfg.model),
