@@ -138,6 +138,16 @@ CASES: dict[str, Case] = {
     "make bench": Case("not_here", expect="a benchmark (minutes of timing), never a test"),
     ".venv/bin/python bench/overhead_breakdown.py": Case("not_here", expect="a benchmark, never a test"),
     ".venv/bin/python bench/data.py": Case("not_here", expect="a benchmark, never a test"),
+    # README: multi-node, on the two-node cluster of tests/multinode (the same lines, a few steps)
+    "sbatch --nodes=2 --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=dp2_pp2_tp2 model=tiny": Case(
+        "not_here", expect="tests/multinode/test_two_nodes.py runs it across two nodes"
+    ),
+    "p3d-train cluster=slurm cluster.nodes=2 mesh=dp2_tp2 model=tiny": Case(
+        "not_here", expect="tests/multinode/test_p3d_train_two_nodes.py runs it across two nodes"
+    ),
+    "p3d-train -m cluster=slurm cluster.nodes=1,2 mesh=dp2_tp2 model=tiny": Case(
+        "not_here", expect="tests/multinode/test_p3d_train_two_nodes.py runs the sweep"
+    ),
     # recipe headers
     "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 model=tiny": Case("slurm"),
     "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch mesh=tp8_pp8 model=llama70b cluster=h100_sxm": Case(
