@@ -198,6 +198,7 @@ class TrainConfig:
     eval_batches: int = 2  # global batches of held-out data per validation pass
     save_every: int = 0  # steps between checkpoints (<run.dir>/checkpoints); 0: only on SIGTERM/SIGUSR1 and at the end
     keep_last: int = 2  # complete checkpoints kept (0: all); older ones are deleted once a newer one is complete
+    async_save: Optional[bool] = None  # write checkpoints in the background (None: on under nccl, off on CPU)
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
 
 
