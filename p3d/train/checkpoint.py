@@ -115,20 +115,36 @@ def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samp
     coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}_dp{mesh.dp_rank}"
     meta = _meta(cfg, mesh, plan, step, samples, scheduler, extra) if rank == 0 else {}
 
-    def job() -> None:
+    def write() -> None:
+        make_dirs(tmp)
+        snap.write(tmp, coord, rank)
+
+    def commit() -> None:
+        _commit(tmp, final, ckpt_root, run_dir, cfg, meta)
+
+    def write_and_commit() -> None:  # asynchronous: rank 0 learns that the others are done from their manifests
         try:
-            make_dirs(tmp)
-            snap.write(tmp, coord, rank)
+            write()
             if rank == 0:
-                _commit(tmp, final, ckpt_root, run_dir, cfg, meta)
+                commit()
         except BaseException:
             if rank == 0:
-                drop(tmp)  # never left for a checkpoint, and its space is freed at once
+                drop(tmp)
             raise
 
-    saver.start(job)
-    if not saver.asynchronous:
-        saver.wait()
+    try:
+        if saver.asynchronous:
+            saver.start(write_and_commit)
+        else:  # agree that every rank's files are written, then commit
+            saver.start(write)
+            saver.wait(tmp)
+            if rank == 0:
+                saver.start(commit)
+            saver.wait(tmp)
+    except BaseException:
+        if rank == 0:
+            drop(tmp)  # never left for a checkpoint, and its space is freed at once
+        raise
     return final
 
 

@@ -124,11 +124,25 @@ class Snapshot:
             write_json(done / f"rank{rank}.json", sizes)
             fsync_dir(done)
         except BaseException as exc:
+            for sub, name in (("model", coord), ("optim", coord), ("rng", f"rank{rank}")):  # frees space first
+                for f in (tmp / sub).glob(f"{name}.*"):
+                    f.unlink(missing_ok=True)
             try:
                 (done / f"rank{rank}.failed").write_text(str(exc).splitlines()[0] if str(exc) else repr(exc))
             except OSError:
                 pass
             raise
+
+
+def failure_reason(tmp: Path) -> str:
+    """The first failed rank's reason, as it wrote it into ``done/rank<r>.failed``."""
+    for f in sorted((tmp / "done").glob("rank*.failed"), key=lambda f: int(f.name[4:].split(".")[0])):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        return f"rank {f.name[4:].split('.')[0]}: {text}" if text else f"rank {f.name[4:].split('.')[0]} failed"
+    return ""
 
 
 def collect_manifests(tmp: Path, world: int, timeout_s: float = WAIT_FOR_RANKS_S) -> dict[str, int]:
@@ -140,9 +154,8 @@ def collect_manifests(tmp: Path, world: int, timeout_s: float = WAIT_FOR_RANKS_S
     files: dict[str, int] = {}
     while pending:
         for r in sorted(pending):
-            failed = done / f"rank{r}.failed"
-            if failed.is_file():
-                raise CheckpointSaveError(f"rank {r}: {failed.read_text().strip()}")
+            if (done / f"rank{r}.failed").is_file():
+                raise CheckpointSaveError(failure_reason(tmp))
             manifest = done / f"rank{r}.json"
             if manifest.is_file():
                 try:
@@ -196,9 +209,10 @@ class Saver:
         except BaseException as exc:  # reported by wait(), on every rank
             self._error = exc
 
-    def wait(self) -> None:
+    def wait(self, tmp: Path | None = None) -> None:
         """Collective: every rank calls it at the same points. Returns once the save in flight is
-        complete on every rank; raises (on every rank) if any rank's save failed."""
+        complete on every rank; raises (on every rank) if any rank's save failed (with the reason that
+        rank left in ``tmp``, when given)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -210,4 +224,7 @@ class Saver:
                 raise save_failed(Path(getattr(error, "filename", "") or "."), error) from None
             raise error
         if flag.item() > 0:
-            raise CheckpointSaveError("checkpoint save failed on another rank (its log names the path and why)")
+            why = failure_reason(tmp) if tmp is not None else ""
+            raise CheckpointSaveError(
+                f"checkpoint save failed on another rank: {why or 'its log names the path and why'}"
+            )
