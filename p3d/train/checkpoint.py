@@ -323,7 +323,7 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
 
     meta = read_json(path / "meta.json")
     legacy = meta.get("format") == LEGACY_FORMAT
-    if legacy and dist.get_rank() == 0:
+    if legacy and dist.get_rank() == plan.logging_rank:  # the rank whose output reaches the console
         print(
             f"p3d: note: checkpoint {path} is in the previous format ({LEGACY_FORMAT}: torch.save files); its tensors "
             "are read with torch.load(weights_only=True), its RNG states are not restored, and the next save "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -78,6 +79,11 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], index: dict) -> 
         return path.stat().st_size
     except OSError as exc:
         raise save_failed(path, exc) from None
+    except Exception as exc:  # safetensors' own error wraps the OS error: "... (os error 28)"
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise save_failed(path, OSError(int(code.group(1)), str(exc))) from None
 
 
 def write_json(path: Path, obj) -> int:
