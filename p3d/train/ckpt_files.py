@@ -131,20 +131,36 @@ def read_legacy(path: Path):
 
 
 def _join_fragments(path: Path, name: str, parts: list[tuple[int, dict[str, torch.Tensor]]], shape) -> dict:
-    """A parameter's whole states from its dp fragments: (start in the flattened tensor, {key: flat})."""
+    """A tensor's whole states from its dp fragments: (start in the flattened tensor, {key: flat})."""
     numel = 1
     for n in shape:
         numel *= n
-    keys = parts[0][1].keys()
-    out = {k: torch.empty(numel, dtype=torch.float32) for k in keys}
+    first = parts[0][1]
+    out = {k: torch.empty(numel, dtype=t.dtype) for k, t in first.items()}
     covered = 0
     for start, states in sorted(parts, key=lambda s: s[0]):
-        for k in keys:
+        for k in out:
             out[k][start : start + states[k].numel()] = states[k]
-        covered += states["master"].numel()
+        covered += next(iter(states.values())).numel()
     if covered != numel:
-        raise CheckpointError(f"checkpoint {path}: the optimizer state of {name} covers {covered} of {numel} values")
+        raise CheckpointError(f"checkpoint {path}: the fragments of {name} cover {covered} of {numel} values")
     return {k: v.view(*shape) for k, v in out.items()}
+
+
+def _joined(path: Path, files: list[Path]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+    """{name: {key: whole tensor}} and {name: index entry} from every dp rank's file of one coordinate."""
+    frags: dict[str, list] = {}
+    entries: dict[str, dict] = {}
+    for f in files:
+        tensors, index = read_tensors(f)
+        for name, entry in index.items():
+            try:
+                states = {k: tensors[f"{name}/{k}"] for k in entry["keys"]}
+            except KeyError as exc:
+                raise CheckpointError(f"checkpoint file {f} lacks tensor {exc}", RESUME_EARLIER) from None
+            frags.setdefault(name, []).append((entry["start"], states))
+            entries[name] = entry
+    return {name: _join_fragments(path, name, parts, entries[name]["shape"]) for name, parts in frags.items()}, entries
 
 
 def coordinate_reader(path: Path, meta: dict):
@@ -156,26 +172,12 @@ def coordinate_reader(path: Path, meta: dict):
     dp = meta["mesh"]["dp"]
 
     def read(kind: str, pp: int, tp: int) -> dict:
-        files = [path / kind / f"pp{pp}_tp{tp}_dp{d}.safetensors" for d in range(dp)]
+        joined, entries = _joined(path, [path / kind / f"pp{pp}_tp{tp}_dp{d}.safetensors" for d in range(dp)])
         if kind == "model":
-            params: dict[str, torch.Tensor] = {}
-            shard: dict[str, dict] = {}
-            for f in files:
-                tensors, index = read_tensors(f)
-                params.update(tensors)
-                shard.update(index)
-            return {"params": params, "shard": shard}
-        frags: dict[str, list] = {}
-        shapes: dict[str, list[int]] = {}
-        for f in files:
-            tensors, index = read_tensors(f)
-            for name, entry in index.items():
-                try:
-                    states = {k: tensors[f"{name}/{k}"] for k in entry["keys"]}
-                except KeyError as exc:
-                    raise CheckpointError(f"checkpoint file {f} lacks tensor {exc}", RESUME_EARLIER) from None
-                frags.setdefault(name, []).append((entry["start"], states))
-                shapes[name] = entry["shape"]
-        return {name: _join_fragments(path, name, parts, shapes[name]) for name, parts in frags.items()}
+            return {
+                "params": {name: t["param"] for name, t in joined.items()},
+                "shard": {name: e["shard"] for name, e in entries.items()},
+            }
+        return joined
 
     return read

@@ -44,15 +44,17 @@ def _host(t: torch.Tensor, dtype=None) -> torch.Tensor:
     return t.detach().to("cpu", dtype=dtype, copy=True).contiguous()
 
 
-def spread_over_dp(sizes: list[int], dp: int) -> list[int]:
-    """Owner dp rank of each item: the biggest first, each to the least-loaded rank (ties: the lowest)."""
-    load = [0] * dp
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        d = min(range(dp), key=lambda r: load[r])
-        owner[i] = d
-        load[d] += sizes[i]
-    return owner
+def dp_slices(numels: list[int], dp: int, dp_rank: int) -> list[tuple[int, int]]:
+    """(start, numel) of each tensor's flattened elements that ``dp_rank`` writes: the concatenation of
+    all of them cut into ``dp`` even parts (as ZeRO-1 cuts its flat group), so every rank writes 1/dp."""
+    total = sum(numels)
+    lo, hi = total * dp_rank // dp, total * (dp_rank + 1) // dp
+    out, at = [], 0
+    for n in numels:
+        a, b = max(lo, at), min(hi, at + n)
+        out.append((a - at, max(0, b - a)))
+        at += n
+    return out
 
 
 def rng_state() -> dict:
@@ -83,25 +85,33 @@ class Snapshot:
 
     def __init__(self, engine, module, mesh, specs: dict[str, dict]):
         named = list(module.named_parameters())
-        hp = has_hp_mapping(module)
-        # ZeRO-0: the optimizer state is whole on every replica; count it with the parameter it belongs to
-        per_param = 1 if hp else 4
-        owner = spread_over_dp([p.numel() * per_param for _, p in named], mesh.dp)
-        mine = [i for i in range(len(named)) if owner[i] == mesh.dp_rank]
-        self.params = {named[i][0]: _host(named[i][1]) for i in mine}
-        self.shard = {named[i][0]: specs[named[i][0]] for i in mine}
+        slices = dp_slices([p.numel() for _, p in named], mesh.dp, mesh.dp_rank)
+        self.params: dict[str, torch.Tensor] = {}
+        self.params_index: dict[str, dict] = {}
+        for (name, p), (start, numel) in zip(named, slices):
+            if numel:
+                self.params[f"{name}/param"] = _host(p.reshape(-1)[start : start + numel])
+                self.params_index[name] = {
+                    "start": start,
+                    "shape": list(p.shape),
+                    "keys": ["param"],
+                    "shard": specs[name],
+                }
         self.optim: dict[str, torch.Tensor] = {}
         self.optim_index: dict[str, dict] = {}
-        if hp:
+        if has_hp_mapping(module):  # the fragments this rank's ZeRO / bf16 partition holds
             for name, p in named:
                 frag = hp_fragment(p, ADAM_KEYS)
                 if frag is not None and frag[1] > 0:
                     self._add(name, frag[0], list(p.shape), frag[2])
-        else:
-            for i in mine:
-                name, p = named[i]
+        else:  # every replica holds everything: each writes its even part, like the parameters
+            for (name, p), (start, numel) in zip(named, slices):
                 raw = engine.optimizer.state.get(p, {})
-                self._add(name, 0, list(p.shape), {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}})
+                states = {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}}
+                if numel:
+                    self._add(
+                        name, start, list(p.shape), {k: t.reshape(-1)[start : start + numel] for k, t in states.items()}
+                    )
         self.rng = rng_state()
 
     def _add(self, name: str, start: int, shape: list[int], states: dict[str, torch.Tensor]) -> None:
@@ -115,7 +125,7 @@ class Snapshot:
         try:
             model, optim, rng = f"model/{coord}.safetensors", f"optim/{coord}.safetensors", f"rng/rank{rank}.json"
             sizes = {
-                model: write_tensors(tmp / model, self.params, self.shard),
+                model: write_tensors(tmp / model, self.params, self.params_index),
                 optim: write_tensors(tmp / optim, self.optim, self.optim_index),
                 rng: write_json(tmp / rng, self.rng),
             }
