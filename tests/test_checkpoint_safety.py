@@ -127,7 +127,7 @@ def test_a_pickle_in_a_checkpoint_of_the_previous_format_runs_no_code(saved_run,
     ckpt = checkpoint.step_dir(run, 2)
     _to_previous_format(ckpt)
     marker = tmp_path / "marker"
-    planted = _plant_pickle(ckpt, "model/pp1_tp0.pt", marker)
+    planted = _plant_pickle(ckpt, "optim/pp1_tp0.pt", marker)  # a file resume reads
     result = p3d_train(f"run.dir={run}", "train.steps=4", MESH, "train.resume=auto", timeout=200)
     assert result.returncode == exit_codes.WORKER_FAILED, result.stdout[-2000:]
     assert f"checkpoint file {planted} cannot be read" in result.stdout + result.stderr

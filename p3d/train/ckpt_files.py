@@ -99,7 +99,8 @@ def write_json(path: Path, obj) -> int:
 
 
 def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
-    return CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})", RESUME_EARLIER)
+    first = (str(exc).strip().splitlines() or [""])[0]  # torch's refusal of a pickle runs to many lines
+    return CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {first})", RESUME_EARLIER)
 
 
 def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -4,8 +4,8 @@ At the step boundary each rank copies to host memory (``Snapshot``):
 - its ZeRO / bf16 partition of the fp32 master weights and Adam moments: the fragment of every
   parameter that its partition holds (a range of the flattened parameter), so the optimizer state is
   written by all dp ranks, each its 1/dp;
-- without ZeRO (every replica holds everything), and for the parameters themselves, each parameter
-  by one dp rank of its (pp, tp) coordinate, spread so that every dp rank writes about as many bytes;
+- the parameters, and without ZeRO (every replica holds everything) the optimizer state too: the
+  coordinate's flattened tensors cut into dp even parts, one per dp rank (``dp_slices``);
 - its RNG states (JSON).
 Then (in a background thread with ``train.async_save``) it writes them to
 ``.step_<N>.tmp/{model,optim}/pp<p>_tp<t>_dp<d>.safetensors`` and ``rng/rank<r>.json``, fsyncs them,
