@@ -22,6 +22,7 @@ any rank's save failed; if one did, every rank raises.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import threading
@@ -131,8 +132,14 @@ class Snapshot:
             }
             for sub in ("model", "optim", "rng"):
                 fsync_dir(tmp / sub)
-            write_json(done / f"rank{rank}.json", sizes)
-            fsync_dir(done)
+            # fsync'd under another name, then renamed: rank 0 (which renames the whole directory once it
+            # has read every manifest) never sees a manifest before it is whole and durable
+            partial = done / f".rank{rank}.json.partial"
+            write_json(partial, sizes)
+            try:
+                os.replace(partial, done / f"rank{rank}.json")
+            except OSError as exc:
+                raise save_failed(partial, exc) from None
         except BaseException as exc:
             for sub, name in (("model", coord), ("optim", coord), ("rng", f"rank{rank}")):  # frees space first
                 for f in (tmp / sub).glob(f"{name}.*"):
