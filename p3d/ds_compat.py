@@ -104,6 +104,18 @@ def has_hp_mapping(module) -> bool:
     return any(hasattr(p, "_hp_mapping") for p in module.parameters())
 
 
+def hp_fragment(p, keys: tuple[str, ...]):
+    """This dp rank's part of a parameter's fp32 master and optimizer states under ZeRO / bf16:
+    ``(start, numel, {"master": flat fp32, key: flat fp32 ...})`` (a range of the flattened parameter),
+    or None when this rank's partition holds none of it (``param._hp_mapping``, ``lp_fragment_address``)."""
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    addr = mapping.lp_fragment_address
+    states = {"master": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in keys}}
+    return addr.start, addr.numel, states
+
+
 def links_optimizer_states(wrapper) -> bool:
     """Whether a ZeRO / bf16 optimizer wrapper links its parameters' views of the optimizer states
     (plain fp32 without ZeRO does not)."""

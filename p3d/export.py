@@ -161,7 +161,7 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
     from p3d.train.reshard import ShardedCheckpoint
 
     tok, tok_file, tok_config = tokenizer
-    src = ShardedCheckpoint(ckpt, meta, checkpoint._load_file)
+    src = ShardedCheckpoint(ckpt, meta, checkpoint.reader(ckpt, meta))
     writer = _ShardWriter(tmp, max_shard_gb * 1e9)
     L = cfg.model.n_layers
     for name in src.names():
@@ -264,7 +264,7 @@ def load_sequential(ckpt: str | Path):
     meta = checkpoint.verify(ckpt)
     cfg, _ = read_spec(ckpt / SPEC_NAME)
     model = to_sequential(cfg.model, cfg.model.vocab_size, cfg.train.seed)
-    src = ShardedCheckpoint(ckpt, meta, checkpoint._load_file)
+    src = ShardedCheckpoint(ckpt, meta, checkpoint.reader(ckpt, meta))
     params = dict(model.named_parameters())
     for name in src.names():
         target = "tied.embed.weight" if name.startswith("tied_modules.") else f"layers.{name}"

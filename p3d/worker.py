@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(130)
         sys.stdout.flush()
         print(f"[rank {rank}] worker failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        traceback.print_exc()
+        from p3d.train.ckpt_files import CheckpointError
+
+        if not isinstance(exc, CheckpointError):  # a checkpoint problem is one line that names file and fix
+            traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # skip atexit hooks that may block on a process group whose peers are gone
     return 0

@@ -147,7 +147,7 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
 )
 def test_a_damaged_checkpoint_is_refused_before_any_worker(saved_run, tmp_path, damage, needle):
     run = _copy(saved_run, tmp_path)
-    shard = checkpoint.step_dir(run, 2) / "optim" / "pp1_tp0.pt"
+    shard = checkpoint.step_dir(run, 2) / "optim" / "pp1_tp0_dp0.safetensors"
     if damage == "truncate":
         shard.write_bytes(shard.read_bytes()[:100])
     else:
@@ -159,7 +159,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_worker(saved_run, tmp_path, 
 
 def test_a_corrupt_checkpoint_file_is_named_by_the_worker(saved_run, tmp_path):
     run = _copy(saved_run, tmp_path)
-    shard = checkpoint.step_dir(run, 2) / "optim" / "pp0_tp1.pt"  # master weights and Adam moments
+    shard = checkpoint.step_dir(run, 2) / "optim" / "pp0_tp1_dp0.safetensors"  # master weights and Adam moments
     shard.write_bytes(b"\0" * shard.stat().st_size)  # right size, garbage inside
     result = p3d_train(f"run.dir={run}", "train.steps=4", "mesh=tp2_pp2", "train.resume=auto", timeout=120)
     assert result.returncode == exit_codes.WORKER_FAILED

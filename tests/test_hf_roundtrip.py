@@ -274,7 +274,7 @@ def test_a_failed_export_leaves_nothing_and_keeps_the_old_export(work, tmp_path)
     ok = p3d_export(f"run.dir={run}", "out=hf", "step=15", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
-    shard = checkpoint.step_dir(run, 30) / "optim" / "pp0_tp0.pt"
+    shard = checkpoint.step_dir(run, 30) / "optim" / "pp0_tp0_dp0.safetensors"
     shard.write_bytes(b"\0" * shard.stat().st_size)  # same size: passes verify, fails when read
     for out, extra in (("hf", ["overwrite=true"]), ("new/deeper/hf", [])):
         failed = p3d_export(f"run.dir={run}", f"out={out}", *extra, cwd=tmp_path)

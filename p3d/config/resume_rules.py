@@ -68,6 +68,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "train.eval_batches": (Rule.CHANGES, "validation of the steps to come"),
     "train.save_every": (Rule.CHANGES, "checkpoints of the steps to come"),
     "train.keep_last": (Rule.CHANGES, "checkpoints of the steps to come"),
+    "train.async_save": (Rule.CHANGES, "how the checkpoints of the steps to come are written"),
     "train.resume": (Rule.QUIET, "which checkpoint this launch continues"),
     "run.*": (Rule.QUIET, "where this launch writes"),
     "plan.*": (Rule.QUIET, "options of the pre-launch memory check"),

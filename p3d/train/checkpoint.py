@@ -1,48 +1,52 @@
-"""Checkpoints: atomic, self-describing, independent of the data-parallel degree.
+"""Checkpoints: atomic, self-describing, independent of the mesh; written by every rank in parallel,
+optionally in the background; loading them runs no code (safetensors and JSON only).
 
 Layout of ``<run.dir>/checkpoints/step_<N>/``:
-    meta.json             step, samples consumed, mesh, model shape, scheduler, sizes of all files
-    run_spec.yaml         the run spec that wrote it
-    tokenizer.json        a copy of the run's tokenizer (and its tokenizer_config.json), unless byte
-    model/pp<p>_tp<t>.pt  this (pp, tp) coordinate's parameters by global name, and how each is sharded
-    optim/pp<p>_tp<t>.pt  fp32 master weight and Adam moments of each of those parameters, whole over dp
-    rng/rank<r>.pt        every rank's RNG states
+    meta.json                          step, samples, mesh, model shape, scheduler, sizes of all files
+    run_spec.yaml                      the run spec that wrote it
+    tokenizer.json                     a copy of the run's tokenizer (and its tokenizer_config.json), unless byte
+    model/pp<p>_tp<t>_dp<d>.safetensors  parameters of coordinate (pp, tp) by global name (+ shard specs),
+                                       each written by one of its dp ranks
+    optim/pp<p>_tp<t>_dp<d>.safetensors  that dp rank's fragments of the fp32 master weights and Adam moments
+    rng/rank<r>.json                   every rank's RNG states
+    done/rank<r>.json                  every rank's manifest: its files and their sizes
 
-Parameters and optimizer states are saved per (pp, tp) coordinate by its dp rank 0, with the ZeRO
-partitions gathered over dp, so a checkpoint loads under any dp and any ZeRO stage. A save is
-written to ``.step_<N>.tmp``, renamed when every file is on disk, and only then does ``latest``
-move (written to a temporary name, then renamed): a crash mid-save leaves the previous
-checkpoint complete and ``latest`` pointing at it.
+How a save is written (every rank its share, rank 0 commits once all are fsync'd) is in
+p3d.train.ckpt_save; the file formats in p3d.train.ckpt_files. A save goes to ``.step_<N>.tmp``,
+renamed when every file is on disk, and only then does ``latest`` move (written to a temporary name,
+then renamed): a crash or a full disk mid-save leaves the previous checkpoint complete and ``latest``
+pointing at it. Loading joins the fragments of each (pp, tp) coordinate over the saved dp, so a
+checkpoint loads under any dp and ZeRO stage; p3d.train.reshard re-cuts it for another tp or pp.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from p3d.ds_compat import has_hp_mapping, links_optimizer_states, relink_optimizer_states, wrapped_optimizer
 from p3d.run_dir import CHECKPOINTS
+from p3d.train.ckpt_files import (
+    LEGACY_FORMAT,
+    RESUME_EARLIER,
+    CheckpointError,
+    CheckpointSaveError,
+    coordinate_reader,
+    fsync_dir,
+    read_json,
+    save_failed,
+    write_json,
+)
+from p3d.train.ckpt_save import ADAM_KEYS, Saver, Snapshot, collect_manifests, drop, make_dirs, set_rng_state
 
-FORMAT = "p3d-checkpoint-1"
+FORMAT = "p3d-checkpoint-2"
 LATEST = "latest"
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-RESUME_EARLIER = "resume an earlier checkpoint with train.resume=<its directory>"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed; the message names the file and what to do. ``problem`` is
-    the message without the advice (``fix``), for tools that advise otherwise (p3d-export)."""
-
-    def __init__(self, problem: str, fix: str | None = None):
-        super().__init__(f"{problem}; {fix}" if fix else problem)
-        self.problem, self.fix = problem, fix
+__all__ = ["CheckpointError", "CheckpointSaveError", "Saver", "RESUME_EARLIER", "save", "load", "find", "verify"]
 
 
 def root(run_dir: str | Path) -> Path:
@@ -83,92 +87,111 @@ def _link_optimizer_states(engine) -> None:
     relink_optimizer_states(wrapper)
 
 
-def _gather_optimizer_state(engine, module, keep: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """Per parameter: fp32 master and Adam moments, whole. Under ZeRO / bf16 this is a collective over
-    the dp group (every dp rank calls it); only a rank with ``keep`` copies the result to the CPU."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    hp = has_hp_mapping(module)
-    if not (hp or keep):
-        return out  # ZeRO-0 fp32: each replica holds the whole state; nothing to join
-    if hp:
-        _link_optimizer_states(engine)
-    for name, p in module.named_parameters():
-        if hp:
-            state = {k: safe_get_full_optimizer_state(p, k) for k in ADAM_KEYS}
-            state["master"] = safe_get_full_fp32_param(p)
-        else:
-            raw = engine.optimizer.state.get(p, {})
-            state = {k: raw[k] for k in ADAM_KEYS if k in raw}
-            state["master"] = p.detach()
-        if keep:
-            out[name] = {k: v.detach().float().cpu().clone() for k, v in state.items() if v is not None}
-    return out
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
 def _write_latest(ckpt_root: Path, name: str) -> None:
     tmp = ckpt_root / f".{LATEST}.tmp"
-    tmp.write_text(name + "\n")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, ckpt_root / LATEST)
+    fsync_dir(ckpt_root)
 
 
-def save(engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, scheduler, extra: dict) -> Path:
-    """Collective: every rank calls it after the same step. Returns the checkpoint directory."""
-    from p3d.config.spec import SPEC_NAME
-    from p3d.data.tokenizer import tokenizer_files
-
+def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, scheduler, extra) -> Path:
+    """Collective: every rank calls it after the same step. Waits for the previous save, copies this
+    rank's share to host memory and writes it (in the background when the saver is asynchronous).
+    Returns the checkpoint directory it will have once complete."""
+    saver.wait()  # one save at a time; raises on every rank if the previous one failed anywhere
     ckpt_root = root(run_dir)
     final = step_dir(run_dir, step)
     tmp = ckpt_root / f".{final.name}.tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for sub in ("model", "optim", "rng"):
-            (tmp / sub).mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank()
+    if rank == 0:
+        drop(tmp)  # debris of a crashed save of the same step
     dist.barrier()
-    optim_state = _gather_optimizer_state(engine, module, keep=mesh.dp_rank == 0)  # every dp rank joins
-    coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}"
-    if mesh.dp_rank == 0:
-        params = {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
-        torch.save({"params": params, "shard": shard_specs(module)}, tmp / "model" / f"{coord}.pt")
-        torch.save(optim_state, tmp / "optim" / f"{coord}.pt")
-    torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.copy(Path(run_dir) / SPEC_NAME, tmp / SPEC_NAME)
-        for i, f in enumerate(tokenizer_files(cfg.data.tokenizer)):  # the tokenizer travels with the weights
-            shutil.copy(f, tmp / ("tokenizer.json" if i == 0 else f.name))
-        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-        meta = {
-            "format": FORMAT,
-            "step": step,
-            "samples": samples,
-            "mesh": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
-            "zero": cfg.zero.stage,
-            "dtype": cfg.train.dtype.value,
-            "model": _model_identity(cfg),
-            "tokenizer": cfg.data.tokenizer,
-            "stage_bounds": plan.stage_bounds,
-            "scheduler": sched,
-            "files": files,
-            **extra,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")  # last: marks it complete
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_latest(ckpt_root, final.name)
-        _prune(ckpt_root, cfg.train.keep_last)
-    dist.barrier()
+    if has_hp_mapping(module):
+        _link_optimizer_states(engine)
+    snap = Snapshot(engine, module, mesh, shard_specs(module))
+    coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}_dp{mesh.dp_rank}"
+    meta = _meta(cfg, mesh, plan, step, samples, scheduler, extra) if rank == 0 else {}
+
+    def write() -> None:
+        make_dirs(tmp)
+        snap.write(tmp, coord, rank)
+
+    def commit() -> None:
+        _commit(tmp, final, ckpt_root, run_dir, cfg, meta)
+
+    def write_and_commit() -> None:  # asynchronous: rank 0 learns that the others are done from their manifests
+        try:
+            write()
+            if rank == 0:
+                commit()
+        except BaseException:
+            if rank == 0:
+                drop(tmp)
+            raise
+
+    try:
+        if saver.asynchronous:
+            saver.start(write_and_commit)
+        else:  # agree that every rank's files are written, then commit
+            saver.start(write)
+            saver.wait(tmp)
+            if rank == 0:
+                saver.start(commit)
+            saver.wait(tmp)
+    except BaseException:
+        if rank == 0:
+            drop(tmp)  # never left for a checkpoint, and its space is freed at once
+        raise
     return final
+
+
+def _meta(cfg, mesh, plan, step: int, samples: int, scheduler, extra: dict) -> dict:
+    sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    return {
+        "format": FORMAT,
+        "step": step,
+        "samples": samples,
+        "mesh": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
+        "zero": cfg.zero.stage,
+        "dtype": cfg.train.dtype.value,
+        "model": _model_identity(cfg),
+        "tokenizer": cfg.data.tokenizer,
+        "stage_bounds": plan.stage_bounds,
+        "scheduler": sched,
+        **extra,
+    }
+
+
+def _commit(tmp: Path, final: Path, ckpt_root: Path, run_dir, cfg, meta: dict) -> None:
+    """Rank 0, once every rank's files are fsync'd: the spec, the tokenizer, meta.json (last), the
+    rename, ``latest``, pruning."""
+    from p3d.config.spec import SPEC_NAME
+    from p3d.data.tokenizer import tokenizer_files
+
+    files = collect_manifests(tmp, dist.get_world_size())
+    try:
+        shutil.copy(Path(run_dir) / SPEC_NAME, tmp / SPEC_NAME)
+        files[SPEC_NAME] = (tmp / SPEC_NAME).stat().st_size
+        for i, f in enumerate(tokenizer_files(cfg.data.tokenizer)):  # the tokenizer travels with the weights
+            name = "tokenizer.json" if i == 0 else f.name
+            shutil.copy(f, tmp / name)
+            files[name] = (tmp / name).stat().st_size
+    except OSError as exc:
+        raise save_failed(Path(exc.filename or tmp), exc) from None
+    write_json(tmp / "meta.json", {**meta, "files": dict(sorted(files.items()))})  # last: marks it complete
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(ckpt_root)
+    try:
+        _write_latest(ckpt_root, final.name)
+    except OSError as exc:
+        raise save_failed(ckpt_root / LATEST, exc) from None
+    _prune(ckpt_root, cfg.train.keep_last)
 
 
 def _complete(ckpt_root: Path) -> list[Path]:
@@ -267,25 +290,22 @@ def check_compatible(meta: dict, cfg, path: Path) -> None:
 # ---- loading (workers)
 
 
-def _load_file(path: Path):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})", RESUME_EARLIER
-        ) from None
+def reader(path: Path, meta: dict):
+    """The tensors of a checkpoint by (kind, pp, tp) coordinate, either format; see ckpt_files."""
+    return coordinate_reader(path, meta)
 
 
 def _local_states(path: Path, meta: dict, module, mesh, plan):
-    """name -> this rank's {master, exp_avg, exp_avg_sq}. The saving layout's own file when tp and the
-    stage boundaries are unchanged; else assembled from the saved shards and re-cut for this mesh."""
+    """name -> this rank's {master, exp_avg, exp_avg_sq}. The saving layout's own coordinate when tp and
+    the stage boundaries are unchanged; else assembled from the saved shards and re-cut for this mesh."""
     from p3d.train.reshard import ShardedCheckpoint, shard_from_full
 
+    read = reader(path, meta)
     same_layout = meta["mesh"]["tp"] == mesh.tp and meta["stage_bounds"] == list(plan.stage_bounds)
     if same_layout:
-        optim = _load_file(path / "optim" / f"pp{mesh.pp_rank}_tp{mesh.tp_rank}.pt")
+        optim = read("optim", mesh.pp_rank, mesh.tp_rank)
         return lambda name: optim[name]
-    source = ShardedCheckpoint(path, meta, _load_file)
+    source = ShardedCheckpoint(path, meta, read)
     specs = shard_specs(module)
 
     def resharded(name: str) -> dict:
@@ -301,7 +321,15 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
 
     from p3d.train.optim import resume_schedule
 
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_json(path / "meta.json")
+    legacy = meta.get("format") == LEGACY_FORMAT
+    if legacy and dist.get_rank() == plan.logging_rank:  # the rank whose output reaches the console
+        print(
+            f"p3d: note: checkpoint {path} is in the previous format ({LEGACY_FORMAT}: torch.save files); its tensors "
+            "are read with torch.load(weights_only=True), its RNG states are not restored, and the next save "
+            f"writes the new format ({FORMAT})",
+            flush=True,
+        )
     states = _local_states(path, meta, module, mesh, plan)
     hp = has_hp_mapping(module)
     if hp:
@@ -331,12 +359,7 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
             if "step" in st:
                 st["step"] = step_t.clone() if torch.is_tensor(st["step"]) else meta["step"]
     resume_schedule(scheduler, meta["step"])  # this run's lr and schedule, at the checkpoint's step
-    rng = path / "rng" / f"rank{dist.get_rank()}.pt"
-    if rng.is_file() and meta["mesh"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
-        state = _load_file(rng)
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+    rng = path / "rng" / f"rank{dist.get_rank()}.json"
+    if not legacy and rng.is_file() and meta["mesh"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
+        set_rng_state(read_json(rng))
     return meta

@@ -59,7 +59,8 @@ def source_stage(name: str, stage_bounds: list[int]) -> int:
 
 
 class ShardedCheckpoint:
-    """Reads a checkpoint's per-(pp, tp) files lazily (memory-mapped) and serves logical tensors."""
+    """Reads a checkpoint's per-(pp, tp) coordinates lazily and serves logical tensors; ``loader(kind,
+    pp, tp)`` reads one coordinate (p3d.train.checkpoint.reader)."""
 
     def __init__(self, path: Path, meta: dict, loader):
         self.path, self.meta, self._load = Path(path), meta, loader
@@ -70,7 +71,7 @@ class ShardedCheckpoint:
     def _file(self, kind: str, pp: int, tp: int) -> dict:
         key = (kind, pp, tp)
         if key not in self._files:
-            self._files[key] = self._load(self.path / kind / f"pp{pp}_tp{tp}.pt")
+            self._files[key] = self._load(kind, pp, tp)
         return self._files[key]
 
     def spec(self, name: str) -> dict:

@@ -188,6 +188,8 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         from p3d.data.prepared import PreparedSamples
 
         mixture = PreparedSamples(cfg.data, cfg.model.seq_len, cfg.train.seed)
+    asynchronous = cfg.train.async_save if cfg.train.async_save is not None else plan.backend == "nccl"
+    saver = checkpoint.Saver(asynchronous, device)
     status = exit_codes.OK
     kill_at = os.environ.get(KILL_ENV, "")  # test hook "<rank>:<step>": that rank SIGKILLs itself as the step starts
     for step in range(start_step + 1, cfg.train.steps + 1):
@@ -235,6 +237,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
             path = checkpoint.save(
+                saver,
                 engine,
                 module,
                 mesh,
@@ -247,10 +250,12 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 {"skipped_records": stats.skipped_records, "empty_records": stats.empty_records},
             )
             if metrics:
-                metrics.print(f"saved checkpoint {path}" + (" after a stop signal" if stop else ""))
+                saved = "saving checkpoint {} in the background" if asynchronous else "saved checkpoint {}"
+                metrics.print(saved.format(path) + (" after a stop signal" if stop else ""))
         if stop:  # a stop at the last step leaves nothing to resume: the run is done
             status = exit_codes.PREEMPTED if step < cfg.train.steps else exit_codes.OK
             break
+    saver.wait()  # a background write in flight finishes (on every rank) before the run ends or exits 75
     if metrics:
         if stats.summary():
             metrics.print(stats.summary())

@@ -1,0 +1,106 @@
+"""Training time lost per checkpoint save, sync vs ``train.async_save``, and bytes written per rank (issue 14).
+
+    .venv/bin/python bench/checkpoint.py                       # model=small on dp2_pp2_tp2, ZeRO-1
+    .venv/bin/python bench/checkpoint.py --steps 12 --save-every 3 --set model.seq_len=64
+
+Each mode runs the real ``p3d-train`` (run directory in a temp dir) with the same config; the bench
+polls ``metrics.jsonl`` every 5 ms and stamps the wall time at which each step's record appears. The
+interval between two records is one step plus whatever blocked the loop after the earlier one: a
+save, when that step saved. Time lost per save = the interval after a saving step minus the median
+interval after non-saving steps (the first ``--warmup`` intervals dropped). With ``async_save`` the
+loss is the host copy at the step boundary plus any slowdown of the next step by the background
+write; the write itself is what the sync mode loses. Bytes per rank come from the last checkpoint's
+manifests (``done/rank<r>.json``). Targets (issue 14): async loss <= 10% of the sync save's; max/mean
+bytes per rank <= 1.5 with ZeRO-1. Quote the machine's load (printed) with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(mode_async: bool, args, run_dir: Path) -> dict:
+    cmd = [
+        sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", f"model={args.model}", f"mesh={args.mesh}",
+        f"zero={args.zero}", f"train.steps={args.steps}", f"train.save_every={args.save_every}", "train.keep_last=1",
+        f"train.async_save={'true' if mode_async else 'false'}", *args.set,
+    ]  # fmt: skip
+    stamps: dict[int, float] = {}
+    metrics = run_dir / "metrics.jsonl"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = 0
+    while proc.poll() is None or seen < args.steps:
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()
+            now = time.monotonic()
+            for line in lines[seen:]:
+                try:
+                    stamps[json.loads(line)["step"]] = now
+                except ValueError:
+                    break
+                seen += 1
+        if proc.poll() is not None and (not metrics.exists() or seen >= len(metrics.read_text().splitlines())):
+            break
+        time.sleep(0.005)
+    out = proc.communicate()[0]
+    if proc.returncode != 0:
+        sys.exit(f"p3d-train failed ({proc.returncode}):\n{out[-3000:]}")
+    wall = time.monotonic() - t0
+    saves = {s for s in range(1, args.steps) if s % args.save_every == 0}
+    gaps = {s: stamps[s + 1] - stamps[s] for s in range(1, args.steps) if s in stamps and s + 1 in stamps}
+    plain = [g for s, g in gaps.items() if s not in saves and s > args.warmup]
+    median = statistics.median(plain)
+    lost = [gaps[s] - median for s in sorted(saves) if s in gaps]
+    ckpt = max((run_dir / "checkpoints").glob("step_*"))
+    per_rank = [sum(json.loads(f.read_text()).values()) for f in sorted((ckpt / "done").glob("rank*.json"))]
+    return {"median_step_s": median, "lost_per_save_s": lost, "bytes_per_rank": per_rank, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--mesh", default="dp2_pp2_tp2")
+    ap.add_argument("--zero", default="stage1")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--save-every", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument(
+        "--set", nargs="*", default=["model.seq_len=64", "schedule.global_batch_size=8", "schedule.micro_batch_size=2"]
+    )
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="p3d-bench-ckpt-") as tmp:
+        for mode in (False, True):
+            name = "async" if mode else "sync"
+            results[name] = run(mode, args, Path(tmp) / name)
+            r = results[name]
+            b = r["bytes_per_rank"]
+            print(
+                f"{name:5s}: median step {r['median_step_s']:.2f} s; lost per save "
+                f"{', '.join(f'{x:.2f}' for x in r['lost_per_save_s'])} s (mean "
+                f"{statistics.mean(r['lost_per_save_s']):.2f} s); bytes per rank max {max(b) / 1e6:.1f} MB, "
+                f"mean {statistics.mean(b) / 1e6:.1f} MB, max/mean {max(b) / statistics.mean(b):.2f}; "
+                f"wall {r['wall_s']:.0f} s; load average now {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    ratio = statistics.mean(results["async"]["lost_per_save_s"]) / statistics.mean(results["sync"]["lost_per_save_s"])
+    print(f"async loss / sync loss per save: {ratio:.1%} (target <= 10%)")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Checkpoint files in-process: dp fragments join to the unsharded tensor, RNG states survive JSON, every
+dp rank writes an even part, and a pickle is refused without running it."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from p3d.train.ckpt_files import CheckpointError, coordinate_reader, read_tensors, write_tensors
+from p3d.train.ckpt_save import dp_slices, rng_state, set_rng_state
+
+
+def _write_fragments(ckpt: Path, full: dict[str, torch.Tensor], cuts: list[int]) -> None:
+    """Every tensor flattened and cut at ``cuts`` (offsets into the concatenation, as ZeRO-1 cuts its
+    flat group), one file per dp rank, as ckpt_save.Snapshot writes them."""
+    (ckpt / "optim").mkdir(parents=True)
+    flat = torch.cat([t.reshape(-1) for t in full.values()])
+    bounds = [0, *cuts, flat.numel()]
+    offsets, at = {}, 0
+    for name, t in full.items():
+        offsets[name] = (at, t.numel())
+        at += t.numel()
+    for d in range(len(bounds) - 1):
+        lo, hi = bounds[d], bounds[d + 1]
+        tensors, index = {}, {}
+        for name, (start, numel) in offsets.items():
+            a, b = max(lo, start), min(hi, start + numel)
+            if a < b:
+                for k, scale in (("master", 1.0), ("exp_avg", 2.0), ("exp_avg_sq", 3.0)):
+                    tensors[f"{name}/{k}"] = (flat[a:b] * scale).clone()
+                index[name] = {
+                    "start": a - start,
+                    "shape": list(full[name].shape),
+                    "keys": ["exp_avg", "exp_avg_sq", "master"],
+                }
+        write_tensors(ckpt / "optim" / f"pp0_tp0_dp{d}.safetensors", tensors, index)
+
+
+def test_dp_fragments_matches_unsharded(tmp_path):
+    torch.manual_seed(0)
+    full = {"0.w": torch.randn(5, 7), "1.b": torch.randn(3), "2.w": torch.randn(4, 6)}
+    _write_fragments(tmp_path, full, cuts=[9, 40])  # rank 0: part of 0.w; rank 1: the rest, 1.b, part of 2.w
+    got = coordinate_reader(tmp_path, {"format": "p3d-checkpoint-2", "mesh": {"dp": 3}})("optim", 0, 0)
+    assert got.keys() == full.keys()
+    for name, t in full.items():
+        assert torch.equal(got[name]["master"], t)
+        assert torch.equal(got[name]["exp_avg"], t * 2) and torch.equal(got[name]["exp_avg_sq"], t * 3)
+
+
+def test_a_missing_fragment_is_named(tmp_path):
+    full = {"0.w": torch.randn(5, 7)}
+    _write_fragments(tmp_path, full, cuts=[10])
+    read = coordinate_reader(tmp_path, {"format": "p3d-checkpoint-2", "mesh": {"dp": 2}})
+    (tmp_path / "optim" / "pp0_tp0_dp1.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="pp0_tp0_dp1.safetensors cannot be read"):
+        read("optim", 0, 0)
+    write_tensors(tmp_path / "optim" / "pp0_tp0_dp1.safetensors", {}, {})  # present but empty
+    with pytest.raises(CheckpointError, match="cover 10 of 35 values"):
+        read("optim", 0, 0)
+
+
+class _CreatesAFile:
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_is_refused_without_running_it(tmp_path):
+    f, marker = tmp_path / "x.safetensors", tmp_path / "marker"
+    f.write_bytes(pickle.dumps({"w": _CreatesAFile(marker)}))
+    with pytest.raises(CheckpointError, match=f"checkpoint file {f} cannot be read"):
+        read_tensors(f)
+    assert not marker.exists()
+
+
+def test_rng_states_survive_json():
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    state = json.loads(json.dumps(rng_state()))
+    first = (random.random(), np.random.rand(), torch.rand(2))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    set_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(2))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+
+
+def test_every_dp_rank_writes_an_even_part_of_every_coordinate():
+    numels = [50304 * 768, *([768 * 2304, 768 * 768, 768 * 4096, 2048 * 768, 768, 768] * 6)]
+    for dp in (1, 2, 3, 4):
+        parts = [dp_slices(numels, dp, d) for d in range(dp)]
+        written = [sum(n for _, n in p) for p in parts]
+        assert max(written) - min(written) <= 1, written  # max/mean bytes per rank 1.0
+        for i, n in enumerate(numels):  # each tensor's parts tile it exactly, in dp-rank order
+            pieces = [p[i] for p in parts if p[i][1]]
+            assert pieces[0][0] == 0 and sum(k for _, k in pieces) == n
+            assert all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
