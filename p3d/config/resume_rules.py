@@ -32,6 +32,7 @@ class Rule(Enum):
 
 _SHAPE = "the model's shape: the checkpoint's tensors have it"
 _DATA = "the data source: the data position counts samples of this stream"
+_FAULTS = "fault handling of the steps to come"
 _SCHEDULE = "the LR schedule: the new formula is evaluated at the absolute step"
 _ADAMW = "AdamW's settings; its moments are kept"
 
@@ -70,6 +71,14 @@ RULES: dict[str, tuple[Rule, str]] = {
     "train.keep_last": (Rule.CHANGES, "checkpoints of the steps to come"),
     "train.async_save": (Rule.CHANGES, "how the checkpoints of the steps to come are written"),
     "train.resume": (Rule.QUIET, "which checkpoint this launch continues"),
+    "train.on_nonfinite": (Rule.CHANGES, _FAULTS),
+    "train.max_skipped": (Rule.CHANGES, _FAULTS),
+    "train.spike_factor": (Rule.CHANGES, _FAULTS),
+    "train.spike_window": (Rule.CHANGES, _FAULTS),
+    "train.on_spike": (Rule.CHANGES, _FAULTS),
+    "train.straggler_factor": (Rule.CHANGES, _FAULTS),
+    "train.straggler_steps": (Rule.CHANGES, _FAULTS),
+    "train.max_restarts": (Rule.CHANGES, "restarts of this launch"),
     "run.*": (Rule.QUIET, "where this launch writes"),
     "plan.*": (Rule.QUIET, "options of the pre-launch memory check"),
     "tokenizer.*": (Rule.QUIET, "options of p3d-tokenizer"),
