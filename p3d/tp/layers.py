@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from p3d.tp.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from p3d.tp.mappings import copy_to_tp, gathered_linear, reduce_from_tp, reduce_scatter_to_sp
 
 
 def on_meta() -> bool:
@@ -56,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
     them back separately. weight: (sum(out_features) / tp, in_features).
     The input is replicated over tp; its gradient is all-reduced (copy_to_tp). With
     ``sequence_parallel`` the input is this rank's (b, s/tp, in) block: all-gathered along the
-    sequence, its gradient reduce-scattered (gather_from_sp).
+    sequence, its gradient reduce-scattered; only the block is kept for backward (gathered_linear).
     """
 
     def __init__(
@@ -88,8 +88,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark_sharded(_new_param((sum(self.local_out), in_features), make))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return F.linear(x, self.weight)  # (b, s, sum(out)/tp)
+        if self.sequence_parallel:  # x: (b, s/tp, in), gathered along the sequence, only the block kept
+            return gathered_linear(x, self.weight, self.group)  # (b, s, sum(out)/tp)
+        return F.linear(copy_to_tp(x, self.group), self.weight)  # (b, s, sum(out)/tp)
 
     def shard_spec(self) -> dict:
         """How the full weight is cut: rows of each fused block (before padding) split over tp."""
@@ -197,5 +198,6 @@ class VocabParallelEmbedding(nn.Module):
         return (self.rows - real) * self.weight.shape[1]
 
     def as_head(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return F.linear(x, self.weight)  # (b, s, V_pad/tp)
+        if self.sequence_parallel:  # x: (b, s/tp, h)
+            return gathered_linear(x, self.weight, self.group)  # (b, s, V_pad/tp)
+        return F.linear(copy_to_tp(x, self.group), self.weight)  # (b, s, V_pad/tp)

@@ -188,3 +188,31 @@ def reduce_scatter_to_sp(x: torch.Tensor, group) -> torch.Tensor:
 
 def scatter_to_sp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _ScatterToSP.apply(x, group)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """y = gather_seq(x) W^T for a column-parallel layer under sequence parallelism.
+
+    Keeps only this rank's (b, s/tp, in) block for backward and all-gathers it again there, so the
+    full-sequence input is never held between forward and backward (what makes sequence parallelism
+    divide the norms' activations by tp). backward: dx = reduce_scatter(dy W), dW = dy^T gather_seq(x).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(_gather_seq(x, group), weight)  # (b, s, out/tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        total = _gather_seq(x, ctx.group)  # (b, s, in), gathered again
+        grad_x = _reduce_scatter_seq(grad.matmul(weight), ctx.group)  # (b, s/tp, in)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
+        return grad_x, grad_w, None
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """F.linear(gather_from_sp(x), weight), saving only the sequence block x for backward."""
+    return torch.nn.functional.linear(x, weight) if _size(group) == 1 else _GatheredLinear.apply(x, weight, group)
