@@ -105,7 +105,11 @@ RULES = [
         "data.val_fraction=0.0 leaves no validation data",
         "data.val_fraction=0.005",
     ),
-    (["schedule.sequence_parallel=true"], "schedule.sequence_parallel=true needs mesh.tp > 1", "mesh=tp2"),
+    (
+        ["schedule.sequence_parallel=true", "mesh=single"],
+        "schedule.sequence_parallel=true needs mesh.tp > 1",
+        "mesh=tp2",
+    ),
     (
         ["schedule.sequence_parallel=true", "mesh=tp4", "model.seq_len=66"],
         "model.seq_len=66 must be divisible by mesh.tp=4",
