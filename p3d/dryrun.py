@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p3d.config.schema import Launcher
+from p3d.config.schema import Launcher, Recompute
 from p3d.dist.mesh import Mesh
 from p3d.model.geometry import total_params
 from p3d.model.pipe import build_layer_specs
@@ -123,7 +123,14 @@ def dry_run(cfg, plan) -> DryRunReport:
     for pp in range(plan.pp):
         for tp in range(plan.tp):
             mesh = Mesh.from_plan(plan, dims.rank_of(0, pp, tp))
-            specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
+            specs = build_layer_specs(
+                cfg.model,
+                plan.padded_vocab_size,
+                mesh,
+                cfg.train.seed,
+                sequence_parallel=cfg.schedule.sequence_parallel,
+                recompute_attention=cfg.schedule.recompute == Recompute.selective,
+            )
             n = pad = owned = 0
             built_tied: set[str] = set()
             with torch.device("meta"):

@@ -106,8 +106,16 @@ RULES = [
         "data.val_fraction=0.0 leaves no validation data",
         "data.val_fraction=0.005",
     ),
-    (["schedule.recompute=selective"], "schedule.recompute=selective", "schedule.recompute=full"),
-    (["schedule.sequence_parallel=true"], "schedule.sequence_parallel=true", "sequence_parallel=false"),
+    (
+        ["schedule.sequence_parallel=true", "mesh=single"],
+        "schedule.sequence_parallel=true needs mesh.tp > 1",
+        "mesh=tp2",
+    ),
+    (
+        ["schedule.sequence_parallel=true", "mesh=tp4", "model.seq_len=66"],
+        "model.seq_len=66 must be divisible by mesh.tp=4",
+        "model.seq_len=64",
+    ),
     (["schedule.virtual_stages=2"], "schedule.virtual_stages=2", "schedule.virtual_stages=1"),
     (["model.arch=gpt"], "model.arch=gpt", "model.arch=llama"),
     (["data=files"], "data.path", ""),

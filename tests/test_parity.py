@@ -35,6 +35,15 @@ CASES = {
     "tp2_pp2-tied": ["mesh=tp2_pp2", "model.tie_embeddings=true"],
     "pp2-recompute": ["mesh=pp2", "schedule=recompute"],
     "tp4-padded-vocab": ["mesh=tp4", "model.vocab_size=258"],  # 258 -> 260 rows: padding masked
+    # sequence parallelism (the stages exchange (b, s/tp, h) blocks) and selective recompute
+    "tp2-sp": ["mesh=tp2", "schedule.sequence_parallel=true"],
+    "tp4-sp": ["mesh=tp4", "schedule.sequence_parallel=true"],
+    "tp2_pp2-sp": ["mesh=tp2_pp2", "schedule.sequence_parallel=true"],
+    "tp2_pp2-tied-sp": ["mesh=tp2_pp2", "model.tie_embeddings=true", "schedule.sequence_parallel=true"],
+    "dp2_pp2_tp2-zero1-sp": ["mesh=dp2_pp2_tp2", "zero=stage1", "schedule.sequence_parallel=true"],
+    "single-selective": ["mesh=single", "schedule.recompute=selective"],
+    "tp2_pp2-selective": ["mesh=tp2_pp2", "schedule.recompute=selective"],
+    "dp2_pp2_tp2-sp-selective": ["mesh=dp2_pp2_tp2", "schedule.sequence_parallel=true", "schedule.recompute=selective"],
 }
 MODEL_KEYS = ("model.", "train.", "data.")  # overrides that change the reference; mesh ones must not
 

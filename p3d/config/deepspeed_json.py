@@ -25,6 +25,13 @@ def deepspeed_config(cfg, plan) -> dict:
             if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 1
             else {}
         ),
+        # With sequence parallelism each tp rank already sends its own (b, s/tp, h) block between stages;
+        # DeepSpeed's pipe partitioning (on by default with tp > 1) would split that block again over tp
+        # and all-gather it on the receiving stage.
+        "pipeline": {
+            "pipe_partitioned": not cfg.schedule.sequence_parallel,
+            "grad_partitioned": not cfg.schedule.sequence_parallel,
+        },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -22,7 +22,7 @@ class Arch(Enum):
 
 class Recompute(Enum):
     none = "none"
-    selective = "selective"  # attention core only; modelled by the planner, not built by the trainer
+    selective = "selective"  # RoPE + attention core recomputed in backward (torch.utils.checkpoint)
     full = "full"
 
 
@@ -124,7 +124,7 @@ class ScheduleConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all dp replicas
     recompute: Recompute = Recompute.none
     partition: Partition = Partition.blocks
-    sequence_parallel: bool = False  # planner only for now
+    sequence_parallel: bool = False  # split the sequence over tp outside the TP regions (needs tp > 1)
     virtual_stages: int = 1  # interleaved 1F1B degree; planner only for now
 
 

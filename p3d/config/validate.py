@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import cast
 
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition, Recompute
+from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition
 from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
 from p3d.parallel_dims import ParallelDims, resolve_dp
 
@@ -236,22 +236,29 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
             f"than mesh.pp={pp} stages: 1F1B needs at least pp to fill the pipeline; "
             f"try schedule.global_batch_size={per_round * pp}"
         )
-    if s.recompute == Recompute.selective:
-        raise P3DConfigError(
-            "schedule.recompute=selective is modelled by p3d-plan but not built by the trainer; "
-            "try schedule.recompute=full or schedule.recompute=none"
-        )
-    if s.sequence_parallel:
-        raise P3DConfigError(
-            "schedule.sequence_parallel=true is modelled by p3d-plan but not built by the trainer; "
-            "try schedule.sequence_parallel=false"
-        )
     if s.virtual_stages != 1:
         raise P3DConfigError(
             f"schedule.virtual_stages={s.virtual_stages}: the trainer runs DeepSpeed's plain 1F1B "
             "(interleaving is modelled by p3d-plan only); try schedule.virtual_stages=1"
         )
     return micro_batches
+
+
+def check_sequence_parallel(cfg: Config, tp: int) -> None:
+    """Sequence parallelism splits the sequence over the tp group: it needs one, and equal blocks."""
+    if not cfg.schedule.sequence_parallel:
+        return
+    if tp == 1:
+        raise P3DConfigError(
+            "schedule.sequence_parallel=true needs mesh.tp > 1 (it splits the sequence over the tp group); "
+            "try schedule.sequence_parallel=false or mesh=tp2"
+        )
+    seq = cfg.model.seq_len
+    if seq % tp:
+        raise P3DConfigError(
+            f"model.seq_len={seq} must be divisible by mesh.tp={tp} with schedule.sequence_parallel=true; "
+            f"try model.seq_len={max(tp, seq // tp * tp)}"
+        )
 
 
 def check_zero(cfg: Config, pp: int) -> None:
@@ -303,6 +310,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     check_mesh(cfg, tp, pp)
     world, dp = _world_size(cfg, tp, pp)
     micro_batches = check_schedule(cfg, dp, pp)
+    check_sequence_parallel(cfg, tp)
     check_zero(cfg, pp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)

@@ -5,6 +5,12 @@ Attention: q|k|v is one column-parallel matmul (each of q, k, v split by heads, 
 whole heads and the GQA pairing of its query heads with its kv heads), the output projection is
 row-parallel: one all-reduce forward and one backward per attention. The MLP likewise:
 gate|up column-parallel, down row-parallel.
+
+Sequence parallelism (``sequence_parallel``): between the TP regions (norms, residual adds) every
+tensor is this rank's block of the sequence, (b, s/tp, h); q|k|v and gate|up all-gather it, o and
+down reduce-scatter back to it. The norm weights stay replicated; each rank sees s/tp tokens, so their
+gradients are summed over tp. Selective recompute (``recompute_attention``): RoPE and the attention
+core run under ``torch.utils.checkpoint`` and are recomputed in backward; q|k|v and the output stay.
 """
 
 from __future__ import annotations
@@ -14,22 +20,29 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from p3d.tp.layers import ColumnParallelLinear, RowParallelLinear, on_meta
+from p3d.tp.mappings import copy_to_tp
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32. Replicated over tp (identical grads)."""
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32. Replicated over tp (identical grads).
 
-    def __init__(self, dim: int, eps: float):
+    ``sp_group``: the tp group when x is a sequence block (sequence parallelism); the weight then
+    enters through copy_to_tp, so its gradient, partial over the tokens of this rank, is summed over tp.
+    """
+
+    def __init__(self, dim: int, eps: float, sp_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.sp_group = eps, sp_group
         self.weight = nn.Parameter(torch.empty(dim) if on_meta() else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        weight = self.weight if self.sp_group is None else copy_to_tp(self.weight, self.sp_group)
+        return xf.to(x.dtype) * weight
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +59,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def _attention_core(q, k, v, rope_theta: float, gqa: bool) -> torch.Tensor:
+    """RoPE on q, k (b, heads, s, hd) and causal SDPA: the part selective recompute repeats."""
+    cos, sin = rope_cos_sin(q.shape[2], q.shape[3], rope_theta, q.device, q.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (b, nh/tp, s, hd)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, mesh, prefix: str, seed: int):
+    def __init__(self, cfg, mesh, prefix: str, seed: int, sequence_parallel: bool = False, recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         self.head_dim = hd = cfg.hidden_size // cfg.n_heads
         self.local_heads = cfg.n_heads // mesh.tp
         self.local_kv_heads = cfg.n_kv_heads // mesh.tp
@@ -61,27 +82,31 @@ class Attention(nn.Module):
             [f"{prefix}.wq", f"{prefix}.wk", f"{prefix}.wv"],
             cfg.init_std,
             seed,
+            sequence_parallel=sequence_parallel,
         )
-        self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.hidden_size, mesh, f"{prefix}.wo", out_std, seed)
+        self.wo = RowParallelLinear(
+            cfg.n_heads * hd, cfg.hidden_size, mesh, f"{prefix}.wo", out_std, seed, sequence_parallel=sequence_parallel
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.wqkv.split_output(self.wqkv(x))  # (b, s, nh/tp*hd), (b, s, nkv/tp*hd) x 2
+        qkv = self.wqkv(x)  # (b, s, (nh + 2 nkv)/tp * hd): the whole sequence, also with SP
+        b, s, _ = qkv.shape
+        q, k, v = self.wqkv.split_output(qkv)  # (b, s, nh/tp*hd), (b, s, nkv/tp*hd) x 2
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(s, self.head_dim, self.rope_theta, x.device, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
-        )  # (b, nh/tp, s, hd)
-        return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))  # (b, s, h)
+        args = (q, k, v, self.rope_theta, self.local_heads != self.local_kv_heads)
+        if self.recompute and torch.is_grad_enabled():
+            out = checkpoint(_attention_core, *args, use_reentrant=False)
+        else:
+            out = _attention_core(*args)
+        return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))  # (b, s or s/tp, h)
 
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate|up fused column-parallel (ffn/tp each), down row-parallel."""
 
-    def __init__(self, cfg, mesh, prefix: str, seed: int):
+    def __init__(self, cfg, mesh, prefix: str, seed: int, sequence_parallel: bool = False):
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.w_gate_up = ColumnParallelLinear(
@@ -91,8 +116,17 @@ class SwiGLU(nn.Module):
             [f"{prefix}.w_gate", f"{prefix}.w_up"],
             cfg.init_std,
             seed,
+            sequence_parallel=sequence_parallel,
         )
-        self.w_down = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, mesh, f"{prefix}.w_down", out_std, seed)
+        self.w_down = RowParallelLinear(
+            cfg.ffn_hidden_size,
+            cfg.hidden_size,
+            mesh,
+            f"{prefix}.w_down",
+            out_std,
+            seed,
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up.split_output(self.w_gate_up(x))  # (b, s, ffn/tp) each
@@ -100,15 +134,19 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). In and out: (b, s, h), replicated over tp."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). In and out: (b, s, h), replicated over tp;
+    with ``sequence_parallel`` (b, s/tp, h), this rank's block of the sequence."""
 
-    def __init__(self, cfg, mesh, layer_idx: int, seed: int):
+    def __init__(
+        self, cfg, mesh, layer_idx: int, seed: int, sequence_parallel: bool = False, recompute_attention: bool = False
+    ):
         super().__init__()
         prefix = f"block{layer_idx}"
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed)
+        sp_group = mesh.tp_group if sequence_parallel else None
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
+        self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
+        self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))

@@ -2,7 +2,8 @@
 
 Flat list (``p3d.config.validate.layer_names``):
     [embed, block0 .. block{L-1}, final_norm, head]   then loss_fn(logits, labels)
-Between stages flows one tensor: the hidden states (b, s, h), replicated over the TP group.
+Between stages flows one tensor: the hidden states (b, s, h), replicated over the TP group; with
+sequence parallelism this rank's block of the sequence, (b, s/tp, h), so p2p bytes fall by tp.
 The first stage reads token ids (b, s); the loss reads labels (b, s) on the last stage.
 With tied embeddings, embed and head are one ``TiedLayerSpec`` (key "embed"): DeepSpeed keeps a
 copy on the first and on the last stage and all-reduces their gradients.
@@ -22,21 +23,30 @@ from p3d.tp.layers import ColumnParallelLinear, VocabParallelEmbedding
 
 
 class EmbeddingPipe(VocabParallelEmbedding):
-    def __init__(self, cfg, padded_vocab_size: int, mesh, seed: int):
-        super().__init__(cfg.vocab_size, padded_vocab_size, cfg.hidden_size, mesh, "embed", cfg.init_std, seed)
+    def __init__(self, cfg, padded_vocab_size: int, mesh, seed: int, sequence_parallel: bool = False):
+        super().__init__(
+            cfg.vocab_size, padded_vocab_size, cfg.hidden_size, mesh, "embed", cfg.init_std, seed, sequence_parallel
+        )
 
 
 class FinalNorm(RMSNorm):
-    def __init__(self, cfg):
-        super().__init__(cfg.hidden_size, cfg.norm_eps)
+    def __init__(self, cfg, sp_group=None):
+        super().__init__(cfg.hidden_size, cfg.norm_eps, sp_group)
 
 
 class HeadPipe(ColumnParallelLinear):
     """Untied output projection, split by vocab: (b, s, h) -> local logits (b, s, V_pad/tp)."""
 
-    def __init__(self, cfg, padded_vocab_size: int, mesh, seed: int):
+    def __init__(self, cfg, padded_vocab_size: int, mesh, seed: int, sequence_parallel: bool = False):
         super().__init__(
-            cfg.hidden_size, [cfg.vocab_size], mesh, ["head"], cfg.init_std, seed, padded_rows=[padded_vocab_size]
+            cfg.hidden_size,
+            [cfg.vocab_size],
+            mesh,
+            ["head"],
+            cfg.init_std,
+            seed,
+            padded_rows=[padded_vocab_size],
+            sequence_parallel=sequence_parallel,
         )
         rows = padded_vocab_size // mesh.tp
         real = max(0, min(rows, cfg.vocab_size - mesh.tp_rank * rows))
@@ -60,10 +70,21 @@ class VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start, self.vocab_size).mean()
 
 
-def build_layer_specs(cfg, padded_vocab_size: int, mesh, seed: int) -> list[LayerSpec]:
-    """cfg: ModelConfig. The specs of every layer; PipelineModule builds only this stage's."""
+def build_layer_specs(
+    cfg,
+    padded_vocab_size: int,
+    mesh,
+    seed: int,
+    sequence_parallel: bool = False,
+    recompute_attention: bool = False,
+) -> list[LayerSpec]:
+    """cfg: ModelConfig. The specs of every layer; PipelineModule builds only this stage's.
+
+    ``sequence_parallel``: split the sequence over tp outside the TP regions (schedule.sequence_parallel);
+    ``recompute_attention``: selective recompute of the attention core (schedule.recompute=selective)."""
+    sp = sequence_parallel and mesh.tp > 1
     if cfg.tie_embeddings:
-        embed = TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, tied_weight_attr="weight")
+        embed = TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, sp, tied_weight_attr="weight")
         head = TiedLayerSpec(
             "embed",
             EmbeddingPipe,
@@ -71,14 +92,16 @@ def build_layer_specs(cfg, padded_vocab_size: int, mesh, seed: int) -> list[Laye
             padded_vocab_size,
             mesh,
             seed,
+            sp,
             tied_weight_attr="weight",
             forward_fn=tied_head_forward,
         )
     else:
-        embed = LayerSpec(EmbeddingPipe, cfg, padded_vocab_size, mesh, seed)
-        head = LayerSpec(HeadPipe, cfg, padded_vocab_size, mesh, seed)
-    blocks = [LayerSpec(TransformerBlock, cfg, mesh, i, seed) for i in range(cfg.n_layers)]
-    return [embed, *blocks, LayerSpec(FinalNorm, cfg), head]
+        embed = LayerSpec(EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, sp)
+        head = LayerSpec(HeadPipe, cfg, padded_vocab_size, mesh, seed, sp)
+    blocks = [LayerSpec(TransformerBlock, cfg, mesh, i, seed, sp, recompute_attention) for i in range(cfg.n_layers)]
+    final_norm = LayerSpec(FinalNorm, cfg, mesh.tp_group if sp else None)
+    return [embed, *blocks, final_norm, head]
 
 
 class P3DPipelineModule(PipelineModule):
@@ -134,10 +157,12 @@ class SequentialModel(nn.Module):
         return self.loss_fn(self(ids), labels)
 
 
-def to_sequential(cfg, padded_vocab_size: int, seed: int, mesh=None) -> SequentialModel:
+def to_sequential(
+    cfg, padded_vocab_size: int, seed: int, mesh=None, recompute_attention: bool = False
+) -> SequentialModel:
     """The single-process twin of the pipeline (mesh defaults to one rank with no groups)."""
     from p3d.dist.mesh import Mesh
 
     mesh = mesh or Mesh(tp=1, pp=1, dp=1)
-    specs = build_layer_specs(cfg, padded_vocab_size, mesh, seed)
+    specs = build_layer_specs(cfg, padded_vocab_size, mesh, seed, recompute_attention=recompute_attention)
     return SequentialModel(specs, VocabParallelLoss(cfg, padded_vocab_size, mesh))

@@ -25,9 +25,13 @@ what the p3d model saves for backward, checked against torch's saved-tensor hook
     gpt block    Korthikanti et al. (2022), Eq. 2 with c bytes: (4 c + 2) h replicated
                  + c (2 q + 2 kv + 2 f) / t + (2 c + 1) a s / t  (softmax, dropout mask and output)
 
-Sequence parallelism divides the replicated terms (norms, residual-side tensors) by t too.
-Without flash attention a llama also keeps the (a/t) s x s probabilities; selective recompute
-drops the attention core (probabilities, or the log-sum-exp); full recompute keeps only each
+Sequence parallelism divides the replicated terms (norms, residual-side tensors) by t too: p3d's
+column-parallel layers keep only the (b, s/t, h) block of their input and all-gather it again in
+backward (p3d.tp.mappings.gathered_linear). Without flash attention a llama also keeps the (a/t) s x s
+probabilities; selective recompute drops the attention core (probabilities, or the log-sum-exp), and
+in a llama also RoPE (rotated q and k, cos and sin, recomputed with the core under
+torch.utils.checkpoint): the block keeps c (2 q + 2 kv) / t per token of attention, q|k|v and the
+output (measured, tests/plan/test_plan_sp_activations.py); full recompute keeps only each
 block's input (c h, / t with sequence parallelism) plus one block's full set while it recomputes.
 First stage: token ids (8 bytes/token, + a 1-byte mask with tp > 1). Last stage: the final norm,
 the saved fp32 softmax of the vocab-parallel cross entropy (4 V_pad / t) and its int64 / bool
@@ -99,10 +103,12 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None)
         return b * s * c * h / sp
     if m.arch == Arch.llama:
         per_token = 2 * _norm_bytes(cfg) / sp + c * 4 * f / t
+        if recompute == Recompute.selective:  # RoPE + attention core recomputed: q|k|v and the output stay
+            return b * s * (per_token + c * (2 * q + 2 * kv) / t)
         if flash:
-            per_token += c * (3 * q + 3 * kv) / t + (0 if recompute == Recompute.selective else 4 * a / t)
+            per_token += c * (3 * q + 3 * kv) / t + 4 * a / t
         else:  # math attention: no log-sum-exp, a contiguous output copy, and the probabilities
-            per_token += c * (4 * q + 3 * kv) / t + (0 if recompute == Recompute.selective else c * a * s / t)
+            per_token += c * (4 * q + 3 * kv) / t + c * a * s / t
         return b * s * per_token + 2 * s * (h // a) * c
     per_token = (4 * c + 2) * h / sp + c * (2 * q + 2 * kv + 2 * f) / t
     if recompute != Recompute.selective:

@@ -35,7 +35,14 @@ KILL_ENV = "P3D_TEST_KILL_AT"
 
 
 def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
-    specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
+    specs = build_layer_specs(
+        cfg.model,
+        plan.padded_vocab_size,
+        mesh,
+        cfg.train.seed,
+        sequence_parallel=cfg.schedule.sequence_parallel,
+        recompute_attention=cfg.schedule.recompute == Recompute.selective,
+    )
     recompute = cfg.schedule.recompute == Recompute.full
     return P3DPipelineModule(
         specs,
