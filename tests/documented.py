@@ -72,6 +72,9 @@ CASES: dict[str, Case] = {
     "p3d-train mesh=tp2_pp2 train.steps=200": Case("run"),
     "p3d-train mesh=dp2_pp2_tp2 zero=stage1": Case("run"),
     "p3d-train model=small mesh=pp4 schedule=recompute": Case("run", extra=(*SMALL, "model.seq_len=128")),
+    "p3d-train model=small mesh=tp2_pp2 schedule.sequence_parallel=true schedule.recompute=selective": Case(
+        "run", extra=(*SMALL, "model.seq_len=128")
+    ),
     "p3d-train data=files data.path='/data/*.jsonl'": Case(
         "refused", expect=r"^p3d: (config|input) error: data.path=/data/\*.jsonl .*matches no file"
     ),
