@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from p3d.dist.mesh import Mesh
+from p3d.parallel_dims import ParallelDims
 from tests.conftest import p3d_train
 from tests.multinode.conftest import client_env
 from tests.multinode.test_two_nodes import hosts_of, losses, placements
@@ -46,7 +46,7 @@ def test_p3d_train_cluster_nodes_2_submits_a_two_node_job(two_nodes, tmp_path):
     assert "srun 4 tasks (2 node(s) x 2)" in log, log[-3000:]
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     host = {rank: p[0] for rank, p in placements(run_dir).items()}
-    mesh = Mesh(tp=2, pp=1, dp=2, procs_per_node=2)
+    mesh = ParallelDims(tp=2, pp=1, dp=2, procs_per_node=2)
     assert host == {r: ("n1", "n2")[mesh.node_of(r)] for r in range(4)}
     assert all(len(h) == 1 for h in hosts_of(mesh.tp_ranks(), host)), host
     assert all(len(h) == 2 for h in hosts_of(mesh.dp_ranks(), host)), host

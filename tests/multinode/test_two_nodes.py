@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from p3d.dist.mesh import Mesh
 from p3d.metrics import read_metrics
+from p3d.parallel_dims import ParallelDims
 from p3d.train import checkpoint
 from tests.conftest import ROOT, p3d_train
 from tests.multinode.conftest import client_env
@@ -92,7 +92,7 @@ def test_two_node_job_reproduces_single_node_losses_and_places_ranks_as_the_mesh
 
     placed = placements(run_dir)
     assert sorted(placed) == list(range(8))
-    mesh = Mesh(tp=2, pp=2, dp=2, procs_per_node=4)
+    mesh = ParallelDims(tp=2, pp=2, dp=2, procs_per_node=4)
     host = {rank: p[0] for rank, p in placed.items()}
     assert set(host.values()) == {"n1", "n2"}
     for rank, (h, dp, pp, tp, local) in placed.items():
@@ -114,7 +114,7 @@ def test_dry_run_in_a_two_node_allocation_prints_each_ranks_host(two_nodes, tmp_
     text = out.read_text()
     assert "node i is host i of the allocation: n1 n2" in text, text[-3000:]
     rows = re.findall(r"rank\s+(\d+): dp\s+(\d+) pp\s+(\d+) tp\s+(\d+) -> node\s+(\d+) \((\w+)\)", text)
-    mesh = Mesh(tp=2, pp=2, dp=2, procs_per_node=4)
+    mesh = ParallelDims(tp=2, pp=2, dp=2, procs_per_node=4)
     expected = [(r, *mesh.coords_of(r), mesh.node_of(r), ("n1", "n2")[mesh.node_of(r)]) for r in range(8)]
     assert [(int(r), int(d), int(p), int(t), int(n), h) for r, d, p, t, n, h in rows] == expected, text
 
