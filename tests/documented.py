@@ -54,8 +54,7 @@ class Case:
 def argv_of(command: str, tmp: Path) -> tuple[dict[str, str], list[str]]:
     """(environment assignments, argv) of a documented line, with the paths that only exist on the
     reader's cluster mapped into ``tmp`` and the repository's recipes addressed from any directory."""
-    command = command.replace("/shared/runs/", f"{tmp}/shared/runs/")
-    words = shlex.split(command)
+    words = [w.replace("/shared/runs/", f"{tmp}/shared/runs/") for w in shlex.split(command)]
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
         key, _, value = words.pop(0).partition("=")
