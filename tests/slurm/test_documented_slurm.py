@@ -25,7 +25,7 @@ def test_documented_slurm_line(slurm_cluster, command, tmp_path):
         slurm_cluster.env = user_env(env)
         job = slurm_cluster.sbatch(*argv[1:], *extra, cwd=cwd)
         state = slurm_cluster.wait(job, timeout=600)
-        log = (cwd / f"slurm-{job}.out").read_text()
+        log = next(cwd.glob(f"*-{job}.out")).read_text()  # the recipe names it <job name>-<job id>.out
         assert state == "COMPLETED", log[-3000:]
         points = 1
     else:
