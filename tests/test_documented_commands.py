@@ -119,7 +119,7 @@ def check_export(cwd: Path) -> None:
     done = run_line(bare, cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (cwd / "hf" / "run1" / "config.json").is_file()
-    step = max(int(p.name.split("-")[-1]) for p in (cwd / "outputs" / "run1" / "checkpoints").glob("step-*"))
+    step = max(int(p.name.split("_")[-1]) for p in (cwd / "outputs" / "run1" / "checkpoints").glob("step_*"))
     every = f"{bare} step={step} max_shard_gb=5 overwrite=true"
     done = run_line(every, cwd)
     assert done.returncode == 0, done.stderr[-3000:]
