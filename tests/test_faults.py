@@ -53,10 +53,12 @@ def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def _state(ckpt: Path) -> dict[str, torch.Tensor]:
     """Parameters and optimizer states (master weights, Adam moments, step counts) of a checkpoint."""
+    from safetensors.torch import load_file
+
     state = {}
-    for f in sorted(ckpt.rglob("*.pt")):
+    for f in sorted(ckpt.rglob("*.safetensors")):  # every rank's share (p3d/train/ckpt_files.py)
         if f.parts[-2] in ("model", "optim"):
-            state.update(_tensors(torch.load(f, weights_only=False), f"{f.parent.name}/{f.name}"))
+            state.update(_tensors(load_file(f), f"{f.parent.name}/{f.name}"))
     assert state, f"no model/optim files in {ckpt}"
     return state
 
