@@ -3,6 +3,7 @@
 #   make test    create the environment if missing, then run the whole test suite
 #   make test-fast   the in-process tests only (no worker, no p3d-train, no Slurm job): a few minutes
 #   make lint    ruff (lint + format check) and mypy
+#   make gpu-check   the GPU path on a CUDA machine (docs/gpu.md); a dry mode anywhere else
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.p3d-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast lint format bench dry-run clean
+.PHONY: install train test test-fast lint format bench dry-run gpu-check clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +44,11 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+
+# On a machine with CUDA GPUs: train, measure and write docs/gpu.md (bench/gpu_check.py); without
+# one: a dry mode that checks each step's config. Needs no venv on a GPU machine (bench/gpu_check.sh).
+gpu-check:
+	bash bench/gpu_check.sh $(ARGS)
 
 dry-run: $(STAMP)
 	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b dry_run=true

@@ -140,6 +140,7 @@ CASES: dict[str, Case] = {
     "make bench": Case("not_here", expect="a benchmark (minutes of timing), never a test"),
     ".venv/bin/python bench/overhead_breakdown.py": Case("not_here", expect="a benchmark, never a test"),
     ".venv/bin/python bench/data.py": Case("not_here", expect="a benchmark, never a test"),
+    "make gpu-check": Case("not_here", expect="needs a CUDA GPU; its dry mode is tests/test_gpu_check.py"),
     # README: multi-node, on the two-node cluster of tests/multinode (the same lines, a few steps)
     "sbatch --nodes=2 --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=dp2_pp2_tp2 model=tiny": Case(
         "not_here", expect="tests/multinode/test_two_nodes.py runs it across two nodes"

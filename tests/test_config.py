@@ -157,6 +157,7 @@ def test_stage_bounds():
 @pytest.mark.parametrize(
     "model,published",
     [
+        ("llama3_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B (tied embeddings)
         ("llama2_7b", 6_738_415_616),  # meta-llama/Llama-2-7b-hf, safetensors total
         ("llama3_8b", 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
         ("llama70b", 70_553_706_496),  # meta-llama/Meta-Llama-3-70B ("70.6B")

@@ -1,0 +1,258 @@
+"""``make gpu-check``: the GPU path, checked in one command that fits a short device lease (issue 16).
+
+    make gpu-check                      # on a machine with CUDA GPUs: run every step, write docs/gpu.md
+    make gpu-check ARGS=--dry           # anywhere: say which steps would run and check their configs
+    .venv/bin/python bench/gpu_check.py --out /tmp/gpu --budget-s 480
+
+Steps (each in its own time limit; one that fails is reported and the next one runs):
+  a. ``mesh=single`` bf16 training of ``model=llama3_1b`` (16 layers, hidden 2048, 2k context) for 30
+     steps: tokens/s, MFU and HFU against the device's dense bf16 peak (and against the ~790 TFLOP/s a
+     bf16 8192^3 matmul reaches on an H200), peak allocated memory beside ``p3d-plan``'s prediction.
+  b. bf16 on the GPU against fp32 on the CPU: ``model=small`` (256-token context) for 20 steps on the
+     GPU, then the single-process fp32 reference (p3d.train.reference) of the same run spec on the
+     host's cores; every step's loss within ``BF16_RTOL``.
+  c. With two or more GPUs: the parity meshes on NCCL in fp32 against the same reference (tolerance
+     ``NCCL_RTOL``); with one GPU it says so and skips.
+  d. Writes the figures to docs/gpu.md (and to --out, so they come back from a device lease).
+
+Without a CUDA device (or with --dry) it prints that it found none and which steps it would run, and
+checks each step's config the way p3d-train would (``dry_run=true``) and p3d-plan's prediction, so a
+config error shows up here and not in the lease. Exit status: 0 every step that ran passed, 1 not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16_RTOL = 0.03  # per-step loss, bf16 (GPU) vs fp32 (CPU), 20 steps of model=small; CPU bf16 differs ~4e-3
+NCCL_RTOL = 1e-4  # fp32 on GPUs (TF32 off) vs fp32 on the CPU, 10 steps
+MATMUL_CEILING_TFLOPS = {"h200": 790.0}  # bf16 8192^3 matmul measured on the lent H200 (shared notes)
+PRESETS = (("H200", "h200"), ("H100", "h100_sxm"), ("B200", "b200"), ("A100", "a100_80gb"))
+
+THROUGHPUT = ["model=llama3_1b", "mesh=single", "schedule.micro_batch_size=4", "schedule.global_batch_size=32"]
+BF16_SMALL = ["model=small", "model.seq_len=256", "mesh=single", "schedule.micro_batch_size=4"]
+BF16_SMALL += ["schedule.global_batch_size=16", "train.dtype=bf16"]
+PARITY_MESHES = {"dp2": 2, "tp2": 2, "pp2": 2, "tp2_pp2": 4, "dp2_pp2_tp2": 8}
+
+
+@dataclass
+class Step:
+    name: str
+    what: str
+    figures: dict = field(default_factory=dict)
+    status: str = "not run"  # passed, failed: <why>, skipped: <why>, dry: config ok
+
+
+def env_python() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def p3d(module: str, args: list[str], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", module, *args]
+    print("  $ " + " ".join(cmd[1:]), flush=True)
+    return subprocess.run(cmd, cwd=cwd, env=env_python(), capture_output=True, text=True, timeout=timeout)
+
+
+def tail(proc: subprocess.CompletedProcess, n: int = 6) -> str:
+    return " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-n:])
+
+
+def plan_of(overrides: list[str], cwd: Path) -> dict:
+    proc = p3d("p3d.plan.cli", [*overrides, "format=json"], 120, cwd)
+    if proc.returncode != 0:
+        raise RuntimeError(f"p3d-plan refused {' '.join(overrides)}: {tail(proc)}")
+    return json.loads(proc.stdout)
+
+
+def train(overrides: list[str], run_dir: Path, timeout: float, dry: bool) -> list[dict]:
+    args = [*overrides, f"run.dir={run_dir}", "logger=none", "train.save_every=0", "train.eval_every=0"]
+    proc = p3d("p3d.cli", [*args, *(["dry_run=true"] if dry else [])], timeout, run_dir.parent)
+    if proc.returncode != 0:
+        raise RuntimeError(f"p3d-train exited {proc.returncode}: {tail(proc)}")
+    if dry:
+        return []
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def device_preset() -> tuple[str, str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "", "", 0
+    name = torch.cuda.get_device_name(0)
+    preset = next((p for key, p in PRESETS if key in name.upper()), "h100_sxm")
+    return name, preset, torch.cuda.device_count()
+
+
+def step_throughput(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float) -> None:
+    overrides = [*THROUGHPUT, *gpu]
+    plan = plan_of(overrides, out)
+    step.figures["predicted_peak_gb"] = round(plan["memory_gb"]["total"], 2)
+    step.figures["predicted_mfu"] = round(plan["mfu"], 3)
+    records = train([*overrides, "train.steps=30"], out / "a_throughput", timeout, dry)
+    if dry:
+        return
+    kept = records[5:]  # the first steps include CUDA context, allocator warm-up and autotuning
+    peak_tflops = records[0]["tflops_per_device"] / records[0]["mfu"]
+    mfu = statistics.median(r["mfu"] for r in kept)
+    hfu_over_mfu = plan["hfu"] / plan["mfu"]  # recompute's extra forward, as the planner counts it
+    ceiling = MATMUL_CEILING_TFLOPS.get(gpu[0].split("=")[1])
+    step.figures.update(
+        tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in kept)),
+        tflops_per_gpu=round(mfu * peak_tflops, 1),
+        mfu=round(mfu, 3),
+        hfu=round(mfu * hfu_over_mfu, 3),
+        mfu_of_matmul_ceiling=round(mfu * peak_tflops / ceiling, 3) if ceiling else None,
+        peak_allocated_gb=round(max(r.get("peak_mem_gb", 0.0) for r in records), 2),
+        steps=len(records),
+    )
+
+
+def step_bf16(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float) -> None:
+    run_dir = out / "b_bf16"
+    records = train([*BF16_SMALL, *gpu, "train.steps=20"], run_dir, timeout, dry)
+    if dry:
+        return
+    import torch
+
+    from p3d.config.spec import read_spec
+    from p3d.train.reference import reference_run
+
+    cfg, _ = read_spec(run_dir)
+    torch.set_num_threads(os.cpu_count() or 1)
+    with torch.device("cpu"):
+        ref = reference_run(cfg)  # fp32: to_sequential's parameters are fp32 whatever train.dtype says
+    rel = [abs(r["loss"] - q["loss"]) / abs(q["loss"]) for r, q in zip(records, ref, strict=True)]
+    step.figures.update(max_rel_loss_diff=float(f"{max(rel):.3g}"), tolerance=BF16_RTOL, steps=len(rel))
+    step.figures.update(first_loss=round(records[0]["loss"], 4), last_loss=round(records[-1]["loss"], 4))
+    if max(rel) > BF16_RTOL:
+        raise RuntimeError(f"bf16 loss off the fp32 reference by {max(rel):.3g} > {BF16_RTOL} (relative)")
+
+
+def step_nccl(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float, n_gpus: int) -> None:
+    meshes = [m for m, world in PARITY_MESHES.items() if world <= n_gpus] if not dry else list(PARITY_MESHES)
+    if not meshes:
+        step.status = f"skipped: {n_gpus} GPU; the parity meshes need 2 or more (they run on CPU/gloo in make test)"
+        return
+    worst = 0.0
+    for mesh in meshes:
+        n = PARITY_MESHES[mesh]
+        over = [f"mesh={mesh}", "train.dtype=fp32", "train.steps=10", f"cluster.gpus_per_node={n}"]
+        records = train([*over, *gpu[:1]], out / f"c_{mesh}", timeout / len(meshes), dry)
+        if dry:
+            continue
+        import torch
+
+        from p3d.config.spec import read_spec
+        from p3d.train.reference import reference_run
+
+        cfg, _ = read_spec(out / f"c_{mesh}")
+        torch.set_num_threads(os.cpu_count() or 1)
+        ref = reference_run(cfg)
+        rel = max(abs(r["loss"] - q["loss"]) / abs(q["loss"]) for r, q in zip(records, ref, strict=True))
+        step.figures[mesh] = float(f"{rel:.3g}")
+        worst = max(worst, rel)
+    if not dry and worst > NCCL_RTOL:
+        raise RuntimeError(f"a mesh on NCCL is off the reference by {worst:.3g} > {NCCL_RTOL}")
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "deepspeed", "hydra-core", "omegaconf", "datasets"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def write_docs(path: Path, device: str, n_gpus: int, vers: dict, steps: list[Step]) -> None:
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# p3d on a GPU",
+        "",
+        f"Written by `make gpu-check` (bench/gpu_check.py) on {today}: {n_gpus} x {device}.",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".",
+        "",
+        "| step | what | status | figures |",
+        "| --- | --- | --- | --- |",
+    ]
+    for s in steps:
+        figs = ", ".join(f"{k} {v}" for k, v in s.figures.items())
+        lines.append(f"| {s.name} | {s.what} | {s.status} | {figs} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry", action="store_true", help="check the steps' configs; run nothing on a GPU")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out", help="run dirs and gpu.md")
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "gpu.md"), help="where the table goes (GPU runs)")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="time for all steps together")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    vers = versions()
+    device, preset, n_gpus = device_preset()
+    dry = args.dry or not n_gpus
+    if not n_gpus:
+        print(f"gpu-check: no CUDA GPU found (torch {vers['torch']}); dry mode: no step runs on a GPU,")
+        print("gpu-check: each step's config is checked as p3d-train and p3d-plan would check it")
+    else:
+        print(f"gpu-check: {n_gpus} x {device} (preset cluster.device={preset}); " + ", ".join(vers.values()))
+    if missing := [k for k, v in vers.items() if v == "missing"]:
+        print(f"gpu-check: missing {', '.join(missing)}; build the wheels with bench/gpu_wheels.sh and carry .whl/")
+        return 1
+    gpu = [f"cluster.device={preset or 'h200'}", f"cluster.gpus_per_node={max(n_gpus, 1)}"]
+    steps = [
+        Step("a", "mesh=single bf16 llama3_1b (2k context), 30 steps: tokens/s, MFU, HFU, peak memory vs p3d-plan"),
+        Step("b", f"model=small bf16 on the GPU vs fp32 reference on the CPU, 20 steps, loss rtol {BF16_RTOL}"),
+        Step("c", f"parity meshes {', '.join(PARITY_MESHES)} on NCCL (those the GPUs hold), fp32, rtol {NCCL_RTOL}"),
+    ]
+    runs = [
+        lambda s, t: step_throughput(s, gpu, out, dry, t),
+        lambda s, t: step_bf16(s, gpu, out, dry, t),
+        lambda s, t: step_nccl(s, gpu, out, dry, t, n_gpus),
+    ]
+    deadline = time.monotonic() + args.budget_s
+    shares = (0.45, 0.35, 0.20)
+    for step, run, share in zip(steps, runs, shares, strict=True):
+        print(f"gpu-check step {step.name}: {step.what}", flush=True)
+        # a dry step only composes configs, slowly on a loaded CPU machine: no budget to keep there
+        limit = 600.0 if dry else max(30.0, min(share * args.budget_s, deadline - time.monotonic()))
+        t0 = time.monotonic()
+        try:
+            run(step, limit)
+            if step.status == "not run":
+                step.status = "dry: config ok" if dry else "passed"
+        except Exception as exc:  # a step that breaks is reported; the lease goes on to the next one
+            step.status = f"failed: {type(exc).__name__}: {exc}"
+        print(f"gpu-check step {step.name}: {step.status} ({time.monotonic() - t0:.0f} s) {step.figures}", flush=True)
+    (out / "gpu_check.json").write_text(json.dumps([s.__dict__ for s in steps], indent=2) + "\n")
+    if not dry:
+        write_docs(Path(args.docs), device, n_gpus, vers, steps)
+        write_docs(out / "gpu.md", device, n_gpus, vers, steps)
+        print(f"gpu-check: wrote {args.docs} and {out / 'gpu.md'}")
+    failed = [s.name for s in steps if s.status.startswith("failed")]
+    verdict = "failed: steps " + ", ".join(failed) if failed else "all steps passed" + (" (dry)" if dry else "")
+    print(f"gpu-check: {verdict}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
