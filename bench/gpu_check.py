@@ -5,6 +5,7 @@
     .venv/bin/python bench/gpu_check.py --out /tmp/gpu --budget-s 480
 
 Steps (each in its own time limit; one that fails is reported and the next one runs):
+  sdpa. The kernels p3d's attention core runs for llama3_1b's shapes in bf16 (profiled): flash expected.
   a. ``mesh=single`` bf16 training of ``model=llama3_1b`` (16 layers, hidden 2048, 2k context) for 30
      steps: tokens/s, MFU and HFU against the device's dense bf16 peak (and against the ~790 TFLOP/s a
      bf16 8192^3 matmul reaches on an H200), peak allocated memory beside ``p3d-plan``'s prediction.
@@ -168,6 +169,29 @@ def step_nccl(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float, 
         raise RuntimeError(f"a mesh on NCCL is off the reference by {worst:.3g} > {NCCL_RTOL}")
 
 
+def step_sdpa(step: Step, dry: bool) -> None:
+    """Which kernel p3d's attention core runs for llama3_1b's shapes in bf16 (GQA 32/8, 2k): the flash one."""
+    if dry:
+        step.status = "dry: profiles p3d.model.llama's attention core on the GPU"
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from p3d.model.llama import _attention_core, rope_cos_sin
+
+    b, nh, nkv, s, hd = 4, 32, 8, 2048, 64
+    q = torch.randn(b, nh, s, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, nkv, s, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    cos, sin = rope_cos_sin(s, hd, 5e5, "cuda", torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _attention_core(q, k, v, cos, sin, True).sum().backward()
+        torch.cuda.synchronize()
+    kernels = sorted({e.key for e in prof.key_averages() if "attention" in e.key.lower() or "flash" in e.key.lower()})
+    step.figures["kernels"] = "; ".join(kernels)[:300]
+    if not any("flash" in name.lower() for name in kernels):
+        raise RuntimeError(f"SDPA did not run a flash kernel for these shapes: {kernels}")
+
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -220,17 +244,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     gpu = [f"cluster.device={preset or 'h200'}", f"cluster.gpus_per_node={max(n_gpus, 1)}"]
     steps = [
+        Step("sdpa", "the attention kernel of llama3_1b's shapes in bf16 (GQA 32/8, 2k): flash expected"),
         Step("a", "mesh=single bf16 llama3_1b (2k context), 30 steps: tokens/s, MFU, HFU, peak memory vs p3d-plan"),
         Step("b", f"model=small bf16 on the GPU vs fp32 reference on the CPU, 20 steps, loss rtol {BF16_RTOL}"),
         Step("c", f"parity meshes {', '.join(PARITY_MESHES)} on NCCL (those the GPUs hold), fp32, rtol {NCCL_RTOL}"),
     ]
     runs = [
+        lambda s, t: step_sdpa(s, dry),
         lambda s, t: step_throughput(s, gpu, out, dry, t),
         lambda s, t: step_bf16(s, gpu, out, dry, t),
         lambda s, t: step_nccl(s, gpu, out, dry, t, n_gpus),
     ]
     deadline = time.monotonic() + args.budget_s
-    shares = (0.45, 0.35, 0.20)
+    shares = (0.05, 0.45, 0.30, 0.20)
     for step, run, share in zip(steps, runs, shares, strict=True):
         print(f"gpu-check step {step.name}: {step.what}", flush=True)
         # a dry step only composes configs, slowly on a loaded CPU machine: no budget to keep there

@@ -22,7 +22,7 @@ def skip_cpu_shm_build() -> None:
     disable_cpu_shm_comm()
 
 
-def init_process_group(plan, rank: int, timeout_s: int) -> None:
+def init_process_group(plan, rank: int, timeout_s: int, tf32: bool = False) -> None:
     """gloo on CPU, nccl on GPUs; a file store when the local launcher gives one, else env://."""
     import torch
 
@@ -31,6 +31,9 @@ def init_process_group(plan, rank: int, timeout_s: int) -> None:
         skip_cpu_shm_build()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # train.tf32: fp32 matmuls (and convolutions) on tensor cores, 10-bit mantissa; bf16 runs do not care
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
     from p3d.dist.hang import COLLECTIVE_MARGIN_S
     from p3d.dist.rendezvous import join
 
@@ -77,7 +80,7 @@ def run(spec_path: str | Path, cfg=None, plan=None) -> int:
             f"(mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp})"
         )
     os.environ.setdefault("LOCAL_RANK", "0")
-    init_process_group(plan, rank, cfg.cluster.timeout_s)
+    init_process_group(plan, rank, cfg.cluster.timeout_s, cfg.train.tf32)
     log_placement(plan, rank)
     import torch.distributed as dist
 

@@ -41,6 +41,28 @@ def test_init_depends_on_seed_and_parameter_not_on_mesh():
         torch.testing.assert_close(head, a["layers.6.weight"].chunk(2, dim=0)[rank])
 
 
+def test_rope_tables_are_built_once_and_equal_the_per_forward_ones():
+    """Each attention holds cos/sin for positions 0..seq_len-1 as non-persistent buffers (issue 16):
+    the same numbers the forward used to compute every call, in fp32 and rounded once to bf16, never
+    in a state dict; a longer input than model.seq_len gets tables of its own length."""
+    from p3d.model.llama import Attention, rope_cos_sin
+
+    cfg = ModelConfig()
+    model = to_sequential(cfg, cfg.vocab_size, seed=3)
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    cos, sin = rope_cos_sin(cfg.seq_len, attn.head_dim, cfg.rope_theta, "cpu", torch.float32)
+    assert torch.equal(attn.rope_cos, cos) and torch.equal(attn.rope_sin, sin)
+    assert not any("rope" in k for k in model.state_dict())
+    assert torch.equal(
+        attn.rope_cos.to(torch.bfloat16),
+        rope_cos_sin(cfg.seq_len, attn.head_dim, cfg.rope_theta, "cpu", torch.bfloat16)[0],
+    )
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 8), generator=torch.Generator().manual_seed(0))
+    short = model(ids[:, : cfg.seq_len])
+    longer = model(ids)  # positions past the table: computed for this call, the first seq_len ones unchanged
+    torch.testing.assert_close(longer[:, : cfg.seq_len], short, rtol=0, atol=0)
+
+
 def _count_block_forwards(rank, world, recompute, counts):
     import deepspeed
 

@@ -38,6 +38,9 @@ _ADAMW = "AdamW's settings; its moments are kept"
 
 RULES: dict[str, tuple[Rule, str]] = {
     "model.*": (Rule.REFUSED, _SHAPE),
+    "model.compile": (Rule.CHANGES, "how the blocks run, not what they compute"),
+    "train.adamw_impl": (Rule.CHANGES, "which kernels run AdamW; its moments are kept"),
+    "train.tf32": (Rule.CHANGES, "the precision of fp32 matmuls of the steps to come (GPUs)"),
     "model.name": (Rule.QUIET, "a label; the shape fields decide what the model is"),
     "model.seq_len": (Rule.REFUSED, "the data position counts windows of model.seq_len + 1 tokens"),
     "model.init_std": (Rule.UNUSED, "only initialises a fresh run"),

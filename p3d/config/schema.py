@@ -37,6 +37,12 @@ class DType(Enum):
     bf16 = "bf16"
 
 
+class AdamWImpl(Enum):
+    default = "default"  # torch's choice: the foreach (multi-tensor) kernels where the tensors allow
+    foreach = "foreach"
+    fused = "fused"  # one fused kernel per parameter group (CUDA and CPU)
+
+
 class LRDecay(Enum):
     cosine = "cosine"
     linear = "linear"
@@ -107,6 +113,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix at init; output projections scaled by 1/sqrt(2 L)
     init_from: Optional[str] = None  # a HF Llama checkpoint dir: its config.json sets the shape, its weights the init
+    compile: bool = False  # torch.compile each transformer block (inductor; GPU and CPU)
 
 
 @dataclass
@@ -211,6 +218,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    adamw_impl: AdamWImpl = AdamWImpl.default  # default | foreach | fused: torch.optim.AdamW's kernels
+    tf32: bool = False  # GPUs: fp32 matmuls and convolutions in TF32 (no effect on CPU)
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 turns clipping off
     seed: int = 1234
     dtype: DType = DType.auto

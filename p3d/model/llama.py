@@ -15,6 +15,7 @@ core run under ``torch.utils.checkpoint`` and are recomputed in backward; q|k|v 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,6 +46,12 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * weight
 
 
+@functools.lru_cache(maxsize=8)
+def rope_table(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (s, hd) in fp32 on the CPU, computed once per shape: every block's buffers start from it."""
+    return rope_cos_sin(seq_len, head_dim, theta, "cpu", torch.float32)
+
+
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (s, hd), frequencies repeated over both halves (the HF Llama convention)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -59,9 +66,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def _attention_core(q, k, v, rope_theta: float, gqa: bool) -> torch.Tensor:
+def _attention_core(q, k, v, cos, sin, gqa: bool) -> torch.Tensor:
     """RoPE on q, k (b, heads, s, hd) and causal SDPA: the part selective recompute repeats."""
-    cos, sin = rope_cos_sin(q.shape[2], q.shape[3], rope_theta, q.device, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (b, nh/tp, s, hd)
 
@@ -74,6 +80,14 @@ class Attention(nn.Module):
         self.local_heads = cfg.n_heads // mesh.tp
         self.local_kv_heads = cfg.n_kv_heads // mesh.tp
         self.rope_theta = cfg.rope_theta
+        # RoPE tables for positions 0..seq_len-1, built once, not every forward. Buffers, so that they move
+        # and cast with the module (bf16 runs: the fp32 table rounded once, as computing it in bf16 did);
+        # not persistent: checkpoints and HF exports hold weights only.
+        cos, sin = rope_table(cfg.seq_len, hd, cfg.rope_theta)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", sin.clone(), persistent=False)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.wqkv = ColumnParallelLinear(
             cfg.hidden_size,
@@ -95,11 +109,16 @@ class Attention(nn.Module):
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        args = (q, k, v, self.rope_theta, self.local_heads != self.local_kv_heads)
+        if s <= self.rope_cos.shape[0]:
+            cos, sin = self.rope_cos[:s].to(q.dtype), self.rope_sin[:s].to(q.dtype)  # no copy when dtypes match
+        else:  # longer than model.seq_len (a caller's own inputs): computed for this length
+            cos, sin = rope_cos_sin(s, self.head_dim, self.rope_theta, q.device, q.dtype)
+        # cos, sin are bound, not passed: checkpoint keeps what it is passed, and the tables are the module's
+        core = functools.partial(_attention_core, cos=cos, sin=sin, gqa=self.local_heads != self.local_kv_heads)
         if self.recompute and torch.is_grad_enabled():
-            out = checkpoint(_attention_core, *args, use_reentrant=False)
+            out = checkpoint(core, q, k, v, use_reentrant=False)
         else:
-            out = _attention_core(*args)
+            out = core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))  # (b, s or s/tp, h)
 
 
@@ -147,6 +166,8 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
         self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed, sequence_parallel)
+        if cfg.compile:  # torch.compile of this block's forward (inductor: fused kernels on GPU and CPU alike)
+            self.compile()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))

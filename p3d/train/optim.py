@@ -112,6 +112,8 @@ def build_optimizer(module: torch.nn.Module, t: TrainConfig, mesh=None, clip_her
     """AdamW (+ our clipping when ``clip_here``) and its LambdaLR schedule."""
     groups = param_groups(module, t.weight_decay)
     kwargs: dict[str, Any] = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    if t.adamw_impl.value != "default":  # else torch picks (foreach where the tensors allow)
+        kwargs[t.adamw_impl.value] = True
     opt: torch.optim.AdamW
     if clip_here:
         opt = ClippedAdamW(groups, mesh, t.grad_clip, **kwargs)
