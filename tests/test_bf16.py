@@ -4,8 +4,9 @@ single-process reference, on ``single`` and ``dp2_pp2_tp2``, under ZeRO-0 and Ze
 What runs: DeepSpeed's bf16 path (bf16 weights and activations, fp32 master weights and Adam moments).
 Gradients accumulate over micro batches in fp32 with ZeRO-1 (``data_types.grad_accum_dtype=fp32``);
 with ZeRO-0 DeepSpeed's BF16_Optimizer accumulates them in bf16 (it allows nothing else), which the
-README says. Tolerance: every step's loss within ``LOSS_RTOL`` of fp32's (measured below 1e-2 here;
-bf16 keeps 8 bits of mantissa), and the curve must fall as fp32's does.
+README says. Tolerance: every step's loss within ``LOSS_RTOL`` = 3e-3 relative of fp32's (measured
+5.5e-4 to 6.0e-4 for all four cases, at step 9, 2026-11-30; bf16 keeps 8 bits of mantissa), and the
+curve must fall as fp32's does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.conftest import p3d_train, typed
 pytestmark = pytest.mark.procs  # every test here starts worker processes
 
 STEPS = 20
-LOSS_RTOL = 2e-2
+LOSS_RTOL = 3e-3
 COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2")
 CASES = {
     "single": ["mesh=single"],
