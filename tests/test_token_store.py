@@ -257,6 +257,36 @@ def test_slices_merged_give_the_windows_of_one_prepare(tmp_path, capsys):
     assert not (tmp_path / "p3").exists() and not (tmp_path / "p4").exists()
 
 
+def test_slices_on_slurm_are_checked_before_anything_is_submitted(tmp_path, capsys):
+    """prepare.slices=n cluster=slurm: each bad input is one line and nothing is written or submitted
+    (these are refused before Slurm is asked anything; tests/slurm/test_prepare_slurm.py submits)."""
+    from p3d.data.prepare_store import prepare_task
+    from p3d.dist.slurm_prepare import job_overrides
+    from tests.conftest import compose
+
+    for k in range(2):
+        _corpus(tmp_path / "c" / f"f{k}", 10, seed=k)
+    files = ("data=files", f"data.path={tmp_path}/c/*/docs.jsonl", f"prepare.out={tmp_path / 'out'}")
+    cases = [
+        ((*files, "prepare.slices=2"), "prepare.slices=2 submits a Slurm array job; add cluster=slurm"),
+        ((*files, "cluster=slurm"), "set prepare.slices"),
+        ((*files, "cluster=slurm", "prepare.slices=3"), "prepare.slices=3 is more than the 2 input files"),
+        ((*files, "cluster=slurm", "prepare.slices=2", "prepare.merge=true"), "drop prepare.shard and prepare.merge"),
+        ((*files, "cluster=slurm", "prepare.slices=0"), "prepare.slices=0"),
+        (("data=stdlib", f"prepare.out={tmp_path / 'out'}", "cluster=slurm", "prepare.slices=2"), "has none"),
+    ]
+    for args, message in cases:
+        assert prepare_task(compose(*args)) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, (args, err)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out" / "part-00000-of-00005").mkdir(parents=True)
+    assert prepare_task(compose(*files, "cluster=slurm", "prepare.slices=2")) == 2
+    assert "holds the parts of a prepare in 5 slices" in capsys.readouterr().err
+    given = ["data=files", "cluster=slurm", "cluster.time=5", "+cluster.x=1", "prepare.slices=2", "prepare.out=s"]
+    assert job_overrides(given) == ["data=files", "prepare.out=s"]
+
+
 def test_a_bpe_store_holds_the_streaming_windows_of_that_tokenizer(tmp_path):
     from p3d.data.train_tokenizer import train_bpe
 
