@@ -161,6 +161,30 @@ def test_a_mixture_reads_each_store_by_its_weight(mix_cfg):
     mine = samples.read(np.arange(1000))[store == 1]
     assert torch.equal(mine, single_b.read(own[store == 1]))  # store b's samples in b's own order, epochs and all
     assert own[store == 1].max() > single_b.sources[0].windows  # b (small) is in its second epoch already
+    epochs = samples.epochs_by_source(1000)  # metrics.jsonl's epochs_by_source: per store, its own windows
+    for k, name in enumerate(samples.names):
+        mine_k = own[store == k]  # the store's own indices 0, 1, ...: how many of its windows it gave
+        assert list(mine_k) == list(range(len(mine_k)))
+        assert epochs[name] == pytest.approx(len(mine_k) / samples.sources[k].windows, abs=1e-6)
+    assert epochs["b"] > 1 > epochs["s"] > 0
+
+
+def test_a_mixture_validates_on_each_stores_held_out_windows_blended_by_weight(tmp_path, files_store):
+    """train.eval_every with data.mix: sample j of the val set is the next held-out window (in the corpus
+    order, starting over when a store runs out) of the store the training blend gives sample j."""
+    out_c, _ = _store(tmp_path, "c", _corpus(tmp_path / "cc", 60, seed=11), "data.val_fraction=0.3")
+    cfg = DataConfig(source=DataSource.prepared, mix=[MixSource(str(files_store[0]), 0.6), MixSource(str(out_c), 0.4)])
+    val = validation_batches(cfg, SEQ, 10, 8)
+    assert len(val) == 8 and all(torch.equal(a, b) for a, b in zip(val, validation_batches(cfg, SEQ, 10, 8)))
+    rows = torch.cat(val)
+    source, own = Blend([0.6, 0.4]).locate(np.arange(80))
+    for k, out in enumerate((files_store[0], out_c)):
+        store = TokenStore(out)
+        windows = store.tokens("val") // (SEQ + 1)
+        want = [store.split("val").read(w * (SEQ + 1), (w + 1) * (SEQ + 1)) for w in own[source == k] % windows]
+        assert torch.equal(rows[torch.from_numpy(source == k)], torch.from_numpy(np.stack(want).astype(np.int64)))
+    train = {r.numpy().tobytes() for r in next(global_batches(cfg, SEQ, 2000, seed=0))}
+    assert not train & set(_rows(rows))  # held out: no val window is a training window
 
 
 # ---- bad input: one line each
