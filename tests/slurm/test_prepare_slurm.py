@@ -90,3 +90,28 @@ def test_a_partition_that_is_not_there_is_refused_before_submitting(slurm_cluste
     assert re.search(r"cluster.partition=nope .*: Slurm lists no nodes there", result.stderr), result.stderr
     assert not (tmp_path / "o").exists()
     assert run("squeue", "-h", "-n", f"{name}-prepare").stdout.strip() == ""
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_slice_cancels_the_merge(slurm_cluster, tmp_path):
+    """A slice whose job fails (here its cluster.setup line exits 3) leaves the merge never to run: Slurm
+    cancels it (--kill-on-invalid-dep) instead of keeping it pending; no manifest is written."""
+    for k in range(2):
+        _corpus(tmp_path / "c" / f"f{k}", 10, seed=k)
+    out = tmp_path / "o"
+    result = p3d_prepare(
+        "data=files",
+        f"data.path={tmp_path}/c/*/docs.jsonl",
+        f"prepare.out={out}",
+        "prepare.slices=2",
+        "cluster=slurm",
+        "cluster.time=5",
+        "cluster.setup=[exit 3]",
+        f"cluster.job_name=p3d-{uuid.uuid4().hex[:8]}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    array, merge = re.search(r"array job (\d+) .* merge job (\d+)", result.stdout).groups()
+    assert slurm_cluster.wait(merge, timeout=240) == "CANCELLED"
+    tasks = slurm_cluster.wait_accounted(array, runs=2)
+    assert [r["State"] for r in tasks] == ["FAILED", "FAILED"] and tasks[0]["ExitCode"] == "3:0", tasks
+    assert not (out / "manifest.json").exists()
