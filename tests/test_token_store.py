@@ -161,6 +161,30 @@ def test_a_mixture_reads_each_store_by_its_weight(mix_cfg):
     mine = samples.read(np.arange(1000))[store == 1]
     assert torch.equal(mine, single_b.read(own[store == 1]))  # store b's samples in b's own order, epochs and all
     assert own[store == 1].max() > single_b.sources[0].windows  # b (small) is in its second epoch already
+    epochs = samples.epochs_by_source(1000)  # metrics.jsonl's epochs_by_source: per store, its own windows
+    for k, name in enumerate(samples.names):
+        mine_k = own[store == k]  # the store's own indices 0, 1, ...: how many of its windows it gave
+        assert list(mine_k) == list(range(len(mine_k)))
+        assert epochs[name] == pytest.approx(len(mine_k) / samples.sources[k].windows, abs=1e-6)
+    assert epochs["b"] > 1 > epochs["s"] > 0
+
+
+def test_a_mixture_validates_on_each_stores_held_out_windows_blended_by_weight(tmp_path, files_store):
+    """train.eval_every with data.mix: sample j of the val set is the next held-out window (in the corpus
+    order, starting over when a store runs out) of the store the training blend gives sample j."""
+    out_c, _ = _store(tmp_path, "c", _corpus(tmp_path / "cc", 60, seed=11), "data.val_fraction=0.3")
+    cfg = DataConfig(source=DataSource.prepared, mix=[MixSource(str(files_store[0]), 0.6), MixSource(str(out_c), 0.4)])
+    val = validation_batches(cfg, SEQ, 10, 8)
+    assert len(val) == 8 and all(torch.equal(a, b) for a, b in zip(val, validation_batches(cfg, SEQ, 10, 8)))
+    rows = torch.cat(val)
+    source, own = Blend([0.6, 0.4]).locate(np.arange(80))
+    for k, out in enumerate((files_store[0], out_c)):
+        store = TokenStore(out)
+        windows = store.tokens("val") // (SEQ + 1)
+        want = [store.split("val").read(w * (SEQ + 1), (w + 1) * (SEQ + 1)) for w in own[source == k] % windows]
+        assert torch.equal(rows[torch.from_numpy(source == k)], torch.from_numpy(np.stack(want).astype(np.int64)))
+    train = {r.numpy().tobytes() for r in next(global_batches(cfg, SEQ, 2000, seed=0))}
+    assert not train & set(_rows(rows))  # held out: no val window is a training window
 
 
 # ---- bad input: one line each
@@ -255,6 +279,36 @@ def test_slices_merged_give_the_windows_of_one_prepare(tmp_path, capsys):
     assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p4'}", "prepare.shard=0/6")) == 2
     assert "gets no file (5 input files in 6 slices)" in capsys.readouterr().err
     assert not (tmp_path / "p3").exists() and not (tmp_path / "p4").exists()
+
+
+def test_slices_on_slurm_are_checked_before_anything_is_submitted(tmp_path, capsys):
+    """prepare.slices=n cluster=slurm: each bad input is one line and nothing is written or submitted
+    (these are refused before Slurm is asked anything; tests/slurm/test_prepare_slurm.py submits)."""
+    from p3d.data.prepare_store import prepare_task
+    from p3d.dist.slurm_prepare import job_overrides
+    from tests.conftest import compose
+
+    for k in range(2):
+        _corpus(tmp_path / "c" / f"f{k}", 10, seed=k)
+    files = ("data=files", f"data.path={tmp_path}/c/*/docs.jsonl", f"prepare.out={tmp_path / 'out'}")
+    cases = [
+        ((*files, "prepare.slices=2"), "prepare.slices=2 submits a Slurm array job; add cluster=slurm"),
+        ((*files, "cluster=slurm"), "set prepare.slices"),
+        ((*files, "cluster=slurm", "prepare.slices=3"), "prepare.slices=3 is more than the 2 input files"),
+        ((*files, "cluster=slurm", "prepare.slices=2", "prepare.merge=true"), "drop prepare.shard and prepare.merge"),
+        ((*files, "cluster=slurm", "prepare.slices=0"), "prepare.slices=0"),
+        (("data=stdlib", f"prepare.out={tmp_path / 'out'}", "cluster=slurm", "prepare.slices=2"), "has none"),
+    ]
+    for args, message in cases:
+        assert prepare_task(compose(*args)) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, (args, err)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out" / "part-00000-of-00005").mkdir(parents=True)
+    assert prepare_task(compose(*files, "cluster=slurm", "prepare.slices=2")) == 2
+    assert "holds the parts of a prepare in 5 slices" in capsys.readouterr().err
+    given = ["data=files", "cluster=slurm", "cluster.time=5", "+cluster.x=1", "prepare.slices=2", "prepare.out=s"]
+    assert job_overrides(given) == ["data=files", "prepare.out=s"]
 
 
 def test_a_bpe_store_holds_the_streaming_windows_of_that_tokenizer(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from p3d.data.store import TokenStore
 from p3d.metrics import read_metrics
 from p3d.train.reference import reference_run
 from tests.conftest import ROOT, p3d_train, typed
@@ -154,24 +155,36 @@ def test_store_resumes_exactly_and_under_another_dp(store, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_mixture_trains_like_the_reference_and_logs_tokens_per_store(store, tmp_path):
+def test_a_mixture_trains_and_validates_like_the_reference_and_logs_tokens_and_epochs_per_store(store, tmp_path):
     """A mixture of the stdlib store and a small files store on dp2: the reference's losses (the same
-    samples whatever the mesh), and metrics.jsonl's tokens_by_source follows the blend, step by step."""
+    samples whatever the mesh) and val losses (the blend of the stores' held-out windows, the same
+    batches), and metrics.jsonl's tokens_by_source and epochs_by_source follow the blend, step by step."""
     from tests.test_token_store import _corpus, _store
 
-    small, _ = _store(tmp_path, "small", _corpus(tmp_path / "c", 200, seed=1), "prepare.shard_bytes=4000")
+    small_corpus = _corpus(tmp_path / "c", 200, seed=1)
+    small, _ = _store(tmp_path, "small", small_corpus, "prepare.shard_bytes=4000", "data.val_fraction=0.2")
     mix = f"data.mix=[{{path:{store},weight:0.8}},{{path:{small},weight:0.2}}]"
-    r = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=dp2", "data=prepared", mix, *COMMON[1:], "train.steps=4")
+    args = ("data=prepared", mix, *COMMON[1:], "train.steps=4", "train.eval_every=2", "train.eval_batches=2")
+    r = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=dp2", *args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     got = read_metrics(tmp_path / "run")
-    cfg, _ = typed("mesh=single", "data=prepared", mix, *COMMON[1:], "train.steps=4")
+    cfg, _ = typed("mesh=single", *args)
     width = cfg.model.seq_len + 1
-    for x, y in zip(reference_run(cfg), got):
+    want = reference_run(cfg)
+    assert [g["step"] for g in got] == [x["step"] for x in want] == [1, 2, 3, 4]
+    assert [("val_loss" in g) for g in got] == [("val_loss" in x) for x in want] == [False, True, False, True]
+    for x, y in zip(want, got):
         assert y["loss"] == pytest.approx(x["loss"], rel=RTOL), x["step"]
+        if "val_loss" in x:
+            assert y["val_loss"] == pytest.approx(x["val_loss"], rel=RTOL), x["step"]
+    assert got[1]["val_loss"] != got[3]["val_loss"]  # evaluated on the model of that step
     for g in got:
         per = g["tokens_by_source"]
         assert sum(per.values()) == g["samples"] * width
         assert abs(per["small"] - 0.2 * g["samples"] * width) <= width, g  # within one sample of the weight
+        windows = {Path(x).name: TokenStore(x).tokens("train") // width for x in (store, small)}
+        for name, tokens in per.items():  # epochs of its own windows each store gave
+            assert g["epochs_by_source"][name] == pytest.approx(tokens / width / windows[name], abs=1e-6), g
 
 
 @pytest.mark.timeout(600)

@@ -265,6 +265,7 @@ class PrepareConfig:
     shard_bytes: int = 16_000_000  # text per shard (UTF-8 bytes, whole documents); the unit of work and of resume
     shard: Optional[str] = None  # "i/n": prepare slice i of n of the input files into <out>/part-i-of-n
     merge: bool = False  # write <out>/manifest.json over the n finished parts <out>/part-i-of-n
+    slices: Optional[int] = None  # with cluster=slurm: a Slurm array job of n prepare.shard=i/n tasks, then the merge
 
 
 @dataclass
@@ -373,6 +374,7 @@ BOUNDS: dict[str, Bound] = {
     "tokenizer.min_frequency": NON_NEGATIVE,
     "prepare.workers": AT_LEAST_1,
     "prepare.shard_bytes": AT_LEAST_1,
+    "prepare.slices": AT_LEAST_1,
     "plan.efficiency": Bound(0, 1, open_low=True),
     "plan.hbm_gbps": POSITIVE,
     "plan.top": AT_LEAST_1,

@@ -264,6 +264,10 @@ def prepare_task(cfg_node: DictConfig) -> int:
     try:
         cfg = typed_config(cfg_node, resolve_auto=False)
         out = absolute(cfg.prepare.out)
+        if cfg.prepare.slices is not None or cfg.cluster.launcher.value == "slurm":
+            from p3d.dist.slurm_prepare import submit_slices
+
+            return submit_slices(cfg, out)
         if cfg.prepare.merge:
             return merge_task(cfg, out)
         if cfg.prepare.shard:

@@ -8,7 +8,8 @@ mixture (``data.mix``) first asks :class:`p3d.data.order.Blend` which store samp
 index in that store's own order; each store counts its own epochs. Nothing is scanned: a rank reads
 the windows of its own micro batches through ``np.memmap``, whatever step it starts at.
 
-Validation: the held-out documents of each store, windows in order (epochs repeat), blended like training.
+Validation: the held-out documents of each store, windows in order (epochs repeat), blended like training:
+val sample j comes from the store the training blend gives sample j (the val loss weighs the stores alike).
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ class PreparedSamples:
         """Tokens each store gave to the first ``n`` samples (metrics.jsonl's ``tokens_by_source``), O(1)."""
         counts = self.blend.counts(n) if self.blend is not None else np.asarray([n])
         return {name: int(c) * self.width for name, c in zip(self.names, counts)}
+
+    def epochs_by_source(self, n: int) -> dict[str, float]:
+        """Epochs of its own windows each store gave to the first ``n`` samples (metrics.jsonl's
+        ``epochs_by_source``; its integer part is the epoch that store is in), O(1)."""
+        counts = self.blend.counts(n) if self.blend is not None else np.asarray([n])
+        return {name: round(int(c) / s.windows, 6) for name, c, s in zip(self.names, counts, self.sources)}
 
 
 def prepared_micro_batches(data_cfg, seq_len, global_batch_size, micro_batch_size, dp, dp_rank, seed, start_sample):

@@ -120,14 +120,18 @@ def sbatch_args(cfg, lay: Layout, run_dir: str | Path) -> list[str]:
         args.append(f"--cpus-per-task={lay.cpus_per_task}")
     if checked_time_limit(c) is not None:
         args.append(f"--time={c.time}")
-    for flag in ("partition", "account", "qos", "constraint"):
-        if getattr(c, flag) is not None:
-            args.append(f"--{flag}={getattr(c, flag)}")
+    args += placement_args(c)
     args.append("--requeue" if c.requeue else "--no-requeue")
     if c.signal_s > 0:  # to the batch shell, which forwards it to the workers (see the recipe)
         args.append(f"--signal=B:USR1@{c.signal_s}")
     args += ["--open-mode=append", f"--output={Path(run_dir).resolve()}/slurm-%j.out"]
     return args + list(c.extra_sbatch)  # last: the user's lines win
+
+
+def placement_args(c) -> list[str]:
+    """--partition, --account, --qos and --constraint of the cluster config (unset: Slurm's default)."""
+    return [f"--{flag}={getattr(c, flag)}" for flag in ("partition", "account", "qos", "constraint")
+            if getattr(c, flag) is not None]
 
 
 @dataclass(frozen=True)
@@ -219,22 +223,29 @@ def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
     args = sbatch_args(cfg, lay, run_dir)
     recipe = recipe_path(cfg)
     check_fits(lay, partition_info(cfg.cluster.partition), plan)
-    env = dict(os.environ, P3D_RUN_DIR=str(run_dir), P3D_PYTHON=sys.executable)
-    if cfg.cluster.setup:
-        env["P3D_SETUP"] = "\n".join(cfg.cluster.setup)
+    job_id = sbatch(cfg.cluster, args, recipe, [], P3D_RUN_DIR=str(run_dir))
+    log_job(run_dir, f"{job_id} submitted: {' '.join(args)}")
+    write_status(run_dir, "submitted", None, job_id=job_id)
+    return job_id, run_dir / f"slurm-{job_id}.out"
+
+
+def sbatch(c, args: list[str], script: Path, script_args: list[str], **env_vars: str) -> str:
+    """``sbatch --parsable <args> <script> <script_args>`` with the cluster's setup lines (P3D_SETUP), this
+    python (P3D_PYTHON) and ``env_vars`` in the job's environment; returns the job id. RuntimeError when
+    sbatch fails or refuses the job. Every p3d submission goes through here."""
+    env = dict(os.environ, P3D_PYTHON=sys.executable, **env_vars)
+    if c.setup:
+        env["P3D_SETUP"] = "\n".join(c.setup)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", FREEZE_ONLY_ENV):
         env.pop(key, None)
-    cmd = ["sbatch", "--parsable", *args, str(recipe)]
+    cmd = ["sbatch", "--parsable", *args, str(script), *script_args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=SLURM_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError(f"sbatch failed: {exc}") from None
     if out.returncode:
         raise RuntimeError(f"sbatch refused the job: {out.stderr.strip()}\n  command: {' '.join(cmd)}")
-    job_id = out.stdout.strip().split(";")[0]
-    log_job(run_dir, f"{job_id} submitted: {' '.join(args)}")
-    write_status(run_dir, "submitted", None, job_id=job_id)
-    return job_id, run_dir / f"slurm-{job_id}.out"
+    return out.stdout.strip().split(";")[0]
 
 
 def dispatch(cfg, plan, spec: Path, lease=None) -> int:

@@ -2,7 +2,8 @@
 
 Same init (the seeded master weights), same data (the global sample order), torch's AdamW,
 ``clip_grad_norm_`` and the same schedule. Every mesh must reproduce its per-step loss and
-gradient norm (tests/test_parity.py); bench/overhead.py times it against p3d.
+gradient norm (tests/test_parity.py), and with ``train.eval_every`` its ``val_loss`` (the same held-out
+batches, :func:`p3d.data.loader.validation_batches`); bench/overhead.py times it against p3d.
 """
 
 from __future__ import annotations
@@ -11,19 +12,35 @@ import time
 
 import torch
 
-from p3d.data.loader import global_batches
+from p3d.data.loader import global_batches, validation_batches
 from p3d.model.geometry import padded_vocab
 from p3d.model.pipe import to_sequential
 from p3d.train.optim import build_optimizer
 
 
+def val_loss(model, batches: list[torch.Tensor], micro_batch_size: int) -> float:
+    """Mean held-out loss as the pipeline's eval_batch gives it: each batch the mean of its micro batches."""
+    model.eval()
+    with torch.no_grad():
+        per_batch = []
+        for batch in batches:
+            chunks = batch.split(micro_batch_size)
+            per_batch.append(sum(model.loss(c[:, :-1], c[:, 1:]).item() for c in chunks) / len(chunks))
+    model.train()
+    return sum(per_batch) / len(per_batch)
+
+
 def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
-    """Per-step {step, loss, grad_norm, lr, step_time_s} of the unsharded model."""
+    """Per-step {step, loss, grad_norm, lr, step_time_s} of the unsharded model, with val_loss at the steps
+    p3d-train evaluates (``train.eval_every``)."""
     torch.manual_seed(cfg.train.seed)
     model = to_sequential(cfg.model, padded_vocab(cfg.model.vocab_size, 1), cfg.train.seed)
     opt, sched = build_optimizer(model, cfg.train)
     batches = batches or global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.seed)
     mbs = cfg.schedule.micro_batch_size
+    every = cfg.train.eval_every
+    gbs = cfg.schedule.global_batch_size
+    val = validation_batches(cfg.data, cfg.model.seq_len, gbs, cfg.train.eval_batches) if every > 0 else []
     out = []
     for step in range(1, (steps or cfg.train.steps) + 1):
         batch = next(batches)
@@ -49,4 +66,6 @@ def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
                 "step_time_s": time.perf_counter() - t0,
             }
         )
+        if val and (step % every == 0 or step == cfg.train.steps):
+            out[-1]["val_loss"] = val_loss(model, val, mbs)
     return out

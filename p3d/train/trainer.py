@@ -191,7 +191,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         )
     bubble_theory = pipeline_bubble(plan.pp, plan.micro_batches)
     mixture = None
-    if metrics and cfg.data.mix:  # the tokens each store of the mixture gave so far, by arithmetic
+    if metrics and cfg.data.mix:  # the tokens and epochs each store of the mixture gave so far, by arithmetic
         from p3d.data.prepared import PreparedSamples
 
         mixture = PreparedSamples(cfg.data, cfg.model.seq_len, cfg.train.seed)
@@ -221,6 +221,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
         if mixture is not None:
             extra["tokens_by_source"] = mixture.tokens_by_source(samples)
+            extra["epochs_by_source"] = mixture.epochs_by_source(samples)
         if metrics:
             metrics.log(
                 step,
