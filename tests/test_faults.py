@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -90,14 +91,17 @@ def test_huge_lr_stops_at_the_first_nonfinite_step(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero", ["stage0", "stage1"])
+@pytest.mark.parametrize("zero", ["stage0", "stage1", "bf16"])
 def test_skip_discards_the_update_bitwise(zero, tmp_path):
     """on_nonfinite=skip with an inf injected into stage 1's gradient at steps 3 and 4: those steps change no
     parameter, no Adam state and not the learning rate (bitwise), are counted, and the run goes on. Under
-    ZeRO-1 (dp2_pp2) the discard goes through DeepSpeed's ZeRO optimizer's own overflow path."""
+    ZeRO-1 (dp2_pp2) the discard goes through DeepSpeed's ZeRO optimizer's own overflow path; under bf16
+    (pp2, ZeRO 0) through DeepSpeed's BF16_Optimizer, whose fp32 gradients the gate checks and fills."""
     run = tmp_path / "run"
+    layout = {"stage0": ("mesh=pp2", "zero=stage0"), "stage1": ("mesh=dp2_pp2", "zero=stage1"),
+              "bf16": ("mesh=pp2", "zero=stage0", "train.dtype=bf16")}[zero]  # fmt: skip
     proc = p3d_train(
-        f"run.dir={run}", "mesh=pp2" if zero == "stage0" else "mesh=dp2_pp2", f"zero={zero}", "train.steps=6",
+        f"run.dir={run}", *layout, "train.steps=6",
         "train.warmup_steps=4", "train.on_nonfinite=skip", "train.save_every=1", "train.keep_last=0",
         timeout=500, env={INJECT_ENV: "1:3,4"},
     )  # fmt: skip
@@ -111,6 +115,21 @@ def test_skip_discards_the_update_bitwise(zero, tmp_path):
     states = {s: _state(checkpoint.step_dir(run, s)) for s in (2, 3, 4, 5)}
     assert _bitwise_equal(states[2], states[3]) and _bitwise_equal(states[2], states[4])
     assert not _bitwise_equal(states[4], states[5])  # an applied step does change them
+
+
+@pytest.mark.timeout(400)
+def test_bf16_stop_exits_nonfinite_without_an_update(tmp_path):
+    """bf16 (DeepSpeed's BF16_Optimizer) with on_nonfinite=stop and an inf in stage 0's gradient at step 2:
+    status NONFINITE at step 2, and the newest checkpoint is step 1's."""
+    run = tmp_path / "run"
+    proc = p3d_train(
+        f"run.dir={run}", "mesh=pp2", "train.dtype=bf16", "train.steps=4", "train.save_every=1",
+        timeout=360, env={INJECT_ENV: "0:2"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.NONFINITE, _out(proc)
+    assert "step 2: non-finite gradient norm on stage 0" in proc.stdout, _out(proc)
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    assert checkpoint.find(run, "auto") == checkpoint.step_dir(run, 1)
 
 
 SKIP_RESUME_RUN = (
@@ -135,6 +154,11 @@ def test_a_resume_after_skipped_steps_continues_lr_and_losses_bitwise(tmp_path):
     assert killed.returncode != 0, _out(killed)
     meta = json.loads((checkpoint.step_dir(run, 5) / "meta.json").read_text())
     assert meta["optimizer_steps"] == 3 and meta["faults"]["skipped_steps"] == 2, meta
+    old = tmp_path / "old" / "step_00000005"  # the same checkpoint as one written before these fields
+    shutil.copytree(checkpoint.step_dir(run, 5), old)
+    (old / "meta.json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k not in ("optimizer_steps", "faults")})
+    )
     resumed = p3d_train(f"run.dir={run}", *SKIP_RESUME_RUN, "train.resume=auto", timeout=400, env=inject)
     assert resumed.returncode == 0 and "resumed from step 5" in resumed.stdout, _out(resumed)
     a = {r["step"]: r for r in read_metrics(tmp_path / "a")}
@@ -144,6 +168,10 @@ def test_a_resume_after_skipped_steps_continues_lr_and_losses_bitwise(tmp_path):
     for s in (6, 7, 8):
         for key in ("lr", "loss", "grad_norm", "skipped_steps"):
             assert b[s][key] == a[s][key], (s, key, b[s][key], a[s][key])  # bitwise
+    older = p3d_train(f"run.dir={tmp_path / 'c'}", *SKIP_RESUME_RUN, f"train.resume={old}", timeout=400, env=inject)
+    assert older.returncode == 0 and "resumed from step 5" in older.stdout, _out(older)  # it still loads,
+    c = {r["step"]: r for r in read_metrics(tmp_path / "c")}
+    assert c[6]["lr"] != a[6]["lr"]  # at its step number as before: 2 updates ahead on the schedule
 
 
 @pytest.mark.timeout(400)

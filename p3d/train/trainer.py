@@ -199,7 +199,10 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     asynchronous = cfg.train.async_save if cfg.train.async_save is not None else plan.backend == "nccl"
     saver = checkpoint.Saver(asynchronous, device)
     status = exit_codes.OK
-    kill_at = os.environ.get(KILL_ENV, "")  # test hook "<rank>:<step>": that rank SIGKILLs itself as the step starts
+    # test hook "<rank>:<step>[:once]": that rank SIGKILLs itself as the step starts (":once": not in a resumed run)
+    kill_at = os.environ.get(KILL_ENV, "")
+    if kill_at.endswith(":once"):
+        kill_at = kill_at.removesuffix(":once") if start_step == 0 else ""
     for step in range(start_step + 1, cfg.train.steps + 1):
         if kill_at == f"{rank}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
