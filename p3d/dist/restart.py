@@ -69,24 +69,42 @@ STATE = "slurm_restarts.json"  # in <run dir>/logs/: this start's restarts so fa
 TASK_LINE = re.compile(r"task (\d+): (.+)$")
 
 
+SRUN_MARK = "p3d: srun start"  # the recipe appends it to every rank log before each srun: what follows is this one's
+LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError")
+
+
+def raised_error(run_dir: Path) -> str | None:
+    """The first error a worker of the last srun raised that is not the lost connection to a peer that died
+    (what every survivor of a SIGKILL raises), as ``rank N: <error>``."""
+    for log in sorted(run_logs(run_dir).glob("rank*.log")):
+        text = log.read_text(errors="replace").rsplit(SRUN_MARK, 1)[-1]
+        for line in text.splitlines():
+            if "worker failed:" in line and not LOST_PEER.search(line):
+                return line.strip()
+    return None
+
+
 def slurm_cause(run_dir: Path, srun_err: Path) -> str | None:
-    """Why srun failed, when it is worth a restart: a hang report (p3d.dist.hang), or the first task srun saw
-    end by a signal (Killed, Out Of Memory, ...) or a lost node. None: the first task to end exited with a
-    status of its own (an error it raised, NONFINITE, a refused config): a restart would only repeat it."""
+    """Why srun failed, when it is worth a restart: a hang report (p3d.dist.hang), a task srun saw end by a
+    signal (Killed, Out Of Memory, ...), or a lost node. None when a worker raised an error of its own (a
+    config, data or code error; NONFINITE) or no task ended by a signal: a restart would only repeat it.
+    srun prints its task lines in no reliable order, so the rank logs, not the order, tell a raised error
+    from the lost connections a killed worker leaves behind."""
     from p3d.dist import hang
 
     reports = hang.read_reports(run_logs(run_dir))
     if reports:
         absent = sorted({p for r in reports.values() for p in r["peers"]} - set(reports))
         return f"a hang (ranks {', '.join(map(str, absent)) or '?'} never arrived)"
+    if raised_error(run_dir):
+        return None
     lines = srun_err.read_text(errors="replace").splitlines() if srun_err.is_file() else []
     for line in lines:
         if "node failure" in line.lower():
             return f"a lost node ({line.strip()})"
         m = TASK_LINE.search(line)
-        if m:
-            what = m.group(2).strip()
-            return None if what.startswith("Exited with exit code") else f"rank {m.group(1)} ended: {what}"
+        if m and not m.group(2).startswith("Exited with exit code"):
+            return f"rank {m.group(1)} ended: {m.group(2).strip()}"
     return None
 
 

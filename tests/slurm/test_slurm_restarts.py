@@ -41,3 +41,21 @@ def test_a_killed_worker_is_restarted_within_the_allocation(slurm_cluster, tmp_p
     a, b = read_metrics(tmp_path / "a")[-1], read_metrics(run_dir)[-1]
     assert b["step"] == a["step"] == 8
     assert b["loss"] == a["loss"] and b["grad_norm"] == a["grad_norm"], (a, b)  # bitwise
+
+
+@pytest.mark.timeout(420)
+def test_a_worker_killed_at_the_same_step_again_fails_the_job(slurm_cluster, tmp_path, monkeypatch):
+    """Rank 1 SIGKILLs itself at step 5 on every start: one restart in the allocation, then the same cause at
+    the same step again stops retrying, and the job fails with the cause (no requeue)."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(slurm_cluster, "env", {**slurm_cluster.env, KILL_ENV: "1:5"})
+    job = slurm_cluster.sbatch(
+        "--ntasks-per-node=2", "--time=10", f"--output={tmp_path}/job-%j.out",
+        RECIPE, *RUN, "train.max_restarts=3", f"run.dir={run_dir}",
+    )  # fmt: skip
+    state = slurm_cluster.wait(job, timeout=360)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert state == "FAILED", log[-4000:]
+    assert log.count("p3d: restart ") == 1 and "p3d: restart 1 of 3: rank 1 ended: Killed at step 5" in log
+    assert "p3d: rank 1 ended: Killed at step 5 again, as before the last restart: not restarting" in log, log[-4000:]
+    assert [r["State"].split()[0] for r in slurm_cluster.wait_accounted(job, runs=1)] == ["FAILED"]
