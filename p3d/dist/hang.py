@@ -1,7 +1,9 @@
 """Hangs that say where: a watchdog thread in every worker, and the launcher's summary of what it wrote.
 
-Worker side (:class:`HangWatch`): every pipeline instruction and the trainer's per-step all-gathers mark what
-this rank is doing (step, micro batch, instruction, and the peers that instruction needs). When one of them
+Worker side (:class:`HangWatch`): every pipeline instruction and the trainer's phases (train_batch, the per-step
+all-gather, evaluation, checkpoint save) mark what this rank is doing (step, micro batch, instruction, and the
+peers that instruction needs); inside a phase, the stretch between two instructions is a wait of its own (DeepSpeed
+all-reduces and broadcasts the loss there, after the schedule). When one of them
 lasts longer than ``cluster.timeout_s``, the thread writes one ``p3d-hang:`` JSON line (rank, what, where, on
 whom) and the Python stack of every thread (``faulthandler``) to the rank's log, the same JSON to
 ``logs/rank<N>.hang.json`` (what the local launcher watches for), and, if nothing has stopped the process
