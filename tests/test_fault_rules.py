@@ -54,3 +54,36 @@ def test_hang_summary_names_who_never_arrived(tmp_path):
     line = hang.summarize(reports, [2, 3], Mesh.from_plan(plan, 0))
     assert "Waiting: rank 0 in RecvGrad (step 4, micro batch 2) on rank 2; rank 1 in ReduceGrads" in line
     assert "Never arrived: rank 2 (dp 0, pp 1, tp 0, still running: stopped or stuck), rank 3 (" in line
+
+
+def test_slurm_cause_is_the_first_task_srun_saw_end_by_a_signal(tmp_path):
+    from p3d.dist.restart import slurm_cause
+
+    (tmp_path / "logs").mkdir()
+    err = tmp_path / "srun.err"
+    err.write_text("srun: error: vm: task 1: Killed\nsrun: error: vm: task 0: Exited with exit code 1\n")
+    assert slurm_cause(tmp_path, err) == "rank 1 ended: Killed"
+    err.write_text("srun: error: vm: task 0: Exited with exit code 1\nsrun: error: vm: task 1: Killed\n")
+    log0 = tmp_path / "logs" / "rank0.log"
+    lost = "[rank 0] worker failed: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1\n"
+    log0.write_text("[rank 0] worker failed: ValueError: bad data\n[p3d job 1] p3d: srun start\n" + lost)
+    assert slurm_cause(tmp_path, err) == "rank 1 ended: Killed"  # in any order; the survivor lost its peer
+    log0.write_text(log0.read_text() + "[p3d job 1] p3d: srun start\n[rank 0] worker failed: ValueError: bad data\n")
+    assert slurm_cause(tmp_path, err) is None  # rank 0 raised an error of its own: srun's --wait killed rank 1
+    log0.unlink()
+    err.write_text("srun: error: Node failure on node7\n")
+    assert slurm_cause(tmp_path, err) == "a lost node (srun: error: Node failure on node7)"
+    (tmp_path / "logs" / "rank0.hang.json").write_text(json.dumps({"rank": 0, "peers": [1, 2]}))
+    (tmp_path / "logs" / "rank1.hang.json").write_text(json.dumps({"rank": 1, "peers": [0, 2]}))
+    assert slurm_cause(tmp_path, err) == "a hang (ranks 2 never arrived)"
+
+
+def test_restart_decision_stops_on_a_repeat_and_when_restarts_are_used():
+    from p3d.dist.restart import decide
+
+    assert decide((5, "rank 0 ended: Killed"), None, 0, 2)[0]
+    again, line = decide((5, "rank 0 ended: Killed"), (5, "rank 0 ended: Killed"), 1, 2)
+    assert not again and "again, as before the last restart" in line
+    assert decide((6, "rank 0 ended: Killed"), (5, "rank 0 ended: Killed"), 1, 2)[0]  # another step: a new failure
+    again, line = decide((7, "rank 0 ended: Killed"), (6, "rank 0 ended: Killed"), 2, 2)
+    assert not again and "all 2 restarts" in line

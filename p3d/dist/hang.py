@@ -1,7 +1,9 @@
 """Hangs that say where: a watchdog thread in every worker, and the launcher's summary of what it wrote.
 
-Worker side (:class:`HangWatch`): every pipeline instruction and the trainer's per-step all-gathers mark what
-this rank is doing (step, micro batch, instruction, and the peers that instruction needs). When one of them
+Worker side (:class:`HangWatch`): every pipeline instruction and the trainer's phases (train_batch, the per-step
+all-gather, evaluation, checkpoint save) mark what this rank is doing (step, micro batch, instruction, and the
+peers that instruction needs); inside a phase, the stretch between two instructions is a wait of its own (DeepSpeed
+all-reduces and broadcasts the loss there, after the schedule). When one of them
 lasts longer than ``cluster.timeout_s``, the thread writes one ``p3d-hang:`` JSON line (rank, what, where, on
 whom) and the Python stack of every thread (``faulthandler``) to the rank's log, the same JSON to
 ``logs/rank<N>.hang.json`` (what the local launcher watches for), and, if nothing has stopped the process
@@ -20,6 +22,7 @@ import dataclasses
 import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +39,7 @@ COLLECTIVE_MARGIN_S = 30  # the process group times out this much after cluster.
 POLL_S = 0.5
 EXIT_AFTER_S = 20.0  # after its report, a hung worker that nobody stopped ends itself (torchrun, srun)
 REPORT_SUFFIX = ".hang.json"
+STOP_ENV = "P3D_TEST_STOP_AT"  # test hook "<rank>:<step>": that rank SIGSTOPs itself after the step's OptimizerStep
 
 
 def report_path(logs: Path, rank: int) -> Path:
@@ -80,6 +84,7 @@ class HangWatch:
         self.stream = stream or sys.stderr
         self.doing: Doing | None = None
         self._step, self._micro = 0, 0
+        self._phases: list[Doing] = []  # the trainer's phases this rank is in, innermost last
         self._engine = engine
         table = dict(pipeline_instruction_map(engine))
         for instr, fn in table.items():
@@ -89,6 +94,7 @@ class HangWatch:
 
     def _wrap(self, name: str, fn):
         peers = instruction_peers(self.mesh, name)
+        stop_after = os.environ.get(STOP_ENV, "") if name == "OptimizerStep" else ""
 
         def watched(engine, *args, **kwargs):
             step = engine.global_steps + 1
@@ -99,19 +105,35 @@ class HangWatch:
             try:
                 return fn(engine, *args, **kwargs)
             finally:
-                self.doing = None
+                self.doing = self._after(name)
+                if stop_after == f"{self.mesh.rank}:{step}":  # test hook: freeze between instructions
+                    os.kill(os.getpid(), signal.SIGSTOP)
 
         return watched
 
+    def _after(self, name: str) -> Doing | None:
+        """What this rank does once an instruction returns: the enclosing phase, whose next wait (the next
+        instruction, or DeepSpeed's loss all-reduce and broadcast after the schedule) starts its clock now."""
+        outer = self._phases[-1] if self._phases else None
+        if outer is None:
+            return None
+        return dataclasses.replace(outer, what=f"{outer.what}, after {name}", micro_batch=self._micro,
+                                   since=time.monotonic())  # fmt: skip
+
     @contextmanager
     def phase(self, what: str, step: int):
-        """A wait of the trainer's own, on every other rank (the per-step all-gather)."""
-        self.doing = Doing(what, step, self._micro, [r for r in range(self.mesh.world_size) if r != self.mesh.rank],
-                           time.monotonic())  # fmt: skip
+        """A stretch of the trainer's own (a whole train_batch, the per-step all-gather, an evaluation, a
+        checkpoint save) whose waits are on any other rank. Watched from start to end: instructions inside
+        it mark their own waits, and the time between two of them counts as a wait of the phase."""
+        others = [r for r in range(self.mesh.world_size) if r != self.mesh.rank]
+        mark = Doing(what, step, self._micro, others, time.monotonic())
+        self._phases.append(mark)
+        self.doing = mark
         try:
             yield
         finally:
-            self.doing = None
+            self._phases.pop()
+            self.doing = self._after(what)
 
     def _watch(self) -> None:
         while True:
@@ -120,13 +142,27 @@ class HangWatch:
             if d is None or time.monotonic() - d.since <= self.timeout_s:
                 continue
             dp, pp, tp = self.mesh.coords
-            report = {"rank": self.mesh.rank, "dp": dp, "pp": pp, "tp": tp, "what": d.what, "step": d.step,
-                      "micro_batch": d.micro_batch, "peers": d.peers, "waited_s": round(time.monotonic() - d.since), "timeout_s": self.timeout_s}
+            report = {
+                "rank": self.mesh.rank,
+                "dp": dp,
+                "pp": pp,
+                "tp": tp,
+                "what": d.what,
+                "step": d.step,
+                "micro_batch": d.micro_batch,
+                "peers": d.peers,
+                "waited_s": round(time.monotonic() - d.since),
+                "timeout_s": self.timeout_s,
+            }
             try:
                 print(f"{MARKER} {json.dumps(report)}", file=self.stream, flush=True)
-                print(f"[rank {self.mesh.rank}] p3d: no progress for {report['waited_s']} s (cluster.timeout_s="
-                      f"{self.timeout_s:g}) in {d.what} at step {d.step}, micro batch {d.micro_batch}, waiting on "
-                      f"ranks {d.peers}; the stack of every thread:", file=self.stream, flush=True)
+                print(
+                    f"[rank {self.mesh.rank}] p3d: no progress for {report['waited_s']} s (cluster.timeout_s="
+                    f"{self.timeout_s:g}) in {d.what} at step {d.step}, micro batch {d.micro_batch}, waiting on "
+                    f"ranks {d.peers}; the stack of every thread:",
+                    file=self.stream,
+                    flush=True,
+                )
                 faulthandler.dump_traceback(file=self.stream, all_threads=True)
                 self.stream.flush()
                 dump_flight_recorder(self.logs, self.mesh.rank, self.stream)

@@ -7,6 +7,7 @@ reached at all (its directory missing or not writable) fails at once, before tor
 would wait out its own 300 s; a worker that cannot join exits with ``exit_codes.RENDEZVOUS_FAILED`` after one
 line naming the store path, or the host and port, and the cause, and the launcher reports it so.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,7 +45,7 @@ def check_reachable() -> None:
     url = os.environ.get("P3D_INIT_METHOD", "env://")
     if not url.startswith("file://"):
         return
-    path = Path(url[len("file://"):])
+    path = Path(url[len("file://") :])
     if not path.is_absolute():
         raise RendezvousError(f"cannot use the file store {url}: its path is relative (a host name to torch)")
     if not path.parent.is_dir():
@@ -57,7 +58,7 @@ def _file_store(url: str, world_size: int, timeout: datetime.timedelta):
     import torch.distributed as dist
 
     check_reachable()
-    store = dist.FileStore(url[len("file://"):], world_size)
+    store = dist.FileStore(url[len("file://") :], world_size)
     store.set_timeout(timeout)
     return store
 
@@ -71,16 +72,41 @@ def join(backend: str, rank: int, world_size: int, timeout_s: int, margin_s: int
     timeout = datetime.timedelta(seconds=timeout_s)
     url = os.environ.get("P3D_INIT_METHOD", "env://")
     if url.startswith("file://"):
-        where = f"the file store {url[len('file://'):]}"
+        where = f"the file store {url[len('file://') :]}"
         kwargs = {"store": _file_store(url, world_size, timeout)}
     else:
-        where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} ({url}, from "
-                 "MASTER_ADDR:MASTER_PORT)") if url == "env://" else url
+        where = (
+            (
+                f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} ({url}, from "
+                "MASTER_ADDR:MASTER_PORT)"
+            )
+            if url == "env://"
+            else url
+        )
         kwargs = {"init_method": url}
     try:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=timeout + datetime.timedelta(seconds=margin_s), **kwargs)
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout + datetime.timedelta(seconds=margin_s),
+            **kwargs,
+        )
     except (RuntimeError, ValueError) as exc:  # DistError, DistStoreError, gloo's "Wait timeout", a bad URL
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RendezvousError(f"cannot join the other {world_size - 1} workers through {where} within "
-                              f"cluster.timeout_s={timeout_s}: {cause}") from None
+        raise RendezvousError(
+            f"cannot join the other {world_size - 1} workers through {where} within "
+            f"cluster.timeout_s={timeout_s}: {cause}"
+        ) from None
+    bound_later_groups(timeout + datetime.timedelta(seconds=margin_s))
+
+
+def bound_later_groups(timeout: datetime.timedelta) -> None:
+    """Every group made after this (p3d's mesh groups, DeepSpeed's pipe and data groups, which pass no
+    timeout) times out like the world group: torch's ``new_group(timeout=None)`` takes the module default
+    (30 min for gloo and, in torch's constants, 10 min for NCCL), so a wait on a subgroup would outlive the
+    hang report and the launcher's patience by far. torch private API: the module-level defaults."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout

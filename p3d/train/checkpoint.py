@@ -2,7 +2,8 @@
 optionally in the background; loading them runs no code (safetensors and JSON only).
 
 Layout of ``<run.dir>/checkpoints/step_<N>/``:
-    meta.json                          step, samples, mesh, model shape, scheduler, sizes of all files
+    meta.json                          step, samples, updates applied, mesh, model shape, scheduler, fault
+                                       counts, sizes of all files
     run_spec.yaml                      the run spec that wrote it
     tokenizer.json                     a copy of the run's tokenizer (and its tokenizer_config.json), unless byte
     model/pp<p>_tp<t>_dp<d>.safetensors  parameters of coordinate (pp, tp) by global name (+ shard specs),
@@ -161,6 +162,9 @@ def _meta(cfg, mesh, plan, step: int, samples: int, scheduler, extra: dict) -> d
         "tokenizer": cfg.data.tokenizer,
         "stage_bounds": plan.stage_bounds,
         "scheduler": sched,
+        # updates applied (steps discarded by train.on_nonfinite / on_spike=skip apply none): Adam's step
+        # count and the LR schedule's position on resume; older checkpoints lack it and resume at "step"
+        "optimizer_steps": scheduler.last_epoch,
         **extra,
     }
 
@@ -334,7 +338,8 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
     hp = has_hp_mapping(module)
     if hp:
         _link_optimizer_states(engine)
-    step_t = torch.tensor(float(meta["step"]))
+    applied = int(meta.get("optimizer_steps", meta["step"]))  # the updates before this checkpoint
+    step_t = torch.tensor(float(applied))
     with torch.no_grad():
         for name, p in module.named_parameters():
             try:
@@ -357,8 +362,8 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
         base = wrapped_optimizer(engine)
         for st in base.state.values():
             if "step" in st:
-                st["step"] = step_t.clone() if torch.is_tensor(st["step"]) else meta["step"]
-    resume_schedule(scheduler, meta["step"])  # this run's lr and schedule, at the checkpoint's step
+                st["step"] = step_t.clone() if torch.is_tensor(st["step"]) else applied
+    resume_schedule(scheduler, applied)  # this run's lr and schedule, after the checkpoint's applied updates
     rng = path / "rng" / f"rank{dist.get_rank()}.json"
     if not legacy and rng.is_file() and meta["mesh"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
         set_rng_state(read_json(rng))

@@ -173,3 +173,16 @@ class StepPolicy:
                 f"of the last {self.window} steps); {what}"
             )
         return False, line, fields
+
+
+def fault_state(gate: StepGate, policy: StepPolicy) -> dict:
+    """What a resumed run needs to judge and count its steps as the uninterrupted run would, for meta.json
+    (plain numbers: no layout, no code)."""
+    return {"skipped_steps": policy.total, "skipped_in_row": policy.in_row, "recent_losses": list(gate.recent)}
+
+
+def restore_fault_state(meta: dict, gate: StepGate, policy: StepPolicy) -> None:
+    """The counts and spike window of a checkpoint's ``faults`` (absent in older checkpoints: a fresh start)."""
+    state = meta.get("faults", {})
+    policy.total, policy.in_row = state.get("skipped_steps", 0), state.get("skipped_in_row", 0)
+    gate.recent.extend(state.get("recent_losses", []))

@@ -27,7 +27,7 @@ from p3d.model.geometry import pipeline_bubble
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
 from p3d.run_dir import logs as run_logs
 from p3d.train import checkpoint
-from p3d.train.faults import StepGate, StepPolicy
+from p3d.train.faults import StepGate, StepPolicy, fault_state, restore_fault_state
 from p3d.train.optim import build_optimizer
 from p3d.train.timing import StageTimer, StragglerWatch
 
@@ -151,6 +151,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     if cfg.train.resume != "none":
         meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
         start_step, start_sample = meta["step"], meta["samples"]
+        restore_fault_state(meta, gate, policy)
         set_engine_position(engine, start_step, start_sample)
     stats = DataStats()
     reads_data = mesh.is_first_stage or mesh.is_last_stage
@@ -198,14 +199,18 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     asynchronous = cfg.train.async_save if cfg.train.async_save is not None else plan.backend == "nccl"
     saver = checkpoint.Saver(asynchronous, device)
     status = exit_codes.OK
-    kill_at = os.environ.get(KILL_ENV, "")  # test hook "<rank>:<step>": that rank SIGKILLs itself as the step starts
+    # test hook "<rank>:<step>[:once]": that rank SIGKILLs itself as the step starts (":once": not in a resumed run)
+    kill_at = os.environ.get(KILL_ENV, "")
+    if kill_at.endswith(":once"):
+        kill_at = kill_at.removesuffix(":once") if start_step == 0 else ""
     for step in range(start_step + 1, cfg.train.steps + 1):
         if kill_at == f"{rank}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
         lr = engine.get_lr()[0]
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
         t0 = time.perf_counter()
-        loss = engine.train_batch(data_iter=data)
+        with hang.phase("train_batch", step):  # its instructions, and DeepSpeed's loss all-reduce after them
+            loss = engine.train_batch(data_iter=data)
         step_time = time.perf_counter() - t0
         with hang.phase("the per-step all-gather", step):
             stop, bubble, mem, compute = step_stats(
@@ -218,7 +223,8 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         for line in slow_lines if metrics else []:
             metrics.print(line)  # type: ignore[union-attr]
         if not failed and cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
+            with hang.phase("evaluation", step):
+                extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
         if mixture is not None:
             extra["tokens_by_source"] = mixture.tokens_by_source(samples)
             extra["epochs_by_source"] = mixture.epochs_by_source(samples)
@@ -244,19 +250,24 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             break
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
-            path = checkpoint.save(
-                saver,
-                engine,
-                module,
-                mesh,
-                cfg,
-                plan,
-                run_dir,
-                step,
-                samples,
-                scheduler,
-                {"skipped_records": stats.skipped_records, "empty_records": stats.empty_records},
-            )
+            with hang.phase("checkpoint save", step):
+                path = checkpoint.save(
+                    saver,
+                    engine,
+                    module,
+                    mesh,
+                    cfg,
+                    plan,
+                    run_dir,
+                    step,
+                    samples,
+                    scheduler,
+                    {
+                        "skipped_records": stats.skipped_records,
+                        "empty_records": stats.empty_records,
+                        "faults": fault_state(gate, policy),
+                    },
+                )
             if metrics:
                 saved = "saving checkpoint {} in the background" if asynchronous else "saved checkpoint {}"
                 metrics.print(saved.format(path) + (" after a stop signal" if stop else ""))
