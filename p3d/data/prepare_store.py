@@ -267,7 +267,7 @@ def prepare_task(cfg_node: DictConfig) -> int:
         if cfg.prepare.slices is not None or cfg.cluster.launcher.value == "slurm":
             from p3d.dist.slurm_prepare import submit_slices
 
-            return submit_slices(cfg, out)
+            return submit_slices(cfg, out, check_prepare)
         if cfg.prepare.merge:
             return merge_task(cfg, out)
         if cfg.prepare.shard:

@@ -20,7 +20,9 @@ import dataclasses
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
@@ -48,12 +50,12 @@ def hydra_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
-def check_slices(cfg, out: Path) -> str | None:
+def check_slices(cfg, out: Path, check_store: Callable[[Any, Path], str | None]) -> str | None:
     """Raises P3DConfigError for what sbatch or a task would refuse; returns a message when ``out`` is a
-    finished store already (then nothing is submitted)."""
+    finished store already (then nothing is submitted). ``check_store`` is p3d-prepare's own input check
+    (p3d.data.prepare_store.check_prepare, passed in: that module imports this one)."""
     from p3d.config.schema import Launcher
     from p3d.data.corpus import resolve_files
-    from p3d.data.prepare_store import check_prepare
     from p3d.data.store_parts import slice_config
 
     n, c = cfg.prepare.slices, cfg.cluster
@@ -84,7 +86,7 @@ def check_slices(cfg, out: Path) -> str | None:
             f"prepare.out={out} holds the parts of a prepare in {others[0]} slices; use prepare.slices={others[0]} "
             "to finish it, or another prepare.out"
         )
-    finished = check_prepare(cfg, out)
+    finished = check_store(cfg, out)
     if finished:
         return finished
     if c.time is not None:
@@ -111,9 +113,9 @@ def job_args(cfg) -> list[str]:
     return args + ["--requeue" if c.requeue else "--no-requeue"]
 
 
-def submit_slices(cfg, out: Path) -> int:
+def submit_slices(cfg, out: Path, check_store: Callable[[Any, Path], str | None]) -> int:
     """Check, then submit the array job and the merge job; print their ids and logs. Returns the exit status."""
-    finished = check_slices(cfg, out)
+    finished = check_slices(cfg, out, check_store)
     if finished:
         print(finished, flush=True)
         return exit_codes.OK
