@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def run(mode_async: bool, args, run_dir: Path) -> dict:
     lost = [gaps[s] - median for s in sorted(saves) if s in gaps]
     ckpt = max((run_dir / "checkpoints").glob("step_*"))
     per_rank = [sum(json.loads(f.read_text()).values()) for f in sorted((ckpt / "done").glob("rank*.json"))]
+    if args.keep and not mode_async:  # the sync run's last checkpoint, e.g. for bench/checkpoint_dcp.py
+        shutil.move(ckpt, args.keep)
     return {"median_step_s": median, "lost_per_save_s": lost, "bytes_per_rank": per_rank, "wall_s": wall}
 
 
@@ -79,6 +82,7 @@ def main() -> None:
         "--set", nargs="*", default=["model.seq_len=64", "schedule.global_batch_size=8", "schedule.micro_batch_size=2"]
     )
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="move the sync run's last checkpoint here (it must not exist)")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     results = {}
