@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from p3d.train.ckpt_files import CheckpointError, coordinate_reader, read_tensors, write_tensors
-from p3d.train.ckpt_save import dp_slices, rng_state, set_rng_state
+from p3d.train.ckpt_save import HostBuffers, dp_slices, rng_state, set_rng_state
 
 
 def _write_fragments(ckpt: Path, full: dict[str, torch.Tensor], cuts: list[int]) -> None:
@@ -105,3 +105,30 @@ def test_every_dp_rank_writes_an_even_part_of_every_coordinate():
             pieces = [p[i] for p in parts if p[i][1]]
             assert pieces[0][0] == 0 and sum(k for _, k in pieces) == n
             assert all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+
+
+def test_host_copies_of_cpu_tensors_do_not_follow_training():
+    """On CPU the snapshot's copies are plain copies: training's in-place updates after the step
+    boundary do not reach them, and they are cast as asked."""
+    host = HostBuffers()
+    master, moment = torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16)
+    a, b = host.copy("optim/w/master", master[1:5]), host.copy("optim/w/exp_avg", moment, torch.float32)
+    host.ready()
+    master.add_(100.0)
+    moment.mul_(3)
+    assert torch.equal(a, torch.arange(1, 5, dtype=torch.float32))
+    assert b.dtype == torch.float32 and torch.equal(b, torch.ones(4))
+    assert a.data_ptr() != host.copy("optim/w/master", master[1:5]).data_ptr()  # a new copy each save
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned path needs CUDA (not run on CPU)")
+def test_host_copies_from_cuda_go_to_pinned_buffers_reused_across_saves():
+    host = HostBuffers()
+    t = torch.arange(8, dtype=torch.bfloat16, device="cuda")
+    first = host.copy("optim/w/master", t, torch.float32)
+    host.ready()
+    assert first.is_pinned() and torch.equal(first, torch.arange(8, dtype=torch.float32))
+    t.add_(1)
+    second = host.copy("optim/w/master", t, torch.float32)
+    host.ready()
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, torch.arange(1, 9, dtype=torch.float32))

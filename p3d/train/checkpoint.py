@@ -111,7 +111,7 @@ def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samp
     dist.barrier()
     if has_hp_mapping(module):
         _link_optimizer_states(engine)
-    snap = Snapshot(engine, module, mesh, shard_specs(module))
+    snap = Snapshot(engine, module, mesh, shard_specs(module), saver.host)
     coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}_dp{mesh.dp_rank}"
     meta = _meta(cfg, mesh, plan, step, samples, scheduler, extra) if rank == 0 else {}
 
