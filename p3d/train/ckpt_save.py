@@ -37,7 +37,6 @@ from p3d.ds_compat import has_hp_mapping, hp_fragment
 from p3d.train.ckpt_files import CheckpointSaveError, fsync_dir, save_failed, write_json, write_tensors
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-WAIT_FOR_RANKS_S = 3600.0  # rank 0 gives up on a rank's manifest after this long (that rank is dead or stuck)
 
 
 def _host(t: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -194,9 +193,10 @@ def failure_reason(tmp: Path) -> str:
     return ""
 
 
-def collect_manifests(tmp: Path, world: int, timeout_s: float = WAIT_FOR_RANKS_S) -> dict[str, int]:
+def collect_manifests(tmp: Path, world: int, timeout_s: float) -> dict[str, int]:
     """Rank 0: every rank's files and sizes, once all have written their manifests; checks each file is
-    on disk at its size. Raises CheckpointSaveError when a rank failed (its one-line reason)."""
+    on disk at its size. Raises CheckpointSaveError when a rank failed (its one-line reason) or when a
+    rank wrote neither a manifest nor a failure within ``timeout_s`` (it died or hangs)."""
     done = tmp / "done"
     end = time.monotonic() + timeout_s
     pending = set(range(world))
@@ -215,7 +215,10 @@ def collect_manifests(tmp: Path, world: int, timeout_s: float = WAIT_FOR_RANKS_S
                 pending.discard(r)
         if pending:
             if time.monotonic() > end:
-                raise CheckpointSaveError(f"checkpoint save to {tmp}: ranks {sorted(pending)} never wrote their files")
+                raise CheckpointSaveError(
+                    f"checkpoint save to {tmp}: ranks {sorted(pending)} wrote no manifest within {timeout_s:.0f} s "
+                    "(cluster.timeout_s + twice rank 0's own write); they died or hang, see their logs"
+                )
             time.sleep(0.01)
     for rel, size in files.items():
         f = tmp / rel
