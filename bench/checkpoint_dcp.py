@@ -193,6 +193,7 @@ def worker(rank: int, world: int, ckpt: Path, out: Path, repeat: int, port: int)
     builds = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(builds, torch.tensor([build]))
 
+    del state, snap, tensors, fut  # free the save state before the loads (8 ranks share the host's memory)
     # load under dp1: each coordinate whole, as plain tensors, on the coordinate's dp rank 0, no collective
     load_ok, t_dcp_load, t_ours_load = True, 0.0, 0.0
     if dp == 0:
