@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,7 +65,15 @@ def run(mode_async: bool, args, run_dir: Path) -> dict:
     lost = [gaps[s] - median for s in sorted(saves) if s in gaps]
     ckpt = max((run_dir / "checkpoints").glob("step_*"))
     per_rank = [sum(json.loads(f.read_text()).values()) for f in sorted((ckpt / "done").glob("rank*.json"))]
-    return {"median_step_s": median, "lost_per_save_s": lost, "bytes_per_rank": per_rank, "wall_s": wall}
+    if args.keep and not mode_async:  # the sync run's last checkpoint, e.g. for bench/checkpoint_dcp.py
+        shutil.move(ckpt, args.keep)
+    return {
+        "median_step_s": median,
+        "plain_steps_s": plain,
+        "lost_per_save_s": lost,
+        "bytes_per_rank": per_rank,
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -79,6 +88,7 @@ def main() -> None:
         "--set", nargs="*", default=["model.seq_len=64", "schedule.global_batch_size=8", "schedule.micro_batch_size=2"]
     )
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="move the sync run's last checkpoint here (it must not exist)")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     results = {}
@@ -89,7 +99,8 @@ def main() -> None:
             r = results[name]
             b = r["bytes_per_rank"]
             print(
-                f"{name:5s}: median step {r['median_step_s']:.2f} s; lost per save "
+                f"{name:5s}: median step {r['median_step_s']:.2f} s (steps without a save: "
+                f"{min(r['plain_steps_s']):.2f} to {max(r['plain_steps_s']):.2f} s); lost per save "
                 f"{', '.join(f'{x:.2f}' for x in r['lost_per_save_s'])} s (mean "
                 f"{statistics.mean(r['lost_per_save_s']):.2f} s); bytes per rank max {max(b) / 1e6:.1f} MB, "
                 f"mean {statistics.mean(b) / 1e6:.1f} MB, max/mean {max(b) / statistics.mean(b):.2f}; "
@@ -99,7 +110,7 @@ def main() -> None:
     ratio = statistics.mean(results["async"]["lost_per_save_s"]) / statistics.mean(results["sync"]["lost_per_save_s"])
     print(f"async loss / sync loss per save: {ratio:.1%} (target <= 10%)")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, **results}, indent=1))
+        args.json.write_text(json.dumps({"args": vars(args), **results}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from p3d.train.ckpt_files import CheckpointError, coordinate_reader, read_tensors, write_tensors
-from p3d.train.ckpt_save import dp_slices, rng_state, set_rng_state
+from p3d.train.ckpt_files import CheckpointError, CheckpointSaveError, coordinate_reader, read_tensors, write_tensors
+from p3d.train.ckpt_save import HostBuffers, collect_manifests, dp_slices, rng_state, set_rng_state
 
 
 def _write_fragments(ckpt: Path, full: dict[str, torch.Tensor], cuts: list[int]) -> None:
@@ -105,3 +106,45 @@ def test_every_dp_rank_writes_an_even_part_of_every_coordinate():
             pieces = [p[i] for p in parts if p[i][1]]
             assert pieces[0][0] == 0 and sum(k for _, k in pieces) == n
             assert all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+
+
+def test_host_copies_of_cpu_tensors_do_not_follow_training():
+    """On CPU the snapshot's copies are plain copies: training's in-place updates after the step
+    boundary do not reach them, and they are cast as asked."""
+    host = HostBuffers()
+    master, moment = torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16)
+    a, b = host.copy("optim/w/master", master[1:5]), host.copy("optim/w/exp_avg", moment, torch.float32)
+    host.ready()
+    master.add_(100.0)
+    moment.mul_(3)
+    assert torch.equal(a, torch.arange(1, 5, dtype=torch.float32))
+    assert b.dtype == torch.float32 and torch.equal(b, torch.ones(4))
+    assert a.data_ptr() != host.copy("optim/w/master", master[1:5]).data_ptr()  # a new copy each save
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned path needs CUDA (not run on CPU)")
+def test_host_copies_from_cuda_go_to_pinned_buffers_reused_across_saves():
+    host = HostBuffers()
+    t = torch.arange(8, dtype=torch.bfloat16, device="cuda")
+    first = host.copy("optim/w/master", t, torch.float32)
+    host.ready()
+    assert first.is_pinned() and torch.equal(first, torch.arange(8, dtype=torch.float32))
+    t.add_(1)
+    second = host.copy("optim/w/master", t, torch.float32)
+    host.ready()
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, torch.arange(1, 9, dtype=torch.float32))
+
+
+def test_rank_0_stops_waiting_for_a_rank_that_never_writes_its_manifest(tmp_path):
+    """A rank that died without writing ``.failed``: rank 0's commit gives up after its bound, in one
+    line naming the missing rank, instead of waiting on."""
+    (tmp_path / "done").mkdir()
+    (tmp_path / "model.bin").write_bytes(b"x" * 3)
+    (tmp_path / "done" / "rank0.json").write_text(json.dumps({"model.bin": 3}))
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointSaveError, match=r"ranks \[1\] wrote no manifest within 0 s") as err:
+        collect_manifests(tmp_path, 2, timeout_s=0.2)
+    assert time.monotonic() - t0 < 5 and "\n" not in str(err.value)
+    (tmp_path / "done" / "rank1.json").write_text(json.dumps({}))
+    sizes = {f"done/rank{r}.json": (tmp_path / "done" / f"rank{r}.json").stat().st_size for r in (0, 1)}
+    assert collect_manifests(tmp_path, 2, timeout_s=0.2) == {"model.bin": 3, **sizes}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -112,7 +113,7 @@ def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samp
     dist.barrier()
     if has_hp_mapping(module):
         _link_optimizer_states(engine)
-    snap = Snapshot(engine, module, mesh, shard_specs(module))
+    snap = Snapshot(engine, module, mesh, shard_specs(module), saver.host)
     coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}_dp{mesh.dp_rank}"
     meta = _meta(cfg, mesh, plan, step, samples, scheduler, extra) if rank == 0 else {}
 
@@ -120,14 +121,15 @@ def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samp
         make_dirs(tmp)
         snap.write(tmp, coord, rank)
 
-    def commit() -> None:
-        _commit(tmp, final, ckpt_root, run_dir, cfg, meta)
+    def commit(own_write_s: float = 0.0) -> None:
+        _commit(tmp, final, ckpt_root, run_dir, cfg, meta, cfg.cluster.timeout_s + 2 * own_write_s)
 
     def write_and_commit() -> None:  # asynchronous: rank 0 learns that the others are done from their manifests
         try:
+            t0 = time.monotonic()
             write()
-            if rank == 0:
-                commit()
+            if rank == 0:  # the others write about as much as rank 0 did: give them twice its time and more
+                commit(time.monotonic() - t0)
         except BaseException:
             if rank == 0:
                 drop(tmp)
@@ -169,13 +171,13 @@ def _meta(cfg, mesh, plan, step: int, samples: int, scheduler, extra: dict) -> d
     }
 
 
-def _commit(tmp: Path, final: Path, ckpt_root: Path, run_dir, cfg, meta: dict) -> None:
-    """Rank 0, once every rank's files are fsync'd: the spec, the tokenizer, meta.json (last), the
-    rename, ``latest``, pruning."""
+def _commit(tmp: Path, final: Path, ckpt_root: Path, run_dir, cfg, meta: dict, wait_s: float) -> None:
+    """Rank 0, once every rank's files are fsync'd (it waits up to ``wait_s`` for their manifests): the
+    spec, the tokenizer, meta.json (last), the rename, ``latest``, pruning."""
     from p3d.config.spec import SPEC_NAME
     from p3d.data.tokenizer import tokenizer_files
 
-    files = collect_manifests(tmp, dist.get_world_size())
+    files = collect_manifests(tmp, dist.get_world_size(), wait_s)
     try:
         shutil.copy(Path(run_dir) / SPEC_NAME, tmp / SPEC_NAME)
         files[SPEC_NAME] = (tmp / SPEC_NAME).stat().st_size

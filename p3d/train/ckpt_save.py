@@ -37,12 +37,42 @@ from p3d.ds_compat import has_hp_mapping, hp_fragment
 from p3d.train.ckpt_files import CheckpointSaveError, fsync_dir, save_failed, write_json, write_tensors
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-WAIT_FOR_RANKS_S = 3600.0  # rank 0 gives up on a rank's manifest after this long (that rank is dead or stuck)
 
 
 def _host(t: torch.Tensor, dtype=None) -> torch.Tensor:
     """A host copy that training's in-place updates cannot change."""
     return t.detach().to("cpu", dtype=dtype, copy=True).contiguous()
+
+
+class HostBuffers:
+    """Host copies taken at the step boundary. From an accelerator they go into page-locked (pinned)
+    buffers, allocated at the first save and reused by every later one (a save starts only after the
+    previous one's write is done, so the buffers are free again), issued ``non_blocking`` and waited for
+    once in ``ready()``; from CPU tensors they are plain copies (pinning would gain nothing). The pinned
+    path is not exercised by the CPU tests."""
+
+    def __init__(self) -> None:
+        self._pinned: dict[str, torch.Tensor] = {}
+        self._in_flight = False
+
+    def copy(self, key: str, t: torch.Tensor, dtype=None) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type == "cpu":
+            return _host(t, dtype)
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)  # cast on the device: the pinned buffer then takes a plain copy
+        buf = self._pinned.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        self._in_flight = True
+        return buf
+
+    def ready(self) -> None:
+        """Every copy issued is complete (call before the copies are read or training goes on)."""
+        if self._in_flight:
+            torch.cuda.synchronize()
+            self._in_flight = False
 
 
 def dp_slices(numels: list[int], dp: int, dp_rank: int) -> list[tuple[int, int]]:
@@ -84,14 +114,15 @@ def set_rng_state(state: dict) -> None:
 class Snapshot:
     """One rank's share of a checkpoint, in host memory (taken at the step boundary)."""
 
-    def __init__(self, engine, module, mesh, specs: dict[str, dict]):
+    def __init__(self, engine, module, mesh, specs: dict[str, dict], host: HostBuffers | None = None):
+        host = host or HostBuffers()
         named = list(module.named_parameters())
         slices = dp_slices([p.numel() for _, p in named], mesh.dp, mesh.dp_rank)
         self.params: dict[str, torch.Tensor] = {}
         self.params_index: dict[str, dict] = {}
         for (name, p), (start, numel) in zip(named, slices):
             if numel:
-                self.params[f"{name}/param"] = _host(p.reshape(-1)[start : start + numel])
+                self.params[f"{name}/param"] = host.copy(f"model/{name}/param", p.reshape(-1)[start : start + numel])
                 self.params_index[name] = {
                     "start": start,
                     "shape": list(p.shape),
@@ -104,20 +135,20 @@ class Snapshot:
             for name, p in named:
                 frag = hp_fragment(p, ADAM_KEYS)
                 if frag is not None and frag[1] > 0:
-                    self._add(name, frag[0], list(p.shape), frag[2])
+                    self._add(host, name, frag[0], list(p.shape), frag[2])
         else:  # every replica holds everything: each writes its even part, like the parameters
             for (name, p), (start, numel) in zip(named, slices):
                 raw = engine.optimizer.state.get(p, {})
                 states = {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}}
                 if numel:
-                    self._add(
-                        name, start, list(p.shape), {k: t.reshape(-1)[start : start + numel] for k, t in states.items()}
-                    )
+                    parts = {k: t.reshape(-1)[start : start + numel] for k, t in states.items()}
+                    self._add(host, name, start, list(p.shape), parts)
+        host.ready()
         self.rng = rng_state()
 
-    def _add(self, name: str, start: int, shape: list[int], states: dict[str, torch.Tensor]) -> None:
+    def _add(self, host: HostBuffers, name: str, start: int, shape: list[int], states: dict[str, torch.Tensor]) -> None:
         for k, t in states.items():
-            self.optim[f"{name}/{k}"] = _host(t.reshape(-1), torch.float32)
+            self.optim[f"{name}/{k}"] = host.copy(f"optim/{name}/{k}", t.reshape(-1), torch.float32)
         self.optim_index[name] = {"start": start, "shape": shape, "keys": sorted(states)}
 
     def write(self, tmp: Path, coord: str, rank: int) -> None:
@@ -162,9 +193,10 @@ def failure_reason(tmp: Path) -> str:
     return ""
 
 
-def collect_manifests(tmp: Path, world: int, timeout_s: float = WAIT_FOR_RANKS_S) -> dict[str, int]:
+def collect_manifests(tmp: Path, world: int, timeout_s: float) -> dict[str, int]:
     """Rank 0: every rank's files and sizes, once all have written their manifests; checks each file is
-    on disk at its size. Raises CheckpointSaveError when a rank failed (its one-line reason)."""
+    on disk at its size. Raises CheckpointSaveError when a rank failed (its one-line reason) or when a
+    rank wrote neither a manifest nor a failure within ``timeout_s`` (it died or hangs)."""
     done = tmp / "done"
     end = time.monotonic() + timeout_s
     pending = set(range(world))
@@ -183,7 +215,10 @@ def collect_manifests(tmp: Path, world: int, timeout_s: float = WAIT_FOR_RANKS_S
                 pending.discard(r)
         if pending:
             if time.monotonic() > end:
-                raise CheckpointSaveError(f"checkpoint save to {tmp}: ranks {sorted(pending)} never wrote their files")
+                raise CheckpointSaveError(
+                    f"checkpoint save to {tmp}: ranks {sorted(pending)} wrote no manifest within {timeout_s:.0f} s "
+                    "(cluster.timeout_s + twice rank 0's own write); they died or hang, see their logs"
+                )
             time.sleep(0.01)
     for rel, size in files.items():
         f = tmp / rel
@@ -209,6 +244,7 @@ class Saver:
 
     def __init__(self, asynchronous: bool, device: torch.device):
         self.asynchronous, self.device = asynchronous, device
+        self.host = HostBuffers()  # reused by every save (pinned when the state is on an accelerator)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
