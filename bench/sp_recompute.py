@@ -13,11 +13,13 @@ machine's load hits every configuration alike. Per step it measures:
   (``torch.autograd.graph.saved_tensors_hooks``, once per storage, parameters left out), the figure the
   planner models (``p3d.plan.memory``: blocks, embedding, final norm and head of one micro batch on one
   stage holding every layer, its ``activation_bytes``), printed next to it with both factors SP off / on;
-- RSS fwd: the process RSS after the forward pass and the loss minus the RSS before it (can be lower than
-  the saved bytes: glibc may hand out freed heap memory again without growing RSS);
-- peak: the highest RSS a sampling thread (every 2 ms) sees during the step, minus the RSS before it (the
-  weight gradients of the 50k-row embedding and head dominate it);
+- RSS fwd: the process RSS after the forward pass and the loss minus the RSS before it (can differ from
+  the saved bytes: glibc may hand out freed heap memory again, and transient buffers count);
+- peak: the highest RSS a sampling thread (every 2 ms) sees during the step, minus the RSS before it
+  (the step's weight gradients included: they are freed after each step);
 - tokens/s: micro_batch x seq_len / step wall time (medians over the rounds, the first one left out).
+
+The six models share one copy of the parameters (SP and recompute change none).
 
 The workers run with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` (buffers above 64 KB their own mappings,
 unmapped when freed), so RSS falls back between steps.
@@ -117,13 +119,16 @@ def _worker(rank: int, args, store: str, queue) -> None:
             sequence_parallel=sp,
             recompute_attention=rc == "selective",
         )
-        models[(sp, rc)] = SequentialModel(specs, VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh))
+        model = SequentialModel(specs, VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh))
+        if models:  # the same parameters (SP and recompute change none): one copy of the weights in memory
+            model.load_state_dict(next(iter(models.values())).state_dict(), assign=True)
+        models[(sp, rc)] = model
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, args.seq_len + 1), generator=g)
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
     def step(model, full: bool) -> tuple[float, int, int, int]:
-        model.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=True)  # the step's weight gradients count in its peak
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, int] = {}
 
@@ -147,12 +152,12 @@ def _worker(rank: int, args, store: str, queue) -> None:
             loss.backward()
         return time.perf_counter() - t0, sum(saved.values()), held, peak.peak - before
 
-    for model in models.values():  # gradients allocated, first-touch costs paid
-        step(model, False)
     for r in range(args.rounds + 1):
         for sp, rc in CONFIGS:
             dist.barrier()
             queue.put((rank, r, sp, rc, *step(models[(sp, rc)], rc == "full")))
+        if rank == 0:
+            print(f"round {r} done at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 
 
