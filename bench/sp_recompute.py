@@ -17,7 +17,9 @@ machine's load hits every configuration alike. Per step it measures:
   the saved bytes: glibc may hand out freed heap memory again, and transient buffers count);
 - peak: the highest RSS a sampling thread (every 2 ms) sees during the step, minus the RSS before it
   (the step's weight gradients included: they are freed after each step);
-- tokens/s: micro_batch x seq_len / step wall time (medians over the rounds, the first one left out).
+- tokens/s: micro_batch x seq_len / step wall time, and per CPU second of the worker process (steadier
+  on a shared machine: time spent waiting for a core does not count); medians over the rounds, the
+  first one left out.
 
 The six models share one copy of the parameters (SP and recompute change none).
 
@@ -127,7 +129,7 @@ def _worker(rank: int, args, store: str, queue) -> None:
     ids = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, args.seq_len + 1), generator=g)
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
-    def step(model, full: bool) -> tuple[float, int, int, int]:
+    def step(model, full: bool) -> tuple[float, int, int, int, float]:
         model.zero_grad(set_to_none=True)  # the step's weight gradients count in its peak
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, int] = {}
@@ -139,7 +141,7 @@ def _worker(rank: int, args, store: str, queue) -> None:
             return t
 
         before = _rss()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with PeakRSS() as peak:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 x = inputs
@@ -150,7 +152,8 @@ def _worker(rank: int, args, store: str, queue) -> None:
             held = _rss() - before
             del x
             loss.backward()
-        return time.perf_counter() - t0, sum(saved.values()), held, peak.peak - before
+        cpu = time.process_time() - c0
+        return time.perf_counter() - t0, sum(saved.values()), held, peak.peak - before, cpu
 
     for r in range(args.rounds + 1):
         for sp, rc in CONFIGS:
@@ -208,21 +211,23 @@ def main(argv: list[str] | None = None) -> int:
         f"(medians, rank 0); load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores"
     )
     print(
-        f"{'recompute':<10} {'SP':<4} {'tokens/s':>9} {'saved MiB':>9} {'plan MiB':>9} {'RSS fwd':>8} {'peak MiB':>9}"
+        f"{'recompute':<10} {'SP':<4} {'tokens/s':>9} {'tok/CPU s':>9} {'saved MiB':>9} {'plan MiB':>9} "
+        f"{'RSS fwd':>8} {'peak MiB':>9}"
     )
     for sp, rc in CONFIGS:
-        seconds, saved, held, peak = (med((sp, rc), c) for c in (4, 5, 6, 7))
-        tps = args.micro_batch * args.seq_len / seconds
+        seconds, saved, held, peak, cpu = (med((sp, rc), c) for c in (4, 5, 6, 7, 8))
+        tokens = args.micro_batch * args.seq_len
         print(
-            f"{rc:<10} {'on' if sp else 'off':<4} {tps:>9.1f} {saved / mb:>9.2f} {planned[(sp, rc)] / mb:>9.2f} "
-            f"{held / mb:>8.1f} {peak / mb:>9.1f}"
+            f"{rc:<10} {'on' if sp else 'off':<4} {tokens / seconds:>9.1f} {tokens / cpu:>9.1f} {saved / mb:>9.2f} "
+            f"{planned[(sp, rc)] / mb:>9.2f} {held / mb:>8.1f} {peak / mb:>9.1f}"
         )
     print("activation bytes SP off / SP on: measured (planned)")
     for rc in ("none", "selective", "full"):
         measured = med((False, rc), 5) / med((True, rc), 5)
         print(f"  {rc:<10} {measured:.3f} ({planned[(False, rc)] / planned[(True, rc)]:.3f})")
-    sp_none, sp_sel = (args.micro_batch * args.seq_len / med((True, rc), 4) for rc in ("none", "selective"))
-    print(f"tokens/s of selective recompute with SP, against none with SP: {sp_sel / sp_none:.3f}")
+    for col, what in ((4, "tokens/s"), (8, "tokens per CPU second")):
+        ratio = med((True, "none"), col) / med((True, "selective"), col)
+        print(f"{what} of selective recompute with SP, against none with SP: {ratio:.3f}")
     return 0
 
 
