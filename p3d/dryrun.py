@@ -130,6 +130,7 @@ def dry_run(cfg, plan) -> DryRunReport:
                 cfg.train.seed,
                 sequence_parallel=cfg.schedule.sequence_parallel,
                 recompute_attention=cfg.schedule.recompute == Recompute.selective,
+                recompute_swiglu=cfg.schedule.recompute == Recompute.selective and cfg.schedule.recompute_swiglu,
             )
             n = pad = owned = 0
             built_tied: set[str] = set()

@@ -129,6 +129,29 @@ def relink_optimizer_states(wrapper) -> None:
     wrapper._lazy_init_hp_params_optimizer_state()
 
 
+@contextlib.contextmanager
+def pipe_sends(record: list, keep_tensors: bool = False):
+    """Record every tensor this rank's pipeline engine sends to a neighbouring stage while the block runs:
+    ``record`` gets ``(dest_stage, shape, dtype, nbytes)`` per send (activations, their gradients and
+    DeepSpeed's meta tensors), plus a copy of the tensor with ``keep_tensors``. The engine calls
+    ``deepspeed.runtime.pipe.p2p.send`` through the module attribute, so wrapping that attribute sees each
+    send (used by tests/test_sp_p2p.py)."""
+    from deepspeed.runtime.pipe import p2p
+
+    original = p2p.send
+
+    def counted(tensor, dest_stage, *args, **kwargs):
+        sent = (dest_stage, tuple(tensor.shape), str(tensor.dtype), tensor.numel() * tensor.element_size())
+        record.append((*sent, tensor.detach().clone()) if keep_tensors else sent)
+        return original(tensor, dest_stage, *args, **kwargs)
+
+    p2p.send = counted
+    try:
+        yield record
+    finally:
+        p2p.send = original
+
+
 def wrapped_optimizer(engine):
     """The torch optimizer under DeepSpeed's ZeRO / bf16 wrapper (``engine.optimizer.optimizer``)."""
     return engine.optimizer.optimizer
@@ -187,6 +210,14 @@ TOUCHPOINTS = (
         "BF16_Optimizer.fp32_groups_gradients_flat",
         "p3d.train.faults",
         lambda: _source_has("deepspeed.runtime.bf16_optimizer:BF16_Optimizer", "self.fp32_groups_gradients_flat"),
+    ),
+    Touchpoint(
+        "PipelineEngine sends through deepspeed.runtime.pipe.p2p.send",
+        "tests/test_sp_p2p.py",
+        lambda: (
+            _source_has("deepspeed.runtime.pipe.engine:PipelineEngine", "p2p.send(")
+            and _source_has("deepspeed.runtime.pipe.engine", "from . import p2p")
+        ),
     ),
     Touchpoint(
         "PipelineEngine.pipeline_enable_backward_allreduce",

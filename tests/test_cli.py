@@ -116,6 +116,30 @@ def test_dry_run_llama70b_tp8_pp8_counts():
         assert n == _expected_rank_params(cfg.model, 8, pp, blocks, pp == 7), (pp, tp)
 
 
+def test_dry_run_with_sp_and_recompute_counts_the_same_parameters():
+    """Sequence parallelism and recompute change no parameter: the dry run's per-rank counts stay."""
+    from p3d.dryrun import dry_run
+
+    base = ("model=tiny", "mesh=tp2_pp2", "model.tie_embeddings=true", "dry_run=true")
+    plain = dry_run(*typed(*base))
+    sp = dry_run(
+        *typed(
+            *base,
+            "schedule.sequence_parallel=true",
+            "schedule.recompute=selective",
+            "schedule.recompute_swiglu=true",
+        )
+    )
+    assert sp.cfg.schedule.sequence_parallel and not plain.cfg.schedule.sequence_parallel
+    assert sp.total == plain.total == total_params(sp.cfg.model)
+    assert (sp.params, sp.owned, sp.padding, sp.stage_layers) == (
+        plain.params,
+        plain.owned,
+        plain.padding,
+        plain.stage_layers,
+    )
+
+
 @pytest.mark.timeout(120)
 def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
     t0 = time.monotonic()

@@ -116,6 +116,11 @@ RULES = [
         "model.seq_len=66 must be divisible by mesh.tp=4",
         "model.seq_len=64",
     ),
+    (
+        ["schedule.recompute_swiglu=true"],
+        "schedule.recompute_swiglu=true needs schedule.recompute=selective (it is none)",
+        "schedule.recompute=selective",
+    ),
     (["schedule.virtual_stages=2"], "schedule.virtual_stages=2", "schedule.virtual_stages=1"),
     (["model.arch=gpt"], "model.arch=gpt", "model.arch=llama"),
     (["data=files"], "data.path", ""),

@@ -82,15 +82,17 @@ def _hf_logits(path, ids):
         return LlamaForCausalLM.from_pretrained(path).eval()(ids).logits
 
 
-def _imported_logits_match(rank, world, hf_dir):
-    """tp2 x pp2: import the HF weights slice by slice, run the pipeline, compare the logits."""
+def _imported_logits_match(rank, world, hf_dir, sp: bool = False):
+    """tp2 x pp2: import the HF weights slice by slice, run the pipeline, compare the logits (``sp``: with
+    sequence parallelism, which changes no parameter)."""
     import deepspeed
 
     from p3d.dist.mesh import Mesh
     from p3d.train.trainer import build_engine
 
     deepspeed.init_distributed("gloo")
-    cfg, plan = typed("mesh=tp2_pp2", f"model.init_from={hf_dir}")
+    cfg, plan = typed("mesh=tp2_pp2", f"model.init_from={hf_dir}", f"schedule.sequence_parallel={str(sp).lower()}")
+    assert cfg.schedule.sequence_parallel == sp
     assert cfg.model.vocab_size == 301 and plan.padded_vocab_size == 302  # one padding row per tp=2
     mesh = Mesh.from_plan(plan, rank).with_groups()
     engine, _, _ = build_engine(cfg, plan, mesh)  # as a training run: HF weights read slice by slice
@@ -105,8 +107,9 @@ def _imported_logits_match(rank, world, hf_dir):
 
 
 @pytest.mark.timeout(300)
-def test_hf_import_on_tp2_pp2_gives_the_same_logits(hf_llama):
-    run_distributed(_imported_logits_match, 4, str(hf_llama), timeout=240)
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_hf_import_on_tp2_pp2_gives_the_same_logits(hf_llama, sp):
+    run_distributed(_imported_logits_match, 4, str(hf_llama), sp, timeout=240)
 
 
 @pytest.mark.timeout(300)

@@ -44,6 +44,12 @@ CASES = {
     "single-selective": ["mesh=single", "schedule.recompute=selective"],
     "tp2_pp2-selective": ["mesh=tp2_pp2", "schedule.recompute=selective"],
     "dp2_pp2_tp2-sp-selective": ["mesh=dp2_pp2_tp2", "schedule.sequence_parallel=true", "schedule.recompute=selective"],
+    "tp2_pp2-sp-selective-swiglu": [  # silu(gate) * up recomputed too
+        "mesh=tp2_pp2",
+        "schedule.sequence_parallel=true",
+        "schedule.recompute=selective",
+        "schedule.recompute_swiglu=true",
+    ],
     # issue 16's switches change how a step runs, not what it computes: the reference stays eager, torch's AdamW
     "single-compile": ["mesh=single", "model.compile=true"],
     "tp2_pp2-compile-recompute": ["mesh=tp2_pp2", "model.compile=true", "schedule=recompute"],

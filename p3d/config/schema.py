@@ -132,6 +132,7 @@ class ScheduleConfig:
     recompute: Recompute = Recompute.none
     partition: Partition = Partition.blocks
     sequence_parallel: bool = False  # split the sequence over tp outside the TP regions (needs tp > 1)
+    recompute_swiglu: bool = False  # with recompute=selective: silu(gate) * up recomputed in backward too
     virtual_stages: int = 1  # interleaved 1F1B degree; planner only for now
 
 

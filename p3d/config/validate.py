@@ -261,6 +261,16 @@ def check_sequence_parallel(cfg: Config, tp: int) -> None:
         )
 
 
+def check_recompute_swiglu(cfg: Config) -> None:
+    """The SwiGLU knob adds to selective recompute; full already recomputes whole blocks, none nothing."""
+    recompute = cfg.schedule.recompute.value
+    if cfg.schedule.recompute_swiglu and recompute != "selective":
+        raise P3DConfigError(
+            f"schedule.recompute_swiglu=true needs schedule.recompute=selective (it is {recompute}); "
+            "try schedule.recompute=selective or schedule.recompute_swiglu=false"
+        )
+
+
 def check_zero(cfg: Config, pp: int) -> None:
     stage = cfg.zero.stage
     if stage >= 2:
@@ -311,6 +321,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     world, dp = _world_size(cfg, tp, pp)
     micro_batches = check_schedule(cfg, dp, pp)
     check_sequence_parallel(cfg, tp)
+    check_recompute_swiglu(cfg)
     check_zero(cfg, pp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)

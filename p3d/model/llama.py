@@ -122,11 +122,19 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))  # (b, s or s/tp, h)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate|up fused column-parallel (ffn/tp each), down row-parallel."""
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, (b, s, ffn/tp): what schedule.recompute_swiglu repeats in backward."""
+    return F.silu(gate) * up
 
-    def __init__(self, cfg, mesh, prefix: str, seed: int, sequence_parallel: bool = False):
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate|up fused column-parallel (ffn/tp each), down row-parallel.
+    ``recompute``: silu(gate) * up runs under ``torch.utils.checkpoint``, so silu(gate) (b, s, ffn/tp) is not
+    kept for backward (gate|up is, as the checkpoint's input; the product is, as down's input)."""
+
+    def __init__(self, cfg, mesh, prefix: str, seed: int, sequence_parallel: bool = False, recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.w_gate_up = ColumnParallelLinear(
             cfg.hidden_size,
@@ -149,7 +157,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up.split_output(self.w_gate_up(x))  # (b, s, ffn/tp) each
-        return self.w_down(F.silu(gate) * up)
+        if self.recompute and torch.is_grad_enabled():
+            return self.w_down(checkpoint(_swiglu, gate, up, use_reentrant=False))
+        return self.w_down(_swiglu(gate, up))
 
 
 class TransformerBlock(nn.Module):
@@ -157,7 +167,14 @@ class TransformerBlock(nn.Module):
     with ``sequence_parallel`` (b, s/tp, h), this rank's block of the sequence."""
 
     def __init__(
-        self, cfg, mesh, layer_idx: int, seed: int, sequence_parallel: bool = False, recompute_attention: bool = False
+        self,
+        cfg,
+        mesh,
+        layer_idx: int,
+        seed: int,
+        sequence_parallel: bool = False,
+        recompute_attention: bool = False,
+        recompute_swiglu: bool = False,
     ):
         super().__init__()
         prefix = f"block{layer_idx}"
@@ -165,7 +182,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
         self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
-        self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed, sequence_parallel)
+        self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed, sequence_parallel, recompute_swiglu)
         if cfg.compile:  # torch.compile of this block's forward (inductor: fused kernels on GPU and CPU alike)
             self.compile()
 

@@ -77,11 +77,13 @@ def build_layer_specs(
     seed: int,
     sequence_parallel: bool = False,
     recompute_attention: bool = False,
+    recompute_swiglu: bool = False,
 ) -> list[LayerSpec]:
     """cfg: ModelConfig. The specs of every layer; PipelineModule builds only this stage's.
 
     ``sequence_parallel``: split the sequence over tp outside the TP regions (schedule.sequence_parallel);
-    ``recompute_attention``: selective recompute of the attention core (schedule.recompute=selective)."""
+    ``recompute_attention``: selective recompute of the attention core (schedule.recompute=selective);
+    ``recompute_swiglu``: silu(gate) * up too (schedule.recompute_swiglu)."""
     sp = sequence_parallel and mesh.tp > 1
     if cfg.tie_embeddings:
         embed = TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, sp, tied_weight_attr="weight")
@@ -99,7 +101,10 @@ def build_layer_specs(
     else:
         embed = LayerSpec(EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, sp)
         head = LayerSpec(HeadPipe, cfg, padded_vocab_size, mesh, seed, sp)
-    blocks = [LayerSpec(TransformerBlock, cfg, mesh, i, seed, sp, recompute_attention) for i in range(cfg.n_layers)]
+    blocks = [
+        LayerSpec(TransformerBlock, cfg, mesh, i, seed, sp, recompute_attention, recompute_swiglu)
+        for i in range(cfg.n_layers)
+    ]
     final_norm = LayerSpec(FinalNorm, cfg, mesh.tp_group if sp else None)
     return [embed, *blocks, final_norm, head]
 
@@ -158,11 +163,13 @@ class SequentialModel(nn.Module):
 
 
 def to_sequential(
-    cfg, padded_vocab_size: int, seed: int, mesh=None, recompute_attention: bool = False
+    cfg, padded_vocab_size: int, seed: int, mesh=None, recompute_attention: bool = False, recompute_swiglu: bool = False
 ) -> SequentialModel:
     """The single-process twin of the pipeline (mesh defaults to one rank with no groups)."""
     from p3d.dist.mesh import Mesh
 
     mesh = mesh or Mesh(tp=1, pp=1, dp=1)
-    specs = build_layer_specs(cfg, padded_vocab_size, mesh, seed, recompute_attention=recompute_attention)
+    specs = build_layer_specs(
+        cfg, padded_vocab_size, mesh, seed, recompute_attention=recompute_attention, recompute_swiglu=recompute_swiglu
+    )
     return SequentialModel(specs, VocabParallelLoss(cfg, padded_vocab_size, mesh))

@@ -104,6 +104,8 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None)
     if m.arch == Arch.llama:
         per_token = 2 * _norm_bytes(cfg) / sp + c * 4 * f / t
         if recompute == Recompute.selective:  # RoPE + attention core recomputed: q|k|v and the output stay
+            if sched.recompute_swiglu:  # silu(gate) recomputed too: gate|up and the product stay
+                per_token -= c * f / t
             return b * s * (per_token + c * (2 * q + 2 * kv) / t)
         if flash:
             per_token += c * (3 * q + 3 * kv) / t + 4 * a / t

@@ -42,6 +42,7 @@ def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
         cfg.train.seed,
         sequence_parallel=cfg.schedule.sequence_parallel,
         recompute_attention=cfg.schedule.recompute == Recompute.selective,
+        recompute_swiglu=cfg.schedule.recompute == Recompute.selective and cfg.schedule.recompute_swiglu,
     )
     recompute = cfg.schedule.recompute == Recompute.full
     return P3DPipelineModule(

@@ -25,7 +25,10 @@ def saved_bytes(cfg, checkpoint_blocks: bool = False) -> int:
     m = cfg.model
     dtype = torch.bfloat16 if cfg.train.dtype == DType.bf16 else torch.float32
     selective = cfg.schedule.recompute.value == "selective"
-    model = to_sequential(m, padded_vocab(m.vocab_size, 1), cfg.train.seed, recompute_attention=selective).to(dtype)
+    swiglu = selective and cfg.schedule.recompute_swiglu
+    model = to_sequential(
+        m, padded_vocab(m.vocab_size, 1), cfg.train.seed, recompute_attention=selective, recompute_swiglu=swiglu
+    ).to(dtype)
     gen = torch.Generator().manual_seed(0)
     shape = (cfg.schedule.micro_batch_size, m.seq_len)
     ids = torch.randint(0, m.vocab_size, shape, generator=gen)
@@ -71,6 +74,7 @@ CASES = [
     ("model=tiny", "mesh=single", "schedule=recompute"),  # full recompute: block inputs only
     ("model=tiny", "mesh=single", "schedule.recompute=selective"),  # RoPE + attention core recomputed
     ("model=tiny", "mesh=single", "schedule.recompute=selective", "train.dtype=bf16"),
+    ("model=tiny", "mesh=single", "schedule.recompute=selective", "schedule.recompute_swiglu=true"),  # + silu(gate)
     ("model=tiny", "mesh=single", "schedule.micro_batch_size=4", "model.n_kv_heads=8"),  # no GQA
     ("model=small", "mesh=single", "schedule.micro_batch_size=1"),  # seq 1024, vocab 50304, tied
     ("model=small", "mesh=single", "schedule.micro_batch_size=1", "train.dtype=bf16", "model.seq_len=256"),

@@ -16,9 +16,8 @@ from tests.dist import run_distributed
 pytestmark = pytest.mark.procs  # starts two processes
 
 TP = 2
-CASES = [  # (sequence_parallel, recompute, dtype)
-    (sp, rc, dt) for dt in ("fp32",) for sp in (False, True) for rc in ("none", "selective", "full")
-]
+RECOMPUTE = ("none", "selective", "selective+swiglu", "full")  # +swiglu: schedule.recompute_swiglu=true
+CASES = [(sp, rc, dt) for dt in ("fp32",) for sp in (False, True) for rc in RECOMPUTE]  # (sequence_parallel, ...)
 
 
 def block_saved_bytes(cfg, mesh, sequence_parallel: bool, recompute: str) -> int:
@@ -28,7 +27,8 @@ def block_saved_bytes(cfg, mesh, sequence_parallel: bool, recompute: str) -> int
 
     m = cfg.model
     dtype = torch.bfloat16 if cfg.train.dtype.value == "bf16" else torch.float32
-    block = TransformerBlock(m, mesh, 1, cfg.train.seed, sequence_parallel, recompute == "selective").to(dtype)
+    selective, swiglu = recompute.startswith("selective"), recompute.endswith("+swiglu")
+    block = TransformerBlock(m, mesh, 1, cfg.train.seed, sequence_parallel, selective, swiglu).to(dtype)
     s = m.seq_len // (mesh.tp if sequence_parallel else 1)
     x = torch.randn(cfg.schedule.micro_batch_size, s, m.hidden_size, dtype=dtype, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -84,14 +84,19 @@ def test_block_activation_bytes_with_sp_and_recompute(make_cfg):
             "model=tiny",
             f"mesh=tp{TP}",
             f"schedule.sequence_parallel={str(sp).lower()}",
-            f"schedule.recompute={rc}",
+            f"schedule.recompute={rc.split('+')[0]}",
+            f"schedule.recompute_swiglu={str(rc.endswith('+swiglu')).lower()}",
             f"train.dtype={dt}",
         )
         for sp, rc, dt in CASES
     ]
     expected = [block_bytes(cfg, Layout(TP, 1, 1, cfg.schedule.micro_batch_size, 1)) for cfg in cfgs]
     by_case = dict(zip(CASES, expected))
-    for rc in ("none", "selective", "full"):
+    for rc in RECOMPUTE:
         for dt in ("fp32",):
             assert by_case[(True, rc, dt)] < by_case[(False, rc, dt)]  # sequence parallelism saves memory
+    for sp in (False, True):  # the SwiGLU knob drops silu(gate): b s ffn/tp fp32 bytes
+        cfg = cfgs[CASES.index((sp, "selective", "fp32"))]
+        silu = cfg.schedule.micro_batch_size * cfg.model.seq_len * cfg.model.ffn_hidden_size // TP * 4
+        assert by_case[(sp, "selective", "fp32")] - by_case[(sp, "selective+swiglu", "fp32")] == silu
     run_distributed(_measure, TP, cfgs, expected, timeout=1200)  # process start-up takes minutes on a loaded machine
