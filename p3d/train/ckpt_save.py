@@ -239,6 +239,9 @@ def drop(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+REASON_BYTES = 512  # the one-line reason a failed rank sends the others
+
+
 class Saver:
     """Runs saves one at a time, in the background when ``asynchronous``; see the module doc."""
 
@@ -264,20 +267,36 @@ class Saver:
 
     def wait(self, tmp: Path | None = None) -> None:
         """Collective: every rank calls it at the same points. Returns once the save in flight is
-        complete on every rank; raises (on every rank) if any rank's save failed (with the reason that
-        rank left in ``tmp``, when given)."""
+        complete on every rank; raises (on every rank) if any rank's save failed, with that rank's own
+        one-line reason. The reason travels in the collective, not in a file: on a full disk the
+        ``.failed`` file of the failing rank may never be written. ``tmp``: unused, kept for callers."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
-        flag = torch.tensor([1.0 if error is not None else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if isinstance(error, OSError):
+            error = save_failed(Path(getattr(error, "filename", "") or "."), error)
+        reason = self._first_reason(error)
         if error is not None:
-            if isinstance(error, OSError):
-                raise save_failed(Path(getattr(error, "filename", "") or "."), error) from None
             raise error
-        if flag.item() > 0:
-            why = failure_reason(tmp) if tmp is not None else ""
-            raise CheckpointSaveError(
-                f"checkpoint save failed on another rank: {why or 'its log names the path and why'}"
-            )
+        if reason:
+            raise CheckpointSaveError(f"checkpoint save failed on another rank: {reason}")
+
+    def _first_reason(self, error: BaseException | None) -> str:
+        """All-gather of every rank's reason (REASON_BYTES of UTF-8, empty when its save went well);
+        the lowest failed rank's, as ``rank <r>: <line>``, or "" when every rank succeeded."""
+        text = ""
+        if error is not None:
+            line = str(error).splitlines()[0] if str(error) else repr(error)
+            text = f"rank {dist.get_rank()}: {line}"
+        raw = text.encode()[: REASON_BYTES - 1]
+        mine = torch.zeros(REASON_BYTES, dtype=torch.uint8, device=self.device)
+        if raw:
+            mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        for buf in every:
+            got = bytes(buf.cpu().tolist()).rstrip(b"\0")
+            if got:
+                return got.decode(errors="replace")  # a cut mid-character reads as U+FFFD
+        return ""
