@@ -1,5 +1,6 @@
 """bf16 on CPU tracks the fp32 curve (issue 16): ``model=tiny`` for 20 steps in bf16 against the fp32
-single-process reference, on ``single`` and ``dp2_pp2_tp2``, under ZeRO-0 and ZeRO-1.
+single-process reference, on ``single`` and ``dp2_pp2_tp2``, under ZeRO-0 and ZeRO-1, and with sequence
+parallelism and selective recompute (issue 12).
 
 What runs: DeepSpeed's bf16 path (bf16 weights and activations, fp32 master weights and Adam moments).
 Gradients accumulate over micro batches in fp32 with ZeRO-1 (``data_types.grad_accum_dtype=fp32``);
@@ -29,6 +30,13 @@ CASES = {
     "single-zero1": ["mesh=single", "zero=stage1"],
     "dp2_pp2_tp2": ["mesh=dp2_pp2_tp2"],
     "dp2_pp2_tp2-zero1": ["mesh=dp2_pp2_tp2", "zero=stage1"],
+    # sequence parallelism and selective recompute change no parameter and no sum: the same curve in bf16
+    "dp2_pp2_tp2-zero1-sp-selective": [
+        "mesh=dp2_pp2_tp2",
+        "zero=stage1",
+        "schedule.sequence_parallel=true",
+        "schedule.recompute=selective",
+    ],
 }
 
 
