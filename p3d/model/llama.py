@@ -80,14 +80,6 @@ class Attention(nn.Module):
         self.local_heads = cfg.n_heads // mesh.tp
         self.local_kv_heads = cfg.n_kv_heads // mesh.tp
         self.rope_theta = cfg.rope_theta
-        # RoPE tables for positions 0..seq_len-1, built once, not every forward. Buffers, so that they move
-        # and cast with the module (bf16 runs: the fp32 table rounded once, as computing it in bf16 did);
-        # not persistent: checkpoints and HF exports hold weights only.
-        cos, sin = rope_table(cfg.seq_len, hd, cfg.rope_theta)
-        self.rope_cos: torch.Tensor
-        self.rope_sin: torch.Tensor
-        self.register_buffer("rope_cos", cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", sin.clone(), persistent=False)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.wqkv = ColumnParallelLinear(
             cfg.hidden_size,
@@ -101,6 +93,16 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(
             cfg.n_heads * hd, cfg.hidden_size, mesh, f"{prefix}.wo", out_std, seed, sequence_parallel=sequence_parallel
         )
+        # RoPE tables for positions 0..seq_len-1, built once, not every forward. Buffers, so that they move
+        # and cast with the module (bf16 runs: the fp32 table rounded once, as computing it in bf16 did);
+        # not persistent: checkpoints and HF exports hold weights only. A copy per block (what p3d-plan
+        # counts); on "meta" (dry runs) none.
+        cos, sin = rope_table(cfg.seq_len, hd, cfg.rope_theta)
+        on_meta_device = self.wqkv.weight.device.type == "meta"
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", cos.to("meta") if on_meta_device else cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", sin.to("meta") if on_meta_device else sin.clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x)  # (b, s, (nh + 2 nkv)/tp * hd): the whole sequence, also with SP

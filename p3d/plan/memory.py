@@ -21,7 +21,9 @@ what the p3d model saves for backward, checked against torch's saved-tensor hook
                  attention  c (3 q + 3 kv) / t + 4 a / t     q|k|v, rotated q and k, output,
                                                               flash log-sum-exp (fp32)
                  mlp        4 c f / t                 gate|up, silu(gate), silu(gate) * up
-                 rope       2 s hd c per micro batch  cos, sin
+                 rope       2 s hd c per micro batch  cos, sin (since they are built once, a buffer per
+                                                  block: an over-count of (in flight - 1) x 2 s hd c per
+                                                  block, 4 MB at 8k context in bf16)
     gpt block    Korthikanti et al. (2022), Eq. 2 with c bytes: (4 c + 2) h replicated
                  + c (2 q + 2 kv + 2 f) / t + (2 c + 1) a s / t  (softmax, dropout mask and output)
 
