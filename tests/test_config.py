@@ -143,6 +143,39 @@ def test_each_rule_names_field_value_and_fix(overrides, message, fix):
     assert fix in text
 
 
+def _largest_stage(costs, bounds):
+    return max(sum(costs[bounds[s] : bounds[s + 1]]) for s in range(len(bounds) - 1))
+
+
+@pytest.mark.parametrize(
+    "model,pp",
+    [("small", 2), ("small", 3), ("tiny", 2), ("tiny", 4), ("llama3_8b", 4), ("llama70b", 8), ("llama3_1b", 5)],
+)
+def test_the_cost_partition_is_the_best_contiguous_split(model, pp):
+    """partition=cost: no contiguous split of the layers (all of them tried, for up to 7 stages) has a
+    costlier largest stage less costly, and it is never worse than blocks or uniform (issue 11, item 6)."""
+    import itertools
+
+    from p3d.model.geometry import layer_costs
+
+    cfg, _ = typed(f"model={model}", "model.n_layers=6" if model != "tiny" else "model.n_layers=4", "mesh=single")
+    costs, n = layer_costs(cfg.model), cfg.model.n_layers
+    bounds = stage_bounds(n, pp, Partition.cost, cfg.model)
+    assert bounds[0] == 0 and bounds[-1] == n + 3 and all(a < b for a, b in itertools.pairwise(bounds))
+    best = min(_largest_stage(costs, [0, *cuts, n + 3]) for cuts in itertools.combinations(range(1, n + 3), pp - 1))
+    assert _largest_stage(costs, bounds) == best
+    for other in (Partition.blocks, Partition.uniform):
+        if n >= pp:
+            assert _largest_stage(costs, bounds) <= _largest_stage(costs, stage_bounds(n, pp, other))
+
+
+def test_the_cost_partition_gives_a_big_vocabulary_head_a_stage_of_its_own():
+    cfg, plan = typed("model=small", "model.n_layers=4", "mesh=pp2", "schedule.partition=cost")
+    assert plan.stage_bounds == [0, 5, 7]  # embed + 4 blocks | final_norm + head (5.5 blocks of FLOPs)
+    with pytest.raises(ValueError, match="needs the model"):
+        stage_bounds(4, 2, Partition.cost)
+
+
 def test_vocab_is_padded_to_a_multiple_of_tp():
     assert padded_vocab(257, 4) == 260 and padded_vocab(512, 8) == 512 and padded_vocab(128256, 8) == 128256
     _, plan = typed("mesh=tp4", "model.vocab_size=257")

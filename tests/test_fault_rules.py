@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from p3d.dist import hang
 from p3d.dist.mesh import Mesh
 from p3d.train.faults import StepPolicy, StepVerdict
@@ -40,7 +42,7 @@ def test_a_straggler_is_named_once_per_streak():
     named = [watch.update(fast)[1] for _ in range(5)]
     assert [len(n) for n in named] == [0, 0, 1, 0, 0] and "rank 3 (dp 1, pp 1, tp 0) is a straggler" in named[2][0]
     fields, _ = watch.update(fast)
-    assert fields == {"slowest_rank": 3, "slowest_ratio": 5.0}
+    assert fields == {"slowest_rank": 3, "slowest_ratio": 5.0, "stage_compute_s": pytest.approx([0.1, 0.3])}
     watch.update(slow)  # the streak ends; a new one is named again
     assert [len(watch.update(fast)[1]) for _ in range(3)] == [0, 0, 1]
 

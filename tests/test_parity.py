@@ -50,6 +50,14 @@ CASES = {
         "schedule.recompute=selective",
         "schedule.recompute_swiglu=true",
     ],
+    # a stage of its own for the head (2.3 blocks of FLOPs at 2048 words), tied to the embedding on the other
+    "pp2-cost-tied": [
+        "mesh=pp2",
+        "schedule.partition=cost",
+        "model.n_layers=2",
+        "model.vocab_size=2048",
+        "model.tie_embeddings=true",
+    ],
     # issue 16's switches change how a step runs, not what it computes: the reference stays eager, torch's AdamW
     "single-compile": ["mesh=single", "model.compile=true"],
     "tp2_pp2-compile-recompute": ["mesh=tp2_pp2", "model.compile=true", "schedule=recompute"],

@@ -29,6 +29,7 @@ class Recompute(Enum):
 class Partition(Enum):
     blocks = "blocks"  # balance transformer blocks over stages (embedding/head ride along)
     uniform = "uniform"  # balance all pipeline layers, embedding and head counted as layers
+    cost = "cost"  # balance each stage's modelled FLOPs: blocks, and the head with its loss, by their cost
 
 
 class DType(Enum):

@@ -206,7 +206,7 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
             f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: every stage needs a block; "
             f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
         )
-    if s.partition == Partition.uniform and m.n_layers + 3 < pp:
+    if s.partition in (Partition.uniform, Partition.cost) and m.n_layers + 3 < pp:
         raise P3DConfigError(
             f"mesh.pp={pp} exceeds the {m.n_layers + 3} pipeline layers of this model; "
             f"try {suggest_mesh(tp, m.n_layers + 3, cfg.mesh.dp)}"
@@ -343,7 +343,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
         padded_vocab_size=padded_vocab(cfg.model.vocab_size, tp),
         tokens_per_step=cfg.schedule.global_batch_size * cfg.model.seq_len,
         layer_names=layer_names(cfg.model.n_layers),
-        stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition),
+        stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition, cfg.model),
         procs_per_node=cfg.cluster.gpus_per_node or per_node,
         logging_rank=dims.logging_rank,
         backend=backend,

@@ -26,15 +26,53 @@ def layer_names(n_layers: int) -> list[str]:
     return ["embed"] + [f"block{i}" for i in range(n_layers)] + ["final_norm", "head"]
 
 
-def stage_bounds(n_layers: int, pp: int, partition: Partition) -> list[int]:
+def layer_costs(m: ModelConfig) -> list[float]:
+    """Forward + backward FLOPs per token of each pipeline layer (``layer_names``), the terms of
+    ``model_flops_per_token``: a block 6 * block_matmul_params + 12 s q, the head 6 h V; the embedding
+    (a lookup) and the final norm count 0. The head of a large vocabulary weighs several blocks: 5.5 for
+    model=small (V = 50,304, h = 768)."""
+    q, _ = head_dims(m)
+    block = 6.0 * block_matmul_params(m) + 12.0 * m.seq_len * q
+    return [0.0] + [block] * m.n_layers + [0.0, 6.0 * m.hidden_size * m.vocab_size]
+
+
+def _balanced_bounds(costs: list[float], pp: int) -> list[int]:
+    """Contiguous split of ``costs`` into pp non-empty stages with the smallest largest stage cost
+    (dynamic programming over prefix sums; ties: the earliest boundary)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]  # best[k][i]: first i layers on k stages
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pp + 1):
+        for i in range(k, n - (pp - k) + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds = [n]
+    for k in range(pp, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def stage_bounds(n_layers: int, pp: int, partition: Partition, model: ModelConfig | None = None) -> list[int]:
     """Layer-index boundaries of the pp stages over ``layer_names(n_layers)``.
 
     ``blocks``: every stage gets n_layers // pp blocks; the remainder goes to the middle stages
     first, since the first stage also holds the embedding and the last the head and the loss
     (as Llama 3 405B's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere).
     ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier stages taking the extra.
+    ``cost``: the split whose costliest stage costs least, by ``layer_costs(model)``.
     """
     n_items = n_layers + 3
+    if partition == Partition.cost:
+        if model is None or model.n_layers != n_layers:
+            raise ValueError("partition=cost needs the model whose layers it balances")
+        return _balanced_bounds(layer_costs(model), pp)
     if partition == Partition.uniform:
         base, extra = divmod(n_items, pp)
         sizes = [base + (1 if s < extra else 0) for s in range(pp)]

@@ -112,7 +112,7 @@ def stage_params(cfg: Config, layout: Layout) -> list[StageParams]:
     m = cfg.model
     vpad = padded_vocab(m.vocab_size, layout.tp)
     names = layer_names(m.n_layers)
-    bounds = stage_bounds(m.n_layers, layout.pp, cfg.schedule.partition)
+    bounds = stage_bounds(m.n_layers, layout.pp, cfg.schedule.partition, m)
     out = []
     for s in range(layout.pp):
         here = names[bounds[s] : bounds[s + 1]]

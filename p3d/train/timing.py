@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 from types import FunctionType
+from typing import Any
 
 from p3d.ds_compat import pipeline_instruction_map, set_pipeline_instruction_map
 
@@ -75,7 +76,7 @@ class StragglerWatch:
         self.factor, self.steps, self.plan = factor, steps, plan
         self.streak: dict[int, int] = {}
 
-    def update(self, compute_s: list[float]) -> tuple[dict[str, float], list[str]]:
+    def update(self, compute_s: list[float]) -> tuple[dict[str, Any], list[str]]:
         """(metrics fields, a console line for each rank to name now)."""
         from p3d.dist.mesh import Mesh
 
@@ -93,4 +94,12 @@ class StragglerWatch:
                     f"forward and backward in a step, {seconds / median:.1f}x the median {median:.3f} s of all ranks, "
                     f"{self.steps} steps in a row (train.straggler_factor={self.factor:g})"
                 )
-        return {"slowest_rank": slowest, "slowest_ratio": ratio}, named
+        return {"slowest_rank": slowest, "slowest_ratio": ratio, "stage_compute_s": self.by_stage(compute_s)}, named
+
+    def by_stage(self, compute_s: list[float]) -> list[float]:
+        """Mean forward + backward seconds of a step per pipeline stage: unequal figures are stage imbalance,
+        which ``bubble`` (idle share) then holds beside the fill and drain that ``bubble_theory`` models."""
+        dims, sums = self.plan.dims, [0.0] * self.plan.pp
+        for rank, seconds in enumerate(compute_s):
+            sums[dims.coords_of(rank)[1]] += seconds
+        return [total / (self.plan.tp * self.plan.dp) for total in sums]
