@@ -79,7 +79,13 @@ class WandbSink:
         self.mode = mode
 
     def log(self, record: dict) -> None:
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        flat = {}
+        for k, v in record.items():
+            if isinstance(v, list):  # per-stage figures: one chart each (stage_compute_s/0, /1, ...)
+                flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
+            elif k != "step":
+                flat[k] = v
+        self.run.log(flat, step=record["step"])
 
     def close(self) -> None:
         self.run.finish()

@@ -34,6 +34,8 @@ def test_wandb_offline_run_holds_every_metric(tmp_path):
     for row, m in zip(rows, metrics):
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "bubble", "peak_mem_gb"):
             assert row[key] == pytest.approx(m[key]), key
+        for stage in (0, 1):  # a list in metrics.jsonl, one chart per stage in W&B
+            assert row[f"stage_compute_s/{stage}"] == pytest.approx(m["stage_compute_s"][stage])
     config = run_config(runs[0])  # the resolved run spec is the W&B config
     assert config["mesh"]["name"] == "pp2" and config["run_plan"]["pp"] == 2 and config["train"]["steps"] == 3
 
