@@ -140,10 +140,10 @@ def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samp
             saver.start(write_and_commit)
         else:  # agree that every rank's files are written, then commit
             saver.start(write)
-            saver.wait(tmp)
+            saver.wait()
             if rank == 0:
                 saver.start(commit)
-            saver.wait(tmp)
+            saver.wait()
     except BaseException:
         if rank == 0:
             drop(tmp)  # never left for a checkpoint, and its space is freed at once

@@ -265,11 +265,11 @@ class Saver:
         except BaseException as exc:  # reported by wait(), on every rank
             self._error = exc
 
-    def wait(self, tmp: Path | None = None) -> None:
+    def wait(self) -> None:
         """Collective: every rank calls it at the same points. Returns once the save in flight is
         complete on every rank; raises (on every rank) if any rank's save failed, with that rank's own
         one-line reason. The reason travels in the collective, not in a file: on a full disk the
-        ``.failed`` file of the failing rank may never be written. ``tmp``: unused, kept for callers."""
+        ``.failed`` file of the failing rank may never be written."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
