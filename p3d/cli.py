@@ -29,10 +29,12 @@ def train() -> None:
     except KeyboardInterrupt:  # Ctrl-C before the workers started (once they run, p3d.dist.stop handles it)
         error("interrupted (Ctrl-C) before training started; nothing was trained")
         status = 128 + signal.SIGINT
-    if status == 128 + signal.SIGINT:  # Ctrl-C twice: the workers are gone; skip the interpreter's slow teardown
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+    if status == 128 + signal.SIGINT or "RANK" in os.environ:
+        # Ctrl-C twice: the workers are gone; skip the interpreter's slow teardown. Under an external launcher
+        # (RANK set) this process was a worker: skip the teardown that can abort on gloo's threads.
+        from p3d.worker import leave
+
+        leave(status)
     sys.exit(status)
 
 

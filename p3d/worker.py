@@ -92,6 +92,16 @@ def run(spec_path: str | Path, cfg=None, plan=None) -> int:
     return status
 
 
+def leave(status: int) -> None:
+    """Exit now, without the interpreter's teardown. The process groups are destroyed by then, but their
+    C++ objects live on in DeepSpeed's and our own references; freed during finalization, a gloo worker
+    thread that drops a tensor wants the GIL, is killed by the interpreter, and the process aborts
+    ("terminate called without an active exception", exit 134) after a run that went well."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -103,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_reachable()
-        return run(argv[0])
+        leave(run(argv[0]))
     except RendezvousError as exc:  # one line, no traceback: the launcher reports it as a rendezvous failure
         print(f"[rank {os.environ.get('RANK', '?')}] {MARKER} {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world: int, store: str, fn, args, errors) -> None:
-    from p3d.worker import skip_cpu_shm_build
+    from p3d.worker import leave, skip_cpu_shm_build
 
     torch.set_num_threads(1)
     skip_cpu_shm_build()
@@ -22,13 +22,15 @@ def _entry(rank: int, world: int, store: str, fn, args, errors) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
+    status = 0
     try:
         fn(rank, world, *args)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
+        status = 1
     finally:
         dist.destroy_process_group()
+    leave(status)  # not the interpreter's teardown, which can abort on gloo's threads (see p3d.worker.leave)
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 120.0) -> None:
