@@ -33,6 +33,28 @@ CASES = {
     "interleaved_zero_bubble-pp2-v2": (["mesh=pp2"], "interleaved_zero_bubble", 2, 2, []),
     "interleaved_1f1b-tp2_pp2-v2": (["mesh=tp2_pp2"], "interleaved_1f1b", 2, 4, []),
     "interleaved_1f1b-dp2_pp2-v2": (["mesh=dp2_pp2"], "interleaved_1f1b", 2, 4, []),
+    "interleaved_1f1b-pp4-v2": (["mesh=pp4"], "interleaved_1f1b", 2, 4, ["model.n_layers=8"]),
+    "interleaved_1f1b-pp4-v2-tied": (
+        ["mesh=pp4"],
+        "interleaved_1f1b",
+        2,
+        4,
+        ["model.n_layers=8", "model.tie_embeddings=true"],
+    ),
+    "interleaved_zero_bubble-tp2_pp2-v2": (["mesh=tp2_pp2"], "interleaved_zero_bubble", 2, 4, []),
+    "interleaved_zero_bubble-tp2_pp2-v2-sp": (
+        ["mesh=tp2_pp2", "schedule.sequence_parallel=true"],
+        "interleaved_zero_bubble",
+        2,
+        4,
+        [],
+    ),
+    "interleaved_1f1b-pp2-v2-recompute": (["mesh=pp2", "schedule=recompute"], "interleaved_1f1b", 2, 2, []),
+    "zbv-pp2-selective": (["mesh=pp2", "schedule.recompute=selective"], "zbv", 2, 2, []),
+    "zbv-pp4": (["mesh=pp4"], "zbv", 2, 4, ["model.n_layers=8"]),
+    "dualpipev-pp2": (["mesh=pp2"], "dualpipev", 2, 2, []),
+    "gpipe-pp2": (["mesh=pp2"], "gpipe", 1, 2, []),
+    "interleaved_1f1b-pp2-v3": (["mesh=pp2"], "interleaved_1f1b", 3, 2, ["model.n_layers=6"]),
 }
 
 
@@ -45,21 +67,28 @@ def reference(model_overrides: tuple[str, ...]) -> list[dict]:
 def _train(rank, world, overrides, schedule, v, out_path):
     from p3d.data.loader import global_batches
     from p3d.dist.mesh import Mesh
+    from p3d.model.llama import TransformerBlock
     from p3d.train.torch_pipe import TorchPipeline
 
     cfg, plan = typed(*overrides)
     mesh = Mesh.from_plan(plan, rank).with_groups()
     pipe = TorchPipeline(cfg, plan, mesh, schedule, v)
+    blocks = [mod for mod in pipe.module.modules() if isinstance(mod, TransformerBlock)]
+    forwards: list[int] = []
+    for block in blocks:
+        block.register_forward_pre_hook(lambda *_: forwards.append(1))
     batches = global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.seed)
     rows = []
     for step in range(1, STEPS + 1):
         lr = pipe.get_lr()
         loss, norm = pipe.train_step(next(batches))
+        if step == 1:
+            forwards.clear()  # step 1 also runs each chunk once for PipelineStage's shape inference
         assert not pipe.overflow
         rows.append({"step": step, "loss": loss, "grad_norm": norm, "lr": lr})
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"rows": rows, "bounds": pipe.bounds, "chunks": pipe.chunk_ids}, f)
+            json.dump({"rows": rows, "blocks": len(blocks), "block_forwards": len(forwards), "m": pipe.m}, f)
 
 
 @pytest.mark.timeout(600)
@@ -68,7 +97,8 @@ def test_torch_pipeline_matches_unsharded(case, tmp_path):
     mesh, schedule, v, world, model = CASES[case]
     out = tmp_path / "rows.json"
     run_distributed(_train, world, (*COMMON, *mesh, *model), schedule, v, str(out), timeout=540)
-    got = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    got = result["rows"]
     ref = reference(tuple(model))
     assert [g["step"] for g in got] == list(range(1, STEPS + 1))
     assert all(r["grad_norm"] > CLIP for r in ref), "clipping must be exercised"
@@ -77,3 +107,6 @@ def test_torch_pipeline_matches_unsharded(case, tmp_path):
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), f"step {r['step']} lr"
     assert got[-1]["loss"] < got[0]["loss"]  # it learns
+    # full recompute runs each block's forward once more in backward (counted by a pre-hook: recompute stops early)
+    runs = 2 if "schedule=recompute" in mesh else 1
+    assert result["block_forwards"] == runs * result["blocks"] * result["m"] * (STEPS - 1), result

@@ -34,6 +34,20 @@ from p3d.torch_compat import SCHEDULE_CLASSES, schedule_class
 from p3d.train.optim import build_optimizer, global_grad_norm
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
+# Schedules that split backward into I (dx) and W (dw) passes (torch's stage_backward_input / _weight).
+IW_SPLIT = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+def check_recompute(schedule: str, recompute: Recompute) -> None:
+    """Full recompute with an I/W-split schedule is refused: W computes each weight's gradient by its own
+    autograd pass over the chunk, and the non-reentrant checkpoint recomputes a block's forward for each
+    (measured with torch 2.13: 8 forwards of a Llama block per micro batch instead of 2; docs/design §6)."""
+    if schedule in IW_SPLIT and recompute == Recompute.full:
+        raise ValueError(
+            f"schedule.recompute=full with schedule.pipeline={schedule}: its split W pass reruns every block's "
+            "forward once per weight (8 times a micro batch, not 2); "
+            "try schedule.recompute=selective or schedule.pipeline=interleaved_1f1b"
+        )
 
 
 def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
@@ -81,6 +95,7 @@ class TorchPipeline:
 
         self.cfg, self.plan, self.mesh, self.schedule_name = cfg, plan, mesh, schedule
         self.v = chunks_per_rank(schedule, virtual_stages)
+        check_recompute(schedule, cfg.schedule.recompute)
         self.style = SCHEDULE_CLASSES[schedule][1]
         self.n_chunks = mesh.pp * self.v
         self.m = plan.micro_batches
