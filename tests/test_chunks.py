@@ -88,7 +88,7 @@ def test_full_recompute_reruns_each_block_and_changes_nothing():
 
 
 def test_torch_pipe_refusals():
-    from p3d.train.torch_pipe import check_recompute, chunks_per_rank
+    from p3d.train.torch_pipe import build_torch_optimizer, check_recompute, chunks_per_rank
 
     assert chunks_per_rank("interleaved_1f1b", 3) == 3
     assert chunks_per_rank("gpipe", 1) == 1
@@ -103,6 +103,10 @@ def test_torch_pipe_refusals():
     for name in ("interleaved_zero_bubble", "zbv", "dualpipev"):
         with pytest.raises(ValueError, match=f"schedule.recompute=full with schedule.pipeline={name}: .* try "):
             check_recompute(name, Recompute.full)
+    cfg, _ = typed("mesh=dp2", "zero=stage1")
+    cfg.zero.stage = 2  # no conf/zero group: validate.py refuses it for every run; torch_pipe says why here too
+    with pytest.raises(ValueError, match="zero.stage=2 with a torch pipeline schedule: .* try zero=stage1"):
+        build_torch_optimizer(torch.nn.Linear(2, 2), cfg, Mesh(tp=1, pp=1, dp=2))
 
 
 def _names_as_deepspeed(rank, world, tie):

@@ -33,6 +33,7 @@ CASES = {
     "interleaved_zero_bubble-pp2-v2": (["mesh=pp2"], "interleaved_zero_bubble", 2, 2, []),
     "interleaved_1f1b-tp2_pp2-v2": (["mesh=tp2_pp2"], "interleaved_1f1b", 2, 4, []),
     "interleaved_1f1b-dp2_pp2-v2": (["mesh=dp2_pp2"], "interleaved_1f1b", 2, 4, []),
+    "interleaved_1f1b-dp2_pp2-v2-zero1": (["mesh=dp2_pp2", "zero=stage1"], "interleaved_1f1b", 2, 4, []),
     "interleaved_1f1b-pp4-v2": (["mesh=pp4"], "interleaved_1f1b", 2, 4, ["model.n_layers=8"]),
     "interleaved_1f1b-pp4-v2-tied": (
         ["mesh=pp4"],
@@ -86,9 +87,20 @@ def _train(rank, world, overrides, schedule, v, out_path):
             forwards.clear()  # step 1 also runs each chunk once for PipelineStage's shape inference
         assert not pipe.overflow
         rows.append({"step": step, "loss": loss, "grad_norm": norm, "lr": lr})
+    local = getattr(pipe.optimizer, "optim", pipe.optimizer)  # ZeRO-1: this dp rank's shard optimizer
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"rows": rows, "blocks": len(blocks), "block_forwards": len(forwards), "m": pipe.m}, f)
+            json.dump(
+                {
+                    "rows": rows,
+                    "blocks": len(blocks),
+                    "block_forwards": len(forwards),
+                    "m": pipe.m,
+                    "params": len(pipe.params),
+                    "adam_states": len(local.state),
+                },
+                f,
+            )
 
 
 @pytest.mark.timeout(600)
@@ -108,5 +120,9 @@ def test_torch_pipeline_matches_unsharded(case, tmp_path):
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), f"step {r['step']} lr"
     assert got[-1]["loss"] < got[0]["loss"]  # it learns
     # full recompute runs each block's forward once more in backward (counted by a pre-hook: recompute stops early)
+    if "zero=stage1" in mesh:  # Adam states for only the parameters this dp rank owns
+        assert 0 < result["adam_states"] < result["params"], result
+    else:
+        assert result["adam_states"] == result["params"], result
     runs = 2 if "schedule=recompute" in mesh else 1
     assert result["block_forwards"] == runs * result["blocks"] * result["m"] * (STEPS - 1), result

@@ -14,8 +14,8 @@ One optimizer step (``TorchPipeline.train_step``):
      ``TiedLayerSpec`` rule); under V placement one module serves both ends and autograd sums;
   3. dp: all grads flattened into one fp32 buffer, all-reduced (SUM; gloo has no AVG) over dp, divided by dp;
   4. the exact global norm (``optim.global_grad_norm``: tied copy once, replicated params on tp 0), clipping
-     with ``clip_grad_norm_``'s rule, AdamW, the LR schedule; a non-finite norm skips the update and the LR
-     step and sets ``overflow`` (``ClippedAdamW``'s semantics).
+     with ``clip_grad_norm_``'s rule, AdamW (ZeRO-1: torch's ZeroRedundancyOptimizer over dp), the LR
+     schedule; a non-finite norm skips the update and the LR step and sets ``overflow`` (``ClippedAdamW``'s).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from p3d.model.chunks import ChunkModule
 from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.pipe import VocabParallelLoss, build_layer_specs
 from p3d.torch_compat import SCHEDULE_CLASSES, schedule_class
-from p3d.train.optim import build_optimizer, global_grad_norm
+from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, param_groups
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
 # Schedules that split backward into I (dx) and W (dw) passes (torch's stage_backward_input / _weight).
@@ -80,6 +80,34 @@ def tied_holder_groups(mesh) -> object | None:
         if mesh.rank in (ranks[0], ranks[-1]):
             mine = group
     return mine
+
+
+def build_torch_optimizer(module: nn.Module, cfg, mesh):
+    """AdamW and its LambdaLR schedule. ``zero.stage=1`` with dp > 1: torch's ``ZeroRedundancyOptimizer`` over
+    the dp group (each dp rank keeps the Adam states of the whole parameters it owns and broadcasts them after
+    its step; the gradients are all-reduced in full before, as DeepSpeed's stage 1 does). Higher stages:
+    refused (torch's pipelining shards gradients and parameters only through FSDP2, which p3d does not wire)."""
+    t = cfg.train
+    if cfg.zero.stage >= 2:
+        raise ValueError(
+            f"zero.stage={cfg.zero.stage} with a torch pipeline schedule: it shards gradients/parameters only "
+            "through FSDP2, which p3d does not wire; try zero=stage1"
+        )
+    if cfg.zero.stage == 0 or mesh.dp == 1:
+        return build_optimizer(module, t)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    kwargs = {} if t.adamw_impl.value == "default" else {t.adamw_impl.value: True}
+    opt = ZeroRedundancyOptimizer(
+        param_groups(module, t.weight_decay),
+        optimizer_class=torch.optim.AdamW,
+        process_group=mesh.dp_group,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        **kwargs,
+    )
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, t))
 
 
 class TorchPipeline:
@@ -148,7 +176,7 @@ class TorchPipeline:
         stages = self.stages[0] if schedule == "gpipe" else self.stages
         self.schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer, self.lr_scheduler = build_optimizer(self.module, cfg.train)
+        self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
 
     # ---- one step
