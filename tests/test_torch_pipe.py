@@ -22,7 +22,7 @@ pytestmark = pytest.mark.procs  # every test here starts processes
 STEPS = 4
 RTOL = 1e-5
 CLIP = 0.5  # the tiny model's first gradient norms are about 1.7-2.3: clipping fires
-COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2", f"train.grad_clip={CLIP}")
+COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2", f"train.grad_clip={CLIP}", f"train.eval_every={STEPS}")
 
 # case -> (mesh overrides, schedule, virtual stages, processes, model overrides)
 CASES = {
@@ -66,7 +66,7 @@ def reference(model_overrides: tuple[str, ...]) -> list[dict]:
 
 
 def _train(rank, world, overrides, schedule, v, out_path):
-    from p3d.data.loader import global_batches
+    from p3d.data.loader import global_batches, validation_batches
     from p3d.dist.mesh import Mesh
     from p3d.model.llama import TransformerBlock
     from p3d.train.torch_pipe import TorchPipeline
@@ -87,6 +87,13 @@ def _train(rank, world, overrides, schedule, v, out_path):
             forwards.clear()  # step 1 also runs each chunk once for PipelineStage's shape inference
         assert not pipe.overflow
         rows.append({"step": step, "loss": loss, "grad_norm": norm, "lr": lr})
+    n_forwards = len(forwards)
+    val = validation_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.eval_batches)
+    if pipe.style == "loop":  # torch's eval of the V schedules runs their backward actions (eval_step refuses)
+        rows[-1]["val_loss"] = sum(pipe.eval_step(b) for b in val) / len(val)
+    else:
+        with pytest.raises(NotImplementedError, match="train.eval_every=0"):
+            pipe.eval_step(val[0])
     local = getattr(pipe.optimizer, "optim", pipe.optimizer)  # ZeRO-1: this dp rank's shard optimizer
     if rank == 0:
         with open(out_path, "w") as f:
@@ -94,7 +101,7 @@ def _train(rank, world, overrides, schedule, v, out_path):
                 {
                     "rows": rows,
                     "blocks": len(blocks),
-                    "block_forwards": len(forwards),
+                    "block_forwards": n_forwards,
                     "m": pipe.m,
                     "params": len(pipe.params),
                     "adam_states": len(local.state),
@@ -119,6 +126,8 @@ def test_torch_pipeline_matches_unsharded(case, tmp_path):
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), f"step {r['step']} lr"
     assert got[-1]["loss"] < got[0]["loss"]  # it learns
+    if schedule not in ("zbv", "dualpipev"):
+        assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=RTOL), "held-out loss after the last step"
     # full recompute runs each block's forward once more in backward (counted by a pre-hook: recompute stops early)
     if "zero=stage1" in mesh:  # Adam states for only the parameters this dp rank owns
         assert 0 < result["adam_states"] < result["params"], result

@@ -201,6 +201,24 @@ class TorchPipeline:
         norm = self.clip_and_step()
         return self.step_loss(losses), norm
 
+    @torch.no_grad()
+    def eval_step(self, batch: torch.Tensor) -> float:
+        """The mean loss over the global batch (gbs, s + 1), forward only (as DeepSpeed's ``eval_batch``).
+
+        Not under the V schedules: torch 2.13's ``eval`` of ScheduleZBVZeroBubble / ScheduleDualPipeV still runs
+        their I and B actions and fails ("can't steal_bwd_input if this stage doesn't have backward")."""
+        if self.style == "v":
+            raise NotImplementedError(
+                f"evaluation under schedule.pipeline={self.schedule_name}: torch's eval of this schedule runs its "
+                "backward actions; set train.eval_every=0 or use schedule.pipeline=interleaved_1f1b"
+            )
+        rows = self.replica_rows(batch).to(self.device)
+        losses: list[torch.Tensor] = []
+        args = (rows[:, :-1].contiguous(),) if self.holds_first else ()
+        kwargs = dict(target=rows[:, 1:].contiguous(), losses=losses) if self.holds_last else {}
+        self.schedule.eval(*args, return_outputs=False, **kwargs)
+        return self.step_loss(losses)
+
     def reduce_tied_grads(self) -> None:
         """Sum the two tied copies' grads over their holders (loop placement only)."""
         if self.tied_group is None or not (self.holds_first or self.holds_last):
