@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from p3d.config.schema import Recompute
+from p3d.ds_compat import mark_pipe_replicated
 from p3d.model.chunks import ChunkModule
 from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.pipe import VocabParallelLoss, build_layer_specs
@@ -160,7 +161,7 @@ class TorchPipeline:
         self.tied_params = [p for module in tied.values() for p in module.parameters()]
         if self.tied_cross_rank and self.holds_last:
             for p in self.tied_params:
-                p.ds_pipe_replicated = True  # type: ignore[attr-defined]  # the marker optim.counts_in_norm reads
+                mark_pipe_replicated(p)  # the marker optim.counts_in_norm reads
 
         loss = VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh)
         m = self.m
