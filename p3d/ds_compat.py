@@ -98,6 +98,12 @@ def is_pipe_replicated(p) -> bool:
     return bool(getattr(p, "ds_pipe_replicated", False))
 
 
+def mark_pipe_replicated(p) -> None:
+    """Mark ``p`` as a tied layer's later copy, as ``PipelineModule`` marks its own (p3d.train.torch_pipe's
+    copy of the tied table on the last chunk's rank: counted once in the norm, like DeepSpeed's)."""
+    p.ds_pipe_replicated = True
+
+
 def has_hp_mapping(module) -> bool:
     """ZeRO and DeepSpeed's bf16 optimizer keep an fp32 master partitioned over dp behind each param
     (``param._hp_mapping``)."""

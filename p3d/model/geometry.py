@@ -159,3 +159,49 @@ def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
     beside the measured ``bubble``), W&B, ``p3d-report`` and ``p3d-plan`` call the bubble.
     """
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
+
+
+# ---- chunks of the torch schedules (docs/design/pipeline-schedules.md §3, §7)
+# A "chunk" is one of the p * v pieces ``stage_bounds(n_layers, p * v, partition, model)`` cuts the flat list
+# into; chunk c is a torch ``PipelineStage`` with stage_index c. ``style``: "loop" (the interleaved schedules:
+# rank r holds chunks r, r + p, ...) or "v" (zbv, dualpipev: rank r holds chunks r and 2p - 1 - r, so the
+# first rank holds both the embedding and the head).
+def chunk_to_rank(pp: int, n_chunks: int, style: str) -> dict[int, int]:
+    """chunk index -> pp rank; the arithmetic of torch's ``generate_stage_to_rank_mapping`` (tests/test_chunks.py
+    checks they agree). "v" snakes: even rounds of p chunks go up the ranks, odd rounds come back down."""
+    if style == "loop":
+        return {c: c % pp for c in range(n_chunks)}
+    if style == "v":
+        if n_chunks % pp:
+            raise ValueError(f"V placement needs chunks ({n_chunks}) divisible by pp ({pp})")
+        return {c: (c % pp if (c // pp) % 2 == 0 else pp - 1 - c % pp) for c in range(n_chunks)}
+    raise ValueError(f"chunk placement style {style!r}: expected 'loop' or 'v'")
+
+
+def rank_chunks(pp: int, v: int, style: str, pp_rank: int) -> list[int]:
+    """The chunks pp rank ``pp_rank`` holds (v of them, ascending: the order of the schedule's stage list)."""
+    mapping = chunk_to_rank(pp, pp * v, style)
+    return [c for c in range(pp * v) if mapping[c] == pp_rank]
+
+
+ZERO_BUBBLE_V = ("zbv", "dualpipev")
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs")
+
+
+def schedule_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The theoretical idle share of a step for a pipeline schedule (p stages, m micro batches per replica,
+    v chunks per rank).
+
+    1f1b / gpipe: (p - 1) / (m + p - 1). Interleaved (Narayanan et al. SC'21 §2.2): the fill/drain of one
+    chunk-time per stage is 1/v of a stage-time, (p - 1) / (v m + p - 1); ZB1P (``interleaved_zero_bubble``) is
+    counted the same here, an upper bound (its W passes fill part of the drain). zbv / dualpipev (Qi et al.
+    ICLR'24 §4): the idle time is (p - 1)(T_F + T_B - 2 T_W), which is 0 with equal F, B and W costs, the
+    cost model the planner uses; it holds for m >= 2p - 1 (zbv) and m >= 2p (dualpipev).
+    """
+    if schedule in ("1f1b", "gpipe"):
+        return pipeline_bubble(p, m, 1)
+    if schedule in INTERLEAVED:
+        return pipeline_bubble(p, m, v)
+    if schedule in ZERO_BUBBLE_V:
+        return 0.0
+    raise ValueError(f"schedule {schedule!r}: expected 1f1b, gpipe, {', '.join(INTERLEAVED + ZERO_BUBBLE_V)}")
