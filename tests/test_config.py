@@ -77,6 +77,40 @@ def test_unknown_or_mistyped_overrides_fail_at_compose(override):
         typed(override)
 
 
+I2 = ("schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2")
+ZBV = ("schedule.pipeline=zbv", "schedule.virtual_stages=2")
+PIPELINE_RULES = [  # p3d/config/validate_schedule.py, docs/design/pipeline-schedules.md §9
+    (["schedule.pipeline=zbv", "mesh=tp2"], "schedule.pipeline=zbv needs mesh.pp >= 2", "mesh=pp2"),
+    (["schedule.pipeline=gpipe", "schedule.virtual_stages=2"], "gpipe runs one chunk", "schedule.virtual_stages=1"),
+    (
+        ["schedule.pipeline=interleaved_1f1b"],
+        "schedule.virtual_stages=1 with schedule.pipeline=interleaved_1f1b",
+        "schedule.virtual_stages=2",
+    ),
+    (["schedule.pipeline=dualpipev", "schedule.virtual_stages=3"], "place exactly two chunks", "virtual_stages=2"),
+    (
+        ["schedule.pipeline=interleaved_zero_bubble", "schedule.virtual_stages=4"],
+        "= 8 chunks of schedule.pipeline=interleaved_zero_bubble exceed the 4 blocks",
+        "schedule.virtual_stages=2",
+    ),
+    (
+        [*ZBV, "schedule.global_batch_size=12", "schedule.pipeline=dualpipev"],
+        "gives 3 micro batches per replica, fewer than 2 x mesh.pp=2 stages",
+        "schedule.global_batch_size=16",
+    ),
+    (
+        [*I2, "schedule.global_batch_size=20"],
+        "gives 5 micro batches per replica: interleaved_1f1b runs them in rounds of max(1, m // mesh.pp) = 2",
+        "schedule.global_batch_size=24",
+    ),
+    ([*I2, "zero.stage=2"], "zero.stage=2 with schedule.pipeline=interleaved_1f1b", "zero=stage1"),
+    ([*ZBV, "schedule.recompute=full"], "schedule.recompute=full with schedule.pipeline=zbv", "recompute=selective"),
+    ([*ZBV, "model.compile=true"], "model.compile=true with schedule.pipeline=zbv", "model.compile=false"),
+    ([*ZBV, "train.eval_every=5"], "train.eval_every=5 with schedule.pipeline=zbv", "train.eval_every=0"),
+    ([*I2, "train.dtype=bf16"], "train.dtype=bf16 with schedule.pipeline=interleaved_1f1b", "train.dtype=fp32"),
+    ([*I2], "p3d-train does not run the torch schedules yet", "schedule.pipeline=1f1b"),
+]
+
 RULES = [
     (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4 must divide model.n_heads=8 and model.n_kv_heads=2", "mesh=tp2"),
     (["mesh=tp2", "model.ffn_hidden_size=191"], "mesh.tp=2 must divide model.ffn_hidden_size=191", "mesh=single"),
@@ -121,7 +155,12 @@ RULES = [
         "schedule.recompute_swiglu=true needs schedule.recompute=selective (it is none)",
         "schedule.recompute=selective",
     ),
-    (["schedule.virtual_stages=2"], "schedule.virtual_stages=2", "schedule.virtual_stages=1"),
+    (
+        ["schedule.virtual_stages=2"],
+        "schedule.virtual_stages=2 with schedule.pipeline=1f1b: DeepSpeed's 1F1B runs one chunk per pp rank",
+        "schedule.pipeline=interleaved_1f1b",
+    ),
+    *PIPELINE_RULES,
     (["model.arch=gpt"], "model.arch=gpt", "model.arch=llama"),
     (["data=files"], "data.path", ""),
     (

@@ -48,6 +48,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "mesh.*": (Rule.CHANGES, "the checkpoint is re-cut for the new layout"),
     "schedule.*": (Rule.CHANGES, "micro batches, recompute and stage cuts of the steps to come"),
     "schedule.global_batch_size": (Rule.CHANGES, "the next step reads the samples after the last one trained"),
+    "schedule.pipeline": (Rule.CHANGES, "the executor of the steps to come; checkpoints are cut by layer name"),
     "zero.*": (Rule.CHANGES, "optimizer states are saved whole and re-partitioned"),
     "cluster.*": (Rule.CHANGES, "where and how the workers run"),
     "data.*": (Rule.REFUSED, _DATA),

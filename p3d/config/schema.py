@@ -32,6 +32,23 @@ class Partition(Enum):
     cost = "cost"  # balance each stage's modelled FLOPs: blocks, and the head with its loss, by their cost
 
 
+# The pipeline schedule: which executor runs the steps (docs/design/pipeline-schedules.md). "1f1b" is DeepSpeed's
+# PipelineEngine (p3d's default since the start); the others run torch.distributed.pipelining's schedules over
+# the same layer list cut into mesh.pp x schedule.virtual_stages chunks (p3d/train/torch_pipe.py). Functional
+# form: "1f1b" is not an identifier. Read a member as Pipeline["zbv"], compare values as strings.
+Pipeline = Enum(
+    "Pipeline",
+    {
+        "1f1b": "1f1b",
+        "interleaved_1f1b": "interleaved_1f1b",
+        "interleaved_zero_bubble": "interleaved_zero_bubble",
+        "zbv": "zbv",
+        "dualpipev": "dualpipev",
+        "gpipe": "gpipe",
+    },
+)
+
+
 class DType(Enum):
     auto = "auto"  # fp32 on cpu, bf16 on GPUs (resolved when the run spec is frozen)
     fp32 = "fp32"
@@ -134,7 +151,8 @@ class ScheduleConfig:
     partition: Partition = Partition.blocks
     sequence_parallel: bool = False  # split the sequence over tp outside the TP regions (needs tp > 1)
     recompute_swiglu: bool = False  # with recompute=selective: silu(gate) * up recomputed in backward too
-    virtual_stages: int = 1  # interleaved 1F1B degree; planner only for now
+    virtual_stages: int = 1  # chunks per pp rank: >= 2 with interleaved_*, exactly 2 with zbv / dualpipev
+    pipeline: Pipeline = Pipeline["1f1b"]  # the executor; see Pipeline above
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import cast
 
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition
+from p3d.config.validate_schedule import check_schedule, pipeline_name
 from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
 from p3d.parallel_dims import ParallelDims, resolve_dp
 
@@ -219,31 +220,6 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
         )
 
 
-def check_schedule(cfg: Config, dp: int, pp: int) -> int:
-    """Returns the number of micro batches per step per replica."""
-    s = cfg.schedule
-    per_round = s.micro_batch_size * dp
-    if s.global_batch_size < per_round or s.global_batch_size % per_round:
-        ok = max(per_round * pp, math.ceil(s.global_batch_size / per_round) * per_round)
-        raise P3DConfigError(
-            f"schedule.global_batch_size={s.global_batch_size} must be a multiple of schedule.micro_batch_size x dp "
-            f"= {s.micro_batch_size} x {dp} = {per_round}; try schedule.global_batch_size={ok}"
-        )
-    micro_batches = s.global_batch_size // per_round
-    if micro_batches < pp:
-        raise P3DConfigError(
-            f"schedule.global_batch_size={s.global_batch_size} gives {micro_batches} micro batches per replica, fewer "
-            f"than mesh.pp={pp} stages: 1F1B needs at least pp to fill the pipeline; "
-            f"try schedule.global_batch_size={per_round * pp}"
-        )
-    if s.virtual_stages != 1:
-        raise P3DConfigError(
-            f"schedule.virtual_stages={s.virtual_stages}: the trainer runs DeepSpeed's plain 1F1B "
-            "(interleaving is modelled by p3d-plan only); try schedule.virtual_stages=1"
-        )
-    return micro_batches
-
-
 def check_sequence_parallel(cfg: Config, tp: int) -> None:
     """Sequence parallelism splits the sequence over the tp group: it needs one, and equal blocks."""
     if not cfg.schedule.sequence_parallel:
@@ -325,6 +301,11 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     check_zero(cfg, pp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
+    if for_training and pipeline_name(cfg) != "1f1b":
+        raise P3DConfigError(
+            f"schedule.pipeline={pipeline_name(cfg)}: p3d-train does not run the torch schedules yet "
+            "(p3d-plan and the dry run model them); try schedule.pipeline=1f1b"
+        )
     if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
         raise P3DConfigError(
             f"cluster.nodes={cfg.cluster.nodes} with cluster.launcher=local: local runs use one "
