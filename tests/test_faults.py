@@ -91,15 +91,18 @@ def test_huge_lr_stops_at_the_first_nonfinite_step(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero", ["stage0", "stage1", "bf16"])
+@pytest.mark.parametrize("zero", ["stage0", "stage1", "bf16", "interleaved"])
 def test_skip_discards_the_update_bitwise(zero, tmp_path):
     """on_nonfinite=skip with an inf injected into stage 1's gradient at steps 3 and 4: those steps change no
     parameter, no Adam state and not the learning rate (bitwise), are counted, and the run goes on. Under
     ZeRO-1 (dp2_pp2) the discard goes through DeepSpeed's ZeRO optimizer's own overflow path; under bf16
-    (pp2, ZeRO 0) through DeepSpeed's BF16_Optimizer, whose fp32 gradients the gate checks and fills."""
+    (pp2, ZeRO 0) through DeepSpeed's BF16_Optimizer, whose fp32 gradients the gate checks and fills; under a
+    torch schedule (interleaved_1f1b v2) through the executor's own gate call and non-finite-norm skip."""
     run = tmp_path / "run"
     layout = {"stage0": ("mesh=pp2", "zero=stage0"), "stage1": ("mesh=dp2_pp2", "zero=stage1"),
-              "bf16": ("mesh=pp2", "zero=stage0", "train.dtype=bf16")}[zero]  # fmt: skip
+              "bf16": ("mesh=pp2", "zero=stage0", "train.dtype=bf16"),
+              "interleaved": ("mesh=pp2", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2"),
+              }[zero]  # fmt: skip
     proc = p3d_train(
         f"run.dir={run}", *layout, "train.steps=6",
         "train.warmup_steps=4", "train.on_nonfinite=skip", "train.save_every=1", "train.keep_last=0",

@@ -15,7 +15,7 @@ from typing import cast
 
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition
-from p3d.config.validate_schedule import check_schedule, pipeline_name
+from p3d.config.validate_schedule import check_schedule
 from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
 from p3d.parallel_dims import ParallelDims, resolve_dp
 
@@ -301,11 +301,6 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     check_zero(cfg, pp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
-    if for_training and pipeline_name(cfg) != "1f1b":
-        raise P3DConfigError(
-            f"schedule.pipeline={pipeline_name(cfg)}: p3d-train does not run the torch schedules yet "
-            "(p3d-plan and the dry run model them); try schedule.pipeline=1f1b"
-        )
     if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
         raise P3DConfigError(
             f"cluster.nodes={cfg.cluster.nodes} with cluster.launcher=local: local runs use one "

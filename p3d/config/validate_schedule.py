@@ -40,7 +40,7 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
             f"= {s.micro_batch_size} x {dp} = {per_round}; try schedule.global_batch_size={ok}"
         )
     micro_batches = s.global_batch_size // per_round
-    check_pipeline(cfg, pp)
+    check_pipeline(cfg, pp, dp)
     name = pipeline_name(cfg)
     need = 2 * pp if name == "dualpipev" else pp
     if micro_batches < need:
@@ -66,7 +66,7 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
     return micro_batches
 
 
-def check_pipeline(cfg: Config, pp: int) -> None:
+def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     """schedule.pipeline against mesh.pp, virtual_stages, the model's blocks, ZeRO, recompute, compile, eval, dtype."""
     s, name = cfg.schedule, pipeline_name(cfg)
     v = s.virtual_stages
@@ -111,6 +111,11 @@ def check_pipeline(cfg: Config, pp: int) -> None:
         raise P3DConfigError(
             f"zero.stage={cfg.zero.stage} with schedule.pipeline={name}: torch's pipelining shards gradients and "
             "parameters only through FSDP2, which p3d does not wire; try zero=stage1"
+        )
+    if cfg.zero.stage == 1 and dp > 1:
+        raise P3DConfigError(
+            f"zero.stage=1 with schedule.pipeline={name} and mesh.dp={dp}: the torch executor's ZeRO-1 "
+            "(torch's ZeroRedundancyOptimizer) has no checkpoint support yet; try zero=stage0 or mesh.dp=1"
         )
     if name in IW_SPLIT and s.recompute == Recompute.full:
         raise P3DConfigError(

@@ -86,10 +86,12 @@ class HangWatch:
         self._step, self._micro = 0, 0
         self._phases: list[Doing] = []  # the trainer's phases this rank is in, innermost last
         self._engine = engine
-        table = dict(pipeline_instruction_map(engine))
-        for instr, fn in table.items():
-            table[instr] = self._wrap(instr.__name__, fn)
-        set_pipeline_instruction_map(engine, table)
+        if engine is not None:  # DeepSpeed: every instruction marks its own wait. The torch schedules (engine None)
+            # have no instruction table: their whole step is the trainer's "train_batch" phase, on all other ranks
+            table = dict(pipeline_instruction_map(engine))
+            for instr, fn in table.items():
+                table[instr] = self._wrap(instr.__name__, fn)
+            set_pipeline_instruction_map(engine, table)
         threading.Thread(target=self._watch, name="p3d-hang-watch", daemon=True).start()
 
     def _wrap(self, name: str, fn):

@@ -99,10 +99,16 @@ def _write_latest(ckpt_root: Path, name: str) -> None:
     fsync_dir(ckpt_root)
 
 
-def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, scheduler, extra) -> Path:
+def save(
+    saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samples: int, scheduler, extra, chunks=None
+) -> Path:
     """Collective: every rank calls it after the same step. Waits for the previous save, copies this
     rank's share to host memory and writes it (in the background when the saver is asynchronous).
-    Returns the checkpoint directory it will have once complete."""
+    Returns the checkpoint directory it will have once complete.
+
+    ``chunks``: a torch pipeline schedule's ``(bounds, [(chunk index, chunk module), ...])``; each chunk is saved
+    as the stage of that index (``model/pp<c>_...``), ``bounds`` (p * v + 1 long) as ``stage_bounds``, so
+    the checkpoint stays cut by layer name and loads under any schedule. ``engine``: whatever has ``.optimizer``."""
     saver.wait()  # one save at a time; raises on every rank if the previous one failed anywhere
     ckpt_root = root(run_dir)
     final = step_dir(run_dir, step)
@@ -113,13 +119,16 @@ def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samp
     dist.barrier()
     if has_hp_mapping(module):
         _link_optimizer_states(engine)
-    snap = Snapshot(engine, module, mesh, shard_specs(module), saver.host)
-    coord = f"pp{mesh.pp_rank}_tp{mesh.tp_rank}_dp{mesh.dp_rank}"
-    meta = _meta(cfg, mesh, plan, step, samples, scheduler, extra) if rank == 0 else {}
+    bounds, parts = chunks if chunks is not None else (plan.stage_bounds, [(mesh.pp_rank, module)])
+    snaps = [
+        (f"pp{c}_tp{mesh.tp_rank}_dp{mesh.dp_rank}", Snapshot(engine, m, mesh, shard_specs(m), saver.host, f"pp{c}/"))
+        for c, m in parts
+    ]
+    meta = _meta(cfg, mesh, bounds, step, samples, scheduler, extra) if rank == 0 else {}
 
     def write() -> None:
         make_dirs(tmp)
-        snap.write(tmp, coord, rank)
+        Snapshot.write_all(snaps, tmp, rank)
 
     def commit(own_write_s: float = 0.0) -> None:
         _commit(tmp, final, ckpt_root, run_dir, cfg, meta, cfg.cluster.timeout_s + 2 * own_write_s)
@@ -151,7 +160,7 @@ def save(saver: Saver, engine, module, mesh, cfg, plan, run_dir, step: int, samp
     return final
 
 
-def _meta(cfg, mesh, plan, step: int, samples: int, scheduler, extra: dict) -> dict:
+def _meta(cfg, mesh, bounds: list[int], step: int, samples: int, scheduler, extra: dict) -> dict:
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     return {
         "format": FORMAT,
@@ -162,7 +171,8 @@ def _meta(cfg, mesh, plan, step: int, samples: int, scheduler, extra: dict) -> d
         "dtype": cfg.train.dtype.value,
         "model": _model_identity(cfg),
         "tokenizer": cfg.data.tokenizer,
-        "stage_bounds": plan.stage_bounds,
+        "stage_bounds": list(bounds),  # a torch schedule's chunks are its stages here (p * v of them)
+        "pipeline": cfg.schedule.pipeline.value,  # for information: loading never needs it
         "scheduler": sched,
         # updates applied (steps discarded by train.on_nonfinite / on_spike=skip apply none): Adam's step
         # count and the LR schedule's position on resume; older checkpoints lack it and resume at "step"
@@ -301,17 +311,18 @@ def reader(path: Path, meta: dict):
     return coordinate_reader(path, meta)
 
 
-def _local_states(path: Path, meta: dict, module, mesh, plan):
-    """name -> this rank's {master, exp_avg, exp_avg_sq}. The saving layout's own coordinate when tp and
-    the stage boundaries are unchanged; else assembled from the saved shards and re-cut for this mesh."""
+def _local_states(path: Path, meta: dict, module, mesh, bounds: list[int], stage: int, source=None):
+    """name -> this rank's {master, exp_avg, exp_avg_sq} for ``module``, stage ``stage`` of ``bounds``. The
+    saving layout's own coordinate when tp and the stage boundaries are unchanged; else assembled from the
+    saved shards (``source``, a ShardedCheckpoint, shared by a rank's chunks) and re-cut for this mesh."""
     from p3d.train.reshard import ShardedCheckpoint, shard_from_full
 
     read = reader(path, meta)
-    same_layout = meta["mesh"]["tp"] == mesh.tp and meta["stage_bounds"] == list(plan.stage_bounds)
+    same_layout = meta["mesh"]["tp"] == mesh.tp and meta["stage_bounds"] == list(bounds)
     if same_layout:
-        optim = read("optim", mesh.pp_rank, mesh.tp_rank)
+        optim = read("optim", stage, mesh.tp_rank)
         return lambda name: optim[name]
-    source = ShardedCheckpoint(path, meta, read)
+    source = source or ShardedCheckpoint(path, meta, read)
     specs = shard_specs(module)
 
     def resharded(name: str) -> dict:
@@ -320,12 +331,14 @@ def _local_states(path: Path, meta: dict, module, mesh, plan):
     return resharded
 
 
-def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
+def load(path: Path, engine, module, mesh, plan, scheduler, chunks=None) -> dict:
     """Restore parameters, optimizer states and RNG under this run's mesh, and set the scheduler to the
-    checkpoint's step (this run's schedule; see p3d.config.resume_rules); returns meta.json."""
+    checkpoint's step (this run's schedule; see p3d.config.resume_rules); returns meta.json. ``chunks``: as
+    for ``save`` (a torch schedule's chunk bounds and this rank's chunks)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from p3d.train.optim import resume_schedule
+    from p3d.train.reshard import ShardedCheckpoint
 
     meta = read_json(path / "meta.json")
     legacy = meta.get("format") == LEGACY_FORMAT
@@ -336,14 +349,16 @@ def load(path: Path, engine, module, mesh, plan, scheduler) -> dict:
             f"writes the new format ({FORMAT})",
             flush=True,
         )
-    states = _local_states(path, meta, module, mesh, plan)
+    bounds, parts = chunks if chunks is not None else (plan.stage_bounds, [(mesh.pp_rank, module)])
+    source = ShardedCheckpoint(path, meta, reader(path, meta))
+    targets = [(m, _local_states(path, meta, m, mesh, bounds, c, source)) for c, m in parts]
     hp = has_hp_mapping(module)
     if hp:
         _link_optimizer_states(engine)
     applied = int(meta.get("optimizer_steps", meta["step"]))  # the updates before this checkpoint
     step_t = torch.tensor(float(applied))
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p, states in ((n, p, st) for m, st in targets for n, p in m.named_parameters()):
             try:
                 state = states(name)
             except KeyError:

@@ -114,15 +114,17 @@ def set_rng_state(state: dict) -> None:
 class Snapshot:
     """One rank's share of a checkpoint, in host memory (taken at the step boundary)."""
 
-    def __init__(self, engine, module, mesh, specs: dict[str, dict], host: HostBuffers | None = None):
-        host = host or HostBuffers()
+    def __init__(self, engine, module, mesh, specs: dict[str, dict], host: HostBuffers | None = None, key: str = ""):
+        host = host or HostBuffers()  # ``key``: prefixes the host buffers' keys (a rank's chunks share names)
         named = list(module.named_parameters())
         slices = dp_slices([p.numel() for _, p in named], mesh.dp, mesh.dp_rank)
         self.params: dict[str, torch.Tensor] = {}
         self.params_index: dict[str, dict] = {}
         for (name, p), (start, numel) in zip(named, slices):
             if numel:
-                self.params[f"{name}/param"] = host.copy(f"model/{name}/param", p.reshape(-1)[start : start + numel])
+                self.params[f"{name}/param"] = host.copy(
+                    f"{key}model/{name}/param", p.reshape(-1)[start : start + numel]
+                )
                 self.params_index[name] = {
                     "start": start,
                     "shape": list(p.shape),
@@ -135,32 +137,39 @@ class Snapshot:
             for name, p in named:
                 frag = hp_fragment(p, ADAM_KEYS)
                 if frag is not None and frag[1] > 0:
-                    self._add(host, name, frag[0], list(p.shape), frag[2])
+                    self._add(host, key, name, frag[0], list(p.shape), frag[2])
         else:  # every replica holds everything: each writes its even part, like the parameters
             for (name, p), (start, numel) in zip(named, slices):
                 raw = engine.optimizer.state.get(p, {})
                 states = {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}}
                 if numel:
                     parts = {k: t.reshape(-1)[start : start + numel] for k, t in states.items()}
-                    self._add(host, name, start, list(p.shape), parts)
+                    self._add(host, key, name, start, list(p.shape), parts)
         host.ready()
         self.rng = rng_state()
 
-    def _add(self, host: HostBuffers, name: str, start: int, shape: list[int], states: dict[str, torch.Tensor]) -> None:
+    def _add(self, host: HostBuffers, key: str, name: str, start: int, shape: list[int], states: dict) -> None:
         for k, t in states.items():
-            self.optim[f"{name}/{k}"] = host.copy(f"optim/{name}/{k}", t.reshape(-1), torch.float32)
+            self.optim[f"{name}/{k}"] = host.copy(f"{key}optim/{name}/{k}", t.reshape(-1), torch.float32)
         self.optim_index[name] = {"start": start, "shape": shape, "keys": sorted(states)}
 
     def write(self, tmp: Path, coord: str, rank: int) -> None:
         """This rank's files, fsync'd, then its manifest (the sign that they are complete)."""
+        Snapshot.write_all([(coord, self)], tmp, rank)
+
+    @staticmethod
+    def write_all(snaps: list[tuple[str, Snapshot]], tmp: Path, rank: int) -> None:
+        """The files of every (coordinate, snapshot) of this rank (a torch schedule's rank holds several chunks),
+        its RNG states, fsync'd, then its one manifest."""
         done = tmp / "done"
+        coords = [coord for coord, _ in snaps]
         try:
-            model, optim, rng = f"model/{coord}.safetensors", f"optim/{coord}.safetensors", f"rng/rank{rank}.json"
-            sizes = {
-                model: write_tensors(tmp / model, self.params, self.params_index),
-                optim: write_tensors(tmp / optim, self.optim, self.optim_index),
-                rng: write_json(tmp / rng, self.rng),
-            }
+            rng = f"rng/rank{rank}.json"
+            sizes = {rng: write_json(tmp / rng, snaps[0][1].rng)}
+            for coord, snap in snaps:
+                model, optim = f"model/{coord}.safetensors", f"optim/{coord}.safetensors"
+                sizes[model] = write_tensors(tmp / model, snap.params, snap.params_index)
+                sizes[optim] = write_tensors(tmp / optim, snap.optim, snap.optim_index)
             for sub in ("model", "optim", "rng"):
                 fsync_dir(tmp / sub)
             # fsync'd under another name, then renamed: rank 0 (which renames the whole directory once it
@@ -172,7 +181,8 @@ class Snapshot:
             except OSError as exc:
                 raise save_failed(partial, exc) from None
         except BaseException as exc:
-            for sub, name in (("model", coord), ("optim", coord), ("rng", f"rank{rank}")):  # frees space first
+            own = [("model", c) for c in coords] + [("optim", c) for c in coords] + [("rng", f"rank{rank}")]
+            for sub, name in own:  # frees space first
                 for f in (tmp / sub).glob(f"{name}.*"):
                     f.unlink(missing_ok=True)
             try:

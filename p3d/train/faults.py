@@ -69,7 +69,8 @@ def _injected_steps(stage: int) -> set[int]:
 
 
 class StepGate:
-    """Wraps this engine's ``ReduceTiedGrads`` instruction; ``verdict`` is the last step's finding."""
+    """Wraps this engine's ``ReduceTiedGrads`` instruction (``engine`` None: the executor calls ``before_update``);
+    ``verdict`` is the last step's finding."""
 
     def __init__(self, engine, module, mesh: Mesh, plan, train_cfg, device: torch.device):
         self.module, self.mesh, self.device = module, mesh, device
@@ -80,11 +81,22 @@ class StepGate:
         self.recent: deque[float] = deque(maxlen=train_cfg.spike_window)  # losses of applied steps
         self.inject = _injected_steps(mesh.pp_rank)
         self.verdict: StepVerdict | None = None
+        if engine is None:  # a torch pipeline schedule calls ``before_update`` itself (p3d.train.executor)
+            return
         table = dict(pipeline_instruction_map(engine))
         for instr, fn in table.items():
             if instr.__name__ == "ReduceTiedGrads":
                 table[instr] = self._wrap(fn)
         set_pipeline_instruction_map(engine, table)
+
+    def before_update(self, step: int, grads: list[torch.Tensor], loss: float | None) -> None:
+        """The gate for an executor without DeepSpeed's instructions: ``grads`` this rank's gradients after the
+        step's last backward (before any tied, dp or optimizer work), ``loss`` the replica's mean loss on the rank
+        that computes it (else None). A discarded step's gradients are filled with nan, as under DeepSpeed."""
+        self.verdict = self._decide(step, self._values(step, grads, loss))
+        if self.verdict.discarded:
+            for g in grads:
+                g.fill_(math.nan)
 
     def _wrap(self, fn):
         def gated(engine, *args, **kwargs):
@@ -97,20 +109,24 @@ class StepGate:
         return gated
 
     def _local(self, engine, step: int) -> torch.Tensor:
-        grads = local_gradients(engine, self.module)
+        loss = None
+        total = getattr(engine, "total_loss", None)  # the sum of this step's micro-batch losses (last stage)
+        if engine.is_last_stage():
+            loss = float(total.detach().float()) / self.micro_batches if total is not None else math.nan
+        return self._values(step, local_gradients(engine, self.module), loss)
+
+    def _values(self, step: int, grads: list[torch.Tensor], loss: float | None) -> torch.Tensor:
         if step in self.inject and grads:
             grads[0].view(-1)[0] = math.inf
         grad_bad = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads, 2.0)).isfinite().all())
-        loss = math.nan
-        total = getattr(engine, "total_loss", None)  # the sum of this step's micro-batch losses (last stage)
-        if engine.is_last_stage() and total is not None:
-            loss = float(total.detach().float()) / self.micro_batches
-        has_loss = float(engine.is_last_stage())
-        return torch.tensor([has_loss, loss, float(grad_bad)], dtype=torch.float64, device=self.device)
+        row = [float(loss is not None), math.nan if loss is None else loss, float(grad_bad)]
+        return torch.tensor(row, dtype=torch.float64, device=self.device)
 
     def judge(self, engine) -> StepVerdict:
         step = engine.global_steps + 1
-        mine = self._local(engine, step)
+        return self._decide(step, self._local(engine, step))
+
+    def _decide(self, step: int, mine: torch.Tensor) -> StepVerdict:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
         every = torch.stack(parts).cpu().tolist()

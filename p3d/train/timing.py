@@ -103,3 +103,36 @@ class StragglerWatch:
         for rank, seconds in enumerate(compute_s):
             sums[dims.coords_of(rank)[1]] += seconds
         return [total / (self.plan.tp * self.plan.dp) for total in sums]
+
+
+class TorchStageTimer:
+    """The same two figures for a torch pipeline schedule (docs/design/pipeline-schedules.md §7): seconds blocked
+    on pipeline neighbours (every wait of the schedule's runtime on a p2p exchange, ``torch_compat.timed_p2p_waits``
+    around each step) and seconds of compute (each stage's forward, backward and weight-backward of one micro batch).
+    ``P3D_TEST_SLOW_RANK`` delays every training forward of this rank's stages, as for DeepSpeed."""
+
+    def __init__(self, stages, rank: int = -1):
+        self.wait_s = self.compute_s = 0.0
+        self.delay_s = _test_delay(rank)
+        self.training = False
+        for stage in stages:  # wrapped on each instance: the schedule calls them as methods of the stage
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._wrap(getattr(stage, name), name == "forward_one_chunk"))
+
+    def _wrap(self, fn, forward: bool):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                if forward and self.delay_s and self.training:
+                    time.sleep(self.delay_s)
+                return fn(*args, **kwargs)
+            finally:
+                self.compute_s += time.perf_counter() - t0
+
+        return timed
+
+    def add_wait(self, seconds: float) -> None:
+        self.wait_s += seconds
+
+    take_compute = StageTimer.take_compute
+    take = StageTimer.take

@@ -20,7 +20,9 @@ One optimizer step (``TorchPipeline.train_step``):
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ from p3d.ds_compat import mark_pipe_replicated
 from p3d.model.chunks import ChunkModule
 from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.pipe import VocabParallelLoss, build_layer_specs
-from p3d.torch_compat import SCHEDULE_CLASSES, schedule_class
+from p3d.torch_compat import SCHEDULE_CLASSES, schedule_class, timed_p2p_waits
 from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, param_groups
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
@@ -179,6 +181,13 @@ class TorchPipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
+        # set by p3d.train.executor: the step gate (grads, replica loss or None) and the p2p wait timer
+        self.before_update: Callable[[list[torch.Tensor], float | None], None] | None = None
+        self.add_wait: Callable[[float], None] | None = None
+
+    def waits(self):
+        """A context that times the schedule's waits on pipeline neighbours (when ``add_wait`` is set)."""
+        return timed_p2p_waits(self.add_wait) if self.add_wait is not None else contextlib.nullcontext()
 
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -193,17 +202,34 @@ class TorchPipeline:
         """One optimizer step on the global batch (gbs, s + 1) (every rank passes the same one): the mean
         loss over the global batch and the global gradient norm before clipping."""
         rows = self.replica_rows(batch).to(self.device)
+        return self.run_step(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+
+    def train_batch(self, data_iter) -> tuple[float, float]:
+        """``train_step`` fed as DeepSpeed's engine is: ``data_iter`` yields this replica's m micro batches as
+        (inputs, labels), each (mbs, s) (``loader.micro_batches``); None on ranks that hold neither end."""
+        if not (self.holds_first or self.holds_last):
+            return self.run_step(None, None)
+        pairs = [next(data_iter) for _ in range(self.m)]
+        inputs = torch.cat([x for x, _ in pairs]).to(self.device)
+        return self.run_step(inputs, torch.cat([y for _, y in pairs]).to(self.device))
+
+    def run_step(self, inputs: torch.Tensor | None, labels: torch.Tensor | None) -> tuple[float, float]:
+        """One optimizer step on this replica's (m mbs, s) inputs and labels (read on the end chunks' holders)."""
         losses: list[torch.Tensor] = []
-        args = (rows[:, :-1].contiguous(),) if self.holds_first else ()
-        kwargs = dict(target=rows[:, 1:].contiguous(), losses=losses) if self.holds_last else {}
-        self.schedule.step(*args, return_outputs=False, **kwargs)
+        args = (inputs,) if self.holds_first else ()
+        kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
+        with self.waits():
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
+            grads = [p.grad for p in self.params if p.grad is not None]
+            self.before_update(grads, sum(float(x.detach()) for x in losses) if self.holds_last else None)
         self.reduce_tied_grads()
         self.reduce_dp_grads()
         norm = self.clip_and_step()
         return self.step_loss(losses), norm
 
     @torch.no_grad()
-    def eval_step(self, batch: torch.Tensor) -> float:
+    def eval_step(self, batch: torch.Tensor | None) -> float:
         """The mean loss over the global batch (gbs, s + 1), forward only (as DeepSpeed's ``eval_batch``).
 
         Not under the V schedules: torch 2.13's ``eval`` of ScheduleZBVZeroBubble / ScheduleDualPipeV still runs
@@ -213,10 +239,13 @@ class TorchPipeline:
                 f"evaluation under schedule.pipeline={self.schedule_name}: torch's eval of this schedule runs its "
                 "backward actions; set train.eval_every=0 or use schedule.pipeline=interleaved_1f1b"
             )
-        rows = self.replica_rows(batch).to(self.device)
         losses: list[torch.Tensor] = []
-        args = (rows[:, :-1].contiguous(),) if self.holds_first else ()
-        kwargs = dict(target=rows[:, 1:].contiguous(), losses=losses) if self.holds_last else {}
+        args: tuple = ()
+        kwargs: dict = {}
+        if batch is not None:  # None on ranks that hold neither end
+            rows = self.replica_rows(batch).to(self.device)
+            args = (rows[:, :-1].contiguous(),) if self.holds_first else ()
+            kwargs = dict(target=rows[:, 1:].contiguous(), losses=losses) if self.holds_last else {}
         self.schedule.eval(*args, return_outputs=False, **kwargs)
         return self.step_loss(losses)
 

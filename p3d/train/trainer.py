@@ -1,5 +1,5 @@
-"""One worker's training run: mesh, pipeline model, DeepSpeed engine, data, the step loop,
-validation, checkpoints, and a clean stop on SIGTERM / SIGUSR1 (what Slurm sends before a time
+"""One worker's training run: mesh, executor (DeepSpeed's engine or a torch schedule: p3d.train.executor), data,
+the step loop, validation, checkpoints, and a clean stop on SIGTERM / SIGUSR1 (what Slurm sends before a time
 limit or preemption): finish the step, save, exit with p3d.exit_codes.PREEMPTED."""
 
 from __future__ import annotations
@@ -15,44 +15,18 @@ import torch
 import torch.distributed as dist
 
 from p3d import exit_codes
-from p3d.config.deepspeed_json import deepspeed_config
-from p3d.config.schema import DType, Recompute
 from p3d.data.corpus import DataStats
-from p3d.data.loader import micro_batches, rank_slice, validation_batches
-from p3d.dist.hang import HangWatch
+from p3d.data.loader import micro_batches, validation_batches
 from p3d.dist.mesh import Mesh
-from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
 from p3d.metrics import MetricsLogger, peak_memory_gb
-from p3d.model.geometry import pipeline_bubble
-from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
-from p3d.run_dir import logs as run_logs
+from p3d.model.geometry import schedule_bubble
 from p3d.train import checkpoint
-from p3d.train.faults import StepGate, StepPolicy, fault_state, restore_fault_state
-from p3d.train.optim import build_optimizer
-from p3d.train.timing import StageTimer, StragglerWatch
+from p3d.train.executor import build_engine, build_executor, build_pipeline
+from p3d.train.faults import StepPolicy, fault_state, restore_fault_state
+from p3d.train.timing import StragglerWatch
 
+__all__ = ["KILL_ENV", "Stopper", "build_engine", "build_pipeline", "step_stats", "train"]  # tests build engines here
 KILL_ENV = "P3D_TEST_KILL_AT"
-
-
-def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
-    specs = build_layer_specs(
-        cfg.model,
-        plan.padded_vocab_size,
-        mesh,
-        cfg.train.seed,
-        sequence_parallel=cfg.schedule.sequence_parallel,
-        recompute_attention=cfg.schedule.recompute == Recompute.selective,
-        recompute_swiglu=cfg.schedule.recompute == Recompute.selective and cfg.schedule.recompute_swiglu,
-    )
-    recompute = cfg.schedule.recompute == Recompute.full
-    return P3DPipelineModule(
-        specs,
-        plan.stage_bounds,
-        topology=mesh.topology,
-        loss_fn=VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh),
-        activation_checkpoint_interval=1 if recompute else 0,
-        checkpointable_layers=["TransformerBlock"] if recompute else None,
-    )
 
 
 class Stopper:
@@ -100,62 +74,24 @@ def step_stats(
     return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max()), every[:, 3].tolist()
 
 
-def evaluate(engine, val_batches, cfg, plan, mesh) -> float:
-    """Mean loss over the fixed held-out batches (forward only, the same 1F1B stage order)."""
-    losses = []
-    for batch in val_batches:
-        it = rank_slice(batch, cfg.schedule.micro_batch_size, plan.dp, mesh.dp_rank) if batch is not None else None
-        losses.append(float(engine.eval_batch(data_iter=it)))
-    engine.module.train()
-    return sum(losses) / len(losses)
-
-
-def build_engine(cfg, plan, mesh: Mesh):
-    """This rank's pipeline module (seeded init, or HF weights when model.init_from is set), optimizer,
-    LR schedule and DeepSpeed engine, exactly as a training run uses them."""
-    import deepspeed
-
-    torch.manual_seed(cfg.train.seed)
-    with quiet_stdout():
-        module = build_pipeline(cfg, plan, mesh)  # fp32; DeepSpeed casts to bf16 when the config asks
-    if cfg.model.init_from and cfg.train.resume == "none":
-        from p3d.hf import load_into
-
-        load_into(module, cfg.model.init_from, cfg.model.n_layers, mesh)  # only this rank's slices
-    clip_here = cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32
-    optimizer, scheduler = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
-    with quiet_stdout():
-        engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg, plan)
-        )
-    if plan.dp == 1 and cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32:
-        # nothing to all-reduce over one replica; DeepSpeed would still flatten, "reduce" over a group of
-        # one and copy back every gradient each step (0.4 s per step for model=small on a CPU core)
-        skip_backward_allreduce(engine)
-    return engine, module, scheduler
-
-
 def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     """Returns p3d.exit_codes.OK, PREEMPTED after a signal-triggered checkpoint, or NONFINITE (p3d.train.faults)."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     run_dir = Path(run_dir)
     mesh = Mesh.from_plan(plan, rank).with_groups()
-    engine, module, scheduler = build_engine(cfg, plan, mesh)
-    timer = StageTimer(engine, rank)
-    stragglers = StragglerWatch(cfg.train.straggler_factor, cfg.train.straggler_steps, plan)
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
-    gate, policy = StepGate(engine, module, mesh, plan, cfg.train, device), StepPolicy(cfg.train)
-    hang = HangWatch(
-        engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir)
-    )  # last: its marks wrap the other wrappers' waits
+    ex = build_executor(cfg, plan, mesh, rank, device, run_dir)  # DeepSpeed's engine or a torch schedule
+    timer, gate, hang = ex.timer, ex.gate, ex.hang
+    stragglers = StragglerWatch(cfg.train.straggler_factor, cfg.train.straggler_steps, plan)
+    policy = StepPolicy(cfg.train)
     start_step = start_sample = 0  # the data position is the samples consumed, whatever batch size made them
     if cfg.train.resume != "none":
-        meta = checkpoint.load(Path(cfg.train.resume), engine, module, mesh, plan, scheduler)
+        meta = ex.load(Path(cfg.train.resume))
         start_step, start_sample = meta["step"], meta["samples"]
         restore_fault_state(meta, gate, policy)
-        set_engine_position(engine, start_step, start_sample)
+        ex.set_position(start_step, start_sample)
     stats = DataStats()
-    reads_data = mesh.is_first_stage or mesh.is_last_stage
+    reads_data = ex.reads_data
     s = cfg.schedule
     data = (
         micro_batches(
@@ -191,7 +127,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
             f"{cfg.train.steps} steps{resumed}"
         )
-    bubble_theory = pipeline_bubble(plan.pp, plan.micro_batches)
+    bubble_theory = schedule_bubble(s.pipeline.value, plan.pp, plan.micro_batches, s.virtual_stages)
     mixture = None
     if metrics and cfg.data.mix:  # the tokens and epochs each store of the mixture gave so far, by arithmetic
         from p3d.data.prepared import PreparedSamples
@@ -207,11 +143,11 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     for step in range(start_step + 1, cfg.train.steps + 1):
         if kill_at == f"{rank}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
-        lr = engine.get_lr()[0]
+        lr = ex.get_lr()
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
         t0 = time.perf_counter()
         with hang.phase("train_batch", step):  # its instructions, and DeepSpeed's loss all-reduce after them
-            loss = engine.train_batch(data_iter=data)
+            loss = ex.train_batch(data)
         step_time = time.perf_counter() - t0
         with hang.phase("the per-step all-gather", step):
             stop, bubble, mem, compute = step_stats(
@@ -225,7 +161,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             metrics.print(line)  # type: ignore[union-attr]
         if not failed and cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             with hang.phase("evaluation", step):
-                extra["val_loss"] = evaluate(engine, val, cfg, plan, mesh)
+                extra["val_loss"] = ex.evaluate(val)
         if mixture is not None:
             extra["tokens_by_source"] = mixture.tokens_by_source(samples)
             extra["epochs_by_source"] = mixture.epochs_by_source(samples)
@@ -234,7 +170,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 step,
                 loss=float(loss),
                 lr=float(lr),
-                grad_norm=float(engine.get_global_grad_norm()),
+                grad_norm=ex.grad_norm(),
                 step_time_s=step_time,
                 samples=samples,
                 bubble=bubble,
@@ -252,17 +188,11 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         every = cfg.train.save_every
         if stop or step == cfg.train.steps or (every > 0 and step % every == 0):
             with hang.phase("checkpoint save", step):
-                path = checkpoint.save(
+                path = ex.save(
                     saver,
-                    engine,
-                    module,
-                    mesh,
-                    cfg,
-                    plan,
                     run_dir,
                     step,
                     samples,
-                    scheduler,
                     {
                         "skipped_records": stats.skipped_records,
                         "empty_records": stats.empty_records,
