@@ -74,6 +74,7 @@ CASES: dict[str, Case] = {
     "p3d-train model=small mesh=tp2_pp2 schedule.sequence_parallel=true schedule.recompute=selective": Case(
         "run", extra=(*SMALL, "model.seq_len=128")
     ),
+    "p3d-train mesh=pp2 schedule.pipeline=interleaved_1f1b schedule.virtual_stages=2": Case("run"),
     "p3d-train data=files data.path='/data/*.jsonl'": Case(
         "refused", expect=r"^p3d: (config|input) error: data.path=/data/\*.jsonl .*matches no file"
     ),
