@@ -17,7 +17,7 @@ import torch
 
 from p3d.config.schema import Launcher, Recompute
 from p3d.dist.mesh import Mesh
-from p3d.model.geometry import total_params
+from p3d.model.geometry import rank_chunks, stage_bounds, total_params
 from p3d.model.pipe import build_layer_specs
 from p3d.tp.layers import owned_by_tp_rank
 
@@ -33,7 +33,8 @@ class DryRunReport:
     cfg: Config
     plan: RunPlan
     mesh_map: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)  # rank, dp, pp, tp, node, local
-    stage_layers: list[list[str]] = field(default_factory=list)
+    stage_layers: list[list[str]] = field(default_factory=list)  # per stage, or per chunk under a torch schedule
+    rank_chunks: list[list[int]] = field(default_factory=list)  # pp rank -> its chunks (torch schedules only)
     params: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> parameters on that rank
     padding: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> vocab padding entries
     owned: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> its share of the model
@@ -66,9 +67,16 @@ class DryRunReport:
             out.append(
                 f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = (pp * dp_size + dp) * tp_size + tp)"
             )
-        out += ["", "stages (layers of the flat pipeline list)"]
-        for s, names in enumerate(self.stage_layers):
-            out.append(f"  stage {s:>3}: {_compact(names)}")
+        if self.rank_chunks:  # a torch schedule: pp x v chunks, each rank's in the order of its stages
+            pipe = f"schedule.pipeline={cfg.schedule.pipeline.value}"
+            out += ["", f"chunks of {pipe} (layers of the flat pipeline list), per pp rank"]
+            for pp, chunks in enumerate(self.rank_chunks):
+                for c in chunks:
+                    out.append(f"  pp {pp:>3} chunk {c:>3}: {_compact(self.stage_layers[c])}")
+        else:
+            out += ["", "stages (layers of the flat pipeline list)"]
+            for s, names in enumerate(self.stage_layers):
+                out.append(f"  stage {s:>3}: {_compact(names)}")
         out += ["", "parameters per rank (same on every dp replica)"]
         for (pp, tp), n in sorted(self.params.items()):
             note = f" (incl. {self.padding[(pp, tp)]:,} vocab padding)" if self.padding.get((pp, tp)) else ""
@@ -118,8 +126,16 @@ def dry_run(cfg, plan) -> DryRunReport:
     for rank in range(plan.world_size):
         dp, pp, tp = dims.coords_of(rank)
         report.mesh_map.append((rank, dp, pp, tp, dims.node_of(rank), dims.local_rank_of(rank)))
-    bounds = plan.stage_bounds
-    report.stage_layers = [plan.layer_names[bounds[s] : bounds[s + 1]] for s in range(plan.pp)]
+    bounds, chunks_of = plan.stage_bounds, [[pp] for pp in range(plan.pp)]
+    pipeline = cfg.schedule.pipeline.value
+    if pipeline != "1f1b":  # the torch schedules' chunks (docs/design/pipeline-schedules.md §3)
+        from p3d.config.validate_schedule import V_SHAPED, chunks_per_rank
+
+        v, style = chunks_per_rank(cfg), "v" if pipeline in V_SHAPED else "loop"
+        bounds = stage_bounds(cfg.model.n_layers, plan.pp * v, cfg.schedule.partition, cfg.model)
+        chunks_of = [rank_chunks(plan.pp, v, style, pp) for pp in range(plan.pp)]
+        report.rank_chunks = chunks_of
+    report.stage_layers = [plan.layer_names[bounds[s] : bounds[s + 1]] for s in range(len(bounds) - 1)]
     for pp in range(plan.pp):
         for tp in range(plan.tp):
             mesh = Mesh.from_plan(plan, dims.rank_of(0, pp, tp))
@@ -135,18 +151,18 @@ def dry_run(cfg, plan) -> DryRunReport:
             n = pad = owned = 0
             built_tied: set[str] = set()
             with torch.device("meta"):
-                for idx in range(bounds[pp], bounds[pp + 1]):
+                for idx in (i for c in chunks_of[pp] for i in range(bounds[c], bounds[c + 1])):
                     spec = specs[idx]
                     key = getattr(spec, "key", None)
                     if key is not None and key in built_tied:
-                        continue  # one tied module per stage, as in DeepSpeed's PipelineModule
+                        continue  # one tied module per rank, as in DeepSpeed's PipelineModule and ChunkModule
                     module = spec.build()
                     if key is not None:
                         built_tied.add(key)
                     padding = getattr(module, "padding_numel", 0)
                     n += sum(p.numel() for p in module.parameters())
                     pad += padding
-                    if key is not None and pp != _first_stage_of(specs, bounds, key):
+                    if key is not None and _first_stage_of(specs, bounds, key) not in chunks_of[pp]:
                         continue  # the tied copy on the last stage is owned by the first
                     owned += sum(p.numel() for p in module.parameters() if owned_by_tp_rank(p, tp)) - padding
             report.params[(pp, tp)], report.padding[(pp, tp)], report.owned[(pp, tp)] = n, pad, owned

@@ -206,3 +206,33 @@ def test_runs_as_worker_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "run_spec.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [("schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2"), ("schedule.pipeline=zbv",)],
+    ids=["interleaved_1f1b", "zbv"],
+)
+def test_dry_run_of_a_torch_schedule_prints_each_ranks_chunks_and_exact_counts(pipeline):
+    """The chunks of every pp rank (loop placement: c mod p; V: r and 2p-1-r), and each rank's parameter count equal
+    to the ChunkModules a worker builds (tied table: a copy on each holder under loop placement, one shared under V)."""
+    import torch.nn as nn
+
+    from p3d.dist.mesh import Mesh
+    from p3d.dryrun import dry_run
+    from p3d.model.chunks import ChunkModule
+    from p3d.model.pipe import build_layer_specs
+
+    cfg, plan = typed("mesh=pp2", "model.tie_embeddings=true", "dry_run=true", "schedule.virtual_stages=2", *pipeline)
+    report = dry_run(cfg, plan)
+    v_shaped = "zbv" in pipeline[0]
+    assert report.rank_chunks == ([[0, 3], [1, 2]] if v_shaped else [[0, 2], [1, 3]])
+    text = report.render()
+    assert "pp   1 chunk   3: block3, final_norm, head" in text or "pp   0 chunk   3: block3, final_norm, head" in text
+    assert report.total == total_params(cfg.model)
+    bounds = [0, 2, 3, 4, 7]  # tiny, pp2 x 2 chunks, partition=blocks
+    for pp, chunks in enumerate(report.rank_chunks):
+        specs = build_layer_specs(cfg.model, plan.padded_vocab_size, Mesh.from_plan(plan, pp), cfg.train.seed)
+        tied: dict = {}
+        built = nn.ModuleList([ChunkModule(specs, bounds[c], bounds[c + 1], tied) for c in chunks])
+        assert report.params[(pp, 0)] == sum(p.numel() for p in built.parameters()), pp

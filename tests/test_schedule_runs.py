@@ -23,7 +23,8 @@ pytestmark = pytest.mark.procs  # every test here starts processes
 
 RTOL = 1e-5
 COMMON = ("train.warmup_steps=2", "train.decay=constant")
-INTERLEAVED = ("mesh=pp2", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2")
+I2 = ("schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2")
+INTERLEAVED = ("mesh=pp2", *I2)
 ZBV = ("mesh=pp2", "schedule.pipeline=zbv", "schedule.virtual_stages=2")
 DEEPSPEED = ("mesh=pp2",)  # schedule.pipeline=1f1b, the default
 
@@ -71,6 +72,14 @@ RESUMES = {
     "1f1b-to-interleaved_1f1b": (DEEPSPEED, INTERLEAVED, ()),
     "interleaved_1f1b-to-1f1b": (INTERLEAVED, DEEPSPEED, ()),
     "1f1b-to-zbv-tied": (DEEPSPEED, ZBV, ("model.tie_embeddings=true",)),  # V placement: one shared table
+    # ZeRO-1 on both sides: DeepSpeed's partitioned fragments in, torch ZeroRedundancyOptimizer's whole-parameter
+    # states per owner out, and back into DeepSpeed on another mesh
+    "1f1b-zero1-to-interleaved_1f1b-zero1": (
+        ("mesh=dp2_pp2", "zero=stage1"),
+        ("mesh=dp2_pp2", "zero=stage1", *I2),
+        (),
+    ),
+    "interleaved_1f1b-zero1-to-1f1b-pp2": (("mesh=dp2_pp2", "zero=stage1", *I2), DEEPSPEED, ()),
 }
 
 
@@ -80,7 +89,25 @@ def test_resume_across_schedules_continues_the_curve(case, tmp_path):
     first, second, model = RESUMES[case]
     proc = p3d_train(f"run.dir={tmp_path}", "train.steps=3", *COMMON, *model, *first, timeout=300)
     assert proc.returncode == 0, _out(proc)
+    if "zero=stage1" in first and I2[0] in first:  # torch's ZeRO-1: each parameter's states written by its owner
+        _assert_owners_write_whole_states(checkpoint.step_dir(tmp_path, 3))
     proc = p3d_train(f"run.dir={tmp_path}", "train.steps=6", "train.resume=auto", *COMMON, *model, *second, timeout=300)
     assert proc.returncode == 0, _out(proc)
     assert "schedule.pipeline:" in proc.stdout, _out(proc)  # the launcher names the change
     _assert_matches(read_metrics(tmp_path), reference(6, *model))
+
+
+def _assert_owners_write_whole_states(ckpt) -> None:
+    """Every chunk's optim files over dp 0 and 1: disjoint names (each parameter once, by the dp rank whose
+    ZeroRedundancyOptimizer steps it), together every parameter, each whole (start 0) with its Adam moments."""
+    from p3d.train.ckpt_files import read_tensors
+
+    for c in range(4):
+        names = []
+        for d in range(2):
+            _, index = read_tensors(ckpt / "optim" / f"pp{c}_tp0_dp{d}.safetensors")
+            assert all(e["start"] == 0 and e["keys"] == ["exp_avg", "exp_avg_sq", "master"] for e in index.values())
+            names.append(set(index))
+        model = set().union(*(read_tensors(ckpt / "model" / f"pp{c}_tp0_dp{d}.safetensors")[1] for d in range(2)))
+        assert not names[0] & names[1] and names[0] | names[1] == model, c
+        assert names[0] and names[1], c  # both dp ranks own some of this chunk's parameters

@@ -112,11 +112,6 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"zero.stage={cfg.zero.stage} with schedule.pipeline={name}: torch's pipelining shards gradients and "
             "parameters only through FSDP2, which p3d does not wire; try zero=stage1"
         )
-    if cfg.zero.stage == 1 and dp > 1:
-        raise P3DConfigError(
-            f"zero.stage=1 with schedule.pipeline={name} and mesh.dp={dp}: the torch executor's ZeRO-1 "
-            "(torch's ZeroRedundancyOptimizer) has no checkpoint support yet; try zero=stage0 or mesh.dp=1"
-        )
     if name in IW_SPLIT and s.recompute == Recompute.full:
         raise P3DConfigError(
             f"schedule.recompute=full with schedule.pipeline={name}: its split W pass reruns every checkpointed "

@@ -373,7 +373,7 @@ def load(path: Path, engine, module, mesh, plan, scheduler, chunks=None) -> dict
                 safe_set_full_fp32_param(p, state["master"].to(p.device))
                 for k in ADAM_KEYS:
                     safe_set_full_optimizer_state(p, state[k].to(p.device), k)
-            else:
+            elif getattr(engine, "owns", None) is None or id(p) in engine.owns:  # ZeRO-1 (torch): the owner only
                 engine.optimizer.state[p] = {"step": step_t.clone(), **{k: state[k].to(p.device) for k in ADAM_KEYS}}
     if hp:  # Adam's bias correction: the base optimizer's step count per (flat) parameter
         base = wrapped_optimizer(engine)

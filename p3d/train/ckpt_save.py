@@ -3,7 +3,9 @@
 At the step boundary each rank copies to host memory (``Snapshot``):
 - its ZeRO / bf16 partition of the fp32 master weights and Adam moments: the fragment of every
   parameter that its partition holds (a range of the flattened parameter), so the optimizer state is
-  written by all dp ranks, each its 1/dp;
+  written by all dp ranks, each its 1/dp; under torch's ZeroRedundancyOptimizer (a torch pipeline schedule
+  with ZeRO-1: ``engine.owns``, the ids of the parameters this rank's optimizer steps) the whole states of
+  the parameters it owns, each one fragment at start 0;
 - the parameters, and without ZeRO (every replica holds everything) the optimizer state too: the
   coordinate's flattened tensors cut into dp even parts, one per dp rank (``dp_slices``);
 - its RNG states (JSON).
@@ -138,6 +140,13 @@ class Snapshot:
                 frag = hp_fragment(p, ADAM_KEYS)
                 if frag is not None and frag[1] > 0:
                     self._add(host, key, name, frag[0], list(p.shape), frag[2])
+        elif getattr(engine, "owns", None) is not None:  # torch's ZeroRedundancyOptimizer: whole params per owner
+            for name, p in named:
+                if id(p) in engine.owns:
+                    raw = engine.optimizer.state.get(p, {})
+                    self._add(
+                        host, key, name, 0, list(p.shape), {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}}
+                    )
         else:  # every replica holds everything: each writes its even part, like the parameters
             for (name, p), (start, numel) in zip(named, slices):
                 raw = engine.optimizer.state.get(p, {})

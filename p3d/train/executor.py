@@ -182,13 +182,28 @@ class TorchExecutor:
         self.step = step
 
     def save(self, saver, run_dir, step: int, samples: int, extra: dict):
-        p = self
+        p, states = self, AdamStates(self.pipe.optimizer)
         return checkpoint.save(
-            saver, p.pipe, p.module, p.mesh, p.cfg, p.plan, run_dir, step, samples, p.scheduler, extra, p.chunks
+            saver, states, p.module, p.mesh, p.cfg, p.plan, run_dir, step, samples, p.scheduler, extra, p.chunks
         )
 
     def load(self, path) -> dict:
-        return checkpoint.load(path, self.pipe, self.module, self.mesh, self.plan, self.scheduler, self.chunks)
+        states = AdamStates(self.pipe.optimizer)
+        return checkpoint.load(path, states, self.module, self.mesh, self.plan, self.scheduler, self.chunks)
+
+
+class AdamStates:
+    """What checkpoint.save / load read of a torch schedule's optimizer: ``optimizer.state`` (param -> Adam states)
+    and ``owns``: None when this rank keeps every parameter's states, else the ids of the parameters whose states
+    it keeps (torch's ``ZeroRedundancyOptimizer``: its local optimizer ``optim`` steps those only)."""
+
+    def __init__(self, optimizer):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.optimizer, self.owns = optimizer, None
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            self.optimizer = optimizer.optim
+            self.owns = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
 
 
 def build_executor(cfg, plan, mesh: Mesh, rank: int, device: torch.device, run_dir):
