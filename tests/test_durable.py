@@ -60,10 +60,18 @@ def _assert_same_curve(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("zero", ["stage0", "stage1"])
-def test_sigterm_then_resume_reproduces_the_uninterrupted_run(zero, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("mesh=dp2_pp2_tp2", "zero=stage0"),
+        ("mesh=dp2_pp2_tp2", "zero=stage1"),
+        ("mesh=pp2", "schedule.pipeline=zbv", "schedule.virtual_stages=2"),  # a torch schedule (p3d.train.executor)
+    ],
+    ids=["stage0", "stage1", "zbv"],
+)
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run(layout, tmp_path):
     """2N steps straight vs. a run stopped by SIGTERM (what Slurm sends) and resumed: same per-step losses."""
-    common = (f"train.steps={STEPS}", "train.warmup_steps=3", "mesh=dp2_pp2_tp2", f"zero={zero}")
+    common = (f"train.steps={STEPS}", "train.warmup_steps=3", *layout)
     straight = p3d_train(f"run.dir={tmp_path / 'a'}", *common)
     assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
 
