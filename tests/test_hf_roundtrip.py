@@ -374,14 +374,19 @@ def exported(work, tmp_path_factory):
 
 @pytest.mark.procs
 @pytest.mark.timeout(600)
-def test_init_from_trains_with_the_checkpoint_tokenizer(work, exported, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [("mesh=single",), ("mesh=pp2", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2")],
+    ids=["single", "interleaved_1f1b"],  # the torch executor loads HF weights into each of its chunks
+)
+def test_init_from_trains_with_the_checkpoint_tokenizer(work, exported, tmp_path, layout):
     cfg, _ = typed(f"model.init_from={exported}")
     assert cfg.data.tokenizer == str(exported / "tokenizer.json")
     run = tmp_path / "run"
     result = p3d_train(
         f"run.dir={run}",
         f"model.init_from={exported}",
-        "mesh=single",
+        *layout,
         "data=files",
         f"data.path={work / 'corpus.jsonl'}",
         "data.shuffle_buffer=64",
