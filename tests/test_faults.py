@@ -238,23 +238,25 @@ def _stopped(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
-@pytest.mark.parametrize("where", ["sent", "after_its_schedule"])
+@pytest.mark.parametrize("where", ["sent", "after_its_schedule", "sent_zbv"])
 def test_a_stopped_worker_is_named_and_the_others_dump_their_stacks(tmp_path, monkeypatch, where):
     """SIGSTOP rank 2 of dp2_pp2 with cluster.timeout_s=20: within 60 s the job ends with HUNG, the
     launcher names rank 2 as the rank that never arrived, and every other rank's log holds its stack.
     ``sent``: the test stops it wherever it is after step 2. ``after_its_schedule``: it stops itself
     right after step 3's OptimizerStep, so its peers wait in DeepSpeed's loss all-reduce / broadcast
-    after the pipeline schedule, outside every instruction (the wait no watch covered before)."""
+    after the pipeline schedule, outside every instruction (the wait no watch covered before). ``sent_zbv``: as
+    ``sent`` under a torch schedule, whose whole step is one watched phase (no per-instruction marks)."""
     run = tmp_path / "run"
     if where == "after_its_schedule":
         monkeypatch.setenv(STOP_ENV, "2:3")
-    proc = start_p3d_train(run, "mesh=dp2_pp2", "train.steps=500", "cluster.timeout_s=20")
+    torch_schedule = ("schedule.pipeline=zbv", "schedule.virtual_stages=2") if where == "sent_zbv" else ()
+    proc = start_p3d_train(run, "mesh=dp2_pp2", "train.steps=500", "cluster.timeout_s=20", *torch_schedule)
     pids: dict[int, int] = {}
     try:
-        _wait_for_steps(run, 2 if where == "sent" else 1, proc)
+        _wait_for_steps(run, 1 if where == "after_its_schedule" else 2, proc)
         pids = worker_pids(run)
         assert sorted(pids) == [0, 1, 2, 3], pids
-        if where == "sent":
+        if where != "after_its_schedule":
             os.kill(pids[2], signal.SIGSTOP)
         else:
             while not _stopped(pids[2]):
