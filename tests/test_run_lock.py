@@ -3,6 +3,7 @@ then real p3d-train launches racing for one directory, a SIGKILLed holder, and C
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -15,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from p3d import exit_codes
+from p3d.dist.stop import StopSignals
 from p3d.metrics import read_metrics
 from p3d.run_lock import LOCK_NAME, STALE_S, Lease, RunLocked, read
 from p3d.train import checkpoint
+from p3d.train.timing import SLOW_ENV
 from tests.conftest import ROOT, p3d_train, start_p3d_train, worker_pids
 from tests.test_durable import _kill_run, _wait_for_steps
 
@@ -292,7 +295,12 @@ def test_ctrl_c_once_saves_the_step_and_resume_continues_bitwise(tmp_path):
 
 @pytest.mark.procs
 @pytest.mark.timeout(600)
-def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path):
+def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Rank 0 sleeps 0.4 s in each of its 4 forward passes (the P3D_TEST_SLOW_RANK hook), so the step in flight
+    when the first Ctrl-C lands, just after step 5 is logged, still has over a second to run: the second press,
+    0.05 s later, must abort it. (With 0.05 s steps the first press's save could end before the second press,
+    and the run then rightly ends saved, with status 75: test_second_ctrl_c_after_the_save_says_so.)"""
+    monkeypatch.setenv(SLOW_ENV, "0:0.4")
     run = tmp_path / "run"
     proc = _start(run, *DP2, "train.steps=2000", "train.save_every=3")
     try:
@@ -319,3 +327,42 @@ def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path):
     resumed = p3d_train(f"run.dir={run}", *DP2, f"train.steps={meta['step'] + 1}", "train.resume=auto", timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resumed from step {meta['step']}" in resumed.stdout
+
+
+def test_second_ctrl_c_after_the_save_says_so():
+    """The second press comes after every worker saved and exited (status 75): nothing is aborted, no line
+    claims a lost step, and the launcher still ends with PREEMPTED (launch_local reads the workers' status)."""
+    console = io.StringIO()
+    procs = {r: subprocess.Popen([sys.executable, "-c", f"raise SystemExit({exit_codes.PREEMPTED})"]) for r in range(2)}
+    for p in procs.values():
+        p.wait()
+    signals = StopSignals(procs, console)
+    signals._handle(signal.SIGINT, None)
+    signals._handle(signal.SIGINT, None)
+    assert not signals.aborted
+    lines = console.getvalue().splitlines()
+    assert lines[1] == "p3d: second Ctrl-C: the workers had already saved a checkpoint and stopped", lines
+    assert "no checkpoint was written" not in console.getvalue()
+
+
+def _worker_like() -> subprocess.Popen:
+    """A sleeper in its own session, as launch_local starts workers (StopSignals signals their groups)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+
+def test_second_ctrl_c_kills_running_workers():
+    console = io.StringIO()
+    procs = {r: _worker_like() for r in range(2)}
+    signals = StopSignals(procs, console)
+    try:
+        signals._handle(signal.SIGINT, None)  # SIGTERM to each worker's group: a sleeper just dies of it
+        for p in procs.values():
+            p.wait(timeout=30)
+        procs[2] = _worker_like()  # one still running when the second press comes
+        signals._handle(signal.SIGINT, None)
+        assert procs[2].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for p in procs.values():
+            p.kill()
+    assert signals.aborted
+    assert "no checkpoint was written for the step in flight" in console.getvalue().splitlines()[1]

@@ -6,7 +6,8 @@
 - The first SIGINT (Ctrl-C) does the same (the workers get SIGTERM), with one console line saying so.
 - A second SIGINT aborts at once: the workers are killed (SIGKILL: no traceback from any rank) and a
   line says that no checkpoint was written for the step in flight; saves are atomic, so the last
-  complete checkpoint stays loadable.
+  complete checkpoint stays loadable. If the workers had already saved and exited by then, the line
+  says so and the run ends as after one Ctrl-C (``exit_codes.PREEMPTED``).
 
 Workers run in their own sessions (``start_new_session``), so a terminal's Ctrl-C, which goes to the
 whole foreground process group, reaches only the launcher, and every worker hears it from here, once.
@@ -17,6 +18,8 @@ import os
 import signal
 import subprocess
 from typing import Callable, Mapping, TextIO
+
+from p3d import exit_codes
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -64,6 +67,10 @@ class StopSignals:
             self._say("p3d: Ctrl-C: the workers finish the step in flight, save a checkpoint and stop "
                       "(exit status 75; resume with train.resume=auto); press Ctrl-C again to abort without saving")
             self._send(signal.SIGTERM)
+        elif not any(p.poll() is None for p in self.procs.values()):
+            # the first Ctrl-C's save was quicker than the second press: nothing is left to abort
+            saved = all(p.returncode == exit_codes.PREEMPTED for p in self.procs.values())
+            self._say(f"p3d: second Ctrl-C: the workers had already {'saved a checkpoint and ' if saved else ''}stopped")
         else:
             self.aborted = True
             self._send(signal.SIGKILL)
