@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p3d.config.schema import Launcher, Recompute
+from p3d.config.schema import Launcher
 from p3d.dist.mesh import Mesh
 from p3d.model.geometry import rank_chunks, stage_bounds, total_params
-from p3d.model.pipe import build_layer_specs
+from p3d.model.pipe import layer_specs_of
 from p3d.tp.layers import owned_by_tp_rank
 
 if TYPE_CHECKING:
@@ -139,15 +139,7 @@ def dry_run(cfg, plan) -> DryRunReport:
     for pp in range(plan.pp):
         for tp in range(plan.tp):
             mesh = Mesh.from_plan(plan, dims.rank_of(0, pp, tp))
-            specs = build_layer_specs(
-                cfg.model,
-                plan.padded_vocab_size,
-                mesh,
-                cfg.train.seed,
-                sequence_parallel=cfg.schedule.sequence_parallel,
-                recompute_attention=cfg.schedule.recompute == Recompute.selective,
-                recompute_swiglu=cfg.schedule.recompute == Recompute.selective and cfg.schedule.recompute_swiglu,
-            )
+            specs = layer_specs_of(cfg, plan, mesh)
             n = pad = owned = 0
             built_tied: set[str] = set()
             with torch.device("meta"):

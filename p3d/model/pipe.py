@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
+from p3d.config.schema import Recompute
 from p3d.model.llama import RMSNorm, TransformerBlock
 from p3d.tp.cross_entropy import vocab_parallel_cross_entropy
 from p3d.tp.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -160,6 +161,21 @@ class SequentialModel(nn.Module):
 
     def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self(ids), labels)
+
+
+def layer_specs_of(cfg, plan, mesh) -> list[LayerSpec]:
+    """The layer specs of a run (cfg: the typed Config; plan: its validated plan): the schedule's sequence
+    parallelism and selective recompute applied. Every executor and the dry run build from this one list."""
+    selective = cfg.schedule.recompute == Recompute.selective
+    return build_layer_specs(
+        cfg.model,
+        plan.padded_vocab_size,
+        mesh,
+        cfg.train.seed,
+        sequence_parallel=cfg.schedule.sequence_parallel,
+        recompute_attention=selective,
+        recompute_swiglu=selective and cfg.schedule.recompute_swiglu,
+    )
 
 
 def to_sequential(

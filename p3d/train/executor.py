@@ -21,7 +21,7 @@ from p3d.data.loader import rank_slice
 from p3d.dist.hang import HangWatch
 from p3d.dist.mesh import Mesh
 from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
-from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, build_layer_specs
+from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, layer_specs_of
 from p3d.run_dir import logs as run_logs
 from p3d.train import checkpoint
 from p3d.train.faults import StepGate
@@ -30,15 +30,7 @@ from p3d.train.timing import StageTimer, TorchStageTimer
 
 
 def build_pipeline(cfg, plan, mesh: Mesh) -> P3DPipelineModule:
-    specs = build_layer_specs(
-        cfg.model,
-        plan.padded_vocab_size,
-        mesh,
-        cfg.train.seed,
-        sequence_parallel=cfg.schedule.sequence_parallel,
-        recompute_attention=cfg.schedule.recompute == Recompute.selective,
-        recompute_swiglu=cfg.schedule.recompute == Recompute.selective and cfg.schedule.recompute_swiglu,
-    )
+    specs = layer_specs_of(cfg, plan, mesh)
     recompute = cfg.schedule.recompute == Recompute.full
     return P3DPipelineModule(
         specs,

@@ -1,7 +1,7 @@
 """Interleaved and zero-bubble pipeline schedules, executed by ``torch.distributed.pipelining``.
 
 DeepSpeed's engine runs plain 1F1B only; these schedules come from torch (docs/design/pipeline-schedules.md).
-The model is the same flat list of ``LayerSpec``s (``build_layer_specs``), cut by the one stage-bounds
+The model is the same flat list of ``LayerSpec``s (``layer_specs_of``), cut by the one stage-bounds
 function into p * v chunks (``geometry.stage_bounds(n_layers, p * v, partition, model)``); chunk c is torch's
 ``PipelineStage`` c, on pp rank ``geometry.chunk_to_rank(p, p * v, style)[c]``. Init, the TP layers, tied
 embeddings and the vocab-parallel loss are unchanged; only the executor differs.
@@ -32,7 +32,7 @@ from p3d.config.schema import Recompute
 from p3d.ds_compat import mark_pipe_replicated
 from p3d.model.chunks import ChunkModule
 from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
-from p3d.model.pipe import VocabParallelLoss, build_layer_specs
+from p3d.model.pipe import VocabParallelLoss, layer_specs_of
 from p3d.torch_compat import SCHEDULE_CLASSES, schedule_class, timed_p2p_waits
 from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, param_groups
 
@@ -135,16 +135,7 @@ class TorchPipeline:
         self.chunk_rank = chunk_to_rank(mesh.pp, self.n_chunks, self.style)
         self.chunk_ids = rank_chunks(mesh.pp, self.v, self.style, mesh.pp_rank)
         torch.manual_seed(cfg.train.seed)  # as reference_run; the weights come from seeded masters anyway
-        selective = cfg.schedule.recompute == Recompute.selective
-        specs = build_layer_specs(
-            cfg.model,
-            plan.padded_vocab_size,
-            mesh,
-            cfg.train.seed,
-            sequence_parallel=cfg.schedule.sequence_parallel,
-            recompute_attention=selective,
-            recompute_swiglu=selective and cfg.schedule.recompute_swiglu,
-        )
+        specs = layer_specs_of(cfg, plan, mesh)
         tied: dict[str, nn.Module] = {}  # one module per key on this rank (shared by its chunks)
         recompute = cfg.schedule.recompute == Recompute.full
         self.chunks = [
