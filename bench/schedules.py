@@ -1,7 +1,8 @@
-"""Tokens/s and measured bubble of each pipeline schedule on pp2, through the real ``p3d-train`` (issue 11).
+"""Tokens/s and measured bubble of each pipeline schedule on pp2 (or pp4), through the real ``p3d-train`` (issue 11).
 
     .venv/bin/python bench/schedules.py                                   # model=tiny, m = 4 and 8, 2 rounds
     .venv/bin/python bench/schedules.py --model small --set model.n_layers=4 model.seq_len=128 --rounds 3
+    .venv/bin/python bench/schedules.py --pp 4 --m 8 --set model.n_layers=8      # the issue's pp4 bubble order
 
 Each (schedule, m) runs ``p3d-train mesh=pp2 schedule.pipeline=<s>`` for ``--steps`` steps (two worker processes,
 one per core here, so idle time is lost time); the schedules alternate within each round, so that a change of
@@ -42,7 +43,7 @@ def one_run(name: str, m: int, args, run_dir: Path) -> tuple[float, float]:
     """(median tokens/s, median measured bubble) of the steps after the warmup."""
     mbs = args.micro_batch_size
     cmd = [
-        sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", f"model={args.model}", "mesh=pp2",
+        sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", f"model={args.model}", f"mesh=pp{args.pp}",
         f"train.steps={args.steps}", "train.save_every=0", "train.keep_last=1",
         f"schedule.micro_batch_size={mbs}", f"schedule.global_batch_size={mbs * m}", *SCHEDULES[name], *args.set,
     ]  # fmt: skip
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="first steps dropped (shape inference, warm caches)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2, choices=[2, 4], help="pipeline stages (mesh=pp2 or pp4)")
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--m", type=int, nargs="+", default=[4, 8], help="micro batches per step")
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
@@ -73,7 +75,7 @@ def main() -> None:
                     run_dir = Path(tmp) / f"{name}-m{m}-r{r}"
                     results.setdefault((name, m), []).append(one_run(name, m, args, run_dir))
                     print(f"round {r + 1}: {name} m={m} done", file=sys.stderr, flush=True)
-    print(f"model={args.model} {' '.join(args.set)} pp2, {args.rounds} rounds x {args.steps} steps "
+    print(f"model={args.model} {' '.join(args.set)} pp{args.pp}, {args.rounds} rounds x {args.steps} steps "
           f"(first {args.warmup} dropped); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
     print(f"{'schedule':<24} {'m':>3} {'tokens/s':>10} {'vs 1f1b':>8} {'bubble':>7} {'theory':>7}")
     for m in args.m:
@@ -81,7 +83,7 @@ def main() -> None:
         for name in args.schedules:
             tok = statistics.median(t for t, _ in results[(name, m)])
             bub = statistics.median(b for _, b in results[(name, m)])
-            theory = schedule_bubble(name, 2, m, 1 if name in ("1f1b", "gpipe") else 2)
+            theory = schedule_bubble(name, args.pp, m, 1 if name in ("1f1b", "gpipe") else 2)
             print(f"{name:<24} {m:>3} {tok:>10,.0f} {tok / base:>7.2f}x {bub:>7.3f} {theory:>7.3f}")
 
 

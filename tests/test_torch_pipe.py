@@ -19,7 +19,7 @@ from tests.dist import run_distributed
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 
-STEPS = 4
+STEPS = 10  # the parity length
 RTOL = 1e-5
 CLIP = 0.5  # the tiny model's first gradient norms are about 1.7-2.3: clipping fires
 COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2", f"train.grad_clip={CLIP}", f"train.eval_every={STEPS}")
@@ -34,6 +34,7 @@ CASES = {
     "interleaved_1f1b-tp2_pp2-v2": (["mesh=tp2_pp2"], "interleaved_1f1b", 2, 4, []),
     "interleaved_1f1b-dp2_pp2-v2": (["mesh=dp2_pp2"], "interleaved_1f1b", 2, 4, []),
     "interleaved_1f1b-dp2_pp2-v2-zero1": (["mesh=dp2_pp2", "zero=stage1"], "interleaved_1f1b", 2, 4, []),
+    "interleaved_1f1b-dp2_pp2_tp2-v2-zero1": (["mesh=dp2_pp2_tp2", "zero=stage1"], "interleaved_1f1b", 2, 8, []),
     "interleaved_1f1b-pp4-v2": (["mesh=pp4"], "interleaved_1f1b", 2, 4, ["model.n_layers=8"]),
     "interleaved_1f1b-pp4-v2-tied": (
         ["mesh=pp4"],
