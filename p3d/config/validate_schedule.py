@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import Config, DType, Partition, Recompute
+from p3d.config.schema import Config, Partition, Recompute
 
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # loop placement, v >= 2
 V_SHAPED = ("zbv", "dualpipev")  # V placement, exactly 2 chunks per rank (schedules.py:3249, :3435)
@@ -128,9 +128,4 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"train.eval_every={cfg.train.eval_every} with schedule.pipeline={name}: torch 2.13's forward-only "
             "run of the V schedules fails (it still runs their backward actions); "
             "try train.eval_every=0 or schedule.pipeline=interleaved_1f1b"
-        )
-    if cfg.train.dtype == DType.bf16:
-        raise P3DConfigError(
-            f"train.dtype=bf16 with schedule.pipeline={name}: the torch executor's bf16 (autocast over fp32 "
-            "weights) is not tested yet; try train.dtype=fp32 or schedule.pipeline=1f1b"
         )

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from p3d.config.schema import Recompute
+from p3d.config.schema import DType, Recompute
 from p3d.ds_compat import mark_pipe_replicated
 from p3d.model.chunks import ChunkModule
 from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
@@ -138,8 +138,11 @@ class TorchPipeline:
         specs = layer_specs_of(cfg, plan, mesh)
         tied: dict[str, nn.Module] = {}  # one module per key on this rank (shared by its chunks)
         recompute = cfg.schedule.recompute == Recompute.full
+        # bf16: autocast over the fp32 weights, which are the master copy; gradients accumulate in fp32
+        autocast = torch.bfloat16 if cfg.train.dtype == DType.bf16 else None
         self.chunks = [
-            ChunkModule(specs, self.bounds[c], self.bounds[c + 1], tied, recompute=recompute) for c in self.chunk_ids
+            ChunkModule(specs, self.bounds[c], self.bounds[c + 1], tied, recompute=recompute, autocast_dtype=autocast)
+            for c in self.chunk_ids
         ]
         for chunk in self.chunks:
             chunk.to(self.device)
