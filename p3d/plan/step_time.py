@@ -196,8 +196,9 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
 
 
 def tied_seconds(cfg: Config, layout: Layout) -> float:
-    """All-reduce of the tied embedding's gradient between the first and the last stage."""
-    if not cfg.model.tie_embeddings or layout.pp == 1:
+    """All-reduce of the tied embedding's gradient between the first and the last stage (none in a V: rank 0
+    holds both ends, one module, as p3d/train/torch_pipe.py builds it)."""
+    if not cfg.model.tie_embeddings or layout.pp == 1 or layout.pipeline in V_SHAPED:
         return 0.0
     vpad = padded_vocab(cfg.model.vocab_size, layout.tp)
     nbytes = vpad * cfg.model.hidden_size / layout.tp * dtype_bytes(cfg)

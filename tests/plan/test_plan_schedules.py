@@ -141,6 +141,10 @@ def test_v_placement_puts_embedding_and_head_on_rank_0(make_cfg):
     assert {"embed", "head"} <= set(r.stages[0].params.layers)
     assert not {"embed", "head"} & set(r.stages[1].params.layers)
     assert r.stages[0].loss_bytes > 0 and r.stages[1].loss_bytes == 0
+    tied = plan(make_cfg(*SMALL_FP32, "schedule.global_batch_size=4", *zbv, "model.tie_embeddings=true"))
+    assert tied.breakdown["tied_embedding"] == 0.0  # one module serves both ends on rank 0: no all-reduce
+    looped = plan(make_cfg(*SMALL_FP32, "schedule.global_batch_size=4", "model.tie_embeddings=true"))
+    assert looped.breakdown["tied_embedding"] > 0.0
 
 
 def test_virtual_stages_with_1f1b_is_planned_as_interleaved_with_a_note(make_cfg):
