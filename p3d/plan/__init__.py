@@ -3,7 +3,7 @@
     from p3d.plan import plan, best_layout
     report = plan(cfg)            # cfg: p3d.config.schema.Config after validate.fill_cluster
     report.fits, report.to_json(), report.render()
-    best_layout(cfg)              # mesh=auto: Layout(tp, pp, dp, micro_batch_size, ...)
+    best_layout(cfg)              # mesh=auto: Layout(tp, pp, dp, micro_batch_size, ..., pipeline, recompute, zero)
 
 Modules, each importing only those before it: shapes (layout, parameters per rank; the model's
 closed forms are p3d.model.geometry's), memory (model states, activations), step_time (compute,

@@ -40,9 +40,21 @@ the saved fp32 softmax of the vocab-parallel cross entropy (4 V_pad / t) and its
 targets, and the loss buffer: the logits DeepSpeed holds until backward (c V_pad / t) plus the
 backward's fp32 gradient (and its cast to c bytes when c < 4).
 
-In flight under 1F1B, stage s (0-based) of p holds min(p - s, m) micro batches (DeepSpeed's
-TrainSchedule); interleaved with v chunks it holds min(2 (p - s - 1) + (v - 1) p + 1, m v) chunks
-of 1/v of the stage each (Narayanan et al. 2021; stage 0: 1 + (p - 1)/(p v) times p micro batches).
+In flight: the micro batches whose activations a rank holds at its peak, per schedule (p stages, m micro
+batches, v chunks per rank, rank s 0-based; counted in chunks, each 1/v of the rank's layers; docs/planner.md):
+
+    1f1b                     min(p - s, m)                              DeepSpeed's TrainSchedule
+    gpipe                    m                                          all forwards, then all backwards
+    interleaved_1f1b         min(2 (p - s - 1) + (v - 1) p + 1, m v)    Narayanan et al. 2021 (stage 0:
+                                                                        1 + (p - 1)/(p v) times p micro batches)
+    interleaved_zero_bubble  min(p, m) v                                torch's ZB1P: a full warmup on every rank
+    zbv                      min(2 p, m + 1 + s)                        Qi et al. 2024 (ZB-V: 1F1B's p stages' worth)
+    dualpipev                2 p + 1                                    torch's DualPipeV (m >= 2 p)
+
+With the I/W-split schedules a chunk's activations live until its W (weight-gradient) pass: torch's I pass
+runs ``autograd.grad`` with ``retain_graph=True`` (pipelining/_backward.py), so the counts above run to W.
+tests/plan/test_plan_schedules.py checks every row against the peak counted from the action lists of
+DeepSpeed's TrainSchedule and of torch's schedules (``pipeline_order``).
 """
 
 from __future__ import annotations
@@ -145,12 +157,27 @@ def loss_buffer_bytes(cfg: Config, layout: Layout) -> float:
     return b * s * vpad / t * (c + 4 + (c if c < 4 else 0))
 
 
+def in_flight_chunks(pipeline: str, p: int, m: int, v: int, stage: int) -> int:
+    """Chunks (1/v of a rank's layers each) whose activations rank ``stage`` holds at its peak under ``pipeline``."""
+    if pipeline == "1f1b":
+        return min(p - stage, m)
+    if pipeline == "gpipe":
+        return m
+    if pipeline == "interleaved_1f1b":
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    if pipeline == "interleaved_zero_bubble":
+        return min(p, m) * v
+    if pipeline == "zbv":
+        return min(2 * p, m + 1 + stage)
+    if pipeline == "dualpipev":
+        return 2 * p + 1
+    raise ValueError(f"schedule {pipeline!r}: no in-flight model")
+
+
 def in_flight(layout: Layout, stage: int) -> float:
     """Micro batches whose activations stage ``stage`` holds at its peak (in units of the full stage)."""
     p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
-    if v == 1:
-        return float(min(p - stage, m))
-    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
+    return in_flight_chunks(layout.pipeline, p, m, v, stage) / v
 
 
 @dataclass

@@ -35,14 +35,15 @@ def render(report) -> str:
         out += [
             f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x {cfg.cluster.device}",
             f"  {'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>4} {'m':>5} {'mem GB':>7} {'step s':>9} {'tokens/s':>12} "
-            f"{'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}",
+            f"{'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  {'schedule':<26} {'recompute':<9} zero",
         ]
         for r in report.ranking:
             lo = r.layout
             out.append(
                 f"  {lo.tp:>3} {lo.pp:>3} {lo.dp:>5} {lo.micro_batch_size:>4} {lo.micro_batches:>5} "
                 f"{r.worst.total / GB:>7.1f} {r.step_time_s:>9.3f} {r.tokens_per_s:>12,.0f} "
-                f"{r.tflops_per_gpu:>8.1f} {r.mfu:>6.1%} {r.bubble:>7.1%}"
+                f"{r.tflops_per_gpu:>8.1f} {r.mfu:>6.1%} {r.bubble:>7.1%}  {lo.schedule_name:<26} {lo.recompute:<9} "
+                f"{lo.zero}"
             )
         out.append("")
     out.append(

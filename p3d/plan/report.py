@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from p3d.config.schema import Config, DType, Recompute
+from p3d.config.schema import Config, DType, Pipeline, Recompute
 from p3d.config.validate import P3DConfigError, build_plan, check_config
-from p3d.model.geometry import model_flops_per_token, pipeline_bubble, recompute_flops_per_token, total_params
+from p3d.model.geometry import model_flops_per_token, recompute_flops_per_token, schedule_bubble, total_params
 from p3d.plan import memory, step_time
 from p3d.plan.render import render
 from p3d.plan.shapes import Layout, layout_of
@@ -94,8 +94,9 @@ class PlanReport:
 
     @property
     def bubble(self) -> float:
-        """The idle share of a step, (p - 1) / (v m + p - 1): ``p3d.model.geometry.pipeline_bubble``."""
-        return pipeline_bubble(self.layout.pp, self.layout.micro_batches, self.layout.virtual_stages)
+        """The idle share of a step under the layout's schedule: ``p3d.model.geometry.schedule_bubble``."""
+        lay = self.layout
+        return schedule_bubble(lay.pipeline, lay.pp, lay.micro_batches, lay.virtual_stages)
 
     # ---- output
     def summary(self) -> dict[str, Any]:
@@ -133,6 +134,9 @@ class PlanReport:
             "micro_batch_size": lay.micro_batch_size,
             "micro_batches": lay.micro_batches,
             "virtual_stages": lay.virtual_stages,
+            "pipeline": lay.pipeline,
+            "recompute": lay.recompute,
+            "zero": lay.zero,
             "world_size": lay.world_size,
         }
         m = self.cfg.model
@@ -177,7 +181,8 @@ def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True) -> P
     times = step_time.stage_times(cfg, layout, [s.params for s in stages])
     slow = max(range(layout.pp), key=lambda i: times[i].total)
     t_mb = times[slow].total
-    fill = (layout.pp - 1) / layout.virtual_stages
+    idle = schedule_bubble(layout.pipeline, layout.pp, layout.micro_batches, layout.virtual_stages)
+    fill = layout.micro_batches * idle / (1 - idle)  # micro-batch times of fill and drain: idle = fill / (m + fill)
     tails = []
     for mem, t in zip(stages, times):
         dp = step_time.dp_seconds(cfg, layout, mem.params)
@@ -229,8 +234,14 @@ def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
         warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
     if r.bubble > 0.1:
         warnings.append(
-            f"pipeline bubble {r.bubble:.0%} of the step ((p-1)/(v m+p-1) with m={lay.micro_batches}): raise "
+            f"pipeline bubble {r.bubble:.0%} of the step ({lay.schedule_name} with m={lay.micro_batches}): raise "
             "schedule.global_batch_size or lower schedule.micro_batch_size"
+        )
+    asked = cfg.schedule.pipeline.value
+    if asked != lay.pipeline:
+        notes.append(
+            f"schedule.pipeline={asked} with schedule.virtual_stages={cfg.schedule.virtual_stages}: planned as "
+            f"{lay.pipeline} (v chunks per rank); p3d-train runs that as schedule.pipeline={lay.pipeline}"
         )
     if cfg.cluster.device == "cpu":
         notes.append(
@@ -248,12 +259,22 @@ def _verdict(r: PlanReport) -> tuple[list[str], list[str]]:
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:
-    """``cfg`` with the mesh and micro batch of ``layout`` (what p3d-train runs for mesh=auto)."""
+    """``cfg`` with the mesh, micro batch, pipeline schedule and chunks, recompute and ZeRO stage of ``layout``
+    (what p3d-train runs for mesh=auto)."""
     mesh = dataclasses.replace(
         cfg.mesh, name=f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}", tp=layout.tp, pp=layout.pp, dp=layout.dp
     )
-    sched = dataclasses.replace(cfg.schedule, micro_batch_size=layout.micro_batch_size)
-    return dataclasses.replace(cfg, mesh=mesh, schedule=sched)
+    sched = dataclasses.replace(
+        cfg.schedule,
+        micro_batch_size=layout.micro_batch_size,
+        pipeline=Pipeline[layout.pipeline],
+        virtual_stages=layout.virtual_stages,
+        recompute=Recompute(layout.recompute),
+    )
+    zero = cfg.zero
+    if zero.stage != layout.zero:
+        zero = dataclasses.replace(zero, name=f"stage{layout.zero}", stage=layout.zero)
+    return dataclasses.replace(cfg, mesh=mesh, schedule=sched, zero=zero)
 
 
 def check_options(cfg: Config) -> None:

@@ -1,10 +1,22 @@
-"""``mesh=auto``: every valid (tp, pp, dp, micro batch) layout of the cluster, ranked by throughput.
+"""``mesh=auto``: every layout of the cluster p3d-train accepts, ranked by predicted throughput.
 
-Valid means what p3d-train accepts for the layout: tp divides the heads, the kv heads and the FFN
-width and stays inside a node, pp is at most the number of blocks, global_batch_size is a multiple of
-micro_batch_size x dp, and there are at least pp micro batches (validate.check_mesh decides the
-mesh rules, so the two cannot drift). Layouts predicted not to fit device memory are dropped; the
-rest are sorted by predicted tokens/s (ties: less memory first).
+A layout is tp x pp x dp, the micro batch size, the pipeline schedule with its chunks per rank v, recompute
+and the ZeRO stage. The search tries every combination of
+
+    tp, pp, dp      divisors of the GPUs, tp inside a node and dividing the heads, kv heads and FFN width
+    micro batch     every divisor of global_batch_size / dp
+    schedule x v    1f1b and gpipe with v = 1; interleaved_1f1b and interleaved_zero_bubble with v = 2, 4, 8, ...
+                    up to blocks / pp; zbv and dualpipev with v = 2
+    recompute       none, selective, full
+    zero.stage      0, 1 (p3d-train refuses 2 and 3: DeepSpeed's pipeline engine and p3d's torch executor
+                    shard neither gradients nor parameters)
+
+and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
+``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``: the functions p3d-train calls, so the
+two cannot drift). One consequence: on GPU presets ``train.dtype=auto`` is bf16, which the torch schedules
+refuse today (validate_schedule.check_pipeline), so there only 1f1b is chosen; with train.dtype=fp32 every
+schedule competes. Layouts predicted not to fit device memory are dropped; the rest are sorted by predicted
+tokens/s (ties: less memory first).
 """
 
 from __future__ import annotations
@@ -13,9 +25,41 @@ import dataclasses
 from typing import cast
 
 from p3d.config.schema import Config, Partition
-from p3d.config.validate import P3DConfigError, check_mesh
+from p3d.config.validate import (
+    P3DConfigError,
+    check_mesh,
+    check_recompute_swiglu,
+    check_sequence_parallel,
+    check_zero,
+)
+from p3d.config.validate_schedule import check_schedule
 from p3d.plan.report import PlanReport, apply_layout, check_options, evaluate
 from p3d.plan.shapes import Layout, divisors, world_size
+
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1)
+
+
+def schedules(cfg: Config, pp: int) -> list[tuple[str, int]]:
+    """(schedule.pipeline, virtual_stages) pairs worth trying on pp stages (validation prunes the rest)."""
+    out = [("1f1b", 1)]
+    if pp < 2:
+        return out
+    out.append(("gpipe", 1))
+    blocks = cfg.model.n_layers if cfg.schedule.partition == Partition.blocks else cfg.model.n_layers + 3
+    v = 2
+    while v * pp <= blocks:
+        out += [("interleaved_1f1b", v), ("interleaved_zero_bubble", v)]
+        v *= 2
+    return out + [("zbv", 2), ("dualpipev", 2)]
+
+
+def check_layout(cfg: Config, layout: Layout) -> None:
+    """p3d-train's layout-dependent rules for ``cfg`` (with ``layout`` applied). Raises P3DConfigError."""
+    check_schedule(cfg, layout.dp, layout.pp)
+    check_sequence_parallel(cfg, layout.tp)
+    check_recompute_swiglu(cfg)
+    check_zero(cfg, layout.pp)
 
 
 def candidates(cfg: Config) -> list[Layout]:
@@ -42,8 +86,15 @@ def candidates(cfg: Config) -> list[Layout]:
                 continue
             for mbs in divisors(gbs // dp):
                 micro = gbs // (dp * mbs)
-                if micro >= pp:
-                    out.append(Layout(tp, pp, dp, mbs, micro, cfg.schedule.virtual_stages))
+                for pipeline, v in schedules(cfg, pp):
+                    for recompute in RECOMPUTE:
+                        for zero in ZERO_STAGES:
+                            layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero)
+                            try:
+                                check_layout(apply_layout(cfg, layout), layout)
+                            except P3DConfigError:
+                                continue
+                            out.append(layout)
     return out
 
 
@@ -63,10 +114,11 @@ def search(cfg: Config) -> list[PlanReport]:
                 f"with schedule.global_batch_size={cfg.schedule.global_batch_size}; change the "
                 "batch size or cluster.nodes"
             )
+        lean = smallest.layout
         raise P3DConfigError(
             f"mesh=auto: no layout of {world_size(cfg)} GPUs fits {cfg.cluster.memory_gb:g} GB; the leanest "
-            f"({smallest.layout.describe()}) needs {smallest.worst.total / 1e9:.1f} GB; try zero=stage1, "
-            "schedule.recompute=full or more cluster.nodes"
+            f"({lean.describe()}, recompute={lean.recompute}, zero.stage={lean.zero}) needs "
+            f"{smallest.worst.total / 1e9:.1f} GB; try more cluster.nodes"
         )
     reports.sort(key=lambda r: (-r.tokens_per_s, r.worst.total))
     return reports

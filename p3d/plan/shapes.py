@@ -3,7 +3,10 @@
 Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = h / a, q = a * hd,
 kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded to a multiple of tp, as p3d
 builds it), s sequence, b micro batch, t = tp, p = pp, d = dp, m micro batches per replica per
-step, v virtual stages.
+step, v virtual stages (chunks per pp rank).
+
+A layout also names the pipeline schedule, recompute and ZeRO stage it runs with, the knobs ``mesh=auto``
+searches (p3d.plan.search); ``layout_of`` reads them from the config and ``apply_layout`` writes them back.
 
 Parameters per tensor-parallel rank mirror the modules p3d builds (p3d/model/llama.py, pipe.py):
 
@@ -17,8 +20,11 @@ Parameters per tensor-parallel rank mirror the modules p3d builds (p3d/model/lla
     head:         V_pad h / t; with tied embeddings and pp > 1 the last stage holds a copy of the
                   embedding (DeepSpeed's TiedLayerSpec), with pp = 1 the one table serves both.
 
-Layers are placed on stages by ``p3d.model.geometry.stage_bounds``, the function p3d-train uses;
-the per-block counts and FLOPs per token are ``p3d.model.geometry``'s too.
+Layers are placed on stages by ``p3d.model.geometry.stage_bounds``, the function p3d-train uses; with a torch
+schedule of v chunks per rank the layer list is cut into p v chunks and rank r holds the chunks
+``geometry.rank_chunks`` gives it (loop placement for the interleaved schedules, V placement for zbv and
+dualpipev, where rank 0 holds both the embedding and the head), as p3d/train/torch_pipe.py builds them.
+The per-block counts and FLOPs per token are ``p3d.model.geometry``'s too.
 """
 
 from __future__ import annotations
@@ -26,15 +32,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from p3d.config.schema import Arch, Config, ModelConfig
+from p3d.config.schema import Arch, Config, ModelConfig, Partition
 from p3d.config.validate import P3DConfigError
-from p3d.model.geometry import block_matmul_params, block_vector_params, layer_names, padded_vocab, stage_bounds
+from p3d.config.validate_schedule import INTERLEAVED, V_SHAPED
+from p3d.model.geometry import (
+    block_matmul_params,
+    block_vector_params,
+    layer_names,
+    padded_vocab,
+    rank_chunks,
+    stage_bounds,
+)
 from p3d.parallel_dims import resolve_dp
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel layout: degrees, micro batch and the derived micro batches per replica."""
+    """One parallel layout: degrees, micro batch, the derived micro batches per replica, the pipeline schedule
+    with its chunks per rank, recompute and the ZeRO stage (the values of ``schedule.pipeline``,
+    ``schedule.recompute``, ``zero.stage``)."""
 
     tp: int
     pp: int
@@ -42,17 +58,24 @@ class Layout:
     micro_batch_size: int
     micro_batches: int
     virtual_stages: int = 1
+    pipeline: str = "1f1b"
+    recompute: str = "none"
+    zero: int = 0
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     def describe(self) -> str:
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), micro batch "
-            f"{self.micro_batch_size} x {self.micro_batches}{v}"
+            f"{self.micro_batch_size} x {self.micro_batches}, {self.schedule_name}"
         )
+
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule with its chunks per rank: ``1f1b``, ``interleaved_1f1b v=4``, ``zbv v=2``."""
+        return self.pipeline + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
 
 
 def world_size(cfg: Config) -> int | None:
@@ -65,7 +88,10 @@ def layout_of(cfg: Config) -> Layout:
     """The layout the config asks for, modelled even where p3d-train would refuse it.
 
     dp=auto takes world / (tp pp); an explicit dp that disagrees with the cluster is modelled as
-    given (tp pp dp GPUs). Micro batches m = global_batch / (micro_batch dp), at least 1.
+    given (tp pp dp GPUs). Micro batches m = global_batch / (micro_batch dp), at least 1. The schedule is
+    ``schedule.pipeline``; v is ``schedule.virtual_stages``, 2 for zbv and dualpipev. v > 1 with 1f1b or gpipe
+    (which p3d-train refuses: they run one chunk per rank) is planned as interleaved_1f1b, and the report's
+    notes say so (PlanReport._verdict), as a published Megatron run with virtual stages is.
     """
     tp, pp, s = cfg.mesh.tp, cfg.mesh.pp, cfg.schedule
     for name, val in (
@@ -79,7 +105,27 @@ def layout_of(cfg: Config) -> Layout:
             raise P3DConfigError(f"{name}={val!r} must be a positive integer")
     dp = resolve_dp(tp, pp, cfg.mesh.dp, cfg.cluster.nodes, cfg.cluster.gpus_per_node)
     m = max(1, s.global_batch_size // (s.micro_batch_size * dp))
-    return Layout(tp, pp, dp, s.micro_batch_size, m, s.virtual_stages)
+    pipeline, v = str(s.pipeline.value), s.virtual_stages
+    if pipeline in V_SHAPED:
+        v = 2
+    elif pipeline in ("1f1b", "gpipe") and v > 1:
+        pipeline = "interleaved_1f1b"
+    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage)
+
+
+def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:
+    """Per pp rank, the names of the layers it holds: its stage (1f1b, gpipe) or its v chunks (torch schedules).
+
+    Where the p v chunks would outnumber the layers (p3d-train refuses that), the rank's stage is modelled."""
+    m, p, v = cfg.model, layout.pp, layout.virtual_stages
+    names = layer_names(m.n_layers)
+    layers = m.n_layers if cfg.schedule.partition == Partition.blocks else m.n_layers + 3
+    if v > 1 and p * v <= layers and layout.pipeline in (*INTERLEAVED, *V_SHAPED):
+        bounds = stage_bounds(m.n_layers, p * v, cfg.schedule.partition, m)
+        style = "v" if layout.pipeline in V_SHAPED else "loop"
+        return [[n for c in rank_chunks(p, v, style, r) for n in names[bounds[c] : bounds[c + 1]]] for r in range(p)]
+    bounds = stage_bounds(m.n_layers, p, cfg.schedule.partition, m)
+    return [names[bounds[r] : bounds[r + 1]] for r in range(p)]
 
 
 @dataclass(frozen=True)
@@ -111,11 +157,8 @@ def stage_params(cfg: Config, layout: Layout) -> list[StageParams]:
     """Per stage, the parameters of one tp rank (identical on every tp rank and dp replica)."""
     m = cfg.model
     vpad = padded_vocab(m.vocab_size, layout.tp)
-    names = layer_names(m.n_layers)
-    bounds = stage_bounds(m.n_layers, layout.pp, cfg.schedule.partition, m)
     out = []
-    for s in range(layout.pp):
-        here = names[bounds[s] : bounds[s + 1]]
+    for here in rank_layers(cfg, layout):
         mat = vec = 0
         for name in here:
             if name == "head" and m.tie_embeddings and "embed" in here:

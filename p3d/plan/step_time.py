@@ -14,10 +14,13 @@ for an all-reduce and (t-1)/t for the others, plus a latency per collective; the
 while the group fits in a node. They are exposed (p3d's tp layers block), or hidden behind the
 matmuls up to their length with ``plan.overlap_tp``.
 
-PP: blocking sends of b s h c bytes per boundary and micro batch, forward and backward (v times
-as many with v virtual stages); ``plan.overlap_pp`` hides them behind the stage's compute
-(asynchronous sends, as Megatron's schedules do). Step = (m + (p-1)/v) x the slowest stage's micro batch time, so
-the bubble, the idle share of the step, is (p-1)/(v m + p-1) (p3d.model.geometry.pipeline_bubble).
+PP: blocking sends of b s h c bytes per micro batch for every chunk boundary that crosses to another rank
+(``p2p_hops``): 1f1b / gpipe 2 per middle stage, 1 on the first and last; interleaved 2 v (2 v - 1 on the
+first and last rank): v times the traffic; V-shaped (zbv, dualpipev) 4 on middle ranks and 2 on the first and
+the last, whose chunk p - 1 hands to chunk p on the same rank. ``plan.overlap_pp`` hides them behind the stage's
+compute (asynchronous sends, as Megatron's schedules do). Step = (m + fill) x the slowest stage's micro batch
+time, where fill = m B / (1 - B) for the schedule's bubble B = ``p3d.model.geometry.schedule_bubble`` (1f1b:
+fill = p - 1; interleaved: (p - 1) / v; zbv, dualpipev: 0), so the bubble, the idle share of the step, is B.
 
 DP: ZeRO 0 all-reduces the gradients once per step; a sharded optimizer reduce-scatters them and
 all-gathers the updated parameters; ZeRO 2 reduce-scatters every micro batch, ZeRO 3 also gathers
@@ -34,8 +37,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from p3d.config.schema import Arch, Config, Recompute
+from p3d.config.validate_schedule import V_SHAPED
 from p3d.hardware import DEVICES
-from p3d.model.geometry import block_matmul_params, head_dims, padded_vocab
+from p3d.model.geometry import block_matmul_params, chunk_to_rank, head_dims, padded_vocab
 from p3d.plan.memory import dtype_bytes, optimizer_sharded
 from p3d.plan.shapes import Layout, StageParams
 
@@ -136,9 +140,9 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     loss_mem = b * s * vpad / t * (c + 16) / mem_s  # logits written, fp32 copy, shift, exp, softmax
     # pipeline neighbours are tp * dp ranks apart: some boundary leaves the node unless the whole world fits in one
     bw, lat = _link(cfg, layout.world_size)
-    p2p = (act_bytes / bw + lat) * layout.virtual_stages
+    p2p = act_bytes / bw + lat
     out = []
-    for st in stages:
+    for rank, st in enumerate(stages):
         n = st.blocks
         comp, back, forw = n * (fwd + bwd), n * bwd, n * fwd
         tp = n * tp_layer
@@ -150,11 +154,24 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
             tp += ring(cfg, act_bytes, t, t) + 3 * ring(cfg, b * s * 4, t, t)  # head input grad; loss max/sum/target
         pp = 0.0
         if layout.pp > 1:
-            pp = p2p * (("embed" not in st.layers) + ("head" not in st.layers))
+            pp = p2p * p2p_hops(layout, rank)
             if cfg.plan.overlap_pp:
                 pp = max(0.0, pp - comp)
         out.append(StageTime(comp, n * rec, tp, pp, back, forw))
     return out
+
+
+def p2p_hops(layout: Layout, rank: int) -> int:
+    """Point-to-point transfers per micro batch and direction on pp rank ``rank``: the boundaries between
+    consecutive chunks that touch this rank and cross to another one (a V keeps chunk p-1 -> p on one rank)."""
+    p, v = layout.pp, layout.virtual_stages
+    n = p * v
+    where = chunk_to_rank(p, n, "v" if layout.pipeline in V_SHAPED else "loop")
+    hops = 0
+    for c in range(n - 1):
+        if where[c] != where[c + 1] and rank in (where[c], where[c + 1]):
+            hops += 1
+    return hops
 
 
 def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
@@ -179,8 +196,9 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
 
 
 def tied_seconds(cfg: Config, layout: Layout) -> float:
-    """All-reduce of the tied embedding's gradient between the first and the last stage."""
-    if not cfg.model.tie_embeddings or layout.pp == 1:
+    """All-reduce of the tied embedding's gradient between the first and the last stage (none in a V: rank 0
+    holds both ends, one module, as p3d/train/torch_pipe.py builds it)."""
+    if not cfg.model.tie_embeddings or layout.pp == 1 or layout.pipeline in V_SHAPED:
         return 0.0
     vpad = padded_vocab(cfg.model.vocab_size, layout.tp)
     nbytes = vpad * cfg.model.hidden_size / layout.tp * dtype_bytes(cfg)

@@ -124,5 +124,6 @@ def test_interleaved_first_stage_holds_korthikanti_factor():
 
     for p, v in ((4, 2), (8, 4), (16, 8)):
         assert in_flight(Layout(1, p, 1, 1, 64, 1), 0) == p
-        assert in_flight(Layout(1, p, 1, 1, 64, v), 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+        interleaved = Layout(1, p, 1, 1, 64, v, "interleaved_1f1b")
+        assert in_flight(interleaved, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
         assert in_flight(Layout(1, p, 1, 1, 64, 1), p - 1) == 1

@@ -85,6 +85,7 @@ def run(
         f"schedule.recompute={recompute}",
         f"schedule.sequence_parallel={sp}",
         f"schedule.virtual_stages={v}",
+        f"schedule.pipeline={'interleaved_1f1b' if v > 1 else '1f1b'}",  # Megatron's virtual stages are interleaved
         f"zero.stage={zero}",
         "train.dtype=bf16",
         f"cluster.device={device}",

@@ -1,0 +1,207 @@
+"""The planner's pipeline schedules: bubble, in-flight activations (against the action lists of DeepSpeed's and
+torch's own schedules), p2p hops, and mesh=auto searching schedule x v, micro batch, recompute and ZeRO."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from p3d.config.validate import build_plan
+from p3d.model.geometry import schedule_bubble
+from p3d.plan import apply_layout, plan, search
+from p3d.plan.memory import in_flight, in_flight_chunks
+from p3d.plan.shapes import Layout, layout_of
+from p3d.plan.step_time import p2p_hops
+
+TORCH_SCHEDULES = ("gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+SMALL_FP32 = ["model=small", "mesh.tp=1", "mesh.pp=2", "mesh.dp=1", "train.dtype=fp32", "schedule.micro_batch_size=1"]
+
+
+# ---- counted peaks: the schedules' own action lists
+def _torch_order(pipeline: str, p: int, m: int, v: int) -> dict:
+    """torch's per-rank action list (``pipeline_order``) of ``pipeline``: the schedule class built for rank 0 with
+    stage descriptors that carry what its constructor reads (no process group, no modules: the order is pure
+    arithmetic on p, m and the stage indices)."""
+    from torch.distributed.pipelining import schedules as S
+
+    classes = {
+        "gpipe": S.ScheduleGPipe,
+        "interleaved_1f1b": S.ScheduleInterleaved1F1B,
+        "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble,
+        "zbv": S.ScheduleZBVZeroBubble,
+        "dualpipev": S.ScheduleDualPipeV,
+    }
+    n = p * v
+    ids = [0] if v == 1 else [0, n - 1] if pipeline in ("zbv", "dualpipev") else list(range(0, n, p))
+    stages = [
+        types.SimpleNamespace(
+            num_stages=n, group_size=p, group_rank=0, stage_index=i, is_first=i == 0, is_last=i == n - 1, submod=None
+        )
+        for i in ids
+    ]
+    arg = stages[0] if v == 1 else stages
+    return classes[pipeline](arg, m, loss_fn=lambda out, target: out).pipeline_order
+
+
+def _torch_peak(actions: list) -> int:
+    """Most chunks whose forward ran and whose backward (B, or W for the I/W split: torch's I keeps the graph) has
+    not: the activations a rank holds at once."""
+    live: set = set()
+    peak = 0
+
+    def flat(a):
+        return [x for s in a.sub_actions for x in flat(s)] if a.sub_actions else [a]
+
+    for action in actions:
+        for a in flat(action) if action is not None else []:
+            kind = a.computation_type.value
+            if kind == "F":
+                live.add((a.stage_index, a.microbatch_index))
+                peak = max(peak, len(live))
+            elif kind in ("B", "W"):
+                live.discard((a.stage_index, a.microbatch_index))
+    return peak
+
+
+def _deepspeed_peak(p: int, m: int, stage: int) -> int:
+    from deepspeed.runtime.pipe import schedule as D
+
+    live = peak = 0
+    for step in D.TrainSchedule(micro_batches=m, stages=p, stage_id=stage):
+        for cmd in step:
+            if isinstance(cmd, D.ForwardPass):
+                live += 1
+                peak = max(peak, live)
+            elif isinstance(cmd, D.BackwardPass):
+                live -= 1
+    return peak
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 16), (4, 2)])
+def test_1f1b_in_flight_is_deepspeeds_counted_peak(p, m):
+    """p3d's 1f1b is DeepSpeed's TrainSchedule: min(p - s, m) forwards without their backward."""
+    for s in range(p):
+        assert in_flight_chunks("1f1b", p, m, 1, s) == _deepspeed_peak(p, m, s)
+
+
+CASES = [
+    ("gpipe", 1, [(2, 4), (4, 8), (4, 16)]),
+    ("interleaved_1f1b", 2, [(2, 4), (4, 4), (4, 8), (8, 16)]),
+    ("interleaved_1f1b", 3, [(2, 4), (4, 8)]),
+    ("interleaved_1f1b", 4, [(4, 8), (3, 6), (2, 2)]),
+    ("interleaved_zero_bubble", 2, [(2, 4), (3, 6), (4, 8), (8, 24)]),
+    ("interleaved_zero_bubble", 3, [(4, 4), (2, 6)]),
+    ("zbv", 2, [(2, 2), (3, 4), (4, 4), (4, 5), (4, 8), (8, 10)]),
+    ("dualpipev", 2, [(2, 4), (3, 7), (4, 8), (8, 20)]),
+]
+
+
+@pytest.mark.parametrize("pipeline,v,pms", CASES, ids=[f"{c[0]}-v{c[1]}" for c in CASES])
+def test_in_flight_is_torchs_counted_peak(pipeline, v, pms):
+    """Every torch schedule's formula (p3d.plan.memory) equals the peak counted on every rank of torch's own
+    action list; in_flight() is that count over v (units of the rank's whole layers)."""
+    for p, m in pms:
+        order = _torch_order(pipeline, p, m, v)
+        for s in range(p):
+            counted = _torch_peak(order[s])
+            assert in_flight_chunks(pipeline, p, m, v, s) == counted, (pipeline, p, m, v, s)
+            assert in_flight(Layout(1, p, 1, 1, m, v, pipeline), s) == pytest.approx(counted / v)
+
+
+# ---- bubble, step time and p2p through a config
+@pytest.mark.parametrize(
+    "pipeline,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2), ("zbv", 2)]
+)
+def test_bubble_is_schedule_bubble_and_is_the_idle_share(make_cfg, pipeline, v):
+    cfg = make_cfg(
+        *SMALL_FP32, "schedule.global_batch_size=4", f"schedule.pipeline={pipeline}", f"schedule.virtual_stages={v}"
+    )
+    r = plan(cfg)
+    assert (r.layout.pipeline, r.layout.virtual_stages, r.layout.micro_batches) == (pipeline, v, 4)
+    assert r.bubble == schedule_bubble(pipeline, 2, 4, v)
+    slow = max(t.total for t in r.stage_times)
+    assert r.breakdown["pipeline_idle"] / (4 * slow + r.breakdown["pipeline_idle"]) == pytest.approx(r.bubble)
+    assert not [w for w in r.warnings if "refuse" in w]  # p3d-train accepts each of these configs
+    assert pipeline in r.render()
+
+
+def test_p2p_hops_interleaving_multiplies_and_a_v_keeps_one_local():
+    p = 4
+    assert [p2p_hops(Layout(1, p, 1, 1, 8), s) for s in range(p)] == [1, 2, 2, 1]
+    assert [p2p_hops(Layout(1, p, 1, 1, 8, 3, "interleaved_1f1b"), s) for s in range(p)] == [5, 6, 6, 5]
+    assert [p2p_hops(Layout(1, p, 1, 1, 8, 2, "zbv"), s) for s in range(p)] == [2, 4, 4, 2]
+    # all hops counted from both ends: 2 x the crossing boundaries (p v - 1 looped; 2 p - 2 in a V)
+    assert sum(p2p_hops(Layout(1, p, 1, 1, 8, 2, "dualpipev"), s) for s in range(p)) == 2 * (2 * p - 2)
+
+
+def test_v_placement_puts_embedding_and_head_on_rank_0(make_cfg):
+    zbv = ("schedule.pipeline=zbv", "schedule.virtual_stages=2")
+    r = plan(make_cfg(*SMALL_FP32, "schedule.global_batch_size=4", *zbv))
+    assert {"embed", "head"} <= set(r.stages[0].params.layers)
+    assert not {"embed", "head"} & set(r.stages[1].params.layers)
+    assert r.stages[0].loss_bytes > 0 and r.stages[1].loss_bytes == 0
+    tied = plan(make_cfg(*SMALL_FP32, "schedule.global_batch_size=4", *zbv, "model.tie_embeddings=true"))
+    assert tied.breakdown["tied_embedding"] == 0.0  # one module serves both ends on rank 0: no all-reduce
+    looped = plan(make_cfg(*SMALL_FP32, "schedule.global_batch_size=4", "model.tie_embeddings=true"))
+    assert looped.breakdown["tied_embedding"] > 0.0
+
+
+def test_virtual_stages_with_1f1b_is_planned_as_interleaved_with_a_note(make_cfg):
+    cfg = make_cfg(*SMALL_FP32, "schedule.global_batch_size=4", "schedule.virtual_stages=2")
+    assert layout_of(cfg).pipeline == "interleaved_1f1b"
+    r = plan(cfg)
+    assert any("planned as interleaved_1f1b" in n for n in r.notes)
+    assert any("p3d-train would refuse" in w for w in r.warnings)  # and p3d-train's verdict is kept
+
+
+# ---- mesh=auto
+H100_64 = ["model=llama70b", "mesh=auto", "cluster=h100_64"]
+
+
+def test_mesh_auto_finds_a_llama70b_layout_on_h100_64_that_p3d_train_accepts(make_cfg):
+    """The issue's example: before, every layout at zero=stage0 recompute=none overflowed 80 GB."""
+    cfg = make_cfg(*H100_64)
+    assert (cfg.zero.stage, cfg.schedule.recompute.value) == (0, "none")
+    ranked = search(cfg)
+    assert ranked and all(r.fits for r in ranked)
+    assert all(r.layout.pipeline == "1f1b" for r in ranked)  # bf16: the torch schedules are refused today
+    for r in ranked:
+        chosen = apply_layout(cfg, r.layout)
+        run_plan = build_plan(chosen, None)
+        assert (run_plan.tp, run_plan.pp, run_plan.dp, run_plan.micro_batches) == (
+            r.layout.tp,
+            r.layout.pp,
+            r.layout.dp,
+            r.layout.micro_batches,
+        )
+    best = plan(cfg)
+    text = best.render()
+    lay = best.layout
+    assert f"zero.stage={lay.zero}, recompute={lay.recompute}" in text and lay.schedule_name in text
+
+
+def test_mesh_auto_in_fp32_searches_the_torch_schedules_and_each_is_trainable(make_cfg):
+    cfg = make_cfg(*H100_64, "train.dtype=fp32")
+    ranked = search(cfg)
+    chosen = {r.layout.pipeline for r in ranked}
+    assert chosen - {"1f1b"}, chosen  # some torch schedule fits
+    for r in ranked:
+        build_plan(apply_layout(cfg, r.layout), None)
+    assert ranked[0].tokens_per_s >= max(r.tokens_per_s for r in ranked)
+
+
+def test_apply_layout_round_trips(make_cfg):
+    cfg = make_cfg(*SMALL_FP32, "schedule.global_batch_size=8")
+    for layout in (
+        Layout(1, 2, 1, 1, 8, 1, "1f1b", "none", 0),
+        Layout(1, 2, 1, 2, 4, 1, "gpipe", "selective", 1),
+        Layout(1, 2, 1, 1, 8, 2, "interleaved_1f1b", "full", 1),
+        Layout(1, 2, 1, 1, 8, 2, "interleaved_zero_bubble", "selective", 0),
+        Layout(1, 2, 1, 1, 8, 2, "zbv", "none", 1),
+        Layout(1, 2, 1, 1, 8, 2, "dualpipev", "selective", 1),
+    ):
+        applied = apply_layout(cfg, layout)
+        assert layout_of(applied) == layout
+        assert applied.zero.name == f"stage{layout.zero}"
+        build_plan(applied, None)  # each is a config p3d-train accepts
