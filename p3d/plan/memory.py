@@ -5,6 +5,8 @@ Model states per rank, N = the rank's parameters (p3d.plan.shapes.stage_params),
     precision   params   grads           optimizer (Adam)
     fp32        4 N      4 N             8 N moments; with ZeRO >= 1 also a 4 N fp32 copy, all / d
     bf16        2 N      2 N (+2 N)      4 N fp32 master + 8 N moments, / d
+    torch       4 N      4 N             8 N moments, / d with ZeRO 1   (schedule.pipeline other than 1f1b,
+                                         fp32 or bf16: autocast over the fp32 weights)
 
 ZeRO 2 divides the gradients and ZeRO 3 also the parameters by d (Rajbhandari et al. 2020, Table 1:
 2 + 2 + K with K = 12). Two DeepSpeed facts that p3d inherits: its ZeRO optimizer keeps an fp32
@@ -87,6 +89,11 @@ def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, fl
     """(params, grads, optimizer) bytes on one rank of a stage."""
     c, d, zero = dtype_bytes(cfg), layout.dp, cfg.zero.stage
     n = sp.total
+    if layout.pipeline != "1f1b":
+        # the torch executor (p3d.train.torch_pipe): fp32 weights and gradients in either precision (bf16 is
+        # autocast over them: they are the master copy); ZeRO-1 is torch's ZeroRedundancyOptimizer, each
+        # rank keeping the Adam moments of the parameters it owns, whole (~1/d of them)
+        return 4.0 * n, 4.0 * n, 8.0 * n / (d if zero >= 1 else 1)
     params = n * c / (d if zero >= 3 else 1)
     grads = n * c / (d if zero >= 2 else 1)
     if cfg.train.dtype == DType.bf16 and zero == 0:

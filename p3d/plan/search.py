@@ -13,9 +13,7 @@ and the ZeRO stage. The search tries every combination of
 
 and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
 ``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``: the functions p3d-train calls, so the
-two cannot drift). One consequence: on GPU presets ``train.dtype=auto`` is bf16, which the torch schedules
-refuse today (validate_schedule.check_pipeline), so there only 1f1b is chosen; with train.dtype=fp32 every
-schedule competes. Layouts predicted not to fit device memory are dropped; the rest are sorted by predicted
+two cannot drift). Layouts predicted not to fit device memory are dropped; the rest are sorted by predicted
 tokens/s (ties: less memory first).
 """
 

@@ -165,7 +165,6 @@ def test_mesh_auto_finds_a_llama70b_layout_on_h100_64_that_p3d_train_accepts(mak
     assert (cfg.zero.stage, cfg.schedule.recompute.value) == (0, "none")
     ranked = search(cfg)
     assert ranked and all(r.fits for r in ranked)
-    assert all(r.layout.pipeline == "1f1b" for r in ranked)  # bf16: the torch schedules are refused today
     for r in ranked:
         chosen = apply_layout(cfg, r.layout)
         run_plan = build_plan(chosen, None)
