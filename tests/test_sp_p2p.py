@@ -37,18 +37,18 @@ def _count(rank, world, cases, out_dir):
     from p3d.data.loader import micro_batches
     from p3d.dist.mesh import Mesh
     from p3d.ds_compat import pipe_sends
-    from p3d.train import trainer
+    from p3d.train import executor  # build_engine and the deepspeed_config it calls live here
 
     deepspeed.init_distributed(dist_backend="gloo")
-    p3d_json = trainer.deepspeed_config
+    p3d_json = executor.deepspeed_config
     report = {}
     for name, (cfg, plan, partitioned) in cases.items():
         ds_json = p3d_json(cfg, plan)
         if partitioned is not None:
             ds_json["pipeline"] = {"pipe_partitioned": partitioned, "grad_partitioned": partitioned}
-        trainer.deepspeed_config = lambda c, p, j=ds_json: j
+        executor.deepspeed_config = lambda c, p, j=ds_json: j
         mesh = Mesh.from_plan(plan, rank).with_groups()
-        engine, _, _ = trainer.build_engine(cfg, plan, mesh)
+        engine, _, _ = executor.build_engine(cfg, plan, mesh)
         s = cfg.schedule
         data = micro_batches(
             cfg.data, cfg.model.seq_len, s.global_batch_size, s.micro_batch_size, plan.dp, 0, cfg.train.seed
