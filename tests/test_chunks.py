@@ -40,8 +40,10 @@ def test_tiny_pp2_v2_chunks_as_the_design_draws_them():
 def test_schedule_bubble_theory():
     assert schedule_bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert schedule_bubble("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
-    assert schedule_bubble("interleaved_zero_bubble", 4, 8, 2) == pytest.approx(3 / 19)
-    assert schedule_bubble("zbv", 4, 8, 2) == 0.0
+    assert schedule_bubble("interleaved_zero_bubble", 4, 8, 2) == pytest.approx(3 / 51)  # 3 v m chunk passes
+    assert schedule_bubble("zbv", 4, 8, 2) == pytest.approx(3 / 51)
+    assert schedule_bubble("zbv", 4, 4, 2) == pytest.approx(6 / 30)  # below m = (3p - 1) / 2 its warmup idles
+    assert schedule_bubble("dualpipev", 4, 8, 2) == pytest.approx(3 / 51)
     assert schedule_bubble("interleaved_1f1b", 4, 8, 2) < schedule_bubble("1f1b", 4, 8)
     with pytest.raises(ValueError, match="schedule 'nope'"):
         schedule_bubble("nope", 2, 4)

@@ -180,30 +180,56 @@ def test_each_rule_names_field_value_and_fix(overrides, message, fix):
     assert fix in text
 
 
-def _largest_stage(costs, bounds):
-    return max(sum(costs[bounds[s] : bounds[s + 1]]) for s in range(len(bounds) - 1))
+def _busiest_rank(costs, bounds, pp, style="loop"):
+    """The largest sum of chunk costs on one pp rank (v = 1: the costliest stage)."""
+    from p3d.model.geometry import chunk_to_rank
+
+    owner = chunk_to_rank(pp, len(bounds) - 1, style)
+    return max(sum(sum(costs[bounds[c] : bounds[c + 1]]) for c in owner if owner[c] == r) for r in range(pp))
 
 
 @pytest.mark.parametrize(
-    "model,pp",
-    [("small", 2), ("small", 3), ("tiny", 2), ("tiny", 4), ("llama3_8b", 4), ("llama70b", 8), ("llama3_1b", 5)],
+    "model,pp,v,style",
+    [
+        ("small", 2, 1, "loop"),
+        ("small", 3, 1, "loop"),
+        ("tiny", 2, 1, "loop"),
+        ("tiny", 4, 1, "loop"),
+        ("llama3_8b", 4, 1, "loop"),
+        ("llama70b", 8, 1, "loop"),
+        ("llama3_1b", 5, 1, "loop"),
+        ("small", 2, 2, "loop"),
+        ("small", 3, 2, "loop"),
+        ("small", 2, 3, "loop"),
+        ("small", 2, 2, "v"),
+        ("small", 3, 2, "v"),
+        ("llama3_8b", 2, 2, "v"),
+        ("llama70b", 2, 3, "loop"),
+        ("tiny", 2, 2, "v"),
+    ],
 )
-def test_the_cost_partition_is_the_best_contiguous_split(model, pp):
-    """partition=cost: no contiguous split of the layers (all of them tried, for up to 7 stages) has a
-    costlier largest stage less costly, and it is never worse than blocks or uniform (issue 11, item 6)."""
+def test_the_cost_partition_is_the_best_contiguous_split(model, pp, v, style):
+    """partition=cost: no contiguous split of the layers into pp v chunks (all of them tried) puts less cost on
+    the busiest rank under the chunks' placement (v = 1: a costlier largest stage), and it is never worse than
+    blocks or uniform (issue 11, item 6)."""
     import itertools
 
     from p3d.model.geometry import layer_costs
 
     cfg, _ = typed(f"model={model}", "model.n_layers=6" if model != "tiny" else "model.n_layers=4", "mesh=single")
-    costs, n = layer_costs(cfg.model), cfg.model.n_layers
-    bounds = stage_bounds(n, pp, Partition.cost, cfg.model)
+    costs, n, chunks = layer_costs(cfg.model), cfg.model.n_layers, pp * v
+    bounds = stage_bounds(n, pp, Partition.cost, cfg.model, v, style)
     assert bounds[0] == 0 and bounds[-1] == n + 3 and all(a < b for a, b in itertools.pairwise(bounds))
-    best = min(_largest_stage(costs, [0, *cuts, n + 3]) for cuts in itertools.combinations(range(1, n + 3), pp - 1))
-    assert _largest_stage(costs, bounds) == best
+    assert len(bounds) == chunks + 1
+    best = min(
+        _busiest_rank(costs, [0, *cuts, n + 3], pp, style)
+        for cuts in itertools.combinations(range(1, n + 3), chunks - 1)
+    )
+    assert _busiest_rank(costs, bounds, pp, style) == pytest.approx(best, rel=1e-12)
     for other in (Partition.blocks, Partition.uniform):
-        if n >= pp:
-            assert _largest_stage(costs, bounds) <= _largest_stage(costs, stage_bounds(n, pp, other))
+        if n >= chunks:
+            rival = _busiest_rank(costs, stage_bounds(n, pp, other, v=v, style=style), pp, style)
+            assert _busiest_rank(costs, bounds, pp, style) <= rival
 
 
 def test_the_cost_partition_gives_a_big_vocabulary_head_a_stage_of_its_own():

@@ -329,6 +329,7 @@ def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path, 
     assert f"resumed from step {meta['step']}" in resumed.stdout
 
 
+@pytest.mark.procs  # starts stand-in worker processes
 def test_second_ctrl_c_after_the_save_says_so():
     """The second press comes after every worker saved and exited (status 75): nothing is aborted, no line
     claims a lost step, and the launcher still ends with PREEMPTED (launch_local reads the workers' status)."""
@@ -350,6 +351,7 @@ def _worker_like() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
 
 
+@pytest.mark.procs  # starts stand-in worker processes
 def test_second_ctrl_c_kills_running_workers():
     console = io.StringIO()
     procs = {r: _worker_like() for r in range(2)}

@@ -16,7 +16,7 @@ from typing import cast
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition
 from p3d.config.validate_schedule import check_schedule
-from p3d.model.geometry import layer_names, padded_vocab, stage_bounds, total_params
+from p3d.model.geometry import layer_names, max_pieces, padded_vocab, stage_bounds, total_params
 from p3d.parallel_dims import ParallelDims, resolve_dp
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -207,10 +207,11 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
             f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: every stage needs a block; "
             f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
         )
-    if s.partition in (Partition.uniform, Partition.cost) and m.n_layers + 3 < pp:
+    if s.partition != Partition.blocks and max_pieces(m.n_layers, s.partition) < pp:
+        most = max_pieces(m.n_layers, s.partition)
         raise P3DConfigError(
-            f"mesh.pp={pp} exceeds the {m.n_layers + 3} pipeline layers of this model; "
-            f"try {suggest_mesh(tp, m.n_layers + 3, cfg.mesh.dp)}"
+            f"mesh.pp={pp} exceeds the {most} stages schedule.partition={s.partition.value} can cut this model into; "
+            f"try {suggest_mesh(tp, most, cfg.mesh.dp)}"
         )
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and tp > gpn:

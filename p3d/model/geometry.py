@@ -36,55 +36,93 @@ def layer_costs(m: ModelConfig) -> list[float]:
     return [0.0] + [block] * m.n_layers + [0.0, 6.0 * m.hidden_size * m.vocab_size]
 
 
-def _balanced_bounds(costs: list[float], pp: int) -> list[int]:
-    """Contiguous split of ``costs`` into pp non-empty stages with the smallest largest stage cost
-    (dynamic programming over prefix sums; ties: the earliest boundary)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(pp + 1)]  # best[k][i]: first i layers on k stages
-    cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0.0
-    for k in range(1, pp + 1):
-        for i in range(k, n - (pp - k) + 1):
-            for j in range(k - 1, i):
-                worst = max(best[k - 1][j], prefix[i] - prefix[j])
-                if worst < best[k][i]:
-                    best[k][i], cut[k][i] = worst, j
-    bounds = [n]
-    for k in range(pp, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
-    return bounds[::-1]
+def max_pieces(n_layers: int, partition: Partition) -> int:
+    """The most stages (or chunks) ``partition`` can cut the layer list of an n_layers model into: ``blocks``
+    gives every piece a block; ``cost`` keeps the embedding with the first piece and the final norm with the
+    head, every other piece at least one block; ``uniform`` cuts anywhere in the n_layers + 3 layers."""
+    return {Partition.blocks: n_layers, Partition.cost: n_layers + 2, Partition.uniform: n_layers + 3}[partition]
 
 
-def stage_bounds(n_layers: int, pp: int, partition: Partition, model: ModelConfig | None = None) -> list[int]:
-    """Layer-index boundaries of the pp stages over ``layer_names(n_layers)``.
+def _fill(loads: list[float], counts: list[int], block: float, n: int, eligible: list[int]) -> None:
+    """Hand n blocks, one at a time, to the eligible entry with the least load (ties: the last); in place."""
+    for _ in range(n):
+        i = min(reversed(eligible), key=lambda k: loads[k])
+        loads[i] += block
+        counts[i] += 1
 
-    ``blocks``: every stage gets n_layers // pp blocks; the remainder goes to the middle stages
-    first, since the first stage also holds the embedding and the last the head and the loss
+
+def _cost_bounds(costs: list[float], pp: int, v: int, style: str) -> list[int]:
+    """``partition=cost`` over pp * v chunks placed by ``style``: the split whose busiest rank (the sum of its
+    chunks' costs: a rank runs each of its chunks once per micro batch) costs least, then whose chunks on a
+    rank are most even (they take turns, so a heavy chunk stretches the fill and the drain).
+
+    The layers are [embed, block * L, final_norm, head] with equal blocks (``layer_costs``): the embedding
+    stays in chunk 0 and the norm with the head in the last chunk, and what a split decides is how many blocks
+    each chunk gets. Every rank starts with one block per chunk that holds neither end; water filling then
+    gives each further block to the least loaded rank, which makes the busiest rank as light as a split can
+    (with v = 1: the contiguous split whose costliest stage costs least). Ties go to the later rank, which
+    holds fewer micro batches in flight under 1F1B and interleaving. Each rank hands its blocks to its least
+    loaded chunk the same way."""
+    n_chunks, n_blocks = pp * v, len(costs) - 3
+    if n_chunks == 1:
+        return [0, len(costs)]
+    block = sum(costs[1:-2]) / n_blocks if n_blocks else 0.0
+    ends = [0.0] * n_chunks
+    ends[0], ends[-1] = costs[0], costs[-2] + costs[-1]
+    chunk_blocks = [0 if c in (0, n_chunks - 1) else 1 for c in range(n_chunks)]  # at least a layer each
+    owner = chunk_to_rank(pp, n_chunks, style)
+    chunks_of = [[c for c in range(n_chunks) if owner[c] == r] for r in range(pp)]
+    floor = [sum(chunk_blocks[c] for c in mine) for mine in chunks_of]
+    loads = [sum(ends[c] for c in mine) + n * block for mine, n in zip(chunks_of, floor)]
+    rank_blocks = list(floor)
+    _fill(loads, rank_blocks, block, n_blocks - sum(floor), list(range(pp)))
+    for r, mine in enumerate(chunks_of):
+        chunk_load = [ends[c] + chunk_blocks[c] * block for c in range(n_chunks)]
+        _fill(chunk_load, chunk_blocks, block, rank_blocks[r] - floor[r], mine[::-1])  # ties: the first chunk
+    bounds = [0, 1 + chunk_blocks[0]]  # the embedding and chunk 0's blocks
+    for c in range(1, n_chunks):
+        bounds.append(bounds[-1] + chunk_blocks[c])
+    bounds[-1] += 2  # final_norm and head
+    return bounds
+
+
+def stage_bounds(
+    n_layers: int,
+    pp: int,
+    partition: Partition,
+    model: ModelConfig | None = None,
+    v: int = 1,
+    style: str = "loop",
+) -> list[int]:
+    """Layer-index boundaries of the pp * v pieces (v = 1: DeepSpeed's pp stages; v > 1: the chunks of a torch
+    schedule, chunk c on pp rank ``chunk_to_rank(pp, pp * v, style)[c]``) over ``layer_names(n_layers)``.
+
+    ``blocks``: every piece gets n_layers // (pp v) blocks; the remainder goes to the middle pieces
+    first, since the first also holds the embedding and the last the head and the loss
     (as Llama 3 405B's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere).
-    ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier stages taking the extra.
-    ``cost``: the split whose costliest stage costs least, by ``layer_costs(model)``.
+    ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier pieces taking the extra.
+    ``cost``: by ``layer_costs(model)``, the least loaded busiest rank given the placement (``_cost_bounds``).
     """
-    n_items = n_layers + 3
+    n = pp * v
+    if not 1 <= n <= max_pieces(n_layers, partition):
+        raise ValueError(f"{n} pieces of a {n_layers}-block model under partition={partition.value}")
     if partition == Partition.cost:
         if model is None or model.n_layers != n_layers:
             raise ValueError("partition=cost needs the model whose layers it balances")
-        return _balanced_bounds(layer_costs(model), pp)
+        return _cost_bounds(layer_costs(model), pp, v, style)
+    n_items = n_layers + 3
     if partition == Partition.uniform:
-        base, extra = divmod(n_items, pp)
-        sizes = [base + (1 if s < extra else 0) for s in range(pp)]
-        return [sum(sizes[:s]) for s in range(pp + 1)]
-    base, extra = divmod(n_layers, pp)
-    order = list(range(1, pp - 1)) + ([0, pp - 1] if pp > 1 else [0])  # middle, then first (the head is heavier)
-    blocks = [base] * pp
+        base, extra = divmod(n_items, n)
+        sizes = [base + (1 if s < extra else 0) for s in range(n)]
+        return [sum(sizes[:s]) for s in range(n + 1)]
+    base, extra = divmod(n_layers, n)
+    order = list(range(1, n - 1)) + ([0, n - 1] if n > 1 else [0])  # middle, then first (the head is heavier)
+    blocks = [base] * n
     for s in order[:extra]:
         blocks[s] += 1
     bounds = [0]
-    for s in range(pp):
-        size = blocks[s] + (1 if s == 0 else 0) + (2 if s == pp - 1 else 0)
+    for s in range(n):
+        size = blocks[s] + (1 if s == 0 else 0) + (2 if s == n - 1 else 0)
         bounds.append(bounds[-1] + size)
     return bounds
 
@@ -184,24 +222,27 @@ def rank_chunks(pp: int, v: int, style: str, pp_rank: int) -> list[int]:
     return [c for c in range(pp * v) if mapping[c] == pp_rank]
 
 
-ZERO_BUBBLE_V = ("zbv", "dualpipev")
-INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs")
+INTERLEAVED = ("interleaved_1f1b", "looped_bfs")
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")  # backward split into I (dx) and W (dw)
 
 
 def schedule_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     """The theoretical idle share of a step for a pipeline schedule (p stages, m micro batches per replica,
-    v chunks per rank).
+    v chunks per rank), every rank's idle time over the step, as the measured ``bubble`` counts it.
 
-    1f1b / gpipe: (p - 1) / (m + p - 1). Interleaved (Narayanan et al. SC'21 §2.2): the fill/drain of one
-    chunk-time per stage is 1/v of a stage-time, (p - 1) / (v m + p - 1); ZB1P (``interleaved_zero_bubble``) is
-    counted the same here, an upper bound (its W passes fill part of the drain). zbv / dualpipev (Qi et al.
-    ICLR'24 §4): the idle time is (p - 1)(T_F + T_B - 2 T_W), which is 0 with equal F, B and W costs, the
-    cost model the planner uses; it holds for m >= 2p - 1 (zbv) and m >= 2p (dualpipev).
+    1f1b / gpipe: (p - 1) / (m + p - 1). interleaved_1f1b (Narayanan et al. SC'21 §2.2): the fill and drain
+    take one chunk-time per stage, 1/v of a stage-time: (p - 1) / (v m + p - 1). The schedules that split the
+    backward into I (dx) and W (dw) (Qi et al. ICLR'24) with equal F, I and W chunk times: a rank works
+    3 v m chunk-times a step and idles (p - 1) of them while the first forward reaches it and the last
+    backward leaves, (p - 1) / (3 v m + p - 1) for interleaved_zero_bubble and dualpipev; zbv idles
+    max(p - 1, 4p - 2 - 2m), so the same from m >= (3p - 1) / 2. Each formula equals the idle share of torch's
+    own action orders (torch 2.13, ``pipeline_order``) run with those times (tests/plan/test_plan_schedules.py).
     """
     if schedule in ("1f1b", "gpipe"):
         return pipeline_bubble(p, m, 1)
     if schedule in INTERLEAVED:
         return pipeline_bubble(p, m, v)
-    if schedule in ZERO_BUBBLE_V:
-        return 0.0
-    raise ValueError(f"schedule {schedule!r}: expected 1f1b, gpipe, {', '.join(INTERLEAVED + ZERO_BUBBLE_V)}")
+    if schedule in SPLIT_BACKWARD:
+        idle = max(p - 1, 4 * p - 2 - 2 * m) if schedule == "zbv" else p - 1
+        return idle / (3 * v * m + idle)
+    raise ValueError(f"schedule {schedule!r}: expected 1f1b, gpipe, {', '.join(INTERLEAVED + SPLIT_BACKWARD)}")

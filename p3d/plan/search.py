@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
-from p3d.config.schema import Config, Partition
+from p3d.config.schema import Config
 from p3d.config.validate import (
     P3DConfigError,
     check_mesh,
@@ -31,6 +31,7 @@ from p3d.config.validate import (
     check_zero,
 )
 from p3d.config.validate_schedule import check_schedule
+from p3d.model.geometry import max_pieces
 from p3d.plan.report import PlanReport, apply_layout, check_options, evaluate
 from p3d.plan.shapes import Layout, divisors, world_size
 
@@ -44,7 +45,7 @@ def schedules(cfg: Config, pp: int) -> list[tuple[str, int]]:
     if pp < 2:
         return out
     out.append(("gpipe", 1))
-    blocks = cfg.model.n_layers if cfg.schedule.partition == Partition.blocks else cfg.model.n_layers + 3
+    blocks = max_pieces(cfg.model.n_layers, cfg.schedule.partition)
     v = 2
     while v * pp <= blocks:
         out += [("interleaved_1f1b", v), ("interleaved_zero_bubble", v)]
@@ -69,7 +70,7 @@ def candidates(cfg: Config) -> list[Layout]:
         )
     # gpus_per_node is set: world is not None
     m, gbs, gpn = cfg.model, cfg.schedule.global_batch_size, cast(int, cfg.cluster.gpus_per_node)
-    max_pp = m.n_layers if cfg.schedule.partition == Partition.blocks else m.n_layers + 3
+    max_pp = max_pieces(m.n_layers, cfg.schedule.partition)
     out = []
     for tp in divisors(world):
         if tp > gpn or m.n_heads % tp or m.n_kv_heads % tp or m.ffn_hidden_size % tp:

@@ -32,13 +32,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from p3d.config.schema import Arch, Config, ModelConfig, Partition
+from p3d.config.schema import Arch, Config, ModelConfig
 from p3d.config.validate import P3DConfigError
 from p3d.config.validate_schedule import INTERLEAVED, V_SHAPED
 from p3d.model.geometry import (
     block_matmul_params,
     block_vector_params,
     layer_names,
+    max_pieces,
     padded_vocab,
     rank_chunks,
     stage_bounds,
@@ -119,10 +120,13 @@ def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:
     Where the p v chunks would outnumber the layers (p3d-train refuses that), the rank's stage is modelled."""
     m, p, v = cfg.model, layout.pp, layout.virtual_stages
     names = layer_names(m.n_layers)
-    layers = m.n_layers if cfg.schedule.partition == Partition.blocks else m.n_layers + 3
-    if v > 1 and p * v <= layers and layout.pipeline in (*INTERLEAVED, *V_SHAPED):
-        bounds = stage_bounds(m.n_layers, p * v, cfg.schedule.partition, m)
+    if (
+        v > 1
+        and p * v <= max_pieces(m.n_layers, cfg.schedule.partition)
+        and layout.pipeline in (*INTERLEAVED, *V_SHAPED)
+    ):
         style = "v" if layout.pipeline in V_SHAPED else "loop"
+        bounds = stage_bounds(m.n_layers, p, cfg.schedule.partition, m, v, style)
         return [[n for c in rank_chunks(p, v, style, r) for n in names[bounds[c] : bounds[c + 1]]] for r in range(p)]
     bounds = stage_bounds(m.n_layers, p, cfg.schedule.partition, m)
     return [names[bounds[r] : bounds[r + 1]] for r in range(p)]

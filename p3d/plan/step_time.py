@@ -20,7 +20,8 @@ first and last rank): v times the traffic; V-shaped (zbv, dualpipev) 4 on middle
 the last, whose chunk p - 1 hands to chunk p on the same rank. ``plan.overlap_pp`` hides them behind the stage's
 compute (asynchronous sends, as Megatron's schedules do). Step = (m + fill) x the slowest stage's micro batch
 time, where fill = m B / (1 - B) for the schedule's bubble B = ``p3d.model.geometry.schedule_bubble`` (1f1b:
-fill = p - 1; interleaved: (p - 1) / v; zbv, dualpipev: 0), so the bubble, the idle share of the step, is B.
+fill = p - 1; interleaved: (p - 1) / v; the I/W-split schedules: (p - 1) / (3 v), a chunk forward per stage in
+three passes), so the bubble, the idle share of the step, is B.
 
 DP: ZeRO 0 all-reduces the gradients once per step; a sharded optimizer reduce-scatters them and
 all-gathers the updated parameters; ZeRO 2 reduce-scatters every micro batch, ZeRO 3 also gathers

@@ -24,6 +24,7 @@ from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allre
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, layer_specs_of
 from p3d.run_dir import logs as run_logs
 from p3d.train import checkpoint
+from p3d.train.block_seconds import add_block_seconds
 from p3d.train.faults import StepGate
 from p3d.train.optim import build_optimizer
 from p3d.train.timing import StageTimer, TorchStageTimer
@@ -83,8 +84,9 @@ class DeepSpeedExecutor:
     def __init__(self, cfg, plan, mesh: Mesh, rank: int, device: torch.device, run_dir):
         self.cfg, self.plan, self.mesh = cfg, plan, mesh
         self.engine, self.module, self.scheduler = build_engine(cfg, plan, mesh)
-        self.timer = StageTimer(self.engine, rank)
+        add_block_seconds(self.module)  # the P3D_TEST_BLOCK_SECONDS test hook (off unless set)
         self.gate = StepGate(self.engine, self.module, mesh, plan, cfg.train, device)
+        self.timer = StageTimer(self.engine, rank, mesh.pp_group)  # after the gate: its drain barrier runs first
         self.hang = HangWatch(self.engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir))  # last: wraps the others
         self.reads_data = mesh.is_first_stage or mesh.is_last_stage
 
@@ -132,6 +134,7 @@ class TorchExecutor:
         s = cfg.schedule
         self.pipe = TorchPipeline(cfg, plan, mesh, s.pipeline.value, s.virtual_stages, device=device)
         self.module, self.scheduler = self.pipe.module, self.pipe.lr_scheduler
+        add_block_seconds(self.module)  # the P3D_TEST_BLOCK_SECONDS test hook (off unless set)
         if cfg.model.init_from and cfg.train.resume == "none":
             from p3d.hf import load_into
 

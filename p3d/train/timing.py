@@ -1,14 +1,23 @@
 """Measured pipeline bubble: the share of a step a stage spends blocked on its pipeline neighbours.
 
-DeepSpeed's pipeline engine runs a step as a list of instructions (load, forward, backward,
-send/recv of activations and gradients, reduce, optimizer step). We time the send/recv ones on this
-rank: in 1F1B they are where a stage waits for the stage before or after it (the transfer itself is
-small next to the wait). The theoretical idle share for p stages and m micro batches is
-``p3d.model.geometry.pipeline_bubble``, (p - 1) / (m + p - 1).
+A stage is blocked on its neighbours in two places: inside the schedule, waiting to receive an activation or a
+gradient (or for a send to be taken), and at the end of the step, when its own last backward is done but the
+pipeline's is not (the drain: in 1F1B the first stage finishes last, the others wait for it). The first is
+timed at the schedule's p2p instructions; the second by a barrier over this rank's pp group right after the
+step's last backward (before the step gate, the gradient reductions and the optimizer, whose collectives would
+otherwise absorb the wait unseen). Their sum over the step time is the idle share whose theory is
+``p3d.model.geometry.schedule_bubble``: (p - 1) / (m + p - 1) for 1F1B, measured on every rank against the
+step's end, as the theory counts it.
+
+DeepSpeed's pipeline engine runs a step as a list of instructions (load, forward, backward, send/recv of
+activations and gradients, reduce, optimizer step): the send/recv ones are timed, and the drain barrier runs
+at ``ReduceTiedGrads``, the first instruction after the last backward. The torch schedules: their runtime's
+p2p waits (``torch_compat.timed_p2p_waits``) and the same barrier after ``schedule.step``.
 
 Stragglers: the same wrappers time the ForwardPass and BackwardPass instructions, this rank's compute per step
-(p3d.train.trainer gathers it from every rank). Test hook: ``P3D_TEST_SLOW_RANK=<rank>:<seconds>`` makes that
-rank sleep that long in each forward pass, a real straggler.
+(p3d.train.trainer gathers it from every rank). Test hooks: ``P3D_TEST_SLOW_RANK=<rank>:<seconds>`` makes that
+rank sleep that long in each forward pass, a real straggler; ``P3D_TEST_BLOCK_SECONDS`` gives every block a fixed
+compute time (p3d.train.block_seconds).
 """
 
 from __future__ import annotations
@@ -19,11 +28,24 @@ import time
 from types import FunctionType
 from typing import Any
 
+import torch.distributed as dist
+
 from p3d.ds_compat import pipeline_instruction_map, set_pipeline_instruction_map
 
 PIPE_WAITS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
+DRAIN = "ReduceTiedGrads"  # the first instruction after the step's last backward
 COMPUTE = ("ForwardPass", "BackwardPass")
 SLOW_ENV = "P3D_TEST_SLOW_RANK"
+
+
+def drain_seconds(pp_group) -> float:
+    """Seconds until every stage of this rank's pipeline has done its last backward of the step (a barrier
+    over the pp group; None, a pipeline of one stage: 0)."""
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return 0.0
+    t0 = time.perf_counter()
+    dist.barrier(group=pp_group)
+    return time.perf_counter() - t0
 
 
 def _test_delay(rank: int) -> float:
@@ -32,13 +54,18 @@ def _test_delay(rank: int) -> float:
 
 
 class StageTimer:
-    def __init__(self, engine, rank: int = -1):
+    """Wraps this engine's instructions (build it after the step gate, so that the drain barrier runs before
+    the gate's all-gather). ``pp_group``: this rank's pipeline group, for the drain barrier."""
+
+    def __init__(self, engine, rank: int = -1, pp_group=None):
         self.wait_s = self.compute_s = 0.0
         self.delay_s = _test_delay(rank)
         timed = {}
         for instr, fn in pipeline_instruction_map(engine).items():
             if instr.__name__ in PIPE_WAITS:
                 timed[instr] = self._wrap(fn, "wait_s")
+            elif instr.__name__ == DRAIN:
+                timed[instr] = self._after_drain(fn, pp_group)
             elif instr.__name__ in COMPUTE:
                 timed[instr] = self._wrap(fn, "compute_s", self.delay_s if instr.__name__ == "ForwardPass" else 0.0)
             else:
@@ -56,6 +83,13 @@ class StageTimer:
                 setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
 
         return timed
+
+    def _after_drain(self, fn: FunctionType, pp_group):
+        def drained(engine, *args, **kwargs):
+            self.wait_s += drain_seconds(pp_group)
+            return fn(engine, *args, **kwargs)
+
+        return drained
 
     def take_compute(self) -> float:
         """Seconds in forward and backward passes since the last call."""

@@ -2,7 +2,7 @@
 
 DeepSpeed's engine runs plain 1F1B only; these schedules come from torch (docs/design/pipeline-schedules.md).
 The model is the same flat list of ``LayerSpec``s (``layer_specs_of``), cut by the one stage-bounds
-function into p * v chunks (``geometry.stage_bounds(n_layers, p * v, partition, model)``); chunk c is torch's
+function into p * v chunks (``geometry.stage_bounds(n_layers, p, partition, model, v, style)``); chunk c is torch's
 ``PipelineStage`` c, on pp rank ``geometry.chunk_to_rank(p, p * v, style)[c]``. Init, the TP layers, tied
 embeddings and the vocab-parallel loss are unchanged; only the executor differs.
 
@@ -35,6 +35,7 @@ from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.pipe import VocabParallelLoss, layer_specs_of
 from p3d.torch_compat import SCHEDULE_CLASSES, schedule_class, timed_p2p_waits
 from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, param_groups
+from p3d.train.timing import drain_seconds
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
 # Schedules that split backward into I (dx) and W (dw) passes (torch's stage_backward_input / _weight).
@@ -131,7 +132,7 @@ class TorchPipeline:
         self.n_chunks = mesh.pp * self.v
         self.m = plan.micro_batches
         self.device = device or torch.device("cpu")
-        self.bounds = stage_bounds(cfg.model.n_layers, self.n_chunks, cfg.schedule.partition, cfg.model)
+        self.bounds = stage_bounds(cfg.model.n_layers, mesh.pp, cfg.schedule.partition, cfg.model, self.v, self.style)
         self.chunk_rank = chunk_to_rank(mesh.pp, self.n_chunks, self.style)
         self.chunk_ids = rank_chunks(mesh.pp, self.v, self.style, mesh.pp_rank)
         torch.manual_seed(cfg.train.seed)  # as reference_run; the weights come from seeded masters anyway
@@ -214,6 +215,8 @@ class TorchPipeline:
         kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
         with self.waits():
             self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.add_wait is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
+            self.add_wait(drain_seconds(self.mesh.pp_group))
         if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
             grads = [p.grad for p in self.params if p.grad is not None]
             self.before_update(grads, sum(float(x.detach()) for x in losses) if self.holds_last else None)

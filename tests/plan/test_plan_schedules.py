@@ -19,10 +19,10 @@ SMALL_FP32 = ["model=small", "mesh.tp=1", "mesh.pp=2", "mesh.dp=1", "train.dtype
 
 
 # ---- counted peaks: the schedules' own action lists
-def _torch_order(pipeline: str, p: int, m: int, v: int) -> dict:
-    """torch's per-rank action list (``pipeline_order``) of ``pipeline``: the schedule class built for rank 0 with
-    stage descriptors that carry what its constructor reads (no process group, no modules: the order is pure
-    arithmetic on p, m and the stage indices)."""
+def _torch_order(pipeline: str, p: int, m: int, v: int, rank: int = 0) -> dict:
+    """torch's per-rank action list (``pipeline_order``) of ``pipeline``: the schedule class built for ``rank``
+    with stage descriptors that carry what its constructor reads (no process group, no modules: the order is
+    pure arithmetic on p, m and the stage indices)."""
     from torch.distributed.pipelining import schedules as S
 
     classes = {
@@ -33,10 +33,10 @@ def _torch_order(pipeline: str, p: int, m: int, v: int) -> dict:
         "dualpipev": S.ScheduleDualPipeV,
     }
     n = p * v
-    ids = [0] if v == 1 else [0, n - 1] if pipeline in ("zbv", "dualpipev") else list(range(0, n, p))
+    ids = [rank] if v == 1 else [rank, n - 1 - rank] if pipeline in ("zbv", "dualpipev") else list(range(rank, n, p))
     stages = [
         types.SimpleNamespace(
-            num_stages=n, group_size=p, group_rank=0, stage_index=i, is_first=i == 0, is_last=i == n - 1, submod=None
+            num_stages=n, group_size=p, group_rank=rank, stage_index=i, is_first=i == 0, is_last=i == n - 1, submod=None
         )
         for i in ids
     ]
@@ -107,6 +107,100 @@ def test_in_flight_is_torchs_counted_peak(pipeline, v, pms):
             counted = _torch_peak(order[s])
             assert in_flight_chunks(pipeline, p, m, v, s) == counted, (pipeline, p, m, v, s)
             assert in_flight(Layout(1, p, 1, 1, m, v, pipeline), s) == pytest.approx(counted / v)
+
+
+# ---- bubble: the idle share of a simulated run of each schedule's own action order
+def _deepspeed_actions(p: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Per stage, DeepSpeed's TrainSchedule as (kind, chunk, micro batch): F and a full backward B, in order
+    (1F1B runs micro batches first in, first out, so the i-th forward and the i-th backward are micro batch i)."""
+    from deepspeed.runtime.pipe import schedule as D
+
+    out: dict[int, list[tuple[str, int, int]]] = {}
+    for stage in range(p):
+        seen = {"F": 0, "B": 0}
+        out[stage] = []
+        for step in D.TrainSchedule(micro_batches=m, stages=p, stage_id=stage):
+            for cmd in step:
+                kind = "F" if isinstance(cmd, D.ForwardPass) else "B" if isinstance(cmd, D.BackwardPass) else None
+                if kind:
+                    out[stage].append((kind, stage, seen[kind]))
+                    seen[kind] += 1
+    return out
+
+
+def _torch_actions(pipeline: str, p: int, m: int, v: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Per rank, torch's own order as (kind, chunk, micro batch): F, B (full backward), I and W; DualPipeV's
+    overlapped F+B pairs in their order; communication and grad-reduce actions left out."""
+
+    def flat(a):
+        return [x for sub in a.sub_actions for x in flat(sub)] if a.sub_actions else [a]
+
+    out = {}
+    for rank in range(p):
+        order = _torch_order(pipeline, p, m, v, rank)[rank]
+        out[rank] = [
+            (a.computation_type.value, a.stage_index, a.microbatch_index)
+            for action in order
+            if action is not None
+            for a in flat(action)
+            if a.computation_type.value in ("F", "B", "I", "W")
+        ]
+    return out
+
+
+def _simulated_bubble(actions: dict[int, list[tuple[str, int, int]]], n_chunks: int) -> float:
+    """Every rank runs its actions in order, each as soon as the rank is free and its input exists (F of chunk c
+    needs F of c - 1; I or B of c needs I or B of c + 1; W needs this chunk's I), with F, I and W one time unit
+    and a full backward B two. Returns the mean over ranks of the idle share up to the step's end (the last
+    rank's last action), the share the theory and the measured ``bubble`` count."""
+    cost = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+    done: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(actions, 0.0)
+    busy = dict.fromkeys(actions, 0.0)
+    nxt = dict.fromkeys(actions, 0)
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, todo in actions.items():
+            while nxt[rank] < len(todo):
+                kind, c, mb = todo[nxt[rank]]
+                need = {"F": ("F", c - 1, mb) if c > 0 else None, "W": ("dx", c, mb)}.get(
+                    kind, ("dx", c + 1, mb) if c < n_chunks - 1 else None
+                )
+                if need is not None and need not in done:
+                    break
+                start = max(clock[rank], done[need] if need else 0.0)
+                clock[rank] = start + cost[kind]
+                busy[rank] += cost[kind]
+                done[("F" if kind == "F" else "W" if kind == "W" else "dx", c, mb)] = clock[rank]
+                nxt[rank] += 1
+                progressed = True
+    assert all(nxt[r] == len(todo) for r, todo in actions.items()), "the order deadlocks"
+    end = max(clock.values())
+    return sum(1 - busy[r] / end for r in actions) / len(actions)
+
+
+BUBBLE_CASES = [
+    ("1f1b", 1, [(2, 2), (2, 8), (4, 4), (4, 8), (6, 13)]),
+    ("gpipe", 1, [(2, 4), (4, 8), (5, 7)]),
+    ("interleaved_1f1b", 2, [(2, 4), (2, 8), (4, 8), (4, 12), (6, 12)]),
+    ("interleaved_1f1b", 3, [(2, 4), (4, 8)]),
+    ("interleaved_zero_bubble", 2, [(2, 4), (2, 8), (3, 6), (4, 8), (6, 18)]),
+    ("interleaved_zero_bubble", 3, [(4, 4), (2, 6)]),
+    ("zbv", 2, [(2, 2), (2, 8), (4, 4), (4, 5), (4, 6), (4, 8), (6, 8), (6, 20)]),
+    ("dualpipev", 2, [(2, 4), (2, 8), (3, 7), (4, 8), (6, 12)]),
+]
+
+
+@pytest.mark.parametrize("pipeline,v,pms", BUBBLE_CASES, ids=[f"{c[0]}-v{c[1]}" for c in BUBBLE_CASES])
+def test_schedule_bubble_is_the_idle_share_of_the_schedules_own_order(pipeline, v, pms):
+    """geometry.schedule_bubble (the metrics' bubble_theory and the planner's bubble) against a run of the
+    action order the executor really follows: DeepSpeed's TrainSchedule for 1f1b, torch's pipeline_order for
+    the rest, with equal F, I, W (and B = I + W) chunk times."""
+    for p, m in pms:
+        actions = _deepspeed_actions(p, m) if pipeline == "1f1b" else _torch_actions(pipeline, p, m, v)
+        simulated = _simulated_bubble(actions, p * v)
+        assert schedule_bubble(pipeline, p, m, v) == pytest.approx(simulated, abs=1e-12), (pipeline, p, m, v)
 
 
 # ---- bubble, step time and p2p through a config

@@ -1,0 +1,69 @@
+"""Test hook: a fixed compute time per Transformer block, so pipeline bubbles can be measured on shared cores.
+
+``P3D_TEST_BLOCK_SECONDS=<s>`` makes every ``TransformerBlock`` of a worker's model take ``s`` more seconds in
+each of the three pieces a pipeline schedule moves around (Qi et al.'s F, B and W): its forward, the gradient
+with respect to its input (B, the pass a downstream stage waits for), and its weight gradients (W, which the
+zero-bubble schedules defer). Each piece is a sleep, which takes no CPU: four worker processes on two cores
+then run the same timeline as four on four, and the idle share that ``metrics.jsonl`` measures (``bubble``) is
+the schedule's, not the machine's time-sharing. Under DeepSpeed's 1F1B and the other full-backward schedules
+B and W run together (2 s per backward); under ``interleaved_zero_bubble``, ``zbv`` and ``dualpipev`` torch's
+W pass runs the W sleep later, on its own.
+
+The W piece is a hook on one of the block's weights (its attention norm's): autograd runs a weight's hooks
+when it computes that weight's gradient, which is in torch's weight pass (``stage_backward_weight``) and
+never in its input pass (``stage_backward_input``). Nothing else changes: losses, gradients and checkpoints
+are those of the model without the hook.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+from p3d.model.llama import TransformerBlock
+
+BLOCK_SECONDS_ENV = "P3D_TEST_BLOCK_SECONDS"
+
+
+class _SleepOnInput(torch.autograd.Function):
+    """forward: sleep s, y = x; backward: sleep s, dx = dy (the block's F and B pieces)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def block_seconds() -> float:
+    """The hook's seconds per piece (0: off)."""
+    value = os.environ.get(BLOCK_SECONDS_ENV, "")
+    return float(value) if value else 0.0
+
+
+def add_block_seconds(module: nn.Module, seconds: float | None = None) -> int:
+    """Give every TransformerBlock in ``module`` the fixed F, B and W seconds; returns how many blocks got them.
+    ``seconds``: default ``P3D_TEST_BLOCK_SECONDS`` (unset or 0: nothing is changed)."""
+    s = block_seconds() if seconds is None else seconds
+    if s <= 0:
+        return 0
+    blocks = [mod for mod in module.modules() if isinstance(mod, TransformerBlock)]
+    for block in blocks:
+
+        def before(_mod, args, s=s):
+            return (_SleepOnInput.apply(args[0], s), *args[1:])
+
+        def on_weight_grad(_grad, s=s) -> None:
+            time.sleep(s)
+
+        block.register_forward_pre_hook(before)
+        block.attn_norm.weight.register_hook(on_weight_grad)
+    return len(blocks)
