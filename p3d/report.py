@@ -1,6 +1,6 @@
 """``p3d-report <sweep dir>``: which layout is fastest. One row per sweep point (or one run dir):
 
-    point  mesh                 tokens/s   MFU  peak GB  bubble  final loss  steps  status
+    point  mesh  dp x pp x tp  schedule  tokens/s  MFU  peak GB  bubble  final loss  steps  status
 
 read from each point's ``run_spec.yaml``, ``metrics.jsonl`` and ``p3d_status.json``; printed, and
 written to ``<sweep dir>/report.csv`` and ``<sweep dir>/report.png`` (throughput per layout).
@@ -46,6 +46,7 @@ class Row:
     dp: int | None = None
     pp: int | None = None
     tp: int | None = None
+    schedule: str = "-"  # the pipeline schedule: 1f1b, or a torch schedule with its chunks per rank
     tokens_per_s: float | None = None
     mfu: float | None = None
     peak_mem_gb: float | None = None
@@ -65,6 +66,12 @@ def mesh_label(task_cfg) -> str:
         return f"{m.name} (tp={m.tp} pp={m.pp} dp={m.dp})"
     except Exception:
         return "?"
+
+
+def schedule_label(schedule: dict) -> str:
+    """'1f1b', 'interleaved_1f1b v=2', 'zbv v=2' (as p3d-plan names them) from a run spec's ``schedule``."""
+    name, v = schedule.get("pipeline", "1f1b"), schedule.get("virtual_stages", 1)
+    return name if v == 1 and name in ("1f1b", "gpipe") else f"{name} v={v}"
 
 
 def _median(values: list[Any]) -> float | None:
@@ -96,6 +103,7 @@ def read_point(point: Path, name: str) -> Row:
         row.dp, row.pp, row.tp = plan.get("dp"), plan.get("pp"), plan.get("tp")
         row.mesh = mesh.get("name", "?")
         row.total_steps = spec.get("train", {}).get("steps")
+        row.schedule = schedule_label(spec.get("schedule", {}))
     elif row.mesh == "?" and (point / ".hydra" / "overrides.yaml").is_file():
         overrides = cast(ListConfig, OmegaConf.load(point / ".hydra" / "overrides.yaml"))  # a list of strings
         row.mesh = " ".join(o for o in overrides if str(o).startswith("mesh")) or "?"
@@ -146,7 +154,19 @@ def _fmt(value: Any, kind: str) -> str:
     return {"int": f"{value:,.0f}", "pct": f"{value:.1%}", "gb": f"{value:.2f}", "loss": f"{value:.4f}"}[kind]
 
 
-HEADER = ("point", "mesh", "dp x pp x tp", "tokens/s", "MFU", "peak GB", "bubble", "final loss", "steps", "status")
+HEADER = (
+    "point",
+    "mesh",
+    "dp x pp x tp",
+    "schedule",
+    "tokens/s",
+    "MFU",
+    "peak GB",
+    "bubble",
+    "final loss",
+    "steps",
+    "status",
+)
 
 
 def table(rows: list[Row]) -> str:
@@ -160,6 +180,7 @@ def table(rows: list[Row]) -> str:
                 r.point,
                 r.mesh,
                 dims,
+                r.schedule,
                 _fmt(r.tokens_per_s, "int"),
                 _fmt(r.mfu, "pct"),
                 _fmt(r.peak_mem_gb, "gb"),
@@ -170,7 +191,7 @@ def table(rows: list[Row]) -> str:
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER) - 1)]
-    right = {3, 4, 5, 6, 7, 8}
+    right = {4, 5, 6, 7, 8, 9}
     out = []
     for line in lines:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
@@ -179,7 +200,7 @@ def table(rows: list[Row]) -> str:
     if done:
         best = max(done, key=lambda r: cast(float, r.tokens_per_s))  # set: done keeps rows with tokens_per_s
         out.append(
-            f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}): "
+            f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}, {best.schedule}): "
             f"{best.tokens_per_s:,.0f} tokens/s"
         )
     return "\n".join(out)
@@ -200,7 +221,10 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"#{r.point} {r.mesh}" + (f" (dp{r.dp} pp{r.pp} tp{r.tp})" if r.dp is not None else "") for r in rows]
+    labels = [
+        f"#{r.point} {r.mesh}" + (f" (dp{r.dp} pp{r.pp} tp{r.tp}, {r.schedule})" if r.dp is not None else "")
+        for r in rows
+    ]
     values = [r.tokens_per_s or 0.0 for r in rows]
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(rows)))
     colors = ["tab:blue" if r.status == "done" else "tab:gray" for r in rows]

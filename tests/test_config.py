@@ -90,7 +90,8 @@ PIPELINE_RULES = [  # p3d/config/validate_schedule.py, docs/design/pipeline-sche
     (["schedule.pipeline=dualpipev", "schedule.virtual_stages=3"], "place exactly two chunks", "virtual_stages=2"),
     (
         ["schedule.pipeline=interleaved_zero_bubble", "schedule.virtual_stages=4"],
-        "= 8 chunks of schedule.pipeline=interleaved_zero_bubble exceed the 4 blocks",
+        "= 8 chunks of schedule.pipeline=interleaved_zero_bubble exceed the 6 pieces schedule.partition=cost can cut "
+        "model.n_layers=4 into",
         "schedule.virtual_stages=2",
     ),
     (

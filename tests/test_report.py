@@ -81,9 +81,9 @@ def test_rows_from_spec_metrics_and_status(tmp_path):
     assert (r3.status, r3.mesh, r3.tokens_per_s) == ("skipped", "tp8_pp1", None)
     assert r10.status == "incomplete"
     text = table(rows)
-    assert re.search(r"^1\s+pp2\s+1 x 2 x 2\s+6,000\s+6.0%\s+0.30\s+-\s+4.0000\s+3/3\s+done$", text, re.M), text
+    assert re.search(r"^1\s+pp2\s+1 x 2 x 2\s+1f1b\s+6,000\s+6.0%\s+0.30\s+-\s+4.0000\s+3/3\s+done$", text, re.M), text
     assert re.search(r"^3\s+tp8_pp1\s+-.*skipped: mesh.tp=8 must divide model.n_heads=8$", text, re.M), text
-    assert text.splitlines()[-1] == "fastest: point 1, pp2 (dp=1 pp=2 tp=2): 6,000 tokens/s"
+    assert text.splitlines()[-1] == "fastest: point 1, pp2 (dp=1 pp=2 tp=2, 1f1b): 6,000 tokens/s"
 
 
 def test_cli_writes_csv_and_png(tmp_path, capsys):

@@ -138,3 +138,41 @@ def test_export_of_a_torch_schedule_run_equals_deepspeeds(tmp_path):
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
+
+
+@pytest.mark.timeout(400)
+def test_a_sweep_over_schedules_logs_to_wandb_and_reports_each_schedule(tmp_path):
+    """p3d-train -m over schedule.pipeline (interleaved_1f1b, zbv; v = 2), W&B offline: each point trains under its
+    schedule, its W&B run holds the metrics of metrics.jsonl (bubble included), and the sweep's p3d-report names
+    each point's schedule."""
+    import csv
+    import re
+
+    from tests.wandb_log import history
+
+    sweep = tmp_path / "sweep"
+    proc = p3d_train(
+        "-m",
+        "mesh=pp2",
+        "schedule.pipeline=interleaved_1f1b,zbv",
+        "schedule.virtual_stages=2",
+        "train.steps=2",
+        "logger=wandb",
+        f"hydra.sweep.dir={sweep}",
+        env={"HOME": str(tmp_path)},
+        drop_env="WANDB_",
+        timeout=360,
+    )
+    assert proc.returncode == 0, _out(proc)
+    table = proc.stdout[proc.stdout.index("p3d-report:") :]
+    for point, label in (("0", "interleaved_1f1b v=2"), ("1", "zbv v=2")):
+        assert re.search(rf"^{point}\s+pp2\s+1 x 2 x 1\s+{label}\s+[\d,]+.*2/2\s+done$", table, re.M), table
+        meta = checkpoint.verify(checkpoint.step_dir(sweep / point, 2))
+        assert meta["pipeline"] == label.split()[0]
+        runs = list((sweep / point / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) == 1, point
+        for row, m in zip(history(runs[0]), read_metrics(sweep / point), strict=True):
+            for key in ("loss", "grad_norm", "tokens_per_s", "bubble", "bubble_theory"):
+                assert row[key] == pytest.approx(m[key]), (point, key)
+    with open(sweep / "report.csv") as f:
+        assert [r["schedule"] for r in csv.DictReader(f)] == ["interleaved_1f1b v=2", "zbv v=2"]

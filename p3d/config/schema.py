@@ -148,7 +148,7 @@ class ScheduleConfig:
     micro_batch_size: int = 2
     global_batch_size: int = 16  # sequences per optimizer step, over all dp replicas
     recompute: Recompute = Recompute.none
-    partition: Partition = Partition.blocks
+    partition: Partition = Partition.cost
     sequence_parallel: bool = False  # split the sequence over tp outside the TP regions (needs tp > 1)
     recompute_swiglu: bool = False  # with recompute=selective: silu(gate) * up recomputed in backward too
     virtual_stages: int = 1  # chunks per pp rank: >= 2 with interleaved_*, exactly 2 with zbv / dualpipev

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import cast
 
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher, Partition
+from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher
 from p3d.config.validate_schedule import check_schedule
-from p3d.model.geometry import layer_names, max_pieces, padded_vocab, stage_bounds, total_params
+from p3d.model.geometry import PIECES_RULE, layer_names, max_pieces, padded_vocab, stage_bounds, total_params
 from p3d.parallel_dims import ParallelDims, resolve_dp
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -202,16 +202,11 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
             f"mesh.tp={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}; "
             f"try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
         )
-    if s.partition == Partition.blocks and m.n_layers < pp:
+    if max_pieces(m.n_layers, s.partition) < pp:
         raise P3DConfigError(
-            f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: every stage needs a block; "
+            f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: schedule.partition={s.partition.value} cuts it into at "
+            f"most {max_pieces(m.n_layers, s.partition)} stages ({PIECES_RULE[s.partition]}); "
             f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
-        )
-    if s.partition != Partition.blocks and max_pieces(m.n_layers, s.partition) < pp:
-        most = max_pieces(m.n_layers, s.partition)
-        raise P3DConfigError(
-            f"mesh.pp={pp} exceeds the {most} stages schedule.partition={s.partition.value} can cut this model into; "
-            f"try {suggest_mesh(tp, most, cfg.mesh.dp)}"
         )
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and tp > gpn:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import Config, Partition, Recompute
-from p3d.model.geometry import max_pieces
+from p3d.config.schema import Config, Recompute
+from p3d.model.geometry import PIECES_RULE, max_pieces
 
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # loop placement, v >= 2
 V_SHAPED = ("zbv", "dualpipev")  # V placement, exactly 2 chunks per rank (schedules.py:3249, :3435)
@@ -96,17 +96,13 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             "rank (torch schedules.py:3249); try schedule.virtual_stages=2"
         )
     chunks = pp * (2 if name in V_SHAPED else v)
-    layers = max_pieces(cfg.model.n_layers, s.partition)
-    if layers < chunks:
-        what = {
-            Partition.blocks: "blocks (schedule.partition=blocks: every chunk needs a block)",
-            Partition.cost: "blocks + 2 (schedule.partition=cost: the ends may hold no block, the others need one)",
-            Partition.uniform: "pipeline layers",
-        }[s.partition]
-        fix = f"schedule.virtual_stages={max(2, layers // pp)}" if name in INTERLEAVED else "a smaller mesh.pp"
+    pieces, n_layers = max_pieces(cfg.model.n_layers, s.partition), cfg.model.n_layers
+    if pieces < chunks:
+        fix = f"schedule.virtual_stages={max(2, n_layers // pp)}" if name in INTERLEAVED else "a smaller mesh.pp"
         raise P3DConfigError(
-            f"mesh.pp x chunks per rank = {chunks} chunks of schedule.pipeline={name} exceed the {layers} {what}; "
-            f"try {fix}"
+            f"mesh.pp x chunks per rank = {chunks} chunks of schedule.pipeline={name} exceed the {pieces} pieces "
+            f"schedule.partition={s.partition.value} can cut model.n_layers={n_layers} into "
+            f"({PIECES_RULE[s.partition]}); try {fix}"
         )
     if cfg.zero.stage >= 2:
         raise P3DConfigError(

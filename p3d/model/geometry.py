@@ -43,6 +43,13 @@ def max_pieces(n_layers: int, partition: Partition) -> int:
     return {Partition.blocks: n_layers, Partition.cost: n_layers + 2, Partition.uniform: n_layers + 3}[partition]
 
 
+PIECES_RULE = {  # why max_pieces is what it is, for the messages that refuse more
+    Partition.blocks: "every piece needs a block",
+    Partition.cost: "every piece needs a block but the first and the last, which hold the embedding and the head",
+    Partition.uniform: "every piece needs a layer",
+}
+
+
 def _fill(loads: list[float], counts: list[int], block: float, n: int, eligible: list[int]) -> None:
     """Hand n blocks, one at a time, to the eligible entry with the least load (ties: the last); in place."""
     for _ in range(n):

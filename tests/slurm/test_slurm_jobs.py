@@ -37,8 +37,14 @@ def complete_checkpoints(run_dir) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_sbatch_recipe_trains_a_4_rank_mesh(slurm_cluster, tmp_path):
-    """sbatch recipes/slurm/train.sbatch <overrides>: 4 srun tasks, metrics, checkpoint, one log."""
+@pytest.mark.parametrize(
+    "schedule",
+    [(), ("schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2")],
+    ids=["1f1b", "interleaved_1f1b"],
+)
+def test_sbatch_recipe_trains_a_4_rank_mesh(slurm_cluster, tmp_path, schedule):
+    """sbatch recipes/slurm/train.sbatch <overrides>: 4 srun tasks, metrics, checkpoint, one log; under
+    DeepSpeed's 1f1b and under a torch schedule (its checkpoint cut into p v = 4 chunks)."""
     run_dir = tmp_path / "run"
     job = slurm_cluster.sbatch(
         "--ntasks-per-node=4",
@@ -49,6 +55,7 @@ def test_sbatch_recipe_trains_a_4_rank_mesh(slurm_cluster, tmp_path):
         "mesh=tp2_pp2",
         "train.steps=3",
         f"run.dir={run_dir}",
+        *schedule,
     )
     state = slurm_cluster.wait(job, timeout=240)
     log = (tmp_path / f"job-{job}.out").read_text()
@@ -59,6 +66,9 @@ def test_sbatch_recipe_trains_a_4_rank_mesh(slurm_cluster, tmp_path):
     assert step0 and step0[0]["NTasks"] == "4" and step0[0]["State"] == "COMPLETED", step0  # one srun task per rank
     assert steps_done(run_dir) == [1, 2, 3]
     assert complete_checkpoints(run_dir), f"no complete checkpoint under {run_dir / 'checkpoints'}"
+    meta = json.loads((run_dir / "checkpoints" / complete_checkpoints(run_dir)[-1] / "meta.json").read_text())
+    assert meta["pipeline"] == ("interleaved_1f1b" if schedule else "1f1b")
+    assert len(meta["stage_bounds"]) == (5 if schedule else 3)
     assert sorted(p.name for p in (run_dir / "logs").glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
     assert "srun 4 tasks (1 node(s) x 4)" in log and "step     3/3" in log and "done; metrics in" in log
     assert (run_dir / f"slurm-{job}.out").resolve() == (tmp_path / f"job-{job}.out").resolve()  # linked in the run dir
@@ -144,8 +154,8 @@ def test_sweep_through_submitit_runs_one_job_per_point_and_reports(slurm_cluster
         assert slurm_cluster.wait_accounted(job)[-1]["State"] == "COMPLETED"
     # the report printed at the end of the sweep: both rows, and the skipped point
     table = result.stdout[result.stdout.index("p3d-report:") :]
-    assert re.search(r"^0\s+pp2\s+1 x 2 x 1\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
-    assert re.search(r"^1\s+pp2\s+1 x 2 x 2\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
+    assert re.search(r"^0\s+pp2\s+1 x 2 x 1\s+1f1b\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
+    assert re.search(r"^1\s+pp2\s+1 x 2 x 2\s+1f1b\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
     assert re.search(r"^2\s+.*skipped: mesh.tp=8", table, re.M), table
     with open(sweep / "report.csv") as f:
         rows = list(csv.DictReader(f))
