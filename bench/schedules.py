@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=8, help="--runs: steps per run")
     ap.add_argument("--warmup", type=int, default=2, help="first steps (rounds) dropped: shapes, warm caches")
-    ap.add_argument("--rounds", type=int, default=None, help="default 12 alternating steps, 3 with --runs")
+    ap.add_argument("--rounds", type=int, default=None, help="default 20 alternating steps, 3 with --runs")
     ap.add_argument("--pp", type=int, default=2, choices=[2, 4], help="pipeline stages (mesh=pp2 or pp4)")
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--m", type=int, nargs="+", default=[4, 8], help="micro batches per step")
@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=None, help=f"overrides (default: {' '.join(BENCH_MODEL)})")
     args = ap.parse_args()
     args.set = list(BENCH_MODEL if args.set is None else args.set)
-    args.rounds = args.rounds or (3 if args.runs else 12)
+    args.rounds = args.rounds or (3 if args.runs else 20)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = by_runs(args) if args.runs else by_steps(args)
     how = f"{args.rounds} rounds x {args.steps} steps (first {args.warmup} dropped)" if args.runs else (

@@ -89,6 +89,10 @@ def run_dir(tmp_path):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "procs: starts processes (workers, p3d-train, Slurm jobs): make test only")
+    if os.environ.get("P3D_TEST_TIER") == "fast":
+        # matplotlib runs fc-list once per machine to build its font cache; build it before the guard below,
+        # so that the first plotting test on a fresh machine is not taken for one that starts a process
+        import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

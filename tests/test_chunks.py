@@ -131,7 +131,7 @@ def _names_as_deepspeed(rank, world, tie):
         torch.testing.assert_close(ours[name], p, rtol=0, atol=0)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, sorted(ds))
-    bounds = stage_bounds(cfg.model.n_layers, 4, cfg.schedule.partition)
+    bounds = stage_bounds(cfg.model.n_layers, 4, cfg.schedule.partition, cfg.model)
     cut = {n for c in range(4) for n, _ in ChunkModule(specs, bounds[c], bounds[c + 1]).named_parameters()}
     assert cut == {n for names in everyone for n in names}
 

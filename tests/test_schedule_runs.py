@@ -176,3 +176,23 @@ def test_a_sweep_over_schedules_logs_to_wandb_and_reports_each_schedule(tmp_path
                 assert row[key] == pytest.approx(m[key]), (point, key)
     with open(sweep / "report.csv") as f:
         assert [r["schedule"] for r in csv.DictReader(f)] == ["interleaved_1f1b v=2", "zbv v=2"]
+
+
+@pytest.mark.timeout(700)
+def test_resume_chain_of_the_issue_changes_schedule_mesh_and_tp(tmp_path):
+    """The issue's chain: 1f1b dp2_pp2_tp2 (DeepSpeed, 8 ranks) -> interleaved_1f1b pp4 v2 (8 chunks) -> zbv tp2_pp2,
+    3 steps each from the previous checkpoint: every segment reshards tp, pp and the chunk cut by layer name, and
+    the 9 steps continue the single-process curve within 1e-5 (model=tiny with 8 blocks, so pp4 v2 has one each)."""
+    model = ("model.n_layers=8",)
+    segments = (
+        ("mesh=dp2_pp2_tp2",),
+        ("mesh=pp4", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2"),
+        ("mesh=tp2_pp2", "schedule.pipeline=zbv", "schedule.virtual_stages=2"),
+    )
+    for i, layout in enumerate(segments):
+        resume = ("train.resume=auto",) if i else ()
+        proc = p3d_train(
+            f"run.dir={tmp_path}", f"train.steps={3 * (i + 1)}", *resume, *COMMON, *model, *layout, timeout=400
+        )
+        assert proc.returncode == 0, _out(proc)
+    _assert_matches(read_metrics(tmp_path), reference(9, *model))

@@ -95,7 +95,8 @@ def worker(rank: int, world: int, store_path: str, name: str, overrides, out_pat
     mesh = Mesh(tp=1, pp=PP, dp=1, rank=rank).with_groups()
     torch.manual_seed(cfg.train.seed)
     specs = build_layer_specs(cfg.model, plan.padded_vocab_size, mesh, cfg.train.seed)
-    bounds = stage_bounds(cfg.model.n_layers, n_stages, cfg.schedule.partition)  # the one stage-bounds function
+    # the one stage-bounds function
+    bounds = stage_bounds(cfg.model.n_layers, n_stages, cfg.schedule.partition, cfg.model)
     mapping = stage_to_rank(PP, n_stages, style)
     mine = [s for s in range(n_stages) if mapping[s] == rank]
     tied: dict = {}
