@@ -3,7 +3,7 @@ file in a run directory takes the name from here.
 
     <run.dir>/
       run_spec.yaml          the frozen config + run plan (p3d.config.spec); specs/ the spec of each segment
-      deepspeed_config.json  the DeepSpeed JSON of the run (p3d.config.deepspeed_json)
+      deepspeed_config.json  the DeepSpeed JSON of the run (p3d.config.deepspeed_json; 1f1b only)
       metrics.jsonl          one JSON object per optimizer step (p3d.metrics)
       p3d_status.json        the outcome of a run or sweep point (done / failed / skipped + why / ...)
       slurm_jobs.log         one line per submission, start, exit and requeue of a Slurm job

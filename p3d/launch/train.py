@@ -64,7 +64,11 @@ def _launch(cfg, plan, lease) -> int:
     from p3d.dist.launch import launch_local
 
     spec = write_spec(cfg, plan, cfg.run.dir)
-    (spec.parent / DS_CONFIG_NAME).write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")
+    ds_json = spec.parent / DS_CONFIG_NAME
+    if cfg.schedule.pipeline.value == "1f1b":  # the one executor that reads it: DeepSpeed's engine
+        ds_json.write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")
+    else:  # a torch schedule; a resumed 1f1b run's file would describe an engine this run does not use
+        ds_json.unlink(missing_ok=True)
     if cfg.cluster.launcher.value == "slurm":
         from p3d.dist.slurm import FREEZE_ONLY_ENV, dispatch, inside_allocation
 
