@@ -1,6 +1,7 @@
 # p3d: two commands on a fresh machine.
 #   make train   create the environment if missing, then run the default training job
-#   make test    create the environment if missing, then run the whole test suite
+#   make test    create the environment if missing, then run the test suite (less its slow tier)
+#   make test-all    the whole suite, slow tier included
 #   make test-fast   the in-process tests only (no worker, no p3d-train, no Slurm job): a few minutes
 #   make lint    ruff (lint + format check) and mypy
 #   make gpu-check   the GPU path on a CUDA machine (docs/gpu.md); a dry mode anywhere else
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.p3d-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast lint format bench dry-run gpu-check clean
+.PHONY: install train test test-all test-fast lint format bench dry-run gpu-check clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +27,11 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/p3d-train $(ARGS)
 
+# The suite less its slow tier (tests/conftest.py SLOW_TIER: variants of paths it runs); test-all: all of it.
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # A test that starts a process fails here unless it is marked procs (tests/conftest.py).

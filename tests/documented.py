@@ -135,7 +135,8 @@ CASES: dict[str, Case] = {
         "run", extra=()
     ),
     # README: development
-    "make test-fast": Case("not_here", expect="a tier of this suite; CI runs the whole of it"),
+    "make test-fast": Case("not_here", expect="a tier of this suite; CI runs make test"),
+    "make test-all": Case("not_here", expect="the suite with its slow tier; make test runs the rest"),
     "make lint": Case("not_here", expect="CI's .ci/run runs it before the tests"),
     'make test PYTEST_ARGS="tests/test_config.py"': Case("not_here", expect="the suite itself, on one file"),
     "make bench": Case("not_here", expect="a benchmark (minutes of timing), never a test"),
