@@ -40,12 +40,12 @@ def _out(proc) -> str:
     return proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _assert_matches(got: list[dict], ref: list[dict]) -> None:
+def _assert_matches(got: list[dict], ref: list[dict], norm_rtol: float = RTOL) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     assert any(r["grad_norm"] > 1.0 for r in ref), "clipping must be exercised"
     for r, g in zip(ref, got):
         assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {r['step']} loss"
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=norm_rtol), f"step {r['step']} grad norm"
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), f"step {r['step']} lr"
 
 
@@ -185,7 +185,13 @@ def test_a_sweep_over_schedules_logs_to_wandb_and_reports_each_schedule(tmp_path
 def test_resume_chain_of_the_issue_changes_schedule_mesh_and_tp(tmp_path):
     """The issue's chain: 1f1b dp2_pp2_tp2 (DeepSpeed, 8 ranks) -> interleaved_1f1b pp4 v2 (8 chunks) -> zbv tp2_pp2,
     3 steps each from the previous checkpoint: every segment reshards tp, pp and the chunk cut by layer name, and
-    the 9 steps continue the single-process curve within 1e-5 (model=tiny with 8 blocks, so pp4 v2 has one each)."""
+    the 9 steps continue the single-process curve within 1e-5 (model=tiny with 8 blocks, so pp4 v2 has one each).
+
+    The grad norm is held to 2e-4 here: step 9's norm of this 8-block model is ill-conditioned. Measured: the fp32
+    reference sits 3.7e-5 from an fp64 run, and weights nudged by 1e-7 (relative) move it by 1.7e-4; any tp=2 run
+    (DeepSpeed 1f1b, zbv, tp2 without pp, straight or resumed) reads 6.6e-5 from the fp32 reference, on the other
+    side of the fp64 value, from the row-parallel sums' rounding, while every other step agrees to 5e-6 and every
+    loss to 2e-7."""
     model = ("model.n_layers=8",)
     segments = (
         ("mesh=dp2_pp2_tp2",),
@@ -198,4 +204,4 @@ def test_resume_chain_of_the_issue_changes_schedule_mesh_and_tp(tmp_path):
             f"run.dir={tmp_path}", f"train.steps={3 * (i + 1)}", *resume, *COMMON, *model, *layout, timeout=400
         )
         assert proc.returncode == 0, _out(proc)
-    _assert_matches(read_metrics(tmp_path), reference(9, *model))
+    _assert_matches(read_metrics(tmp_path), reference(9, *model), norm_rtol=2e-4)
