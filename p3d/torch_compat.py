@@ -83,6 +83,34 @@ def timed_p2p_waits(add_wait: Callable[[float], None]) -> Iterator[None]:
         schedules._wait_batch_p2p = original
 
 
+@contextlib.contextmanager
+def forward_only_order(schedule) -> Iterator[None]:
+    """While inside, a multi-stage schedule runs only its forward actions and their sends and receives: each rank's
+    action list (the private ``pipeline_order_with_comms`` that ``_PipelineScheduleRuntime`` executes) with every
+    backward, weight and gradient action taken out, the rest in its order.
+
+    Why: torch 2.13's ``eval`` of ScheduleZBVZeroBubble / ScheduleDualPipeV still runs their input-gradient
+    actions and fails ("can't steal_bwd_input if this stage doesn't have backward"). Forwards depend only on
+    earlier forwards, so the filtered order keeps every dependency of the original, which ran."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
+
+    def forwards(actions):
+        for a in actions:
+            if a is not None and a.computation_type == Kind.OVERLAP_F_B:  # DualPipeV: a forward and a backward
+                yield from (sub for sub in a.sub_actions or () if sub.computation_type == Kind.FORWARD)
+            elif a is not None and a.computation_type in keep:
+                yield a
+
+    original = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: list(forwards(actions)) for rank, actions in original.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = original
+
+
 # ---- the checks
 
 
@@ -107,6 +135,14 @@ def _accepts(module: str, cls: str, arg: str) -> bool:
 
 
 PIPELINING = "torch.distributed.pipelining"
+
+
+def _schedules():
+    import importlib
+
+    return importlib.import_module(f"{PIPELINING}.schedules")
+
+
 TOUCHPOINTS: tuple[Touchpoint, ...] = (
     *(
         Touchpoint(
@@ -125,6 +161,21 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
         f"{PIPELINING}._utils.generate_stage_to_rank_mapping",
         "tests/test_chunks.py",
         lambda: _has(f"{PIPELINING}._utils", "generate_stage_to_rank_mapping"),
+    ),
+    Touchpoint(
+        f"{PIPELINING}.schedules._ComputationType(FORWARD, SEND_F, RECV_F, OVERLAP_F_B)",
+        "p3d.torch_compat.forward_only_order",
+        lambda: all(
+            hasattr(getattr(_schedules(), "_ComputationType", None), k)
+            for k in ("FORWARD", "SEND_F", "RECV_F", "OVERLAP_F_B")
+        ),
+    ),
+    Touchpoint(
+        f"{PIPELINING}.ScheduleZBVZeroBubble.pipeline_order_with_comms",
+        "p3d.torch_compat.forward_only_order",
+        lambda: (
+            "pipeline_order_with_comms" in inspect.getsource(_schedules()._PipelineScheduleRuntime._step_microbatches)
+        ),
     ),
     Touchpoint(
         f"{PIPELINING}.schedules._wait_batch_p2p",

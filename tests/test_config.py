@@ -107,7 +107,6 @@ PIPELINE_RULES = [  # p3d/config/validate_schedule.py, docs/design/pipeline-sche
     ([*I2, "zero.stage=2"], "zero.stage=2 with schedule.pipeline=interleaved_1f1b", "zero=stage1"),
     ([*ZBV, "schedule.recompute=full"], "schedule.recompute=full with schedule.pipeline=zbv", "recompute=selective"),
     ([*ZBV, "model.compile=true"], "model.compile=true with schedule.pipeline=zbv", "model.compile=false"),
-    ([*ZBV, "train.eval_every=5"], "train.eval_every=5 with schedule.pipeline=zbv", "train.eval_every=0"),
 ]
 
 RULES = [

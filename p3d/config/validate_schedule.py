@@ -68,7 +68,7 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
 
 
 def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
-    """schedule.pipeline against mesh.pp, virtual_stages, the model's blocks, ZeRO, recompute, compile, eval, dtype."""
+    """schedule.pipeline against mesh.pp, virtual_stages, the model's blocks, ZeRO, recompute, compile, dtype."""
     s, name = cfg.schedule, pipeline_name(cfg)
     v = s.virtual_stages
     if name in ("1f1b", "gpipe"):
@@ -119,10 +119,4 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
         raise P3DConfigError(
             f"model.compile=true with schedule.pipeline={name}: torch refuses compiled stage modules under the "
             "I/W-split schedules (schedules.py:3816); try model.compile=false or schedule.pipeline=interleaved_1f1b"
-        )
-    if name in V_SHAPED and cfg.train.eval_every > 0:
-        raise P3DConfigError(
-            f"train.eval_every={cfg.train.eval_every} with schedule.pipeline={name}: torch 2.13's forward-only "
-            "run of the V schedules fails (it still runs their backward actions); "
-            "try train.eval_every=0 or schedule.pipeline=interleaved_1f1b"
         )

@@ -33,7 +33,7 @@ from p3d.ds_compat import mark_pipe_replicated
 from p3d.model.chunks import ChunkModule
 from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.pipe import VocabParallelLoss, layer_specs_of
-from p3d.torch_compat import SCHEDULE_CLASSES, schedule_class, timed_p2p_waits
+from p3d.torch_compat import SCHEDULE_CLASSES, forward_only_order, schedule_class, timed_p2p_waits
 from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, param_groups
 from p3d.train.timing import drain_seconds
 
@@ -229,13 +229,9 @@ class TorchPipeline:
     def eval_step(self, batch: torch.Tensor | None) -> float:
         """The mean loss over the global batch (gbs, s + 1), forward only (as DeepSpeed's ``eval_batch``).
 
-        Not under the V schedules: torch 2.13's ``eval`` of ScheduleZBVZeroBubble / ScheduleDualPipeV still runs
-        their I and B actions and fails ("can't steal_bwd_input if this stage doesn't have backward")."""
-        if self.style == "v":
-            raise NotImplementedError(
-                f"evaluation under schedule.pipeline={self.schedule_name}: torch's eval of this schedule runs its "
-                "backward actions; set train.eval_every=0 or use schedule.pipeline=interleaved_1f1b"
-            )
+        Under the V schedules torch's ``eval`` would still run their input-gradient actions and fail, so their
+        action lists are cut to the forwards for the call (``torch_compat.forward_only_order``)."""
+        forward_only = forward_only_order(self.schedule) if self.style == "v" else contextlib.nullcontext()
         losses: list[torch.Tensor] = []
         args: tuple = ()
         kwargs: dict = {}
@@ -243,7 +239,8 @@ class TorchPipeline:
             rows = self.replica_rows(batch).to(self.device)
             args = (rows[:, :-1].contiguous(),) if self.holds_first else ()
             kwargs = dict(target=rows[:, 1:].contiguous(), losses=losses) if self.holds_last else {}
-        self.schedule.eval(*args, return_outputs=False, **kwargs)
+        with forward_only:
+            self.schedule.eval(*args, return_outputs=False, **kwargs)
         return self.step_loss(losses)
 
     def reduce_tied_grads(self) -> None:
