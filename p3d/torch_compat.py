@@ -171,7 +171,7 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
         ),
     ),
     Touchpoint(
-        f"{PIPELINING}.ScheduleZBVZeroBubble.pipeline_order_with_comms",
+        f"{PIPELINING}.schedules._PipelineScheduleRuntime._step_microbatches runs pipeline_order_with_comms",
         "p3d.torch_compat.forward_only_order",
         lambda: (
             "pipeline_order_with_comms" in inspect.getsource(_schedules()._PipelineScheduleRuntime._step_microbatches)
