@@ -78,7 +78,7 @@ class _ShardWriter:
 
 def complete_steps(run_dir: Path) -> list[int]:
     """Steps of the run's complete checkpoints (meta.json written), oldest first."""
-    from p3d.train import checkpoint
+    from p3d.train import ckpt_find as checkpoint
 
     ckpts = checkpoint.root(run_dir).glob("step_*")
     steps = [d.name.removeprefix("step_") for d in ckpts if (d / "meta.json").is_file()]
@@ -93,7 +93,7 @@ def _holds(run_dir: Path) -> str:
 
 
 def _checkpoint(run_dir: Path, step: int | None, given: str) -> Path:
-    from p3d.train import checkpoint
+    from p3d.train import ckpt_find as checkpoint
 
     if not run_dir.is_dir():
         raise ExportError(f"run.dir={given}: no such directory; give the run directory of a p3d-train run")

@@ -137,3 +137,24 @@ def test_bubble_is_one_number_in_metrics_and_planner(tmp_path):
     )
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert record["bubble_theory"] == json.loads(planned.stdout)["bubble"] == pytest.approx(3 / 7)
+
+
+@pytest.mark.procs
+def test_the_launchers_checks_import_neither_torch_nor_datasets(tmp_path):
+    """p3d-train's checks before any worker starts (the checkpoint to resume, the run directory, the data) read
+    JSON, file sizes and text only. Importing torch there (for the checkpoint module) and datasets (for the
+    stdlib corpus and plain-text files, which do not need it) cost the launcher 2.6 s of every run here, before
+    the workers, which import torch themselves, could start."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("A line of the user's own notes, long enough for a window of tokens.\n" * 40)
+    code = f"""
+import sys
+from tests.conftest import typed
+from p3d.launch.prepare import check_run
+for data in (["data=stdlib"], ["data=files", "data.path={notes}"]):
+    cfg, _ = typed("train.resume=auto", *data, run_dir="{tmp_path / 'run'}")
+    check_run(cfg)
+print(sorted({{"torch", "datasets", "deepspeed", "transformers"}} & set(sys.modules)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr

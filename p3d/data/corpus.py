@@ -128,13 +128,12 @@ def _datasets(cfg: DataConfig):
 def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, dict | str]]:
     """(where, item) of the whole corpus in its fixed order: a record of a json / parquet / csv / hub /
     stdlib source, or a unit of a text file, already cut by ``data.text_unit`` and decoded."""
-    datasets = _datasets(cfg)
-    if cfg.source == DataSource.stdlib:
-        for record in datasets.IterableDataset.from_generator(stdlib_documents):
+    if cfg.source == DataSource.stdlib:  # our own generator: no need of datasets (nor of its second of import)
+        for record in stdlib_documents():
             yield "stdlib", record
         return
     if cfg.source == DataSource.hub:
-        for record in datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True):
+        for record in _datasets(cfg).load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True):
             yield cfg.path or "", record
         return
     files = resolve_files(cfg.path or "", cfg.format)
@@ -155,7 +154,7 @@ def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, dict | st
                         continue
                     yield f, text
             else:
-                for record in datasets.load_dataset(fmt, data_files=[f], split="train", streaming=True):
+                for record in _datasets(cfg).load_dataset(fmt, data_files=[f], split="train", streaming=True):
                     n += 1
                     yield f, record
         except StopIteration:  # datasets raises it for an empty json file: no records, not an error

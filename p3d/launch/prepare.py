@@ -125,7 +125,7 @@ def check_run(cfg, multirun: bool = False):
     import dataclasses
 
     from p3d.data.check import check_data
-    from p3d.train import checkpoint
+    from p3d.train import ckpt_find as checkpoint
 
     run_dir = Path(cfg.run.dir)
     try:

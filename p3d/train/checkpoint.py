@@ -22,7 +22,6 @@ checkpoint loads under any dp and ZeRO stage; p3d.train.reshard re-cuts it for a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -32,11 +31,7 @@ import torch
 import torch.distributed as dist
 
 from p3d.ds_compat import has_hp_mapping, links_optimizer_states, relink_optimizer_states, wrapped_optimizer
-from p3d.run_dir import CHECKPOINTS
 from p3d.train.ckpt_files import (
-    LEGACY_FORMAT,
-    RESUME_EARLIER,
-    CheckpointError,
     CheckpointSaveError,
     coordinate_reader,
     fsync_dir,
@@ -44,19 +39,36 @@ from p3d.train.ckpt_files import (
     save_failed,
     write_json,
 )
+from p3d.train.ckpt_find import (  # re-exported: the launcher-side half, torch-free
+    LATEST,
+    LEGACY_FORMAT,
+    RESUME_EARLIER,
+    CheckpointError,
+    check_compatible,
+    complete_checkpoints,
+    find,
+    model_identity,
+    root,
+    step_dir,
+    verify,
+)
 from p3d.train.ckpt_save import ADAM_KEYS, Saver, Snapshot, collect_manifests, drop, make_dirs, set_rng_state
 
 FORMAT = "p3d-checkpoint-2"
-LATEST = "latest"
-__all__ = ["CheckpointError", "CheckpointSaveError", "Saver", "RESUME_EARLIER", "save", "load", "find", "verify"]
-
-
-def root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def step_dir(run_dir: str | Path, step: int) -> Path:
-    return root(run_dir) / f"step_{step:08d}"
+__all__ = [
+    "CheckpointError",
+    "CheckpointSaveError",
+    "Saver",
+    "RESUME_EARLIER",
+    "LEGACY_FORMAT",
+    "save",
+    "load",
+    "find",
+    "verify",
+    "check_compatible",
+    "root",
+    "step_dir",
+]
 
 
 def shard_specs(module: torch.nn.Module) -> dict[str, dict]:
@@ -169,7 +181,7 @@ def _meta(cfg, mesh, bounds: list[int], step: int, samples: int, scheduler, extr
         "mesh": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
         "zero": cfg.zero.stage,
         "dtype": cfg.train.dtype.value,
-        "model": _model_identity(cfg),
+        "model": model_identity(cfg),
         "tokenizer": cfg.data.tokenizer,
         "stage_bounds": list(bounds),  # a torch schedule's chunks are its stages here (p * v of them)
         "pipeline": cfg.schedule.pipeline.value,  # for information: loading never needs it
@@ -210,97 +222,12 @@ def _commit(tmp: Path, final: Path, ckpt_root: Path, run_dir, cfg, meta: dict, w
     _prune(ckpt_root, cfg.train.keep_last)
 
 
-def _complete(ckpt_root: Path) -> list[Path]:
-    """Checkpoints whose save finished (meta.json is written last), oldest first."""
-    return sorted(d for d in ckpt_root.glob("step_*") if (d / "meta.json").is_file())
-
-
 def _prune(ckpt_root: Path, keep_last: int) -> None:
-    complete = _complete(ckpt_root)
+    complete = complete_checkpoints(ckpt_root)
     for old in complete[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_root.glob(".step_*.tmp"):  # a save that crashed before its rename
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def _model_identity(cfg) -> dict:
-    """The fields that make two runs the same model (the preset name does not count)."""
-    m = cfg.model
-    return {
-        k: getattr(m, k)
-        for k in (
-            "n_layers",
-            "hidden_size",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_hidden_size",
-            "vocab_size",
-            "tie_embeddings",
-            "rope_theta",
-            "norm_eps",
-        )
-    }
-
-
-# ---- finding and checking (launcher side: JSON and file sizes only, no tensors)
-
-
-def find(run_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint ``train.resume`` names: none -> None; auto -> the newest complete one (None if
-    there is none); else that directory, which must be a complete checkpoint."""
-    if resume == "none":
-        return None
-    if resume != "auto":
-        path = Path(resume).expanduser().resolve()
-        verify(path)
-        return path
-    ckpt_root = root(run_dir)
-    pointer = ckpt_root / LATEST
-    if pointer.is_file():
-        candidate = ckpt_root / pointer.read_text().strip()
-        if (candidate / "meta.json").is_file():
-            return candidate
-    complete = _complete(ckpt_root)
-    return complete[-1] if complete else None
-
-
-def verify(path: Path) -> dict:
-    """meta.json of a complete checkpoint whose files are all present at their recorded sizes."""
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(
-            f"train.resume={path}: no complete checkpoint there (no meta.json)", "try train.resume=auto"
-        )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"checkpoint file {meta_path} is corrupt ({exc})", RESUME_EARLIER) from None
-    for rel, size in meta.get("files", {}).items():
-        f = path / rel
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing", RESUME_EARLIER)
-        if f.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint file {f} is truncated ({f.stat().st_size} of {size} bytes)", RESUME_EARLIER
-            )
-    return meta
-
-
-def check_compatible(meta: dict, cfg, path: Path) -> None:
-    """Refuse a checkpoint of another model or tokenizer; any mesh and ZeRO stage may resume it."""
-    want = _model_identity(cfg)
-    diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
-    if diff:
-        k, (was, now) = next(iter(diff.items()))
-        raise CheckpointError(
-            f"checkpoint {path} holds another model: model.{k}={was} there, {now} here; "
-            f"resume with model.{k}={was} or start a new run.dir"
-        )
-    if meta.get("tokenizer") != cfg.data.tokenizer:
-        raise CheckpointError(
-            f"checkpoint {path} was trained with data.tokenizer={meta.get('tokenizer')}, "
-            f"this run uses {cfg.data.tokenizer}; resume with data.tokenizer={meta.get('tokenizer')}"
-        )
 
 
 # ---- loading (workers)

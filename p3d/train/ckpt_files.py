@@ -22,17 +22,7 @@ from pathlib import Path
 
 import torch
 
-LEGACY_FORMAT = "p3d-checkpoint-1"
-RESUME_EARLIER = "resume an earlier checkpoint with train.resume=<its directory>"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed; the message names the file and what to do. ``problem`` is
-    the message without the advice (``fix``), for tools that advise otherwise (p3d-export)."""
-
-    def __init__(self, problem: str, fix: str | None = None):
-        super().__init__(f"{problem}; {fix}" if fix else problem)
-        self.problem, self.fix = problem, fix
+from p3d.train.ckpt_find import LEGACY_FORMAT, RESUME_EARLIER, CheckpointError
 
 
 class CheckpointSaveError(CheckpointError):
