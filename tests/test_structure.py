@@ -152,7 +152,7 @@ import sys
 from tests.conftest import typed
 from p3d.launch.prepare import check_run
 for data in (["data=stdlib"], ["data=files", "data.path={notes}"]):
-    cfg, _ = typed("train.resume=auto", *data, run_dir="{tmp_path / 'run'}")
+    cfg, _ = typed("train.resume=auto", *data, run_dir="{tmp_path / "run"}")
     check_run(cfg)
 print(sorted({{"torch", "datasets", "deepspeed", "transformers"}} & set(sys.modules)))
 """
