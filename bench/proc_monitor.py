@@ -24,14 +24,17 @@ def proc_cpu_s(pid: int) -> float | None:
 
 
 def find_pid(marker: str) -> int | None:
-    """The process whose command line holds ``marker`` and ``p3d.worker`` (the p3d-train worker of this run)."""
+    """The p3d-train worker of this run: a process named ``p3d-rank0`` (p3d.worker.name_process) whose command line
+    holds ``marker`` (its run directory: in the spec path of a fresh worker, or the launcher's ``run.dir=`` of a
+    forked one)."""
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
+                name = (d / "comm").read_text().strip()
                 cmdline = (d / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if "p3d.worker" in cmdline and marker in cmdline:
+            if name == "p3d-rank0" and marker in cmdline:
                 return int(d.name)
     return None
 

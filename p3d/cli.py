@@ -35,6 +35,13 @@ def train() -> None:
         from p3d.worker import leave
 
         leave(status)
+    if "torch" in sys.modules:  # imported to fork the workers (p3d.dist.forked): its module teardown takes ~1 s
+        import atexit
+
+        from p3d.worker import leave
+
+        atexit._run_exitfuncs()  # what an exit runs before tearing the modules down (7 ms here)
+        leave(status)
     sys.exit(status)
 
 

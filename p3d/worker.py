@@ -14,6 +14,8 @@ from pathlib import Path
 
 from p3d import exit_codes
 
+PROCESS_NAME = "p3d-rank"  # + the rank (p3d.dist.forked, tests' worker_pids)
+
 
 def skip_cpu_shm_build() -> None:
     """No JIT build of DeepSpeed's CPU shared-memory all-reduce (inference only): p3d.ds_compat."""
@@ -63,7 +65,21 @@ def log_placement(plan, rank: int) -> None:
 
     dp, pp, tp = Mesh.from_plan(plan, rank).coords
     local = os.environ.get("LOCAL_RANK", "0")
-    print(f"[rank {rank}] placement: host {socket.gethostname()} dp {dp} pp {pp} tp {tp} local {local}", flush=True)
+    print(
+        f"[rank {rank}] placement: host {socket.gethostname()} dp {dp} pp {pp} tp {tp} local {local} pid {os.getpid()}",
+        flush=True,
+    )
+
+
+def name_process(rank: str) -> None:
+    """``p3d-rank<R>`` as this process's name where Linux keeps it (``/proc/<pid>/comm``: what top, ``ps -o comm``
+    and ``pgrep p3d-rank`` show), for a worker started as a fresh interpreter or forked (p3d.dist.forked) alike."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, f"{PROCESS_NAME}{rank}".encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name stays the interpreter's
+        pass
 
 
 def run(spec_path: str | Path, cfg=None, plan=None) -> int:
@@ -111,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use.*", category=FutureWarning)
     from p3d.dist.rendezvous import MARKER, RendezvousError, check_reachable
 
+    name_process(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "")))
     try:
         check_reachable()
         leave(run(argv[0]))

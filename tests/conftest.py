@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+PLACEMENT_PID = re.compile(r"\[rank (\d+)\] placement: .* pid (\d+)")
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -66,19 +68,22 @@ def start_p3d_train(run_dir, *overrides: str, cwd: Path = ROOT, new_session: boo
 
 
 def worker_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of the p3d workers of this run (read from /proc)."""
+    """rank -> pid of the live p3d workers of this run: the pids their placement lines give (logs/rank<R>.log;
+    workers may be forked from the launcher and share its command line), each still named ``p3d-rank<R>``."""
     pids = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for log in (Path(run_dir) / "logs").glob("rank*.log"):
         try:
-            cmd = (proc / "cmdline").read_bytes()
-            if b"p3d.worker" not in cmd or str(run_dir).encode() not in cmd:
-                continue
-            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
-            pids[int(env["RANK"])] = int(proc.name)
-        except (OSError, KeyError, ValueError):
+            found = PLACEMENT_PID.findall(log.read_text(errors="replace"))
+        except OSError:
             continue
+        for rank, pid in found[-1:]:  # the latest launch's (a restart appends to the log)
+            try:
+                alive = Path(f"/proc/{pid}/comm").read_text().strip() == f"p3d-rank{rank}"
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if alive and state != "Z":
+                pids[int(rank)] = int(pid)
     return pids
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -238,3 +239,61 @@ def test_dry_run_of_a_torch_schedule_prints_each_ranks_chunks_and_exact_counts(p
         tied: dict = {}
         built = nn.ModuleList([ChunkModule(specs, bounds[c], bounds[c + 1], tied) for c in chunks])
         assert report.params[(pp, 0)] == sum(p.numel() for p in built.parameters()), pp
+
+
+@pytest.mark.procs
+def test_forked_and_fresh_workers_train_the_same_run(tmp_path):
+    """On CPU the launcher imports torch once and forks its workers (p3d.dist.forked); P3D_WORKER_START=exec
+    starts each as a fresh interpreter, as GPU runs do. Both give the same losses and norms to the last bit,
+    the same console lines and logs, and workers named p3d-rank<R> whose pids their placement lines give."""
+    runs = {}
+    for mode in ("fork", "exec"):
+        result = p3d_train(
+            "mesh=dp2_pp2", "train.steps=3", f"run.dir={tmp_path / mode}", env={"P3D_WORKER_START": mode}
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[mode] = result
+        logs = sorted((tmp_path / mode / "logs").iterdir())
+        assert [p.name for p in logs] == [f"rank{r}.log" for r in range(4)]
+        for r, log in enumerate(logs):
+            assert re.search(rf"\[rank {r}\] placement: host \S+ dp \d pp \d tp 0 local {r} pid \d+", log.read_text())
+    assert read_metrics(tmp_path / "fork") and [
+        (r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "fork")
+    ] == [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "exec")]
+    steps = {
+        m: [ln.split("| tok/s")[0] for ln in r.stdout.splitlines() if ln.startswith("step ")] for m, r in runs.items()
+    }
+    assert len(steps["fork"]) == 3 and steps["fork"] == steps["exec"]
+
+
+def test_workers_are_forked_only_where_it_is_safe(monkeypatch):
+    """gloo only (no CUDA in a forked child); never with P3D_WORKER_START=exec; never beside a thread that is
+    not the run lease's heartbeat (a fork copies only the calling thread, and a lock held by another would
+    stay held in the child), nor where the kernel's thread count cannot be read or shows threads Python does
+    not know of (gloo's, in a process that ran collectives)."""
+    import threading
+    import types
+
+    from p3d.dist import forked
+
+    def threads(*names):
+        found = [threading.main_thread(), *(types.SimpleNamespace(name=n) for n in names)]
+        monkeypatch.setattr(forked.threading, "enumerate", lambda: found)
+        monkeypatch.setattr(forked, "native_threads", lambda: len(found))
+
+    monkeypatch.delenv(forked.WORKER_START, raising=False)
+    threads()
+    assert forked.can_fork("gloo")
+    assert not forked.can_fork("nccl")
+    monkeypatch.setenv(forked.WORKER_START, "exec")
+    assert not forked.can_fork("gloo")
+    monkeypatch.setenv(forked.WORKER_START, "fork")
+    threads("p3d-lease")
+    assert forked.can_fork("gloo")
+    threads("a-stranger")
+    assert not forked.can_fork("gloo")
+    threads()
+    monkeypatch.setattr(forked, "native_threads", lambda: None)  # not Linux
+    assert not forked.can_fork("gloo")
+    monkeypatch.setattr(forked, "native_threads", lambda: 40)
+    assert not forked.can_fork("gloo")

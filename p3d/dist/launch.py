@@ -17,13 +17,15 @@ import uuid
 from pathlib import Path
 
 from p3d import exit_codes
-from p3d.dist import hang
+from p3d.dist import forked, hang
+from p3d.dist.follow import follow
 from p3d.dist.mesh import Mesh
-from p3d.run_dir import logs as run_logs
 from p3d.dist.rendezvous import MARKER, file_url, store_path
 from p3d.dist.stop import StopSignals
+from p3d.run_dir import logs as run_logs
 
 POLL_S = 0.1
+FOLLOW_S = 0.05  # how often the console shows what the logging rank wrote
 GRACE_S = 5.0
 HANG_GATHER_S = 10.0  # after the first hang report, how long the other waiting ranks have to write theirs
 
@@ -40,15 +42,21 @@ def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
     return env
 
 
-def _pump(pipe, log, console) -> None:
-    """Copy the logging rank's output to its log and the console as it comes (a progress bar's
-    carriage returns included)."""
-    fd = pipe.fileno()
-    while chunk := os.read(fd, 65536):
-        log.write(chunk)
-        log.flush()
-        console.write(chunk.decode(errors="replace"))
-        console.flush()
+class Console:
+    """The logging rank's log, followed onto the console (p3d.dist.follow) while the workers run."""
+
+    def __init__(self, log: Path, console):
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=follow, args=(log, self._done.is_set, console, FOLLOW_S), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Copy the rest of the log (the workers have ended, or are being stopped) and stop following."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
 
 def _tail(path: Path, n: int = 20) -> str:
@@ -58,7 +66,7 @@ def _tail(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
-def _stop(procs: dict[int, subprocess.Popen], sig=signal.SIGTERM) -> None:
+def _stop(procs: dict[int, forked.Worker], sig=signal.SIGTERM) -> None:
     for p in procs.values():
         if p.poll() is None:
             try:
@@ -93,7 +101,7 @@ def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
     return min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), f[0]))
 
 
-def _report_hang(procs: dict[int, subprocess.Popen], plan, logs: Path, console, pumps, failure: dict) -> int:
+def _report_hang(procs: dict[int, forked.Worker], plan, logs: Path, console, shown: Console, failure: dict) -> int:
     """A rank's hang watch fired (p3d.dist.hang): give the other waiting ranks a moment to report too, stop
     the job, and say who waited on whom and who never arrived."""
     deadline = time.monotonic() + HANG_GATHER_S
@@ -105,8 +113,7 @@ def _report_hang(procs: dict[int, subprocess.Popen], plan, logs: Path, console, 
     reports = hang.read_reports(logs)
     running = [r for r, p in procs.items() if p.poll() is None and r not in reports]
     _stop(procs)
-    for t in pumps:
-        t.join(timeout=5)
+    shown.drain()
     mesh = Mesh.from_plan(plan, 0)
     print(hang.summarize(reports, running, mesh), file=console, flush=True)
     absent = sorted({p for r in reports.values() for p in r["peers"]} - set(reports))
@@ -135,35 +142,35 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: 
     for old in logs.glob(f"rank*{hang.REPORT_SUFFIX}"):  # an earlier launch's hang reports
         old.unlink()
     store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
-    procs: dict[int, subprocess.Popen] = {}
-    pumps = []
+    procs: dict[int, forked.Worker] = {}
+    shown = Console(logs / f"rank{plan.logging_rank}.log", console)
+    fork = forked.can_fork(plan.backend)
+    if fork:
+        forked.preload()  # before the signal handlers: a Ctrl-C here is the launcher's KeyboardInterrupt
     signals = StopSignals(procs, console).install()  # SIGTERM/SIGUSR1 forwarded; Ctrl-C: save, twice: abort
     received = signals.received
     try:
         for rank in range(plan.world_size):
-            log = open(logs / f"rank{rank}.log", "wb")
-            to_console = rank == plan.logging_rank
-            p = subprocess.Popen([sys.executable, "-m", "p3d.worker", str(spec_path)], env=worker_env(plan, rank, store),
-                                 stdout=subprocess.PIPE if to_console else log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-            procs[rank] = p
-            if to_console:
-                t = threading.Thread(target=_pump, args=(p.stdout, log, console), daemon=True)
-                t.start()
-                pumps.append(t)
+            with open(logs / f"rank{rank}.log", "wb") as log:  # each worker writes its own log
+                if fork:
+                    procs[rank] = forked.fork_worker(spec_path, worker_env(plan, rank, store), log.fileno())
+                else:
+                    procs[rank] = subprocess.Popen([sys.executable, "-m", "p3d.worker", str(spec_path)],
+                                                   env=worker_env(plan, rank, store), stdout=log,
+                                                   stderr=subprocess.STDOUT, start_new_session=True)
+        shown.start()  # once every worker is: no fork while this thread writes to the console
         if on_started is not None:
             on_started()
         ok = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.NONFINITE)  # every rank ends with the same one
         while True:
-            failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, *ok)]
+            failed = [(r, rc) for r, rc in ((r, p.poll()) for r, p in procs.items()) if rc is not None and rc not in ok]
             if any(rc == exit_codes.HUNG for _, rc in failed) or hang.read_reports(logs):
-                return _report_hang(procs, plan, logs, console, pumps, failure)
+                return _report_hang(procs, plan, logs, console, shown, failure)
             if failed:
                 rank, rc = _first_cause(failed, logs)
                 break
             if all(p.returncode in ok for p in procs.values()):
-                for t in pumps:
-                    t.join(timeout=5)
+                shown.drain()
                 for status in (exit_codes.NONFINITE, exit_codes.PREEMPTED):
                     if any(p.returncode == status for p in procs.values()):
                         return status  # NONFINITE: the logging rank printed the step, the quantity and the stage
@@ -172,8 +179,7 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: 
         others = sum(1 for p in procs.values() if p.poll() is None)
         _stop(procs)
         also = sorted(r for r, _ in failed if r != rank)
-        for t in pumps:
-            t.join(timeout=5)
+        shown.drain()
         failure.update(restartable=rc < 0 and not received, cause=f"rank {rank} {describe_exit(rc)}")
         if received:
             print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
@@ -193,5 +199,6 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: 
     finally:
         if any(p.poll() is None for p in procs.values()):  # an exception in this function: leave no orphans
             _stop(procs, signal.SIGKILL)
+        shown.drain()
         signals.restore()
         store.unlink(missing_ok=True)

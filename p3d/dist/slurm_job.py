@@ -20,11 +20,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
+from p3d.dist.follow import follow
 from p3d.dist.slurm import SLURM_TIMEOUT_S, layout
 from p3d.run_dir import log_job, rank_log
 from p3d.run_dir import logs as run_logs
@@ -73,24 +73,6 @@ def srun_command(lay, spec: Path, python: str = sys.executable) -> list[str]:
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # srun (22.05+) no longer inherits it from the job
         cmd.append(f"--cpus-per-task={os.environ['SLURM_CPUS_PER_TASK']}")
     return cmd + [python, "-m", "p3d.worker", str(spec)]
-
-
-def _follow(path: Path, proc: subprocess.Popen, out) -> None:
-    """Copy what the logging rank appends to its log to ``out`` until the step ends."""
-    offset = path.stat().st_size if path.exists() else 0
-    while True:
-        done = proc.poll() is not None
-        if path.exists():
-            with open(path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-            offset += len(chunk)
-            if chunk:
-                out.write(chunk.decode(errors="replace"))
-                out.flush()
-        if done:
-            return
-        time.sleep(0.5)
 
 
 def link_job_log(run_dir: Path, job: str) -> None:
@@ -142,8 +124,10 @@ def run_step(cfg, plan, spec: Path) -> int:
             proc.send_signal(signum)  # srun passes SIGUSR1 / SIGTERM on to every task
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
-    follower = threading.Thread(target=_follow, args=(rank_log(run_dir, plan.logging_rank), proc,
-                                                      sys.stdout), daemon=True)
+    log = rank_log(run_dir, plan.logging_rank)  # appended to by each step of the job (--open-mode=append)
+    start = log.stat().st_size if log.exists() else 0
+    follower = threading.Thread(target=follow, args=(log, lambda: proc.poll() is not None, sys.stdout, 0.5, start),
+                                daemon=True)
     follower.start()
     try:
         rc = proc.wait()
@@ -182,7 +166,6 @@ def resume_spec(run_dir: str) -> int:
     """Re-freeze the spec of a requeued job with train.resume=auto resolved to the newest complete
     checkpoint (as ``p3d-train train.resume=auto run.dir=<run_dir>`` would)."""
     from p3d.config.spec import read_spec, write_spec
-
     from p3d.launch.prepare import check_run  # resolves auto to a checkpoint dir and checks it
 
     cfg, plan = read_spec(run_dir)

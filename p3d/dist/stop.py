@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-from typing import Callable, Mapping, TextIO
+from collections.abc import Callable, Mapping
+from typing import TextIO
 
 from p3d import exit_codes
+from p3d.dist.forked import Worker
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -28,14 +29,14 @@ class StopSignals:
     """Installed while the workers run (:meth:`install`, :meth:`restore`); ``received`` lists the
     signals the launcher got."""
 
-    def __init__(self, procs: Mapping[int, subprocess.Popen], console: TextIO):
+    def __init__(self, procs: Mapping[int, Worker], console: TextIO):
         self.procs = procs
         self.console = console
         self.received: list[int] = []
         self.aborted = False
         self._old: dict[int, Callable | int | None] = {}
 
-    def install(self) -> "StopSignals":
+    def install(self) -> StopSignals:
         self._old = {s: signal.signal(s, self._handle) for s in FORWARDED}
         return self
 
