@@ -8,8 +8,9 @@ lasts longer than ``cluster.timeout_s``, the thread writes one ``p3d-hang:`` JSO
 whom) and the Python stack of every thread (``faulthandler``) to the rank's log, the same JSON to
 ``logs/rank<N>.hang.json`` (what the local launcher watches for), and, if nothing has stopped the process
 ``EXIT_AFTER_S`` later, ends it with ``exit_codes.HUNG``. It does not exit at once: its peers, waiting on it,
-would fail with a lost connection before their own watches speak. The process group's own timeout is set later than that (``COLLECTIVE_MARGIN_S``), so the
-report, not a bare gloo/NCCL timeout error, is what a hang produces. A rank that is stopped (SIGSTOP), or stuck
+would fail with a lost connection before their own watches speak. The process group's own timeout is set
+later than that (``COLLECTIVE_MARGIN_S``), so the report, not a bare gloo/NCCL timeout error, is what a hang
+produces. A rank that is stopped (SIGSTOP), or stuck
 in its own compute, writes no such line: the others' lines name it as the peer that never arrived.
 
 Launcher side (:func:`summarize`): the waiting ranks, each with its instruction and peers, and the ranks they

@@ -5,6 +5,7 @@ file-store rendezvous in the run directory (no fixed port to collide). Worker ou
 ``<run.dir>/logs/rank<N>.log``; the logging rank's output is also copied to this console. If one
 worker exits with an error, the others are stopped at once and the rank is named.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,16 @@ HANG_GATHER_S = 10.0  # after the first hang report, how long the other waiting 
 
 def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(rank % plan.procs_per_node),
-               LOCAL_WORLD_SIZE=str(plan.procs_per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
-               P3D_INIT_METHOD=file_url(store), PYTHONUNBUFFERED="1")
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_RANK=str(rank % plan.procs_per_node),
+        LOCAL_WORLD_SIZE=str(plan.procs_per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",
+        P3D_INIT_METHOD=file_url(store),
+        PYTHONUNBUFFERED="1",
+    )
     if plan.backend == "gloo":
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     if sys.stdout.isatty():
@@ -86,14 +94,23 @@ def _stop(procs: dict[int, forked.Worker], sig=signal.SIGTERM) -> None:
 
 
 # What a worker prints when a peer, not itself, went away first.
-_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
-              "ProcessGroupGloo", "DistNetworkError", "Socket Timeout", MARKER)  # MARKER: it waited for a peer
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker crashing",
+    "ProcessGroupGloo",
+    "DistNetworkError",
+    "Socket Timeout",
+    MARKER,
+)  # MARKER: it waited for a peer
 
 
 def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
     """Of the workers found dead in one poll, the one that failed first: its peers die of the lost
     connection a moment later. A signal death beats an error exit; an error that is not a lost
     peer beats one that is; then the lowest rank."""
+
     def secondary(rank: int) -> bool:
         tail = _tail(logs / f"rank{rank}.log", 40)
         return any(marker in tail for marker in _PEER_LOSS)
@@ -155,9 +172,13 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: 
                 if fork:
                     procs[rank] = forked.fork_worker(spec_path, worker_env(plan, rank, store), log.fileno())
                 else:
-                    procs[rank] = subprocess.Popen([sys.executable, "-m", "p3d.worker", str(spec_path)],
-                                                   env=worker_env(plan, rank, store), stdout=log,
-                                                   stderr=subprocess.STDOUT, start_new_session=True)
+                    procs[rank] = subprocess.Popen(
+                        [sys.executable, "-m", "p3d.worker", str(spec_path)],
+                        env=worker_env(plan, rank, store),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
         shown.start()  # once every worker is: no fork while this thread writes to the console
         if on_started is not None:
             on_started()
@@ -189,12 +210,19 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: 
         if rc == exit_codes.RENDEZVOUS_FAILED:  # the worker's own line names the store or host:port and the cause
             why = [ln for ln in _tail(logs / f"rank{rank}.log").splitlines() if MARKER in ln]
             cause = why[-1].split(MARKER, 1)[1].strip() if why else f"see {logs / f'rank{rank}.log'}"
-            print(f"p3d: the workers could not rendezvous: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {cause}{then}; "
-                  f"stopped the other {others} running workers", file=console, flush=True)
+            print(
+                f"p3d: the workers could not rendezvous: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {cause}{then}; "
+                f"stopped the other {others} running workers",
+                file=console,
+                flush=True,
+            )
             return exit_codes.WORKER_FAILED
-        print(f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}{then}; stopped the other {others} "
-              f"running workers. Last lines of {logs / f'rank{rank}.log'}:\n{_tail(logs / f'rank{rank}.log')}",
-              file=console, flush=True)
+        print(
+            f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}{then}; stopped the other {others} "
+            f"running workers. Last lines of {logs / f'rank{rank}.log'}:\n{_tail(logs / f'rank{rank}.log')}",
+            file=console,
+            flush=True,
+        )
         return exit_codes.WORKER_FAILED
     finally:
         if any(p.poll() is None for p in procs.values()):  # an exception in this function: leave no orphans

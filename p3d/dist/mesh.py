@@ -4,12 +4,13 @@ The rank arithmetic (tp fastest, then dp, then pp; DeepSpeed's pipe/data/model a
 :mod:`p3d.parallel_dims`, shared with validation, the planner and the dry run; ``with_groups``
 creates the process groups in the same order on every rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Optional
+from typing import Any
 
 from p3d.parallel_dims import ParallelDims
 
@@ -20,7 +21,7 @@ class Mesh:
     pp: int
     dp: int
     rank: int = 0
-    procs_per_node: Optional[int] = None  # None: the whole world on one node
+    procs_per_node: int | None = None  # None: the whole world on one node
     tp_group: Any = field(default=None, compare=False, repr=False)
     pp_group: Any = field(default=None, compare=False, repr=False)
     dp_group: Any = field(default=None, compare=False, repr=False)
@@ -31,7 +32,7 @@ class Mesh:
             raise ValueError(f"Mesh.rank={self.rank} outside world size {self.world_size}")
 
     @classmethod
-    def from_plan(cls, plan, rank: int) -> "Mesh":
+    def from_plan(cls, plan, rank: int) -> Mesh:
         return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, rank=rank, procs_per_node=plan.procs_per_node)
 
     @property
@@ -73,14 +74,18 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
     # ---- process groups
-    def with_groups(self) -> "Mesh":
+    def with_groups(self) -> Mesh:
         """Create every group; each rank must call this with the same mesh (same order of new_group)."""
         import torch.distributed as dist
 
         groups = {}
         d = self.dims
-        for name, lists in (("tp_group", d.tp_ranks()), ("pp_group", d.pp_ranks()),
-                            ("dp_group", d.dp_ranks()), ("replica_group", d.replica_ranks())):
+        for name, lists in (
+            ("tp_group", d.tp_ranks()),
+            ("pp_group", d.pp_ranks()),
+            ("dp_group", d.dp_ranks()),
+            ("replica_group", d.replica_ranks()),
+        ):
             for ranks in lists:
                 g = dist.new_group(ranks=ranks)
                 if self.rank in ranks:

@@ -28,7 +28,9 @@ def step_in_flight(run_dir: Path) -> int:
     return (records[-1]["step"] if records else 0) + 1
 
 
-def decide(this: tuple[int, str], previous: tuple[int, str] | None, restarts: int, max_restarts: int) -> tuple[bool, str]:
+def decide(
+    this: tuple[int, str], previous: tuple[int, str] | None, restarts: int, max_restarts: int
+) -> tuple[bool, str]:
     """(restart, the console line) for a restartable failure ``this`` = (step in flight, cause), after
     ``restarts`` restarts whose last failure was ``previous``."""
     if this == previous:

@@ -12,6 +12,7 @@
 The derivation is pure (``layout``, ``sbatch_args``, ``check_fits``) and unit-tested; everything that
 talks to Slurm goes through ``sbatch``, ``sinfo`` and ``scontrol`` with a timeout.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
@@ -37,8 +37,8 @@ class Layout:
 
     nodes: int
     ntasks_per_node: int
-    gpus_per_node: Optional[int]  # None on cpu: no GPUs requested
-    cpus_per_task: Optional[int]
+    gpus_per_node: int | None  # None on cpu: no GPUs requested
+    cpus_per_task: int | None
 
     @property
     def world_size(self) -> int:
@@ -53,17 +53,23 @@ def layout(cfg, plan) -> Layout:
         raise P3DConfigError(f"cluster.nodes={c.nodes} must be at least 1; try cluster.nodes=1")
     if c.gpus_per_node is None:  # cpu workers: the mesh decides the world, spread evenly over the nodes
         if world % c.nodes:
-            raise P3DConfigError(f"cluster.nodes={c.nodes} does not divide the mesh's {world} ranks "
-                                 f"(dp={plan.dp} x pp={plan.pp} x tp={plan.tp}); try cluster.nodes=1")
+            raise P3DConfigError(
+                f"cluster.nodes={c.nodes} does not divide the mesh's {world} ranks "
+                f"(dp={plan.dp} x pp={plan.pp} x tp={plan.tp}); try cluster.nodes=1"
+            )
         per_node = world // c.nodes
     else:
         per_node = c.gpus_per_node
         if per_node < 1 or per_node * c.nodes != world:
-            raise P3DConfigError(f"cluster.gpus_per_node={per_node} x cluster.nodes={c.nodes} must equal the mesh's "
-                                 f"{world} ranks; try mesh.dp=auto")
+            raise P3DConfigError(
+                f"cluster.gpus_per_node={per_node} x cluster.nodes={c.nodes} must equal the mesh's "
+                f"{world} ranks; try mesh.dp=auto"
+            )
     if c.nodes > 1 and per_node % plan.tp:
-        raise P3DConfigError(f"mesh.tp={plan.tp} must divide the {per_node} ranks per node, so that a TP group stays "
-                             f"inside one node; try cluster.nodes={max(1, world // max(plan.tp, per_node))}")
+        raise P3DConfigError(
+            f"mesh.tp={plan.tp} must divide the {per_node} ranks per node, so that a TP group stays "
+            f"inside one node; try cluster.nodes={max(1, world // max(plan.tp, per_node))}"
+        )
     if c.cpus_per_task is not None and c.cpus_per_task < 1:
         raise P3DConfigError(f"cluster.cpus_per_task={c.cpus_per_task} must be positive or null")
     gpus = None if c.device == "cpu" else per_node
@@ -77,8 +83,9 @@ def time_seconds(value: str) -> int:
     """Slurm's --time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in seconds."""
     m = _TIME.match(str(value).strip())
     if not m:
-        raise P3DConfigError(f"cluster.time={value} is not a Slurm time limit; try cluster.time=01:00:00 "
-                             "(or minutes, or D-HH:MM:SS)")
+        raise P3DConfigError(
+            f"cluster.time={value} is not a Slurm time limit; try cluster.time=01:00:00 (or minutes, or D-HH:MM:SS)"
+        )
     days, a, b, c = m.groups()
     if days is not None:  # D-H, D-H:M, D-H:M:S
         secs = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
@@ -97,16 +104,18 @@ def time_minutes(value: str) -> int:
     return -(-time_seconds(value) // 60)
 
 
-def checked_time_limit(c) -> Optional[int]:
+def checked_time_limit(c) -> int | None:
     """cluster.time in seconds (None: the partition's default). A malformed limit, or one the checkpoint
     signal would not fit in, is refused here, not by sbatch (both the recipe and sweep jobs use this)."""
     if c.time is None:
         return None
     limit = time_seconds(c.time)
     if c.signal_s >= limit:
-        raise P3DConfigError(f"cluster.signal_s={c.signal_s} must be shorter than cluster.time={c.time} "
-                             f"({limit} s): the checkpoint signal would come at the start; try "
-                             f"cluster.signal_s={max(1, limit // 5)}")
+        raise P3DConfigError(
+            f"cluster.signal_s={c.signal_s} must be shorter than cluster.time={c.time} "
+            f"({limit} s): the checkpoint signal would come at the start; try "
+            f"cluster.signal_s={max(1, limit // 5)}"
+        )
     return limit
 
 
@@ -130,8 +139,11 @@ def sbatch_args(cfg, lay: Layout, run_dir: str | Path) -> list[str]:
 
 def placement_args(c) -> list[str]:
     """--partition, --account, --qos and --constraint of the cluster config (unset: Slurm's default)."""
-    return [f"--{flag}={getattr(c, flag)}" for flag in ("partition", "account", "qos", "constraint")
-            if getattr(c, flag) is not None]
+    return [
+        f"--{flag}={getattr(c, flag)}"
+        for flag in ("partition", "account", "qos", "constraint")
+        if getattr(c, flag) is not None
+    ]
 
 
 @dataclass(frozen=True)
@@ -152,7 +164,7 @@ def parse_gres_gpus(gres: str) -> int:
     return total
 
 
-def parse_sinfo(text: str, partition: Optional[str]) -> Partition:
+def parse_sinfo(text: str, partition: str | None) -> Partition:
     """Rows of ``sinfo -h -N -o '%N|%c|%G|%P'``: nodes of ``partition``, or of the default one (marked *)."""
     rows = [line.split("|") for line in text.splitlines() if line.count("|") == 3]
     if partition is None:
@@ -164,17 +176,23 @@ def parse_sinfo(text: str, partition: Optional[str]) -> Partition:
         raise P3DConfigError(f"{which}: Slurm lists no nodes there; see `sinfo` and set cluster.partition")
     name = rows[0][3].rstrip("*")
     nodes = {r[0] for r in rows}
-    return Partition(name=name, nodes=len(nodes), cpus_per_node=min(int(r[1]) for r in rows),
-                     gpus_per_node=min(parse_gres_gpus(r[2]) for r in rows))
+    return Partition(
+        name=name,
+        nodes=len(nodes),
+        cpus_per_node=min(int(r[1]) for r in rows),
+        gpus_per_node=min(parse_gres_gpus(r[2]) for r in rows),
+    )
 
 
-def partition_info(partition: Optional[str]) -> Partition:
+def partition_info(partition: str | None) -> Partition:
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%c|%G|%P"], capture_output=True, text=True,
-                             timeout=SLURM_TIMEOUT_S)
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N|%c|%G|%P"], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise P3DConfigError(f"cluster.launcher=slurm but `sinfo` failed ({exc}); is this a Slurm login node? "
-                             "try cluster=local") from None
+        raise P3DConfigError(
+            f"cluster.launcher=slurm but `sinfo` failed ({exc}); is this a Slurm login node? try cluster=local"
+        ) from None
     if out.returncode:
         raise P3DConfigError(f"cluster.launcher=slurm but `sinfo` failed: {out.stderr.strip()}; try cluster=local")
     return parse_sinfo(out.stdout, partition)
@@ -184,22 +202,37 @@ def check_fits(lay: Layout, part: Partition, plan) -> None:
     """Refuse a job the partition can never run. Raises P3DConfigError naming the fix."""
     mesh = f"the mesh (dp={plan.dp} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks)"
     if lay.nodes > part.nodes:
-        raise P3DConfigError(f"cluster.nodes={lay.nodes} exceeds the {part.nodes} node(s) of partition {part.name}; "
-                             f"try cluster.nodes={part.nodes} with a smaller mesh, or another cluster.partition")
+        raise P3DConfigError(
+            f"cluster.nodes={lay.nodes} exceeds the {part.nodes} node(s) of partition {part.name}; "
+            f"try cluster.nodes={part.nodes} with a smaller mesh, or another cluster.partition"
+        )
     cpt = lay.cpus_per_task or 1
     if lay.ntasks_per_node * cpt > part.cpus_per_node:
         fits = part.cpus_per_node // cpt  # ranks one node can hold
-        nodes = next((n for n in range(lay.nodes + 1, lay.world_size + 1)
-                      if lay.world_size % n == 0 and lay.world_size // n <= fits), None)
-        spread = (f"cluster.nodes={nodes} cluster.gpus_per_node={lay.world_size // nodes}, "
-                  if nodes and nodes <= part.nodes else "")
-        raise P3DConfigError(f"cluster.nodes={lay.nodes}: {mesh} needs {lay.ntasks_per_node} tasks x {cpt} CPUs = "
-                             f"{lay.ntasks_per_node * cpt} CPUs per node, but the nodes of partition {part.name} have "
-                             f"{part.cpus_per_node}; try {spread}a smaller mesh, or fewer cluster.cpus_per_task")
+        nodes = next(
+            (
+                n
+                for n in range(lay.nodes + 1, lay.world_size + 1)
+                if lay.world_size % n == 0 and lay.world_size // n <= fits
+            ),
+            None,
+        )
+        spread = (
+            f"cluster.nodes={nodes} cluster.gpus_per_node={lay.world_size // nodes}, "
+            if nodes and nodes <= part.nodes
+            else ""
+        )
+        raise P3DConfigError(
+            f"cluster.nodes={lay.nodes}: {mesh} needs {lay.ntasks_per_node} tasks x {cpt} CPUs = "
+            f"{lay.ntasks_per_node * cpt} CPUs per node, but the nodes of partition {part.name} have "
+            f"{part.cpus_per_node}; try {spread}a smaller mesh, or fewer cluster.cpus_per_task"
+        )
     if lay.gpus_per_node and lay.gpus_per_node > part.gpus_per_node:
-        raise P3DConfigError(f"cluster.gpus_per_node={lay.gpus_per_node} exceeds the {part.gpus_per_node} GPUs per "
-                             f"node of partition {part.name}; try cluster.gpus_per_node={part.gpus_per_node} and "
-                             "more cluster.nodes, or another cluster.partition")
+        raise P3DConfigError(
+            f"cluster.gpus_per_node={lay.gpus_per_node} exceeds the {part.gpus_per_node} GPUs per "
+            f"node of partition {part.name}; try cluster.gpus_per_node={part.gpus_per_node} and "
+            "more cluster.nodes, or another cluster.partition"
+        )
 
 
 def recipe_path(cfg) -> Path:
@@ -264,8 +297,11 @@ def dispatch(cfg, plan, spec: Path, lease=None) -> int:
         lease.hand_to_job(job_id)
     lay = layout(cfg, plan)
     gpus = f", {lay.gpus_per_node} GPUs each" if lay.gpus_per_node else ""
-    print(f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}, "
-          f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}\n"
-          f"p3d: run dir {spec.parent}\np3d: job log {log}\n"
-          f"p3d: watch it with: squeue -j {job_id}; tail -f {log}", flush=True)
+    print(
+        f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}, "
+        f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}\n"
+        f"p3d: run dir {spec.parent}\np3d: job log {log}\n"
+        f"p3d: watch it with: squeue -j {job_id}; tail -f {log}",
+        flush=True,
+    )
     return exit_codes.OK

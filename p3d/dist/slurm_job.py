@@ -11,6 +11,7 @@ requeues itself and the next start resumes from the newest checkpoint.
     python -m p3d.dist.slurm_job layout <run_dir>   # the recipe: world, tasks per node, ... of the spec
     python -m p3d.dist.slurm_job resume <run_dir>   # the recipe after a requeue: train.resume=auto
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,9 @@ from p3d.run_dir import logs as run_logs
 
 
 def hostnames(nodelist: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                         timeout=SLURM_TIMEOUT_S, check=True)
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, check=True
+    )
     return out.stdout.split()
 
 
@@ -67,9 +69,16 @@ def srun_command(lay, spec: Path, python: str = sys.executable) -> list[str]:
     logs = run_logs(spec.parent)
     # Not --kill-on-bad-exit: a rank that saved its part of a checkpoint and exits 75 a moment before the
     # others would get them killed mid-exit. --wait bounds how long the others may outlive a failed rank.
-    cmd = ["srun", "--kill-on-bad-exit=0", f"--wait={os.environ.get('P3D_SRUN_WAIT', '60')}",
-           f"--nodes={lay.nodes}", f"--ntasks={lay.world_size}", f"--ntasks-per-node={lay.ntasks_per_node}",
-           f"--output={logs}/rank%t.log", "--open-mode=append"]
+    cmd = [
+        "srun",
+        "--kill-on-bad-exit=0",
+        f"--wait={os.environ.get('P3D_SRUN_WAIT', '60')}",
+        f"--nodes={lay.nodes}",
+        f"--ntasks={lay.world_size}",
+        f"--ntasks-per-node={lay.ntasks_per_node}",
+        f"--output={logs}/rank%t.log",
+        "--open-mode=append",
+    ]
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # srun (22.05+) no longer inherits it from the job
         cmd.append(f"--cpus-per-task={os.environ['SLURM_CPUS_PER_TASK']}")
     return cmd + [python, "-m", "p3d.worker", str(spec)]
@@ -92,8 +101,11 @@ def requeue(cfg, run_dir: Path) -> bool:
     job = os.environ.get("SLURM_JOB_ID")
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if not job or not cfg.cluster.requeue or restarts >= cfg.cluster.max_requeues:
-        print(f"p3d: workers stopped after a checkpoint; not requeued (cluster.requeue={cfg.cluster.requeue}, "
-              f"restart {restarts} of at most {cfg.cluster.max_requeues})", flush=True)
+        print(
+            f"p3d: workers stopped after a checkpoint; not requeued (cluster.requeue={cfg.cluster.requeue}, "
+            f"restart {restarts} of at most {cfg.cluster.max_requeues})",
+            flush=True,
+        )
         return False
     print(f"p3d: workers saved a checkpoint and stopped; requeueing job {job} (restart {restarts + 1})", flush=True)
     log_job(run_dir, f"{job} requeue after restart {restarts}")
@@ -111,11 +123,17 @@ def run_step(cfg, plan, spec: Path) -> int:
     env = step_env(plan)
     cmd = srun_command(lay, spec)
     job = os.environ.get("SLURM_JOB_ID", "?")
-    log_job(run_dir, f"{job} step start (restart {os.environ.get('SLURM_RESTART_COUNT', '0')}) on "
-                     f"{os.environ.get('SLURM_JOB_NODELIST', '?')}")
-    print(f"p3d: run dir {run_dir}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
-          f"srun {lay.world_size} tasks ({lay.nodes} node(s) x {lay.ntasks_per_node}) in job {job}, master "
-          f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}; logs in {run_dir / 'logs'}", flush=True)
+    log_job(
+        run_dir,
+        f"{job} step start (restart {os.environ.get('SLURM_RESTART_COUNT', '0')}) on "
+        f"{os.environ.get('SLURM_JOB_NODELIST', '?')}",
+    )
+    print(
+        f"p3d: run dir {run_dir}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
+        f"srun {lay.world_size} tasks ({lay.nodes} node(s) x {lay.ntasks_per_node}) in job {job}, master "
+        f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}; logs in {run_dir / 'logs'}",
+        flush=True,
+    )
     link_job_log(run_dir, job)
     proc = subprocess.Popen(cmd, env=env)
 
@@ -126,8 +144,9 @@ def run_step(cfg, plan, spec: Path) -> int:
     old = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
     log = rank_log(run_dir, plan.logging_rank)  # appended to by each step of the job (--open-mode=append)
     start = log.stat().st_size if log.exists() else 0
-    follower = threading.Thread(target=follow, args=(log, lambda: proc.poll() is not None, sys.stdout, 0.5, start),
-                                daemon=True)
+    follower = threading.Thread(
+        target=follow, args=(log, lambda: proc.poll() is not None, sys.stdout, 0.5, start), daemon=True
+    )
     follower.start()
     try:
         rc = proc.wait()
@@ -144,12 +163,14 @@ def run_step(cfg, plan, spec: Path) -> int:
         os._exit(rc)
     if rc and rc != exit_codes.PREEMPTED:
         hang_summary(str(run_dir))
-        print(f"p3d: srun exited with status {rc}; the rank logs are in {run_dir / 'logs'}", file=sys.stderr,
-              flush=True)
+        print(
+            f"p3d: srun exited with status {rc}; the rank logs are in {run_dir / 'logs'}", file=sys.stderr, flush=True
+        )
     return rc
 
 
 # ---- helpers the batch recipe calls
+
 
 def print_layout(run_dir: str) -> int:
     """One line for the recipe: world tasks_per_node nodes backend logging_rank requeue max_requeues gpus."""
@@ -157,8 +178,16 @@ def print_layout(run_dir: str) -> int:
 
     cfg, plan = read_spec(run_dir)
     lay = layout(cfg, plan)
-    print(lay.world_size, lay.ntasks_per_node, lay.nodes, plan.backend, plan.logging_rank,
-          int(cfg.cluster.requeue), cfg.cluster.max_requeues, lay.gpus_per_node or 0)
+    print(
+        lay.world_size,
+        lay.ntasks_per_node,
+        lay.nodes,
+        plan.backend,
+        plan.logging_rank,
+        int(cfg.cluster.requeue),
+        cfg.cluster.max_requeues,
+        lay.gpus_per_node or 0,
+    )
     return 0
 
 
@@ -169,8 +198,9 @@ def resume_spec(run_dir: str) -> int:
     from p3d.launch.prepare import check_run  # resolves auto to a checkpoint dir and checks it
 
     cfg, plan = read_spec(run_dir)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="auto"),
-                              run=dataclasses.replace(cfg.run, dir=str(run_dir)))
+    cfg = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, resume="auto"), run=dataclasses.replace(cfg.run, dir=str(run_dir))
+    )
     try:
         cfg = check_run(cfg)
     except P3DConfigError as exc:

@@ -12,6 +12,7 @@
 Workers run in their own sessions (``start_new_session``), so a terminal's Ctrl-C, which goes to the
 whole foreground process group, reaches only the launcher, and every worker hears it from here, once.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,15 +66,21 @@ class StopSignals:
         if signum != signal.SIGINT:
             self._send(signum)
         elif first_int:
-            self._say("p3d: Ctrl-C: the workers finish the step in flight, save a checkpoint and stop "
-                      "(exit status 75; resume with train.resume=auto); press Ctrl-C again to abort without saving")
+            self._say(
+                "p3d: Ctrl-C: the workers finish the step in flight, save a checkpoint and stop "
+                "(exit status 75; resume with train.resume=auto); press Ctrl-C again to abort without saving"
+            )
             self._send(signal.SIGTERM)
         elif not any(p.poll() is None for p in self.procs.values()):
             # the first Ctrl-C's save was quicker than the second press: nothing is left to abort
             saved = all(p.returncode == exit_codes.PREEMPTED for p in self.procs.values())
-            self._say(f"p3d: second Ctrl-C: the workers had already {'saved a checkpoint and ' if saved else ''}stopped")
+            self._say(
+                f"p3d: second Ctrl-C: the workers had already {'saved a checkpoint and ' if saved else ''}stopped"
+            )
         else:
             self.aborted = True
             self._send(signal.SIGKILL)
-            self._say("p3d: second Ctrl-C: workers stopped at once; no checkpoint was written for the step in flight "
-                      "(train.resume=auto continues from the last complete one)")
+            self._say(
+                "p3d: second Ctrl-C: workers stopped at once; no checkpoint was written for the step in flight "
+                "(train.resume=auto continues from the last complete one)"
+            )

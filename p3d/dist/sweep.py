@@ -9,27 +9,29 @@
 The callback that records each point's outcome and prints the report at the end is
 :class:`p3d.report.SweepCallback`.
 """
+
 from __future__ import annotations
 
 import copy
 import os
-import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from p3d import exit_codes
 from p3d.config.validate import P3DConfigError
-from p3d.dist.slurm import check_fits, checked_time_limit, layout, partition_info, time_minutes
-from p3d.run_dir import write_status
-from p3d.report import mesh_label
-from p3d.run_lock import check_free
 from p3d.console import error, say
+from p3d.dist.slurm import check_fits, checked_time_limit, layout, partition_info, time_minutes
+from p3d.report import mesh_label
+from p3d.run_dir import write_status
+from p3d.run_lock import check_free
+
 
 def _resume_auto(overrides: list[str]) -> list[str]:
     """A requeued sweep job runs the same point again: let it resume its own checkpoint."""
@@ -74,9 +76,14 @@ class P3DSlurmLauncher(SlurmLauncher):
             extra[key] = value if eq else True
         limit = checked_time_limit(c)
         params: dict[str, Any] = dict(
-            nodes=1, tasks_per_node=1, name=c.job_name,
+            nodes=1,
+            tasks_per_node=1,
+            name=c.job_name,
             timeout_min=time_minutes(c.time) if limit else self.params.get("timeout_min", 60),
-            slurm_use_srun=False, slurm_stderr_to_stdout=True, slurm_additional_parameters=extra)
+            slurm_use_srun=False,
+            slurm_stderr_to_stdout=True,
+            slurm_additional_parameters=extra,
+        )
         for key in ("partition", "account", "qos", "constraint"):
             if getattr(c, key) is not None:
                 params[f"slurm_{key}"] = getattr(c, key)
@@ -86,10 +93,18 @@ class P3DSlurmLauncher(SlurmLauncher):
 
     def _skip(self, overrides, task_cfg, cfg, out: Path, idx: int, msg: str) -> JobReturn:
         error(f"point #{idx} ({' '.join(filter_overrides(overrides))}) skipped, not submitted: {msg}")
-        write_status(out, "skipped", exit_codes.CONFIG_ERROR, reason=msg, mesh=mesh_label(task_cfg),
-                     overrides=list(overrides))
-        return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),
-                         task_name=cfg.hydra.job.name, status=JobStatus.COMPLETED, _return_value=2)
+        write_status(
+            out, "skipped", exit_codes.CONFIG_ERROR, reason=msg, mesh=mesh_label(task_cfg), overrides=list(overrides)
+        )
+        return JobReturn(
+            overrides=list(overrides),
+            cfg=task_cfg,
+            hydra_cfg=cfg,
+            working_dir=os.getcwd(),
+            task_name=cfg.hydra.job.name,
+            status=JobStatus.COMPLETED,
+            _return_value=2,
+        )
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
@@ -100,8 +115,11 @@ class P3DSlurmLauncher(SlurmLauncher):
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        executor = submitit.AutoExecutor(folder=self.params["submitit_folder"], cluster="slurm",
-                                         slurm_max_num_timeout=self.params.get("max_num_timeout", 0))
+        executor = submitit.AutoExecutor(
+            folder=self.params["submitit_folder"],
+            cluster="slurm",
+            slurm_max_num_timeout=self.params.get("max_num_timeout", 0),
+        )
         partitions: dict[Any, Any] = {}
         original = HydraConfig.instance().cfg
         slots: list[Any] = []
@@ -124,14 +142,17 @@ class P3DSlurmLauncher(SlurmLauncher):
                     continue
                 executor.update_parameters(**params)
                 try:
-                    job = executor.submit(self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}",
-                                          Singleton.get_state())
-                except Exception as exc:  # noqa: BLE001 - sbatch refused it (account, qos, ...): skip the point
+                    job = executor.submit(
+                        self, overrides, "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()
+                    )
+                except Exception as exc:  # sbatch refused it (account, qos, ...): skip the point
                     why = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
                     slots.append(self._skip(overrides, task_cfg, cfg_full, out, idx, f"sbatch refused it: {why}"))
                     continue
-                say(f"point #{idx} ({' '.join(filter_overrides(overrides))}): Slurm job {job.job_id}, "
-                    f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks; run dir {out}")
+                say(
+                    f"point #{idx} ({' '.join(filter_overrides(overrides))}): Slurm job {job.job_id}, "
+                    f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks; run dir {out}"
+                )
                 slots.append((job, overrides, task_cfg, cfg_full, out))
         finally:
             HydraConfig.instance().cfg = original
@@ -143,10 +164,18 @@ class P3DSlurmLauncher(SlurmLauncher):
         reported as failed in the table instead of ending the sweep."""
         try:
             return job.results()[0]
-        except Exception as exc:  # noqa: BLE001 - submitit raises several kinds
+        except Exception as exc:  # submitit raises several kinds
             reason = f"Slurm job {job.job_id} {job.state}: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
             error(reason)
-            write_status(out, "failed", exit_codes.WORKER_FAILED, reason=reason, job_id=job.job_id,
-                         mesh=mesh_label(task_cfg))
-            return JobReturn(overrides=list(overrides), cfg=task_cfg, hydra_cfg=cfg, working_dir=os.getcwd(),
-                             task_name=cfg.hydra.job.name, status=JobStatus.COMPLETED, _return_value=1)
+            write_status(
+                out, "failed", exit_codes.WORKER_FAILED, reason=reason, job_id=job.job_id, mesh=mesh_label(task_cfg)
+            )
+            return JobReturn(
+                overrides=list(overrides),
+                cfg=task_cfg,
+                hydra_cfg=cfg,
+                working_dir=os.getcwd(),
+                task_name=cfg.hydra.job.name,
+                status=JobStatus.COMPLETED,
+                _return_value=1,
+            )
