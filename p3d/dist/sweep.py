@@ -33,6 +33,19 @@ from p3d.run_dir import write_status
 from p3d.run_lock import check_free
 
 
+def _not_run(overrides, task_cfg, cfg, status: int) -> JobReturn:
+    """The outcome of a point that produced no result (skipped or failed), with its exit status."""
+    return JobReturn(
+        overrides=list(overrides),
+        cfg=task_cfg,
+        hydra_cfg=cfg,
+        working_dir=os.getcwd(),
+        task_name=cfg.hydra.job.name,
+        status=JobStatus.COMPLETED,
+        _return_value=status,
+    )
+
+
 def _resume_auto(overrides: list[str]) -> list[str]:
     """A requeued sweep job runs the same point again: let it resume its own checkpoint."""
     if any(o.lstrip("+~").startswith("train.resume=") for o in overrides):
@@ -96,15 +109,7 @@ class P3DSlurmLauncher(SlurmLauncher):
         write_status(
             out, "skipped", exit_codes.CONFIG_ERROR, reason=msg, mesh=mesh_label(task_cfg), overrides=list(overrides)
         )
-        return JobReturn(
-            overrides=list(overrides),
-            cfg=task_cfg,
-            hydra_cfg=cfg,
-            working_dir=os.getcwd(),
-            task_name=cfg.hydra.job.name,
-            status=JobStatus.COMPLETED,
-            _return_value=2,
-        )
+        return _not_run(overrides, task_cfg, cfg, 2)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
@@ -170,12 +175,4 @@ class P3DSlurmLauncher(SlurmLauncher):
             write_status(
                 out, "failed", exit_codes.WORKER_FAILED, reason=reason, job_id=job.job_id, mesh=mesh_label(task_cfg)
             )
-            return JobReturn(
-                overrides=list(overrides),
-                cfg=task_cfg,
-                hydra_cfg=cfg,
-                working_dir=os.getcwd(),
-                task_name=cfg.hydra.job.name,
-                status=JobStatus.COMPLETED,
-                _return_value=1,
-            )
+            return _not_run(overrides, task_cfg, cfg, 1)
