@@ -103,7 +103,7 @@ def _engine_worker(rank: int, world: int, init_method: str, cfgs, results) -> No
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_params_and_optimizer_bytes_match_a_deepspeed_engine(make_cfg, tmp_path):
-    import torch.multiprocessing as mp
+    from tests.dist import context
 
     # fp32 with ZeRO 0 (torch AdamW) and ZeRO 1 (DeepSpeed's ZeRO optimizer: fp32 copy + moments / dp),
     # and bf16 with zero.stage=0, where DeepSpeed's BF16_Optimizer shards master and moments over dp anyway
@@ -113,7 +113,7 @@ def test_params_and_optimizer_bytes_match_a_deepspeed_engine(make_cfg, tmp_path)
         make_cfg("mesh=dp2_pp2_tp2", "zero=stage0", "train.dtype=bf16"),
     ]
     world = 8
-    ctx = mp.get_context("spawn")
+    ctx = context()  # the tests' forkserver: torch and DeepSpeed imported once, not by each of the 8
     results = ctx.SimpleQueue()
     init = f"file://{tmp_path / 'store'}"  # a file rendezvous: no port to race for
     procs = [ctx.Process(target=_engine_worker, args=(r, world, init, cfgs, results)) for r in range(world)]
