@@ -105,7 +105,7 @@ SLOW_TIER = {
     "tests/test_durable.py::test_sigterm_then_resume_reproduces_the_uninterrupted_run[stage0]",
     # 87 s; kept: SP parity meshes, SP checkpoints resumed under other layouts (test_layouts), SP p2p bytes
     "tests/test_sp_resume.py::test_sp_off_and_on_again_continues_the_sp_run",
-    # parity variants, 56 + 40 + 38 + 36 + 21 s; kept: tp2-sp and tp4-padded-vocab, tp2_pp2-compile-recompute,
+    # parity variants, 56 + 40 + 38 + 36 + 21 s; kept: tp2-sp and tp4-padded-vocab, tp2-compile-recompute,
     # single-fused-adamw and dp2_pp2_tp2-zero1, tp2_pp2-sp and dp2_pp2_tp2-sp-selective, tp2_pp2-tied and -sp
     "tests/test_parity.py::test_mesh_matches_single_process[tp4-sp]",
     "tests/test_parity.py::test_mesh_matches_single_process[single-compile]",

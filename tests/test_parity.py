@@ -60,7 +60,8 @@ CASES = {
     ],
     # issue 16's switches change how a step runs, not what it computes: the reference stays eager, torch's AdamW
     "single-compile": ["mesh=single", "model.compile=true"],
-    "tp2_pp2-compile-recompute": ["mesh=tp2_pp2", "model.compile=true", "schedule=recompute"],
+    # tp inside the compiled block, and its recompute (a second graph); pp adds nothing to compile: per block
+    "tp2-compile-recompute": ["mesh=tp2", "model.compile=true", "schedule=recompute"],
     "single-fused-adamw": ["mesh=single", "train.adamw_impl=fused"],
     "dp2_pp2_tp2-zero1-fused-adamw": ["mesh=dp2_pp2_tp2", "zero=stage1", "train.adamw_impl=fused"],
 }
