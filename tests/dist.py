@@ -20,9 +20,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from p3d.dist.forked import worker_imports
+
 # what every test worker imports first, imported once by the forkserver (an import that fails there is
 # skipped by multiprocessing and done by the worker)
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.pipelining", "deepspeed", "p3d.worker"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "p3d.worker",
+    *worker_imports("1f1b", 1),
+]
 
 
 def context():

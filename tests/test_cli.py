@@ -297,3 +297,28 @@ def test_workers_are_forked_only_where_it_is_safe(monkeypatch):
     assert not forked.can_fork("gloo")
     monkeypatch.setattr(forked, "native_threads", lambda: 40)
     assert not forked.can_fork("gloo")
+
+
+@pytest.mark.procs
+def test_the_launcher_imports_what_a_zero_worker_imports_and_can_still_fork(tmp_path):
+    """forked.worker_imports names the modules a worker would import after the fork: DeepSpeed and, with ZeRO under
+    DeepSpeed's engine, the module of its optimizer check (it compiles at import: 1.5 s a worker). After the
+    launcher's preload, that check imports nothing more, and no import left a thread that makes a fork unsafe."""
+    probe = """
+import sys, torch
+from p3d.dist import forked
+forked.preload(forked.worker_imports("1f1b", 1))
+assert forked.can_fork("gloo"), "a preloaded module started a thread"
+import deepspeed, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+deepspeed.init_distributed(dist_backend="gloo")  # adopts the group (the check logs on rank 0)
+before = set(sys.modules)
+from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
+assert is_zero_supported_optimizer(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+print(sorted(set(sys.modules) - before))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "store")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

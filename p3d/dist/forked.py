@@ -17,6 +17,7 @@ Forking is used only where it is known to be safe:
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import signal
@@ -55,14 +56,32 @@ def can_fork(backend: str) -> bool:
     return threads is not None and threads <= allowed
 
 
-def preload() -> None:
-    """What every worker imports first, imported once here. The thread counts a CPU worker asks for are read
-    when torch loads its OpenMP runtime; each worker also sets them itself (p3d.worker)."""
+# DeepSpeed's engine with ZeRO checks its optimizer against a list that lives in this module, which compiles
+# a function with torch.compile at import (DeepSpeed 0.19: torch._inductor is imported, 1.5 s a worker here)
+DEEPSPEED_ZERO_CHECK = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def worker_imports(pipeline: str, zero_stage: int) -> tuple[str, ...]:
+    """The modules every worker of such a run imports beyond torch's: DeepSpeed (each worker joins through
+    ``deepspeed.init_distributed``) and, under DeepSpeed's engine (``1f1b``) with ZeRO, its optimizer check."""
+    return ("deepspeed", DEEPSPEED_ZERO_CHECK) if pipeline == "1f1b" and zero_stage > 0 else ("deepspeed",)
+
+
+def preload(modules: tuple[str, ...] = ()) -> None:
+    """What every worker imports first, imported once here, then ``modules`` (one that does not import, say in
+    another DeepSpeed version, is left to the workers). The thread counts a CPU worker asks for are read when
+    torch loads its OpenMP runtime; each worker also sets them itself (p3d.worker)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     import torch
     import torch._dynamo
     import torch.distributed  # noqa: F401
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 class ForkedWorker:

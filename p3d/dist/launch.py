@@ -144,7 +144,9 @@ def describe_exit(rc: int) -> str:
     return f"exited with status {rc}"
 
 
-def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: dict | None = None) -> int:
+def launch_local(
+    spec_path: Path, plan, console=None, on_started=None, failure: dict | None = None, imports: tuple[str, ...] = ()
+) -> int:
     """Run the workers to completion. Returns 0; NONFINITE when they stopped at a step with an inf/nan loss or
     gradient norm (p3d.train.faults); PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
     first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank.
@@ -162,8 +164,9 @@ def launch_local(spec_path: Path, plan, console=None, on_started=None, failure: 
     procs: dict[int, forked.Worker] = {}
     shown = Console(logs / f"rank{plan.logging_rank}.log", console)
     fork = forked.can_fork(plan.backend)
-    if fork:
-        forked.preload()  # before the signal handlers: a Ctrl-C here is the launcher's KeyboardInterrupt
+    if fork:  # ``imports``: what the workers import beyond torch (forked.worker_imports), imported once here
+        forked.preload(imports)  # before the signal handlers: a Ctrl-C here is the launcher's KeyboardInterrupt
+        fork = forked.can_fork(plan.backend)  # an import that started a thread makes a fork unsafe: exec then
     signals = StopSignals(procs, console).install()  # SIGTERM/SIGUSR1 forwarded; Ctrl-C: save, twice: abort
     received = signals.received
     try:

@@ -61,6 +61,7 @@ def _launch(cfg, plan, lease) -> int:
 
     from p3d.config.deepspeed_json import DS_CONFIG_NAME, deepspeed_config
     from p3d.config.spec import write_spec
+    from p3d.dist.forked import worker_imports
     from p3d.dist.launch import launch_local
 
     spec = write_spec(cfg, plan, cfg.run.dir)
@@ -85,8 +86,11 @@ def _launch(cfg, plan, lease) -> int:
     # the lease names the workers as soon as they exist: a launcher killed now leaves a lease that stays live
     from p3d.dist.restart import run_with_restarts
 
+    imports = worker_imports(cfg.schedule.pipeline.value, cfg.zero.stage)
+
     def launch_once(failure: dict) -> int:
-        return launch_local(spec, plan, on_started=lease.refresh if lease is not None else None, failure=failure)
+        on_started = lease.refresh if lease is not None else None
+        return launch_local(spec, plan, on_started=on_started, failure=failure, imports=imports)
 
     rc = run_with_restarts(launch_once, spec.parent, cfg.train.max_restarts)
     if rc == 0:
