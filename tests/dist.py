@@ -30,7 +30,7 @@ PRELOAD = [
     "torch.distributed",
     "torch.distributed.pipelining",
     "p3d.worker",
-    *worker_imports("1f1b", 1),
+    *worker_imports("1f1b", zero_stage=1),  # DeepSpeed, and its ZeRO check for the tests that use it
 ]
 
 
