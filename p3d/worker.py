@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from p3d import exit_codes
+from p3d.host_memory import keep_freed_memory
 
 PROCESS_NAME = "p3d-rank"  # + the rank (p3d.dist.forked, tests' worker_pids)
 
@@ -30,6 +31,7 @@ def init_process_group(plan, rank: int, timeout_s: int, tf32: bool = False) -> N
 
     if plan.backend == "gloo":
         torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
+        keep_freed_memory()  # no page faults for the next step's activations (p3d.host_memory)
         skip_cpu_shm_build()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
