@@ -141,7 +141,7 @@ class TorchExecutor:
             for chunk in self.pipe.chunks:  # a V placement's shared tied table is set twice, to the same values
                 load_into(chunk, cfg.model.init_from, cfg.model.n_layers, mesh)
         self.timer = TorchStageTimer(self.pipe.stages, rank)
-        self.pipe.add_wait = self.timer.add_wait
+        self.pipe.add_wait, self.pipe.add_compute = self.timer.add_wait, self.timer.add_compute
         self.gate = StepGate(None, self.module, mesh, plan, cfg.train, device)
         self.hang = HangWatch(None, mesh, cfg.cluster.timeout_s, run_logs(run_dir))
         self.reads_data = self.pipe.holds_first or self.pipe.holds_last

@@ -142,7 +142,8 @@ class StragglerWatch:
 class TorchStageTimer:
     """The same two figures for a torch pipeline schedule (docs/design/pipeline-schedules.md §7): seconds blocked
     on pipeline neighbours (every wait of the schedule's runtime on a p2p exchange, ``torch_compat.timed_p2p_waits``
-    around each step) and seconds of compute (each stage's forward, backward and weight-backward of one micro batch).
+    around each step) and seconds of compute (each stage's forward, backward and weight-backward of one micro batch,
+    and the loss).
     ``P3D_TEST_SLOW_RANK`` delays every training forward of this rank's stages, as for DeepSpeed."""
 
     def __init__(self, stages, rank: int = -1):
@@ -167,6 +168,11 @@ class TorchStageTimer:
 
     def add_wait(self, seconds: float) -> None:
         self.wait_s += seconds
+
+    def add_compute(self, seconds: float) -> None:
+        """Compute the stages' methods do not cover: the loss, which torch's runtime runs after the last chunk's
+        forward (DeepSpeed's is inside the last stage's forward)."""
+        self.compute_s += seconds
 
     take_compute = StageTimer.take_compute
     take = StageTimer.take

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -164,7 +165,13 @@ class TorchPipeline:
         m = self.m
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return loss(logits, labels) / m  # the reference's 1/m per micro batch; summed over m by autograd
+            # torch runs the loss after the last chunk's forward_one_chunk; timed as compute, as DeepSpeed's is
+            t0 = time.perf_counter()
+            try:
+                return loss(logits, labels) / m  # the reference's 1/m per micro batch; summed over m by autograd
+            finally:
+                if self.add_compute is not None:
+                    self.add_compute(time.perf_counter() - t0)
 
         self.stages = [
             pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
@@ -176,9 +183,10 @@ class TorchPipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
-        # set by p3d.train.executor: the step gate (grads, replica loss or None) and the p2p wait timer
+        # set by p3d.train.executor: the step gate (grads, replica loss or None), the p2p wait and compute timers
         self.before_update: Callable[[list[torch.Tensor], float | None], None] | None = None
         self.add_wait: Callable[[float], None] | None = None
+        self.add_compute: Callable[[float], None] | None = None
 
     def waits(self):
         """A context that times the schedule's waits on pipeline neighbours (when ``add_wait`` is set)."""
