@@ -48,3 +48,17 @@ def test_a_cpu_worker_faults_no_page_in_for_a_steps_activations():
     assert min(default[2:]) > 2000, default
     # raised (what p3d.worker sets on gloo): after the second step the heap serves every step without a fault
     assert sum(kept[2:]) < 200, kept
+
+
+def test_other_c_libraries_are_left_alone(monkeypatch):
+    """musl has a mallopt that ignores these; macOS has none: the worker goes on without the setting."""
+    import types
+
+    from p3d import host_memory
+
+    calls = []
+    musl = types.SimpleNamespace(mallopt=lambda *args: calls.append(args) or 1)
+    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: musl)
+    assert host_memory.keep_freed_memory() is False and calls == []
+    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError("no libc")))
+    assert host_memory.keep_freed_memory() is False
