@@ -96,13 +96,12 @@ def _steps_worker(rank: int, world: int, args, out_path: str) -> None:
 
     from p3d.data.loader import micro_batches
     from p3d.dist.mesh import Mesh
-    from p3d.host_memory import keep_freed_memory
     from p3d.train.executor import build_executor
     from p3d.train.trainer import Stopper, step_stats
+    from p3d.worker import set_up_cpu_worker
     from tests.conftest import typed
 
-    torch.set_num_threads(1)
-    keep_freed_memory()  # as p3d.worker.init_process_group sets up a CPU worker
+    set_up_cpu_worker()  # one thread, freed memory kept: as p3d-train's CPU workers
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
     device, stopper, mesh = torch.device("cpu"), Stopper(), None
     results: dict[str, list[tuple[float, float]]] = {}

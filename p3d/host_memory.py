@@ -9,10 +9,10 @@ varies keeps trimming.
 
 Measured on pp2 (bench/schedules.py's model, m = 8, per step and rank): DeepSpeed's 1f1b took 5 page faults; the
 torch executor, whose interleaved schedule keeps more micro batches in flight, 13,000 (51 MiB) and 20 ms more
-system time on one rank, zbv 4,000-6,000. With the thresholds below: 14 to 30 under every schedule.
+system time on one rank, zbv 4,000-6,000. With the thresholds below: 12 to 30 under every schedule.
 
 On GPUs the activations live in CUDA's caching allocator and this changes nothing that matters; the workers set it
-on CPU runs only (``p3d.worker.init_process_group``). Other C libraries (macOS, musl) are left as they are.
+on CPU runs only (``p3d.worker.set_up_cpu_worker``). Other C libraries (macOS, musl) are left as they are.
 """
 
 from __future__ import annotations

@@ -25,14 +25,21 @@ def skip_cpu_shm_build() -> None:
     disable_cpu_shm_comm()
 
 
+def set_up_cpu_worker() -> None:
+    """A CPU (gloo) worker's process settings, before its first step."""
+    import torch
+
+    torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
+    keep_freed_memory()  # no page faults for the next step's activations (p3d.host_memory)
+    skip_cpu_shm_build()
+
+
 def init_process_group(plan, rank: int, timeout_s: int, tf32: bool = False) -> None:
     """gloo on CPU, nccl on GPUs; a file store when the local launcher gives one, else env://."""
     import torch
 
     if plan.backend == "gloo":
-        torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
-        keep_freed_memory()  # no page faults for the next step's activations (p3d.host_memory)
-        skip_cpu_shm_build()
+        set_up_cpu_worker()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # train.tf32: fp32 matmuls (and convolutions) on tensor cores, 10-bit mantissa; bf16 runs do not care
