@@ -10,9 +10,9 @@ import pytest
 
 from tests.conftest import ROOT
 
-# Eight steps of a pattern like a pipeline stage's: kept activations of two sizes with a temporary freed between
-# them, a count that alternates between steps (as the peak does with the micro batches in flight), all freed at
-# the end. Prints the minor page faults of each step.
+# Twelve steps of a pattern like a pipeline stage's: kept activations of two sizes with a temporary freed between
+# them, a count that alternates between steps (as the peak does with the micro batches in flight; the larger
+# first), all freed at the end. Prints the minor page faults of each step.
 STEPS = """
 import resource, sys
 import torch
@@ -21,13 +21,13 @@ if sys.argv[1] == "keep":
     assert keep_freed_memory(), "not glibc"
 def step(r):
     kept = []
-    for i in range(24 + 8 * (r % 2)):
+    for i in range(32 - 8 * (r % 2)):
         tmp = torch.empty(384 << 10).fill_(1.0)
         kept.append(torch.empty((128 << 10) * (1 + i % 2)).fill_(1.0))
         del tmp
     del kept
 faults = []
-for r in range(8):
+for r in range(12):
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step(r)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
@@ -44,10 +44,11 @@ def page_faults(mode: str) -> list[int]:
 @pytest.mark.procs
 def test_a_cpu_worker_faults_no_page_in_for_a_steps_activations():
     default, kept = page_faults("default"), page_faults("keep")
-    # glibc's own thresholds: every step from the third on still hands tens of MiB back and faults them in again
-    assert min(default[2:]) > 2000, default
-    # raised (what p3d.worker sets on gloo): after the second step the heap serves every step without a fault
-    assert sum(kept[2:]) < 200, kept
+    # glibc's own thresholds: the last six steps still hand MiB back and fault them in again (measured: 18,000 to
+    # 45,000 pages in all; the pattern between steps varies with the process's earlier allocations)
+    assert sum(default[-6:]) > 5000, default
+    # raised (what p3d.worker sets on gloo): the heap serves those steps without a fault (measured: 0)
+    assert sum(kept[-6:]) < 200, kept
 
 
 def test_other_c_libraries_are_left_alone(monkeypatch):
