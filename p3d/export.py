@@ -6,9 +6,10 @@
 
 Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` when larger than
-``max_shard_gb``), and the run's tokenizer when it has one (``tokenizer.json`` with
-``tokenizer_config.json`` naming its end-of-text token; the built-in byte tokenizer has no HF
-equivalent). Tensors are the fp32 master weights, assembled from the (pp, tp) shards one at a time.
+``max_shard_gb``), and the run's tokenizer: its ``tokenizer.json``, or for the built-in byte tokenizer
+the HF tokenizer that gives the same ids, with ``tokenizer_config.json`` naming its end-of-text token.
+Tensors are the fp32 master weights, assembled from the (pp, tp) shards one at a time. Every file gets
+the mode the umask gives (0644 under umask 022), the weights too.
 Everything is written into a new directory beside ``out`` that is renamed to ``out`` when complete:
 a failed export leaves no ``out``, and an existing ``out`` is never mixed with a new export.
 ``transformers`` loads the result with ``LlamaForCausalLM.from_pretrained(out)``.
@@ -52,10 +53,10 @@ class _ShardWriter:
         self.total += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
+        from p3d.train.ckpt_files import save_safetensors
 
         tmp = f"model-{len(self.files) + 1:05d}.tmp.safetensors"
-        save_file(self.pending, str(self.out / tmp), metadata={"format": "pt"})
+        save_safetensors(self.out / tmp, self.pending, {"format": "pt"})
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -134,7 +135,8 @@ def _check_out(out: Path, given: str, overwrite: bool, run_dir: Path) -> None:
 
 def _run_tokenizer(ckpt: Path, spec: str):
     """(tokenizer, its tokenizer.json, the tokenizer_config.json beside it) of the checkpoint: the copy
-    saved with it, or (older checkpoints) the file its run_spec.yaml names."""
+    saved with it, or (older checkpoints) the file its run_spec.yaml names; no file for the byte
+    tokenizer (the export writes its HF equivalent)."""
     from p3d.data.tokenizer import HF_CONFIG, ByteTokenizer, HFTokenizer
 
     path = ckpt / "tokenizer.json"
@@ -155,12 +157,26 @@ def _run_tokenizer(ckpt: Path, spec: str):
         raise ExportError(f"the run's tokenizer {path} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
+def _write_tokenizer(tmp: Path, tokenizer, max_length: int) -> dict[str, dict]:
+    """Writes ``tmp/tokenizer.json``: the run's, or (a byte run, which has no file) the byte tokenizer's
+    HF equivalent; returns the JSON files that name its special tokens."""
+    from p3d.hf_tokenizer import byte_tokenizer_configs, byte_tokenizer_json, tokenizer_configs
+
+    tok, tok_file, tok_config = tokenizer
+    target = tmp / "tokenizer.json"
+    if tok_file is None:
+        target.write_text(byte_tokenizer_json())
+        return byte_tokenizer_configs(target, max_length)
+    shutil.copyfile(tok_file, target)  # not copy: the umask's mode, like every other file, not the source's
+    return tokenizer_configs(tok, tok_config, max_length)
+
+
 def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: float) -> tuple[list[str], float]:
-    from p3d.hf_tokenizer import special_ids, tokenizer_configs
+    from p3d.hf_tokenizer import special_ids
     from p3d.train import checkpoint
     from p3d.train.reshard import ShardedCheckpoint
 
-    tok, tok_file, tok_config = tokenizer
+    tok = tokenizer[0]
     src = ShardedCheckpoint(ckpt, meta, checkpoint.reader(ckpt, meta))
     writer = _ShardWriter(tmp, max_shard_gb * 1e9)
     L = cfg.model.n_layers
@@ -174,9 +190,7 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
     ids = special_ids(tok)
     config = {**hf_config(cfg.model, tok.eos_id), **ids}
     files_json = {"config.json": config, "generation_config.json": {**ids, "_from_model_config": False}}
-    if tok_file is not None:
-        shutil.copy(tok_file, tmp / "tokenizer.json")
-        files_json.update(tokenizer_configs(tok, tok_config, cfg.model.seq_len))
+    files_json.update(_write_tokenizer(tmp, tokenizer, cfg.model.seq_len))
     for name, body in files_json.items():
         (tmp / name).write_text(json.dumps(body, indent=2) + "\n")
     return files, writer.total

@@ -3,7 +3,8 @@
 One small run, trained as a user would from its own working directory with a relative
 ``data.tokenizer=tok.json`` made by p3d-tokenizer, is exported and re-imported: into one directory
 twice, from another working directory, through a failing checkpoint, and loaded by transformers
-(AutoTokenizer, LlamaForCausalLM, generate)."""
+(AutoTokenizer, LlamaForCausalLM, generate). A 1-step run with the byte tokenizer checks that its export
+carries a tokenizer AutoTokenizer reads with p3d's byte ids (issue 31)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from p3d.config.validate import P3DConfigError
 from p3d.metrics import read_metrics
 from p3d.train import checkpoint
 from tests.conftest import ROOT, p3d_train, typed
+from tests.file_modes import umask, wrong_modes
 
 EOS = "<|endoftext|>"
 VOCAB = 300
@@ -423,3 +425,64 @@ def test_init_from_checks_the_vocab_against_the_tokenizer(exported, tmp_path):
         rf"of model.init_from={small}/config.json",
     ):
         typed(f"model.init_from={small}")
+
+
+# ---- 5. every exported file gets the mode the umask gives, the weights too (issue 31)
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_export_files_get_the_mode_of_the_umask(work, tmp_path, mask):
+    """safetensors writes 0600 whatever the umask; on shared storage teammates could not read the export."""
+    from p3d.export import export
+
+    with umask(mask):  # shards and their index too; the parent directory is created by the export
+        out = export(work / "run", tmp_path / "exports" / "hf", max_shard_gb=0.0002)
+    assert "model-00001-of-00005.safetensors" in {p.name for p in out.iterdir()}
+    assert wrong_modes(tmp_path / "exports", mask) == {}
+
+
+# ---- 6. a run with the byte tokenizer exports a tokenizer that AutoTokenizer reads (issue 31)
+
+BYTE_TEXTS = (
+    "plain ascii",
+    "héllo wörld",
+    "日本語",
+    "emoji 🙂",
+    "  two leading spaces\nand a newline",
+    "the text <|endoftext|> is 13 bytes to p3d",
+)
+
+
+@pytest.fixture(scope="module")
+def byte_export(tmp_path_factory):
+    """A 1-step run with the default (byte) tokenizer, exported."""
+    from p3d.export import export
+
+    w = tmp_path_factory.mktemp("byte")
+    run = p3d_train(f"run.dir={w / 'run'}", "mesh=single", "train.steps=1", timeout=200)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert checkpoint.verify(checkpoint.find(w / "run", "auto"))["tokenizer"] == "byte"
+    return export(w / "run", w / "hf")
+
+
+@pytest.mark.procs
+def test_a_byte_run_exports_a_tokenizer_with_p3d_ids(byte_export):
+    from transformers import AutoTokenizer
+
+    from p3d.data.tokenizer import ByteTokenizer
+
+    ours, theirs = ByteTokenizer(), AutoTokenizer.from_pretrained(byte_export)
+    for text in BYTE_TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ids == ours.encode(text), text  # no BOS, no prefix space, one id per UTF-8 byte
+        assert theirs.decode(ids) == text
+    config, generation = (json.loads((byte_export / n).read_text()) for n in ("config.json", "generation_config.json"))
+    assert theirs.eos_token_id == ours.eos_id == config["eos_token_id"] == generation["eos_token_id"]
+    assert theirs.decode([*ours.encode("end"), ours.eos_id], skip_special_tokens=True) == "end"
+
+
+@pytest.mark.procs
+def test_a_byte_export_trains_on_with_the_byte_tokenizer(byte_export):
+    assert typed(f"model.init_from={byte_export}")[0].data.tokenizer == "byte"
+    assert typed(f"model.init_from={byte_export}", "data.tokenizer=byte")[0].data.tokenizer == "byte"

@@ -8,7 +8,9 @@
   tensors and plain containers; their RNG states (numpy objects) are not read.
 
 Every file is fsync'd before its writer reports it; a write that fails (disk full, I/O error) raises
-:class:`CheckpointSaveError`, one line naming the path and the free space.
+:class:`CheckpointSaveError`, one line naming the path and the free space. Every file gets the mode the
+umask gives (0644 under umask 022), safetensors files too (:func:`save_safetensors`), so that teammates
+on shared storage can read a checkpoint or an export.
 """
 
 from __future__ import annotations
@@ -44,6 +46,50 @@ def save_failed(path: Path, exc: OSError) -> CheckpointSaveError:
     return CheckpointSaveError(f"checkpoint save failed writing {path}: {why} ({free_space(path)}){hint}")
 
 
+def _umask_from_proc() -> int | None:
+    """This process's umask as Linux reports it (``Umask:`` in /proc/self/status, Linux 4.7 and later):
+    read without setting it, so safe in the background thread of an asynchronous save."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _umask_by_setting() -> int:
+    """``os.umask`` reads the umask only by setting it, for the whole process: racy once threads write
+    files, so done once, at import (in the main thread), where /proc cannot tell."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _umask_at_import() -> int:
+    found = _umask_from_proc()
+    return _umask_by_setting() if found is None else found
+
+
+_UMASK_AT_IMPORT = _umask_at_import()
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (from any thread)."""
+    now = _umask_from_proc()
+    return _UMASK_AT_IMPORT if now is None else now
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """safetensors' ``save_file``, the file then given the mode ``open()`` gives (0o666 less the umask):
+    save_file writes it 0600 whatever the umask, which keeps teammates on shared storage from reading a
+    checkpoint or an export while the JSON beside it is readable."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~umask())
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -61,10 +107,8 @@ def fsync_dir(path: Path) -> None:
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], index: dict) -> int:
     """A safetensors file, fsync'd; returns its size."""
-    from safetensors.torch import save_file
-
     try:
-        save_file(tensors, str(path), metadata={"p3d": json.dumps(index)})
+        save_safetensors(path, tensors, {"p3d": json.dumps(index)})
         fsync_file(path)
         return path.stat().st_size
     except OSError as exc:
