@@ -24,12 +24,14 @@ config error shows up here and not in the lease. Exit status: 0 every step that 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,18 +224,38 @@ def write_docs(path: Path, device: str, n_gpus: int, vers: dict, steps: list[Ste
     path.write_text("\n".join(lines) + "\n")
 
 
+def out_folder(given: str | None, dry: bool, stack: contextlib.ExitStack) -> Path:
+    """Where the run dirs and gpu_check.json go: ``--out`` (or ``$OUT``, a device lease's folder) when given;
+    else a GPU run writes under ``outputs/gpu-check`` (git ignores ``outputs/``) and a dry one into a
+    temporary folder removed at the end, so a dry run leaves nothing in the checkout."""
+    if given:
+        return Path(given).resolve()
+    if dry:
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="p3d-gpu-check-")))
+    return ROOT / "outputs" / "gpu-check"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry", action="store_true", help="check the steps' configs; run nothing on a GPU")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out", help="run dirs and gpu.md")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or None,
+        help="run dirs and gpu.md (default: $OUT, else outputs/gpu-check; a dry run: a temporary folder)",
+    )
     ap.add_argument("--docs", default=str(ROOT / "docs" / "gpu.md"), help="where the table goes (GPU runs)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="time for all steps together")
     args = ap.parse_args(argv)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        return check(args, stack)
+
+
+def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     vers = versions()
     device, preset, n_gpus = device_preset()
     dry = args.dry or not n_gpus
+    out = out_folder(args.out, dry, stack)
+    out.mkdir(parents=True, exist_ok=True)
     if not n_gpus:
         print(f"gpu-check: no CUDA GPU found (torch {vers['torch']}); dry mode: no step runs on a GPU,")
         print("gpu-check: each step's config is checked as p3d-train and p3d-plan would check it")

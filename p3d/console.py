@@ -20,3 +20,14 @@ def say(message: str, prog: str = "p3d", stream: TextIO | None = None) -> None:
 def error(message: str, prog: str = "p3d") -> None:
     """``<prog>: message`` on stderr, flushed; the caller decides the exit status."""
     say(message, prog, sys.stderr)
+
+
+def human_count(n: int) -> str:
+    """A count in the unit that fits, to four significant digits: 262.7K, 124.4M, 70.55B, 1.25T (below a
+    thousand, the number itself)."""
+    value = float(n)
+    for unit in ("", "K", "M", "B"):
+        if abs(float(f"{value:.4g}")) < 1000:  # rounded first: 999,960 is 1000K, so 1M
+            return str(n) if not unit else f"{value:.4g}{unit}"
+        value /= 1000
+    return f"{value:,.4g}T" if abs(value) < 1000 else f"{value:,.0f}T"

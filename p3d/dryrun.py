@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from p3d.config.schema import Launcher
+from p3d.console import human_count
 from p3d.dist.mesh import Mesh
 from p3d.model.geometry import rank_chunks, stage_bounds, total_params
 from p3d.model.pipe import layer_specs_of
@@ -83,7 +84,7 @@ class DryRunReport:
             out.append(f"  pp {pp:>3} tp {tp:>2}: {n:>15,}{note}")
         out += [
             "",
-            f"total from shards: {self.total:,} ({self.total / 1e9:.2f} B); closed form: {self.closed_form:,}; "
+            f"total from shards: {self.total:,} ({human_count(self.total)}); closed form: {self.closed_form:,}; "
             f"{'match' if self.total == self.closed_form else 'MISMATCH'}",
         ]
         return "\n".join(out)

@@ -143,6 +143,29 @@ def test_dry_run_with_sp_and_recompute_counts_the_same_parameters():
     )
 
 
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ((), "total from shards: 262,720 (262.7K); closed form: 262,720; match"),
+        (("model=small", "mesh=single"), "total from shards: 123,587,328 (123.6M); closed form: 123,587,328; match"),
+    ],
+    ids=["tiny", "small"],
+)
+def test_dry_run_counts_parameters_in_the_unit_that_fits(overrides, words):
+    """Issue 31, item 8e: not ``262,720 (0.00 B)``."""
+    from p3d.dryrun import dry_run
+
+    assert words in dry_run(*typed("dry_run=true", *overrides)).render().splitlines()
+
+
+def test_human_counts_have_four_digits_and_the_unit_that_fits():
+    from p3d.console import human_count
+
+    cases = {7: "7", 999: "999", 262_720: "262.7K", 999_960: "1M", 124_439_808: "124.4M", 70_553_706_496: "70.55B"}
+    assert {n: human_count(n) for n in cases} == cases
+    assert human_count(1_250_000_000_000) == "1.25T"
+
+
 @pytest.mark.timeout(120)
 def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
     t0 = time.monotonic()
@@ -152,7 +175,7 @@ def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
     out = result.stdout
     assert "rank    63: dp   0 pp   7 tp  7 -> node   0 device 63" in out
     assert "stage   7: block71..block79 (9 blocks), final_norm, head" in out
-    assert "total from shards: 70,553,706,496 (70.55 B); closed form: 70,553,706,496; match" in out
+    assert "total from shards: 70,553,706,496 (70.55B); closed form: 70,553,706,496; match" in out
     assert not (tmp_path / "logs").exists()
 
 

@@ -3,6 +3,7 @@ checks each step's config as p3d-train and p3d-plan would (issue 16). The real r
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -53,3 +54,37 @@ def test_a_refused_config_fails_its_step_and_the_table_says_why(tmp_path, monkey
     text = (tmp_path / "gpu.md").read_text()
     assert "1 x NVIDIA H200" in text and "torch 2.11" in text
     assert "| a | a step | failed: p3d-plan refused |" in text and "max_rel_loss_diff 0.004" in text
+
+
+def _untracked() -> set[str]:
+    proc = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {line[3:] for line in proc.stdout.splitlines() if line.startswith("??")}
+
+
+def test_the_dry_mode_leaves_nothing_in_the_checkout(monkeypatch, capsys):
+    """Issue 31, item 8f: ``make gpu-check`` on a CPU machine, run from the checkout, left ``gpu-check-out/``
+    behind; a dry run now writes into a temporary folder it removes, a GPU run under ``outputs/`` (ignored).
+    The steps are stubbed: only where the run writes is checked (the test above runs them)."""
+    gpu_check = load_gpu_check()
+    given: list[Path] = []
+
+    def step(s, gpu, out, dry, timeout, *rest):
+        given.append(out)
+        (out / f"run_{len(given)}").mkdir()
+
+    for name in ("step_throughput", "step_bf16", "step_nccl"):
+        monkeypatch.setattr(gpu_check, name, step)
+    monkeypatch.setattr(gpu_check, "step_sdpa", lambda s, dry: None)
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.chdir(ROOT)
+    before = _untracked()
+    assert gpu_check.main(["--dry"]) == 0
+    assert "all steps passed (dry)" in capsys.readouterr().out
+    assert len(set(given)) == 1 and ROOT not in given[0].parents and not given[0].exists()
+    assert not (ROOT / "gpu-check-out").exists() and _untracked() <= before
+    gpu_run = gpu_check.out_folder(None, dry=False, stack=contextlib.ExitStack())
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(gpu_run / "gpu_check.json")], cwd=ROOT)
+    assert gpu_run.parent == ROOT / "outputs" and ignored.returncode == 0

@@ -22,8 +22,11 @@ import pytest
 import torch
 
 from p3d.config.schema import DataConfig, DataSource, TextUnit
+from p3d.data.check import check_data
 from p3d.data.corpus import DataStats, iter_texts, resolve_files
 from p3d.data.loader import global_batches
+from p3d.data.prepare_store import prepare_store
+from p3d.data.store import TokenStore
 from p3d.data.tokenizer import ByteTokenizer
 from p3d.metrics import read_metrics
 from p3d.train import checkpoint
@@ -248,6 +251,45 @@ def test_a_directory_as_data_path(tmp_path):
         lines[0],
     ), lines[0]
     assert not (tmp_path / "run2").exists()
+
+
+MIXED = {  # a directory of two formats: each file is read by its own, in path order
+    "a.txt": "first paragraph of a\n\nsecond paragraph of a\n",
+    "b.jsonl": "".join(json.dumps({"body": f"record {i} of b"}) + "\n" for i in range(2)),
+    "c.txt": "only paragraph of c",
+    "notes.xyz": "not a known format",
+}
+MIXED_DOCUMENTS = [
+    "first paragraph of a",
+    "second paragraph of a",
+    "record 0 of b",
+    "record 1 of b",
+    "only paragraph of c",
+]
+
+
+def test_a_directory_of_mixed_formats_reads_each_file_by_its_format(tmp_path):
+    """Issue 31, item 8a: a directory with .txt and .jsonl files trains, checks and prepares its documents in
+    path order, text files cut by data.text_unit, records read from data.text_column; a file of an unknown
+    suffix is left out of a directory and refused in a glob; data.format keeps only the files of that format."""
+    corpus = _write(tmp_path / "corpus", MIXED)
+    overrides = ("data=files", f"data.path={corpus}", "data.text_unit=paragraph", "data.text_column=body")
+    cfg, _ = typed(*overrides, "data.val_fraction=0", f"prepare.out={tmp_path / 'store'}", "prepare.workers=1")
+    assert list(iter_texts(cfg.data)) == MIXED_DOCUMENTS
+    check_data(cfg.data, seq_len=8)
+    expected = [t for doc in MIXED_DOCUMENTS for t in (*doc.encode(), EOD)]
+    got = next(global_batches(replace(cfg.data, shuffle_buffer=0), len(expected) - 1, 1, cfg.train.seed))
+    assert got[0].tolist() == expected  # the training stream: one window holding the whole corpus
+
+    prepare_store(cfg, tmp_path / "store")
+    store = TokenStore(tmp_path / "store")
+    assert store.split("train").read(0, store.tokens("train")).tolist() == expected
+    assert [s["path"] for s in store.manifest["sources"]] == [str(corpus / n) for n in ("a.txt", "b.jsonl", "c.txt")]
+
+    with pytest.raises(ValueError, match=r"data.format=auto cannot tell the format of \['.xyz'\]"):
+        check_data(replace(cfg.data, path=f"{corpus}/*"), seq_len=8)
+    text_only = replace(cfg.data, format="text")
+    assert list(iter_texts(text_only)) == [MIXED_DOCUMENTS[i] for i in (0, 1, 4)]
 
 
 @pytest.mark.procs

@@ -275,10 +275,33 @@ def test_slices_merged_give_the_windows_of_one_prepare(tmp_path, capsys):
     assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p2'}", "prepare.merge=true")) == 2
     assert "missing [0, 2]" in capsys.readouterr().err
     assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p3'}", "prepare.shard=3/3")) == 2
-    assert "prepare.shard=3/3 is not i/n" in capsys.readouterr().err
+    assert (
+        "prepare.shard=3/3 is past the last slice: i counts from 0 to n-1 (0 to 2 for 3 slices); "
+        "try prepare.shard=2/3, the last of 3 slices" in capsys.readouterr().err
+    )
     assert prepare_task(compose(*args, f"prepare.out={tmp_path / 'p4'}", "prepare.shard=0/6")) == 2
     assert "gets no file (5 input files in 6 slices)" in capsys.readouterr().err
     assert not (tmp_path / "p3").exists() and not (tmp_path / "p4").exists()
+
+
+@pytest.mark.parametrize(
+    "spec,says",
+    [
+        ("3/3", "past the last slice: i counts from 0 to n-1 (0 to 2 for 3 slices); try prepare.shard=2/3, the last"),
+        ("8/4", "(0 to 3 for 4 slices); try prepare.shard=3/4, the last of 4 slices"),
+        ("1/0", "has 0 slices; n is at least 1, try prepare.shard=0/1"),
+        ("third", "is not i/n (slice i of n, i counting from 0 to n-1); try prepare.shard=0/4"),
+    ],
+)
+def test_a_shard_out_of_range_says_slices_count_from_0(spec, says):
+    """Issue 31, item 8b: one line naming the value, that i counts from 0, and a value to try."""
+    from p3d.config.validate import P3DConfigError
+    from p3d.data.store_parts import parse_shard
+
+    with pytest.raises(P3DConfigError) as err:
+        parse_shard(spec)
+    assert str(err.value).startswith(f"prepare.shard={spec} ") and says in str(err.value), err.value
+    assert parse_shard("2/3") == (2, 3) and parse_shard("0/1") == (0, 1)
 
 
 def test_slices_on_slurm_are_checked_before_anything_is_submitted(tmp_path, capsys):

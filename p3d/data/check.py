@@ -8,7 +8,7 @@ import logging
 from itertools import islice
 
 from p3d.config.schema import DataConfig, DataSource, TextUnit
-from p3d.data.corpus import DataStats, file_format, iter_texts, no_files_error, resolve_files
+from p3d.data.corpus import DataStats, file_formats, iter_texts, no_files_error, resolve_files
 from p3d.data.tokenizer import load_tokenizer
 
 MAX_DOCS = 20000  # how far to look for a first validation window before giving up
@@ -37,7 +37,7 @@ def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
         files = resolve_files(cfg.path or "", cfg.format)
         if not files:
             raise no_files_error(cfg)
-        file_format(cfg, files)
+        file_formats(cfg, files)
     elif cfg.source == DataSource.hub and not cfg.path:
         raise ValueError("data.path is not set for data.source=hub; try data.path=HuggingFaceFW/fineweb-edu")
     tok = load_tokenizer(cfg.tokenizer)

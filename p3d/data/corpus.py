@@ -2,7 +2,8 @@
 
 ``stdlib``: Python's standard library English documentation (pydoc topics) and its ``.py`` sources,
 present on every machine with Python, in a fixed order. ``files``: local text, json/jsonl, parquet or
-csv files, globs and directories, one file after another. ``hub``: a hub dataset by name
+csv files, globs and directories, one file after another, each read by the format of its suffix (a
+directory may mix them), or all by ``data.format`` when it is set. ``hub``: a hub dataset by name
 (``data.path``, ``data.subset``, ``data.split``); same code path.
 
 What a document is: a json/jsonl record, a parquet or csv row, a hub row: its ``data.text_column``;
@@ -23,7 +24,6 @@ import sysconfig
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 from p3d.config.schema import DataConfig, DataSource
 from p3d.data.stats import DataStats
@@ -62,7 +62,7 @@ def stdlib_documents() -> Iterator[dict]:
 def resolve_files(path: str, fmt: str = "auto") -> list[str]:
     """The files of ``data.path``: paths, globs and directories, comma-separated. A directory gives
     its files of the known formats (of ``data.format`` when set), recursively, sorted by path,
-    hidden files and folders left out."""
+    hidden files and folders left out; a glob gives every file it matches, sorted by path."""
     files: list[str] = []
     for part in path.split(","):
         part = os.path.expanduser(part.strip())
@@ -96,22 +96,23 @@ def no_files_error(cfg: DataConfig) -> FileNotFoundError:
     return FileNotFoundError(f"data.path={cfg.path} matches no file; check the path or glob")
 
 
-def file_format(cfg: DataConfig, files: list[str]) -> str:
+def file_formats(cfg: DataConfig, files: list[str]) -> list[str]:
+    """The format of each file: ``data.format`` when set, else the one of its suffix, so a directory or
+    glob may mix text, json, parquet and csv files; ValueError names the suffixes no format is known of."""
     if cfg.format != "auto":
         if cfg.format not in set(_FORMATS.values()):
             raise ValueError(
                 f"data.format={cfg.format} is not one of auto, {', '.join(sorted(set(_FORMATS.values())))}; "
                 "try data.format=auto"
             )
-        return cfg.format
-    suffixes = {Path(f).suffix.lower() for f in files}
-    fmts = {_FORMATS.get(s) for s in suffixes}
-    if len(fmts) != 1 or None in fmts:
+        return [cfg.format] * len(files)
+    unknown = sorted({Path(f).suffix.lower() for f in files} - set(_FORMATS))
+    if unknown:
         raise ValueError(
-            f"data.format=auto cannot tell the format of {sorted(suffixes)} (data.path={cfg.path}); "
+            f"data.format=auto cannot tell the format of {unknown} (data.path={cfg.path}); "
             "set data.format=text|json|parquet|csv, or narrow data.path with a glob"
         )
-    return cast(str, fmts.pop())  # None was ruled out above
+    return [_FORMATS[Path(f).suffix.lower()] for f in files]
 
 
 def _datasets(cfg: DataConfig):
@@ -139,9 +140,9 @@ def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, dict | st
     files = resolve_files(cfg.path or "", cfg.format)
     if not files:
         raise no_files_error(cfg)
-    fmt = file_format(cfg, files)
-    stats.unit = cfg.text_unit.value if fmt == "text" else "record"
-    for f in files:
+    formats = file_formats(cfg, files)
+    stats.unit = cfg.text_unit.value if "text" in formats else "record"  # only text files count bad bytes
+    for f, fmt in zip(files, formats):
         n = 0
         try:
             if fmt == "text":

@@ -1,4 +1,4 @@
-"""Corpora beyond one machine: ``prepare.shard=i/n`` prepares slice i of the input files into
+"""Corpora beyond one machine: ``prepare.shard=i/n`` prepares slice i (0 to n-1) of the input files into
 ``<prepare.out>/part-i-of-n/`` (a store of its own), and ``prepare.merge=true`` writes the manifest of
 the whole store at ``prepare.out`` over the n finished parts, in slice order.
 
@@ -26,10 +26,21 @@ def part_dir(out: Path, i: int, n: int) -> Path:
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
+    """(i, n) of ``prepare.shard=i/n``: slice i of n, i counting from 0 to n-1."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
-    if not m or not int(m[1]) < int(m[2]):
-        raise P3DConfigError(f"prepare.shard={spec} is not i/n with 0 <= i < n; try prepare.shard=0/4")
-    return int(m[1]), int(m[2])
+    if not m:
+        raise P3DConfigError(
+            f"prepare.shard={spec} is not i/n (slice i of n, i counting from 0 to n-1); try prepare.shard=0/4"
+        )
+    i, n = int(m[1]), int(m[2])
+    if n == 0:
+        raise P3DConfigError(f"prepare.shard={spec} has 0 slices; n is at least 1, try prepare.shard=0/1")
+    if i >= n:
+        raise P3DConfigError(
+            f"prepare.shard={spec} is past the last slice: i counts from 0 to n-1 (0 to {n - 1} for {n} slices); "
+            f"try prepare.shard={n - 1}/{n}, the last of {n} slices"
+        )
+    return i, n
 
 
 def slice_config(cfg, out: Path):

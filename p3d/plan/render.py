@@ -48,7 +48,7 @@ def render(report) -> str:
         out.append("")
     out.append(
         f"p3d-plan: {m.name} ({m.arch.value}, {m.n_layers} layers, h={m.hidden_size}) on "
-        f"{lay.describe()}, {cfg.cluster.device}"
+        f"{lay.describe(m.seq_len)}, {cfg.cluster.device}"
     )
     out.append(
         f"  {cfg.train.dtype.value}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "

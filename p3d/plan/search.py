@@ -116,7 +116,7 @@ def search(cfg: Config) -> list[PlanReport]:
         lean = smallest.layout
         raise P3DConfigError(
             f"mesh=auto: no layout of {world_size(cfg)} GPUs fits {cfg.cluster.memory_gb:g} GB; the leanest "
-            f"({lean.describe()}, recompute={lean.recompute}, zero.stage={lean.zero}) needs "
+            f"({lean.describe(cfg.model.seq_len)}, recompute={lean.recompute}, zero.stage={lean.zero}) needs "
             f"{smallest.worst.total / 1e9:.1f} GB; try more cluster.nodes"
         )
     reports.sort(key=lambda r: (-r.tokens_per_s, r.worst.total))
@@ -129,7 +129,7 @@ def best_layout(cfg: Config) -> Layout:
 
 
 def plan(cfg: Config) -> PlanReport:
-    """The planner's report for a typed config (after ``fill_cluster``); mesh=auto picks the best layout.
+    """The planner's report for a typed config (after ``fill_derived``); mesh=auto picks the best layout.
 
     Raises P3DConfigError where nothing can be modelled (a layout that does not divide the cluster,
     or mesh=auto without a fitting layout)."""

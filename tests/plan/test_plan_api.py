@@ -51,6 +51,31 @@ def test_best_layout_is_trainable_and_ranked_first(make_cfg):
     assert report.to_json()["ranking"][0]["tp"] == best.tp
 
 
+def test_micro_batches_read_as_p3d_train_prints_them(make_cfg):
+    """Issue 31, item 8d: one notation, the count of micro batches, then batch x sequence length (the
+    trainer's start line: ``{plan.micro_batches} micro batches of {micro_batch_size} x {seq_len} per replica``)."""
+    cfg = make_cfg("model=llama70b", "mesh=tp8_pp8", *H100_x8)
+    run_plan = build_plan(cfg, None)
+    trainer_words = f"{run_plan.micro_batches} micro batches of {cfg.schedule.micro_batch_size} x {cfg.model.seq_len}"
+    header = plan(cfg).render().splitlines()[0]
+    assert f"(64 ranks), {trainer_words} per replica, 1f1b" in header, header
+    assert trainer_words == "1024 micro batches of 1 x 8192" and "micro batch " not in header
+
+
+def test_the_documented_plans_are_of_configs_p3d_train_accepts(make_cfg):
+    """Issue 31, item 8c: each README ``p3d-plan`` line plans a config p3d-train would run as it stands
+    (``cluster.device=h100_sxm cluster.nodes=8`` alone kept the local launcher, which p3d-train refuses
+    on 8 nodes; the ``cluster=h100_sxm`` preset brings Slurm)."""
+    from tests.documented import documented_lines
+
+    lines = [cmd for _, cmd in documented_lines() if cmd.startswith("p3d-plan ")]
+    assert len(lines) >= 2, lines
+    for line in lines:
+        overrides = [w for w in line.split()[1:] if not w.startswith("format=")]
+        refused = [w for w in plan(make_cfg(*overrides)).warnings if "p3d-train would refuse" in w]
+        assert not refused, (line, refused)
+
+
 def test_nothing_fits_is_a_config_error(make_cfg):
     cfg = make_cfg(
         "model=llama3_405b",
