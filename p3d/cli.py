@@ -29,6 +29,7 @@ def train() -> None:
     except KeyboardInterrupt:  # Ctrl-C before the workers started (once they run, p3d.dist.stop handles it)
         error("interrupted (Ctrl-C) before training started; nothing was trained")
         status = 128 + signal.SIGINT
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run is over: a Ctrl-C now would only break the teardown
     skip_atexit = status == 128 + signal.SIGINT or "RANK" in os.environ
     if skip_atexit or "torch" in sys.modules:
         # Ctrl-C twice: the workers are gone; skip the interpreter's slow teardown. Under an external launcher

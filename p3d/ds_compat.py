@@ -89,6 +89,26 @@ def local_gradients(engine, module) -> list:
     return grads + list(getattr(engine.optimizer, "fp32_groups_gradients_flat", []))
 
 
+def param_gradients(engine, module) -> list:
+    """(parameter, its gradient so far) for every trainable parameter of this rank after the step's last backward
+    pass: under DeepSpeed's bf16 optimizer the fp32 gradient it accumulates (``param._hp_grad``, a view of
+    ``fp32_groups_gradients_flat``), else ``.grad``; zeros for a parameter with none."""
+    import torch
+
+    pairs = []
+    for p in module.parameters():
+        if p.requires_grad:
+            g = getattr(p, "_hp_grad", None)
+            g = p.grad if g is None else g
+            pairs.append((p, torch.zeros_like(p) if g is None else g))
+    return pairs
+
+
+def tied_weights(module) -> list:
+    """(tied weight, the group of its holders) for the tied copies this rank holds (``PipelineModule``)."""
+    return list(module.get_tied_weights_and_groups())
+
+
 # The attribute DeepSpeed's engine copies from a client optimizer after ``step`` to report the grad norm.
 GRAD_NORM_ATTR = "_global_grad_norm"
 
@@ -216,6 +236,14 @@ TOUCHPOINTS = (
         "BF16_Optimizer.fp32_groups_gradients_flat",
         "p3d.train.faults",
         lambda: _source_has("deepspeed.runtime.bf16_optimizer:BF16_Optimizer", "self.fp32_groups_gradients_flat"),
+    ),
+    Touchpoint(
+        "param._hp_grad (BF16_Optimizer) and PipelineModule.get_tied_weights_and_groups",
+        "p3d.train.faults",
+        lambda: (
+            _source_has("deepspeed.runtime.bf16_optimizer:BF16_Optimizer", "lp._hp_grad = hp_grad")
+            and _source_has("deepspeed.runtime.pipe.engine:PipelineEngine", "get_tied_weights_and_groups()")
+        ),
     ),
     Touchpoint(
         "PipelineEngine sends through deepspeed.runtime.pipe.p2p.send",

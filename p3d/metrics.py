@@ -168,6 +168,7 @@ class MetricsLogger:
                 f"step {step:>5}/{self.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad_norm "
                 f"{grad_norm:.3f} | tok/s {record['tokens_per_s']:,.0f} | step {step_time_s:.3f}s"
                 + (f" | val_loss {extra['val_loss']:.4f}" if "val_loss" in extra else "")
+                + (f" | update discarded ({extra['skip_reason']})" if extra.get("skip_reason") else "")
             )
         return record
 

@@ -70,7 +70,7 @@ def mesh_label(task_cfg) -> str:
 
 def schedule_label(schedule: dict) -> str:
     """'1f1b', 'interleaved_1f1b v=2', 'zbv v=2' (as p3d-plan names them) from a run spec's ``schedule``."""
-    name, v = schedule.get("pipeline", "1f1b"), schedule.get("virtual_stages", 1)
+    name, v = schedule.get("pipeline", "1f1b"), schedule.get("virtual_stages") or 1
     return name if v == 1 and name in ("1f1b", "gpipe") else f"{name} v={v}"
 
 

@@ -51,6 +51,7 @@ class Case:
     setup: str = ""  # a name in tests/test_documented_commands.py's SETUPS: files the line needs
     expect: str = ""  # refused: a regex the one-line error must match; not_here: the reason
     then: tuple[str, ...] = field(default_factory=tuple)  # further documented lines run in the same directory
+    check: str = ""  # a name in tests/test_documented_commands.py's CHECKS: what the line promises beyond status 0
 
 
 def argv_of(command: str, tmp: Path) -> tuple[dict[str, str], list[str]]:
@@ -101,6 +102,12 @@ CASES: dict[str, Case] = {
     "p3d-train train.save_every=100 train.eval_every=50 logger=wandb": Case(
         "run", extra=("train.steps=2", "train.save_every=2", "train.eval_every=2")
     ),
+    "p3d-train mesh=pp2 train.save_every=2 train.eval_every=2 logger=wandb train.steps=4 run.dir=outputs/run1": Case(
+        "run", extra=(), then=("p3d-train train.resume=auto run.dir=outputs/run1 train.steps=6",)
+    ),
+    "p3d-train train.resume=auto run.dir=outputs/run1 train.steps=6": Case(
+        "run", extra=(), check="resume_keeps_the_run"
+    ),
     "p3d-train train.resume=auto run.dir=outputs/run1": Case(
         "run",
         setup="trained_run1",
@@ -130,9 +137,7 @@ CASES: dict[str, Case] = {
         "not_here", expect="run after its resume line above (its `then`), once bare and once with every option"
     ),
     # README: planner
-    "p3d-plan mesh=tp8_pp8 model=llama70b cluster.device=h100_sxm cluster.nodes=8 schedule=large": Case(
-        "run", extra=()
-    ),
+    "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large": Case("run", extra=()),
     "p3d-plan model=llama3_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json": Case(
         "run", extra=()
     ),

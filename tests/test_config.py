@@ -83,10 +83,11 @@ PIPELINE_RULES = [  # p3d/config/validate_schedule.py, docs/design/pipeline-sche
     (["schedule.pipeline=zbv", "mesh=tp2"], "schedule.pipeline=zbv needs mesh.pp >= 2", "mesh=pp2"),
     (["schedule.pipeline=gpipe", "schedule.virtual_stages=2"], "gpipe runs one chunk", "schedule.virtual_stages=1"),
     (
-        ["schedule.pipeline=interleaved_1f1b"],
+        ["schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=1"],
         "schedule.virtual_stages=1 with schedule.pipeline=interleaved_1f1b",
         "schedule.virtual_stages=2",
     ),
+    (["schedule.pipeline=zbv", "schedule.virtual_stages=1"], "place exactly two chunks", "virtual_stages=2"),
     (["schedule.pipeline=dualpipev", "schedule.virtual_stages=3"], "place exactly two chunks", "virtual_stages=2"),
     (
         ["schedule.pipeline=interleaved_zero_bubble", "schedule.virtual_stages=4"],
@@ -167,7 +168,23 @@ RULES = [
         "data.tokenizer=byte",
     ),
     (["cluster.nodes=2"], "cluster.nodes=2 with cluster.launcher=local", "cluster.nodes=1"),
+    (["train.spike_factor=0.5"], "train.spike_factor=0.5 flags every loss above 0.5 x", "train.spike_factor=1.5"),
 ]
+
+
+@pytest.mark.parametrize(
+    "pipeline,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
+)
+def test_virtual_stages_follow_from_the_pipeline_unless_given(pipeline, chunks):
+    """Issue 31: schedule.pipeline=zbv alone was refused for the default virtual_stages=1, though zbv has one
+    legal value; unset, it is derived (the schedule's fewest chunks per rank) and the run spec records it."""
+    cfg, _ = typed("mesh=pp2", f"schedule.pipeline={pipeline}")
+    assert cfg.schedule.virtual_stages == chunks
+    if pipeline == "interleaved_1f1b":  # more than the fewest: still the user's to choose
+        assert (
+            typed("mesh=pp2", f"schedule.pipeline={pipeline}", "schedule.virtual_stages=3")[0].schedule.virtual_stages
+            == 3
+        )
 
 
 @pytest.mark.parametrize("overrides,message,fix", RULES, ids=[r[1][:40] for r in RULES])

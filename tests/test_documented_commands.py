@@ -125,6 +125,26 @@ def check_export(cwd: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def _resume_keeps_the_run(cwd: Path, result: subprocess.CompletedProcess) -> None:
+    """Issue 31: the resume re-read the defaults (``logger.name: wandb -> none``, ``train.eval_every: 2 -> 0``,
+    ``train.save_every: 2 -> 0``, and the default 8-rank mesh without ``mesh=``). It keeps the run's mesh,
+    logger, validation and checkpoints, and says only what the command line changed."""
+    from p3d.config.spec import read_spec
+    from p3d.train import ckpt_find
+
+    said = [line for line in result.stdout.splitlines() if line.startswith("p3d: ") and " -> " in line]
+    assert said == ["p3d: train.steps: 4 -> 6 from step 5"], result.stdout[-3000:]
+    assert "starting 2 workers" in result.stdout  # pp2, not the default dp2_pp2_tp2
+    run = cwd / "outputs" / "run1"
+    cfg, _ = read_spec(run)
+    assert (cfg.mesh.name, cfg.logger.name, cfg.train.eval_every, cfg.train.save_every) == ("pp2", "wandb", 2, 2)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and "val_loss" in records[-1]
+    assert ckpt_find.find(run, "auto").name == "step_00000006"
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 2  # W&B logged the resumed segment too
+
+
+CHECKS = {"resume_keeps_the_run": _resume_keeps_the_run}
 RUNNABLE = [cmd for cmd, case in CASES.items() if case.kind in ("run", "refused", "dry")]
 FOLLOWERS = {follower for case in CASES.values() for follower in case.then}
 
@@ -160,3 +180,5 @@ def test_documented_line(command, tmp_path):
             assert not any(cwd.iterdir()), f"a refused line wrote {sorted(cwd.rglob('*'))}"
             continue
         check_ran(" ".join([line, *line_case.extra]), cwd, started, result)
+        if line_case.check:
+            CHECKS[line_case.check](cwd, result)

@@ -8,7 +8,7 @@ import pytest
 
 from p3d.dist import hang
 from p3d.dist.mesh import Mesh
-from p3d.train.faults import StepPolicy, StepVerdict
+from p3d.train.faults import SpikeReference, StepPolicy, StepVerdict
 from p3d.train.timing import StragglerWatch
 from tests.conftest import typed
 
@@ -23,7 +23,43 @@ def test_skip_policy_counts_discards_in_a_row_and_stops_after_max_skipped():
     assert stops == [False, False, True]
     stop, line, fields = policy.apply(StepVerdict(7, 2.0, grad_stages=[0], discarded=True))
     assert stop and "step 7: non-finite gradient norm on stage 0; 4 steps in a row" in line
-    assert fields == {"skipped": 1, "loss_spike": 0, "skipped_steps": 6}
+    assert fields == {"skipped": 1, "loss_spike": 0, "skip_reason": "non-finite", "skipped_steps": 6}
+
+
+def test_a_loss_that_stays_up_stops_being_a_spike():
+    """Issue 31's frozen run, replayed: a discarded step leaves the weights as they were, so the next loss is as
+    high; judged against applied steps only, every step from then on was a spike. The window follows the losses
+    seen: after the rise, at most window // 2 + 1 steps are spikes, then the loss is its own reference."""
+    for window in (3, 4, 20):
+        ref = SpikeReference(1.05, window)
+        for loss in [3.60, 3.58, 3.57, 3.5696] * window:  # a settled run
+            ref.seen(loss)
+        spikes = []
+        for _ in range(3 * window):
+            spikes.append(ref.over(4.3) > 0)  # the loss after one bad update, held there by every discard
+            ref.seen(4.3)
+        assert spikes[0] and not any(spikes[window // 2 + 1 :]), (window, spikes)
+    off = SpikeReference(0.0, 3)
+    for loss in (1.0, 1.0, 1.0):
+        off.seen(loss)
+    assert off.over(100.0) == 0.0  # spike_factor=0: off
+    short = SpikeReference(1.05, 3)
+    short.seen(float("nan"))  # a non-finite loss never becomes the reference
+    short.seen(1.0)
+    assert short.over(100.0) == 0.0 and list(short.recent) == [1.0]
+
+
+def test_spikes_discarded_in_a_row_beyond_max_skipped_stop_the_run():
+    cfg, _ = typed("train.spike_factor=1.5", "train.on_spike=skip", "train.max_skipped=2")
+    policy = StepPolicy(cfg.train)
+    spike = [StepVerdict(s, 9.0, spike_over=3.0, discarded=True, grad_norm=2.5) for s in (1, 2, 3)]
+    results = [policy.apply(v) for v in spike]
+    assert [stop for stop, _, _ in results] == [False, False, True]
+    assert "update discarded (1 in a row, train.max_skipped=2, its gradient norm 2.5 finite)" in results[0][1]
+    stop, line, fields = results[2]
+    assert line.startswith("error: step 3: loss spike 9.0000 > 1.5 x 3.0000") and "3 steps in a row" in line
+    assert "raise train.spike_factor" in line
+    assert fields["skip_reason"] == "loss spike" and fields["skipped"] == 1
 
 
 def test_stop_policy_names_step_quantity_and_stages():

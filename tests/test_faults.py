@@ -191,30 +191,100 @@ def test_more_skips_in_a_row_than_max_skipped_stop_the_run(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_loss_spikes_are_flagged_and_skipped(tmp_path):
-    """spike_factor=1 over a window of 3: every step whose loss is above the median of the last 3 applied
-    steps is flagged and (on_spike=skip) discarded; checked against the losses in metrics.jsonl."""
+    """spike_factor=1 over a window of 3: every step whose loss is above the median of the last 3 losses seen
+    (discarded steps included) is flagged and (on_spike=skip) discarded; checked against metrics.jsonl."""
     run = tmp_path / "run"
     proc = p3d_train(
         f"run.dir={run}", "mesh=pp2", "train.steps=12", "train.lr=0.05", "train.warmup_steps=0",
-        "train.spike_factor=1", "train.spike_window=3", "train.on_spike=skip", timeout=360,
+        "train.spike_factor=1", "train.spike_window=3", "train.on_spike=skip", "train.max_skipped=12", timeout=360,
     )  # fmt: skip
     assert proc.returncode == exit_codes.OK, _out(proc)
     records = read_metrics(run)
     assert [r["skipped"] for r in records] == [r["loss_spike"] for r in records]
-    applied: list[float] = []
+    seen: list[float] = []
     checked = 0
     for r in records:
-        if len(applied) >= 3:
-            median = sorted(applied[-3:])[1]
+        if len(seen) >= 3:
+            median = sorted(seen[-3:])[1]
             if abs(r["loss"] - median) > 1e-4:  # the gate's fp64 mean and the engine's loss agree to ~1e-6
-                assert r["loss_spike"] == int(r["loss"] > median), (r, applied[-3:])
+                assert r["loss_spike"] == int(r["loss"] > median), (r, seen[-3:])
                 checked += 1
         else:
             assert r["loss_spike"] == 0
-        if not r["skipped"]:
-            applied.append(r["loss"])
+        seen.append(r["loss"])
     assert checked >= 5 and 0 < sum(r["loss_spike"] for r in records) < len(records), records
     assert f"step {next(r['step'] for r in records if r['loss_spike'])}: loss spike" in proc.stdout
+
+
+def _longest_run(flags: list[int]) -> int:
+    longest = current = 0
+    for f in flags:
+        current = current + 1 if f else 0
+        longest = max(longest, current)
+    return longest
+
+
+FROZEN = ("mesh=single", "train.lr=0.05", "train.warmup_steps=0", "train.spike_factor=1.05", "train.on_spike=skip")
+
+
+@pytest.mark.timeout(200)
+def test_spike_skips_cannot_freeze_a_run_and_a_run_of_them_stops_it(tmp_path):
+    """Issue 31's command: steps 8-15 were all discarded against a median that never moved, each with grad_norm
+    nan, and the run ended "done", exit 0. Now the window follows the losses (the run learns again), a discarded
+    spike reports its finite norm and why, and more discards in a row than train.max_skipped stop the run."""
+    run = tmp_path / "spk"
+    proc = p3d_train(f"run.dir={run}", *FROZEN, "train.spike_window=3", "train.steps=15", timeout=180)
+    records = read_metrics(run)
+    skipped = [r["skipped"] for r in records]
+    assert proc.returncode == exit_codes.OK and len(records) == 15, _out(proc)
+    assert sum(skipped) > 0 and _longest_run(skipped) <= 2 and not skipped[-1], skipped  # window 3: 2 at most
+    for r in records:
+        if r["skipped"]:
+            assert r["skip_reason"] == "loss spike" and r["grad_norm"] > 0 and r["grad_norm"] < float("inf"), r
+            assert f"step {r['step']:>5}/15" in proc.stdout and "update discarded (loss spike)" in proc.stdout
+    # a window of one loss: a loss above the one before is a spike; with max_skipped=1 a second in a row stops
+    run2 = tmp_path / "spk1"
+    proc = p3d_train(
+        f"run.dir={run2}", *FROZEN[:3], "train.spike_factor=1", "train.on_spike=skip", "train.spike_window=1",
+        "train.max_skipped=1", "train.steps=30", timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.NONFINITE, _out(proc)
+    last = read_metrics(run2)[-1]
+    assert _longest_run([r["skipped"] for r in read_metrics(run2)]) == 2 and last["skip_reason"] == "loss spike"
+    assert f"error: step {last['step']}: loss spike" in proc.stdout, _out(proc)
+    assert "2 steps in a row discarded, more than train.max_skipped=1: stopped" in proc.stdout, _out(proc)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(("mesh=dp2_pp2", "model.tie_embeddings=true"), id="dp2_pp2-tied"),
+        pytest.param(("mesh=dp2_tp2", "train.dtype=bf16"), id="dp2_tp2-bf16", marks=pytest.mark.slow),
+        pytest.param(("mesh=dp2_pp2", "model.tie_embeddings=true", "zero=stage1"), id="zero1", marks=pytest.mark.slow),
+        pytest.param(
+            ("mesh=dp2_pp2", "model.tie_embeddings=true", "schedule.pipeline=zbv", "schedule.virtual_stages=2"),
+            id="zbv-tied",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_discarded_spike_reports_the_norm_its_update_would_have_had(tmp_path, layout):
+    """The same run twice: on_spike=warn applies the first spike's update, on_spike=skip discards it. Until that
+    step the two are the same run, so the norm the discarding run measured (on copies of its gradients, reduced
+    over the tied holders and dp as the step would) is the norm the optimizer saw in the other run."""
+    common = (*layout, "train.steps=8", "train.lr=0.05", "train.warmup_steps=0", "train.spike_factor=1.0")
+    common = (*common, "train.spike_window=2", "train.max_skipped=8")
+    runs = {}
+    for on_spike in ("warn", "skip"):
+        proc = p3d_train(f"run.dir={tmp_path / on_spike}", *common, f"train.on_spike={on_spike}", timeout=280)
+        assert proc.returncode == exit_codes.OK, _out(proc)
+        runs[on_spike] = read_metrics(tmp_path / on_spike)
+    first = next(i for i, r in enumerate(runs["skip"]) if r["skipped"])
+    applied, discarded = runs["warn"][first], runs["skip"][first]
+    assert applied["loss_spike"] and not applied["skipped"] and discarded["skip_reason"] == "loss spike"
+    assert discarded["loss"] == pytest.approx(applied["loss"], rel=1e-6)
+    assert discarded["grad_norm"] == pytest.approx(applied["grad_norm"], rel=1e-5), (applied, discarded)
 
 
 @pytest.mark.timeout(400)

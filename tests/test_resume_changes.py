@@ -32,9 +32,9 @@ BASE = ("model=tiny", "mesh=single", "train.steps=3")  # lr 3e-3, 20 warmup step
 B0, K = 16, 3  # the base run's global batch and steps: its checkpoint has consumed 48 samples
 
 
-def user_train(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def user_train(cwd: Path, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """``p3d-train`` as a user types it, from their own directory (relative run.dir)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "p3d.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -283,3 +283,56 @@ def test_a_field_that_may_not_change_is_refused(home, override, old):
     assert f"r1/checkpoints/step_00000003 ({old}) and may not change on resume" in r.stderr
     assert f"resume with {field}={old} or start a new run.dir" in r.stderr
     assert (home / "r1" / "run_spec.yaml").read_bytes() == spec
+
+
+# ---- a resume starts from the run it resumes (issue 31)
+
+
+def test_a_resume_takes_the_resumed_runs_fields_and_only_what_the_command_line_names():
+    from p3d.launch.resume_base import over_resumed_run
+
+    groups = {"mesh", "cluster", "schedule", "logger", "train", "run"}
+    resumed = {
+        "mesh": {"name": "pp2", "tp": 1, "pp": 2, "dp": 1},
+        "logger": {"name": "wandb"},
+        "train": {"steps": 4, "eval_every": 2, "save_every": 2, "resume": "none", "dtype": "fp32", "x": 1},
+        "schedule": {"pipeline": "1f1b", "virtual_stages": 1, "global_batch_size": 16},
+        "cluster": {"device": "cpu", "peak_tflops": 0.1, "memory_gb": 24.0, "nodes": 1},
+        "run": {"dir": "/old/run1"},
+        "dry_run": False,
+    }
+    composed = {  # the defaults, with the command line's overrides
+        "mesh": {"name": "pp4", "tp": 1, "pp": 4, "dp": "auto"},
+        "logger": {"name": "none"},
+        "train": {"steps": 6, "eval_every": 0, "save_every": 0, "resume": "auto", "dtype": "auto"},
+        "schedule": {"pipeline": "zbv", "virtual_stages": None, "global_batch_size": 16},
+        "cluster": {"device": "h100_sxm", "peak_tflops": None, "memory_gb": None, "nodes": 1},
+        "run": {"dir": "outputs/run1"},
+        "dry_run": False,
+    }
+    steps_only = over_resumed_run(
+        composed, resumed, ["train.resume=auto", "run.dir=outputs/run1", "train.steps=6"], groups
+    )
+    assert steps_only["logger"] == {"name": "wandb"} and steps_only["mesh"] == resumed["mesh"]
+    assert steps_only["train"] == {**resumed["train"], "steps": 6, "resume": "auto"}
+    assert steps_only["run"]["dir"] == "outputs/run1"  # this launch's, not the spec's
+    assert resumed["train"]["steps"] == 4  # the resumed spec is not modified
+    # a group takes its whole section; a changed pipeline re-derives the chunks per rank, a device its numbers
+    changed = over_resumed_run(
+        composed,
+        resumed,
+        ["mesh=pp4", "schedule.pipeline=zbv", "cluster.device=h100_sxm", "~train.x", "hydra.run.dir=x"],
+        groups,
+    )
+    assert changed["mesh"] == composed["mesh"]
+    assert changed["schedule"] == {"pipeline": "zbv", "virtual_stages": None, "global_batch_size": 16}
+    assert changed["cluster"] == {"device": "h100_sxm", "peak_tflops": None, "memory_gb": None, "nodes": 1}
+    assert changed["train"]["dtype"] == "auto" and "x" not in changed["train"]
+    # a derived field the command line names is the command line's
+    kept = over_resumed_run(
+        composed | {"schedule": {**composed["schedule"], "virtual_stages": 2}},
+        resumed,
+        ["schedule.pipeline=zbv", "schedule.virtual_stages=2"],
+        groups,
+    )
+    assert kept["schedule"]["virtual_stages"] == 2

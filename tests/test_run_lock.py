@@ -317,7 +317,9 @@ def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path, 
     print(f"stopped {took:.2f} s after the second Ctrl-C")
     assert took < 5, out[-3000:]
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
-    assert "no checkpoint was written for the step in flight" in out
+    assert "p3d: second Ctrl-C: stopping the workers at once, without finishing the step in flight" in out
+    newest = checkpoint.find(run, "auto")
+    assert f"p3d: the newest complete checkpoint is {newest} (step " in out, out[-3000:]
     _no_traceback(out, run)
     assert not worker_pids(run)
     assert not (run / LOCK_NAME).exists()
@@ -343,7 +345,7 @@ def test_second_ctrl_c_after_the_save_says_so():
     assert not signals.aborted
     lines = console.getvalue().splitlines()
     assert lines[1] == "p3d: second Ctrl-C: the workers had already saved a checkpoint and stopped", lines
-    assert "no checkpoint was written" not in console.getvalue()
+    assert "stopping the workers" not in console.getvalue()
 
 
 def _worker_like() -> subprocess.Popen:
@@ -367,4 +369,52 @@ def test_second_ctrl_c_kills_running_workers():
         for p in procs.values():
             p.kill()
     assert signals.aborted
-    assert "no checkpoint was written for the step in flight" in console.getvalue().splitlines()[1]
+    assert "stopping the workers at once" in console.getvalue().splitlines()[1]
+
+
+def _settled_as_said(out: str, run: Path, keep_last: int) -> None:
+    """What a stopped run says is on disk is on disk: the newest complete checkpoint it names is complete and
+    ``latest`` names it, at most ``keep_last`` are kept, nothing of an unfinished save or prune is left."""
+    root = checkpoint.root(run)
+    complete = checkpoint.complete_checkpoints(root)
+    assert complete and len(complete) <= keep_last, (complete, out[-3000:])
+    assert not list(root.glob(".step_*")) and not list(root.glob(".pruned-*")), list(root.iterdir())
+    assert (root / checkpoint.LATEST).read_text().strip() == complete[-1].name
+    checkpoint.verify(complete[-1])  # every file at its size
+    named = [ln for ln in out.splitlines() if "the newest complete checkpoint is" in ln or "saved checkpoint" in ln]
+    assert named and str(complete[-1]) in named[-1], (named, complete[-1])
+
+
+CTRL_C_DELAYS = {"fast": (0.0, 0.1, 0.2, 0.25, 0.3, 0.5), "slow": (0.02, 0.05, 0.15, 0.35, 0.4, 0.7, 1.0)}
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "delays",
+    [CTRL_C_DELAYS["fast"], pytest.param(CTRL_C_DELAYS["slow"], marks=pytest.mark.slow)],
+    ids=list(CTRL_C_DELAYS),
+)
+def test_ctrl_c_twice_at_any_delay_says_what_is_on_disk_and_keeps_keep_last(tmp_path, delays):
+    """Issue 31: the second press 0.3 s after the first said "no checkpoint was written" beside a complete
+    step_00000059 with three checkpoints kept (the kill came between the save's rename and its pruning); at
+    0.25 s the launcher's atexit functions printed a KeyboardInterrupt. A save every step puts the presses in
+    every part of a save and of the teardown: at each delay the run ends 130 (killed) or 75 (it had saved), with
+    no traceback, the checkpoints settled as it says and no worker left."""
+    for delay in delays:
+        run = tmp_path / f"d{delay}"
+        proc = _start(run, *TINY, "train.steps=100000", "train.save_every=1", "train.keep_last=2")
+        try:
+            root = checkpoint.root(run)
+            _wait_for(lambda root=root: len(checkpoint.complete_checkpoints(root)) >= 2, 180, proc)
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(delay)
+            os.killpg(proc.pid, signal.SIGINT)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            _kill_run(proc, run)
+        assert proc.returncode in (exit_codes.PREEMPTED, 128 + signal.SIGINT), (delay, out[-3000:])
+        _no_traceback(out, run)
+        assert "Exception ignored" not in out, (delay, out[-3000:])
+        _settled_as_said(out, run, keep_last=2)
+        assert not worker_pids(run) and not (run / LOCK_NAME).exists()

@@ -151,7 +151,9 @@ class ScheduleConfig:
     partition: Partition = Partition.cost
     sequence_parallel: bool = False  # split the sequence over tp outside the TP regions (needs tp > 1)
     recompute_swiglu: bool = False  # with recompute=selective: silu(gate) * up recomputed in backward too
-    virtual_stages: int = 1  # chunks per pp rank: >= 2 with interleaved_*, exactly 2 with zbv / dualpipev
+    # chunks per pp rank: >= 2 with interleaved_*, exactly 2 with zbv / dualpipev, 1 with 1f1b / gpipe;
+    # null: derived from the pipeline (its fewest: 2 for the interleaved and V schedules, else 1)
+    virtual_stages: int | None = None
     pipeline: Pipeline = Pipeline["1f1b"]  # the executor; see Pipeline above
 
 

@@ -87,7 +87,7 @@ def _checkpoint_spec(ckpt: Path) -> tuple[int, dict]:
     return step, cast(dict, OmegaConf.to_container(OmegaConf.load(spec))) if spec.is_file() else {}
 
 
-def _config_part(raw: dict) -> dict:
+def config_part(raw: dict) -> dict:
     """The config of a raw spec: without the derived run plan (``plan`` in specs written before it was
     renamed ``run_plan``, told apart from the planner's options by its ``world_size``) and the history."""
     legacy_plan = isinstance(raw.get("plan"), dict) and "world_size" in raw["plan"]
@@ -97,7 +97,7 @@ def _config_part(raw: dict) -> dict:
 def resume_changes(cfg: Config, ckpt: str | Path) -> list[resume_rules.Change]:
     """Every field this run sets differently from the spec the checkpoint ``ckpt`` was trained with."""
     _, old = _checkpoint_spec(Path(ckpt))
-    return resume_rules.diff(_config_part(old), config_dict(cfg)) if old else []
+    return resume_rules.diff(config_part(old), config_dict(cfg)) if old else []
 
 
 def _segment_file(from_step: int) -> str:
@@ -112,7 +112,7 @@ def segments(cfg: Config) -> tuple[list[dict], bool]:
         return [{"from_step": 0, "spec": _segment_file(0)}], True
     step, old = _checkpoint_spec(Path(cfg.train.resume))
     history = list(old.get("segments") or [{"from_step": 0}])
-    changed = resume_rules.printed(resume_rules.diff(_config_part(old), config_dict(cfg))) if old else []
+    changed = resume_rules.printed(resume_rules.diff(config_part(old), config_dict(cfg))) if old else []
     if not changed:
         return history, False
     new = {"from_step": step, "spec": _segment_file(step), "changes": [c.line(step + 1) for c in changed]}

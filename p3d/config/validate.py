@@ -74,6 +74,18 @@ def _largest_divisor_at_most(n: int, limit: int, *also: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0 and all(a % d == 0 for a in also))
 
 
+def fill_derived(cfg: Config) -> Config:
+    """The config with what follows from other fields filled in: the cluster numbers and dtype
+    (:func:`fill_cluster`), and ``schedule.virtual_stages`` from the pipeline when unset."""
+    from p3d.config.validate_schedule import fewest_chunks_per_rank
+
+    cfg = fill_cluster(cfg)
+    s = cfg.schedule
+    if s.virtual_stages is None:
+        s = dataclasses.replace(s, virtual_stages=fewest_chunks_per_rank(str(s.pipeline.value)))
+    return dataclasses.replace(cfg, schedule=s)
+
+
 def fill_cluster(cfg: Config) -> Config:
     """The config with every unset cluster number taken from the ``cluster.device`` preset, and
     ``train.dtype=auto`` made fp32 on cpu, bf16 on GPUs."""
@@ -167,6 +179,16 @@ def check_config(cfg: Config) -> None:
     check_fields(cfg)
     check_logger(cfg)
     check_model(cfg)
+    check_faults(cfg)
+
+
+def check_faults(cfg: Config) -> None:
+    f = cfg.train.spike_factor
+    if 0 < f < 1:  # every loss near the median is above f times it: every step would be a spike
+        raise P3DConfigError(
+            f"train.spike_factor={f:g} flags every loss above {f:g} x the recent median, nearly every step; it is a "
+            f"multiple of the median: try train.spike_factor={1 + f:g} ({1 + f:g} x the median), or 0 (off)"
+        )
 
 
 def check_model(cfg: Config) -> None:

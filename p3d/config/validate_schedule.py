@@ -24,10 +24,21 @@ def pipeline_name(cfg: Config) -> str:
     return str(cfg.schedule.pipeline.value)
 
 
+def fewest_chunks_per_rank(pipeline: str) -> int:
+    """``schedule.virtual_stages`` when the config leaves it unset: the fewest chunks the schedule runs per rank."""
+    return 2 if pipeline in (*INTERLEAVED, *V_SHAPED) else 1
+
+
+def virtual_stages(cfg: Config) -> int:
+    """``schedule.virtual_stages`` as given, or derived from the pipeline when unset."""
+    given = cfg.schedule.virtual_stages
+    return given if given is not None else fewest_chunks_per_rank(pipeline_name(cfg))
+
+
 def chunks_per_rank(cfg: Config) -> int:
     """v: the chunks each pp rank runs (1 for 1f1b and gpipe, 2 for the V schedules)."""
     name = pipeline_name(cfg)
-    return cfg.schedule.virtual_stages if name in INTERLEAVED else 2 if name in V_SHAPED else 1
+    return virtual_stages(cfg) if name in INTERLEAVED else 2 if name in V_SHAPED else 1
 
 
 def check_schedule(cfg: Config, dp: int, pp: int) -> int:
@@ -70,7 +81,7 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
 def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     """schedule.pipeline against mesh.pp, virtual_stages, the model's blocks, ZeRO, recompute, compile, dtype."""
     s, name = cfg.schedule, pipeline_name(cfg)
-    v = s.virtual_stages
+    v = virtual_stages(cfg)
     if name in ("1f1b", "gpipe"):
         if v != 1:
             runs = "DeepSpeed's 1F1B runs" if name == "1f1b" else "gpipe runs"

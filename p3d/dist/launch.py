@@ -145,14 +145,21 @@ def describe_exit(rc: int) -> str:
 
 
 def launch_local(
-    spec_path: Path, plan, console=None, on_started=None, failure: dict | None = None, imports: tuple[str, ...] = ()
+    spec_path: Path,
+    plan,
+    console=None,
+    on_started=None,
+    failure: dict | None = None,
+    imports: tuple[str, ...] = (),
+    signals: StopSignals | None = None,
 ) -> int:
     """Run the workers to completion. Returns 0; NONFINITE when they stopped at a step with an inf/nan loss or
     gradient norm (p3d.train.faults); PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
     first Ctrl-C (see p3d.dist.stop) after saving a checkpoint; or 1 naming the first failed rank.
     ``on_started()`` runs once every worker is started (the run lease records their pids then). ``failure``
     receives ``cause`` (one phrase) and ``restartable`` (a worker killed by a signal, or a hang: not an error
-    the worker raised) when the run fails (p3d.dist.restart)."""
+    the worker raised) when the run fails (p3d.dist.restart). ``signals``: how stop signals reach the workers
+    (p3d.dist.stop; one for every launch of a run with restarts, which knows its run dir and train.keep_last)."""
     failure = {} if failure is None else failure
     console = console or sys.stdout
     run_dir = spec_path.parent
@@ -167,7 +174,10 @@ def launch_local(
     if fork:  # ``imports``: what the workers import beyond torch (forked.worker_imports), imported once here
         forked.preload(imports)  # before the signal handlers: a Ctrl-C here is the launcher's KeyboardInterrupt
         fork = forked.can_fork(plan.backend)  # an import that started a thread makes a fork unsafe: exec then
-    signals = StopSignals(procs, console).install()  # SIGTERM/SIGUSR1 forwarded; Ctrl-C: save, twice: abort
+    # SIGTERM/SIGUSR1 forwarded; Ctrl-C: save, twice: abort
+    signals = signals or StopSignals({}, console, run_dir)
+    signals.procs = procs
+    signals.install()
     received = signals.received
     try:
         for rank in range(plan.world_size):
@@ -195,6 +205,8 @@ def launch_local(
                 break
             if all(p.returncode in ok for p in procs.values()):
                 shown.drain()
+                if signals.aborted:  # the second Ctrl-C's kill came as they exited: say what is on disk
+                    print(signals.settled(), file=console, flush=True)
                 for status in (exit_codes.NONFINITE, exit_codes.PREEMPTED):
                     if any(p.returncode == status for p in procs.values()):
                         return status  # NONFINITE: the logging rank printed the step, the quantity and the stage
@@ -207,6 +219,8 @@ def launch_local(
         failure.update(restartable=rc < 0 and not received, cause=f"rank {rank} {describe_exit(rc)}")
         if received:
             print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
+            if signals.aborted:  # every worker is reaped (_stop): what the kill left on disk is final
+                print(signals.settled(), file=console, flush=True)
             return 128 + received[0]
         dp, pp, tp = plan.dims.coords_of(rank)
         then = f" (ranks {', '.join(map(str, also))} failed with it)" if also else ""

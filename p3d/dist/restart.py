@@ -43,8 +43,11 @@ def decide(
     )
 
 
-def run_with_restarts(launch: Callable[[dict], int], run_dir: Path, max_restarts: int, console=None) -> int:
-    """``launch(failure)`` runs the workers once (p3d.dist.launch.launch_local); returns the last status."""
+def run_with_restarts(
+    launch: Callable[[dict], int], run_dir: Path, max_restarts: int, console=None, stopped=lambda: False
+) -> int:
+    """``launch(failure)`` runs the workers once (p3d.dist.launch.launch_local); returns the last status.
+    ``stopped()``: a stop signal came (never restart then)."""
     from p3d.dist.slurm_job import resume_spec
 
     console = console or sys.stdout
@@ -53,7 +56,7 @@ def run_with_restarts(launch: Callable[[dict], int], run_dir: Path, max_restarts
     while True:
         failure: dict = {}
         rc = launch(failure)
-        if rc not in RESTARTABLE or not failure.get("restartable") or max_restarts == 0:
+        if rc not in RESTARTABLE or not failure.get("restartable") or max_restarts == 0 or stopped():
             return rc
         this = (step_in_flight(run_dir), failure["cause"])
         again, line = decide(this, previous, restarts, max_restarts)

@@ -25,6 +25,11 @@ from p3d.console import error
 CONFIG_PATH = str(Path(__file__).resolve().parents[2] / "conf")
 
 
+def config_groups() -> set[str]:
+    """The config groups of ``conf/`` (model, mesh, schedule, ...), Hydra's own left out."""
+    return {p.name for p in Path(CONFIG_PATH).iterdir() if p.is_dir() and p.name != "hydra"}
+
+
 def given_overrides() -> list[str]:
     """The overrides on this command line (empty outside Hydra)."""
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []

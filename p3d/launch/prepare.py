@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from p3d.config.validate import P3DConfigError, build_plan, check_config, fill_cluster
+from p3d.config.validate import P3DConfigError, build_plan, check_config, fill_derived
 from p3d.console import say
 from p3d.launch.hydra_app import given_overrides
 from p3d.run_dir import METRICS, holds_run
@@ -25,7 +25,7 @@ def tokenizer_vocab(data_cfg) -> int:
         raise P3DConfigError(str(exc)) from None
 
 
-def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
+def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True):
     """The typed Config with the device preset filled in and ``mesh=auto`` resolved by the planner."""
     from omegaconf.errors import OmegaConfBaseException
 
@@ -33,7 +33,7 @@ def typed_config(cfg_node: DictConfig, resolve_auto: bool = True):
     from p3d.paths import resolve_config_paths
 
     try:
-        cfg = fill_cluster(to_config(cfg_node))
+        cfg = fill_derived(to_config(cfg_node))
     except OmegaConfBaseException as exc:
         raise P3DConfigError(str(exc).splitlines()[0]) from None
     cfg = resolve_config_paths(cfg)  # every user-given path absolute, against the directory the command ran from
@@ -89,8 +89,12 @@ def with_tokenizer(cfg):
 
 
 def prepare(cfg_node: DictConfig):
-    """Typed config and run plan, or P3DConfigError."""
-    cfg = typed_config(cfg_node)
+    """Typed config and run plan, or P3DConfigError. A resume starts from the resumed run's spec
+    (p3d.launch.resume_base)."""
+    from p3d.launch.hydra_app import config_groups
+    from p3d.launch.resume_base import resume_node
+
+    cfg = typed_config(resume_node(cfg_node, given_overrides(), config_groups()))
     return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
 
 

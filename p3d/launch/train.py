@@ -85,14 +85,16 @@ def _launch(cfg, plan, lease) -> int:
     )
     # the lease names the workers as soon as they exist: a launcher killed now leaves a lease that stays live
     from p3d.dist.restart import run_with_restarts
+    from p3d.dist.stop import StopSignals
 
     imports = worker_imports(cfg.schedule.pipeline.value, cfg.zero.stage)
+    signals = StopSignals({}, sys.stdout, spec.parent, cfg.train.keep_last)  # one for every launch of the run
 
     def launch_once(failure: dict) -> int:
         on_started = lease.refresh if lease is not None else None
-        return launch_local(spec, plan, on_started=on_started, failure=failure, imports=imports)
+        return launch_local(spec, plan, on_started=on_started, failure=failure, imports=imports, signals=signals)
 
-    rc = run_with_restarts(launch_once, spec.parent, cfg.train.max_restarts)
+    rc = run_with_restarts(launch_once, spec.parent, cfg.train.max_restarts, stopped=lambda: bool(signals.received))
     if rc == 0:
         say(f"done; metrics in {spec.parent / run_dir.METRICS}")
     return rc

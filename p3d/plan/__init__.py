@@ -1,7 +1,7 @@
 """The analytic planner behind ``p3d-plan``: memory per GPU and step time of a config, no GPU needed.
 
     from p3d.plan import plan, best_layout
-    report = plan(cfg)            # cfg: p3d.config.schema.Config after validate.fill_cluster
+    report = plan(cfg)            # cfg: p3d.config.schema.Config after validate.fill_derived
     report.fits, report.to_json(), report.render()
     best_layout(cfg)              # mesh=auto: Layout(tp, pp, dp, micro_batch_size, ..., pipeline, recompute, zero)
 

@@ -1,6 +1,6 @@
 """The plan of one config: memory per stage, step time, throughput, and what p3d-train would say.
 
-``plan(cfg)`` is the entry point (``cfg`` a typed Config after ``fill_cluster``); ``mesh=auto``
+``plan(cfg)`` is the entry point (``cfg`` a typed Config after ``fill_derived``); ``mesh=auto``
 plans the best layout of :mod:`p3d.plan.search` and keeps the ranking.
 """
 

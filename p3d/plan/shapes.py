@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from p3d.config.schema import Arch, Config, ModelConfig
 from p3d.config.validate import P3DConfigError
-from p3d.config.validate_schedule import INTERLEAVED, V_SHAPED
+from p3d.config.validate_schedule import INTERLEAVED, V_SHAPED, virtual_stages
 from p3d.model.geometry import (
     block_matmul_params,
     block_vector_params,
@@ -67,10 +67,12 @@ class Layout:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
-    def describe(self) -> str:
+    def describe(self, seq_len: int) -> str:
+        """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
+        counted, then batch x sequence length, as ``p3d-train`` prints them at start."""
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), micro batch "
-            f"{self.micro_batch_size} x {self.micro_batches}, {self.schedule_name}"
+            f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), {self.micro_batches} micro "
+            f"batches of {self.micro_batch_size} x {seq_len} per replica, {self.schedule_name}"
         )
 
     @property
@@ -100,13 +102,13 @@ def layout_of(cfg: Config) -> Layout:
         ("mesh.pp", pp),
         ("schedule.micro_batch_size", s.micro_batch_size),
         ("schedule.global_batch_size", s.global_batch_size),
-        ("schedule.virtual_stages", s.virtual_stages),
+        ("schedule.virtual_stages", virtual_stages(cfg)),
     ):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise P3DConfigError(f"{name}={val!r} must be a positive integer")
     dp = resolve_dp(tp, pp, cfg.mesh.dp, cfg.cluster.nodes, cfg.cluster.gpus_per_node)
     m = max(1, s.global_batch_size // (s.micro_batch_size * dp))
-    pipeline, v = str(s.pipeline.value), s.virtual_stages
+    pipeline, v = str(s.pipeline.value), virtual_stages(cfg)
     if pipeline in V_SHAPED:
         v = 2
     elif pipeline in ("1f1b", "gpipe") and v > 1:

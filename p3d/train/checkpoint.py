@@ -48,9 +48,11 @@ from p3d.train.ckpt_find import (  # re-exported: the launcher-side half, torch-
     complete_checkpoints,
     find,
     model_identity,
+    prune,
     root,
     step_dir,
     verify,
+    write_latest,
 )
 from p3d.train.ckpt_save import ADAM_KEYS, Saver, Snapshot, collect_manifests, drop, make_dirs, set_rng_state
 
@@ -68,6 +70,8 @@ __all__ = [
     "check_compatible",
     "root",
     "step_dir",
+    "complete_checkpoints",
+    "LATEST",
 ]
 
 
@@ -99,16 +103,6 @@ def _link_optimizer_states(engine) -> None:
                     **{k: torch.zeros_like(flat) for k in ADAM_KEYS},
                 }
     relink_optimizer_states(wrapper)
-
-
-def _write_latest(ckpt_root: Path, name: str) -> None:
-    tmp = ckpt_root / f".{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt_root / LATEST)
-    fsync_dir(ckpt_root)
 
 
 def save(
@@ -201,11 +195,12 @@ def _commit(tmp: Path, final: Path, ckpt_root: Path, run_dir, cfg, meta: dict, w
 
     files = collect_manifests(tmp, dist.get_world_size(), wait_s)
     try:
-        shutil.copy(Path(run_dir) / SPEC_NAME, tmp / SPEC_NAME)
+        # copyfile, not copy: the copies get the umask's mode like every other file, not their source's
+        shutil.copyfile(Path(run_dir) / SPEC_NAME, tmp / SPEC_NAME)
         files[SPEC_NAME] = (tmp / SPEC_NAME).stat().st_size
         for i, f in enumerate(tokenizer_files(cfg.data.tokenizer)):  # the tokenizer travels with the weights
             name = "tokenizer.json" if i == 0 else f.name
-            shutil.copy(f, tmp / name)
+            shutil.copyfile(f, tmp / name)
             files[name] = (tmp / name).stat().st_size
     except OSError as exc:
         raise save_failed(Path(exc.filename or tmp), exc) from None
@@ -216,18 +211,10 @@ def _commit(tmp: Path, final: Path, ckpt_root: Path, run_dir, cfg, meta: dict, w
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
     try:
-        _write_latest(ckpt_root, final.name)
+        write_latest(ckpt_root, final.name)
     except OSError as exc:
         raise save_failed(ckpt_root / LATEST, exc) from None
-    _prune(ckpt_root, cfg.train.keep_last)
-
-
-def _prune(ckpt_root: Path, keep_last: int) -> None:
-    complete = complete_checkpoints(ckpt_root)
-    for old in complete[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in ckpt_root.glob(".step_*.tmp"):  # a save that crashed before its rename
-        shutil.rmtree(stale, ignore_errors=True)
+    prune(ckpt_root, cfg.train.keep_last)
 
 
 # ---- loading (workers)

@@ -5,6 +5,8 @@ The formats are in p3d.train.ckpt_files; saving and loading in p3d.train.checkpo
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from p3d.run_dir import CHECKPOINTS
@@ -72,6 +74,66 @@ def find(run_dir: str | Path, resume: str) -> Path | None:
             return candidate
     complete = complete_checkpoints(ckpt_root)
     return complete[-1] if complete else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory; the rename is then as durable as they allow
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_latest(ckpt_root: Path, name: str) -> None:
+    """Point ``latest`` at checkpoint ``name``: written to a temporary name, fsync'd, renamed."""
+    tmp = ckpt_root / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_root / LATEST)
+    _fsync_dir(ckpt_root)
+
+
+def prune(ckpt_root: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints (0: all) and drop what unfinished saves left. An old
+    checkpoint is renamed out of the ``step_*`` names before it is deleted, so that a prune cut short (a kill)
+    never leaves a ``step_*`` directory with its meta.json but not all its files."""
+    complete = complete_checkpoints(ckpt_root)
+    for old in complete[:-keep_last] if keep_last > 0 else []:
+        doomed = old.with_name(f".pruned-{old.name}")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for stale in (*ckpt_root.glob(".step_*.tmp"), *ckpt_root.glob(".pruned-step_*")):  # a save or prune cut short
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def settle(run_dir: str | Path, keep_last: int) -> str:
+    """After workers were killed (a second Ctrl-C) at any point of a save: drop the unfinished save, keep
+    ``keep_last``, point ``latest`` at the newest complete checkpoint; one phrase saying what is on disk."""
+    ckpt_root = root(run_dir)
+    if ckpt_root.is_dir():
+        prune(ckpt_root, keep_last)
+        complete = complete_checkpoints(ckpt_root)
+        pointer = ckpt_root / LATEST
+        if complete and (not pointer.is_file() or pointer.read_text().strip() != complete[-1].name):
+            write_latest(ckpt_root, complete[-1].name)  # killed between a save's rename and its pointer
+    return on_disk(run_dir)
+
+
+def on_disk(run_dir: str | Path) -> str:
+    """``the newest complete checkpoint is <dir> (step N); train.resume=auto continues from it``, or that
+    there is none."""
+    complete = complete_checkpoints(root(run_dir)) if root(run_dir).is_dir() else []
+    if not complete:
+        return f"no checkpoint in {root(run_dir)}: train.resume=auto would start from step 0"
+    step = json.loads((complete[-1] / "meta.json").read_text()).get("step", "?")
+    return f"the newest complete checkpoint is {complete[-1]} (step {step}); train.resume=auto continues from it"
 
 
 def verify(path: Path) -> dict:

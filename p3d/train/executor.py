@@ -20,13 +20,13 @@ from p3d.config.schema import DType, Recompute
 from p3d.data.loader import rank_slice
 from p3d.dist.hang import HangWatch
 from p3d.dist.mesh import Mesh
-from p3d.ds_compat import quiet_stdout, set_engine_position, skip_backward_allreduce
+from p3d.ds_compat import param_gradients, quiet_stdout, set_engine_position, skip_backward_allreduce, tied_weights
 from p3d.model.pipe import P3DPipelineModule, VocabParallelLoss, layer_specs_of
 from p3d.run_dir import logs as run_logs
 from p3d.train import checkpoint
 from p3d.train.block_seconds import add_block_seconds
 from p3d.train.faults import StepGate
-from p3d.train.optim import build_optimizer
+from p3d.train.optim import build_optimizer, norm_once_reduced
 from p3d.train.timing import StageTimer, TorchStageTimer
 
 
@@ -86,6 +86,9 @@ class DeepSpeedExecutor:
         self.engine, self.module, self.scheduler = build_engine(cfg, plan, mesh)
         add_block_seconds(self.module)  # the P3D_TEST_BLOCK_SECONDS test hook (off unless set)
         self.gate = StepGate(self.engine, self.module, mesh, plan, cfg.train, device)
+        self.gate.measure_norm = lambda: norm_once_reduced(
+            param_gradients(self.engine, self.module), tied_weights(self.module), mesh
+        )
         self.timer = StageTimer(self.engine, rank, mesh.pp_group)  # after the gate: its drain barrier runs first
         self.hang = HangWatch(self.engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir))  # last: wraps the others
         self.reads_data = mesh.is_first_stage or mesh.is_last_stage
@@ -143,6 +146,7 @@ class TorchExecutor:
         self.timer = TorchStageTimer(self.pipe.stages, rank)
         self.pipe.add_wait, self.pipe.add_compute = self.timer.add_wait, self.timer.add_compute
         self.gate = StepGate(None, self.module, mesh, plan, cfg.train, device)
+        self.gate.measure_norm = self.pipe.norm_once_reduced
         self.hang = HangWatch(None, mesh, cfg.cluster.timeout_s, run_logs(run_dir))
         self.reads_data = self.pipe.holds_first or self.pipe.holds_last
         self.step, self.norm = 0, float("nan")

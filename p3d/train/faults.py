@@ -9,6 +9,13 @@ To discard a step's update, every rank fills its gradients with nan: the optimiz
 (p3d's ``ClippedAdamW``, DeepSpeed's bf16 and ZeRO wrappers) then skips the update and clears the gradients,
 and DeepSpeed's engine leaves the LR schedule where it was and counts the step in ``skipped_steps``. So
 parameters, Adam moments, the optimizer's step count and the learning rate stay exactly as before the step.
+A step discarded as a loss spike has finite gradients: before they are filled, the gate measures the norm the
+optimizer would have seen (``measure_norm``, on copies reduced as the step's own reductions would), so the
+metrics report that norm, not the nan of the overflow path.
+
+The spike reference is the median of the last ``train.spike_window`` finite losses seen, discarded steps
+included: after a lasting rise of the loss the window follows it, so a run cannot discard every step from
+then on. Steps discarded in a row, for either cause, are bounded by ``train.max_skipped``.
 
 Test hook (real faults in real runs): ``P3D_TEST_NONFINITE=<stage>:<step>[,<step>...]`` writes an inf into
 one gradient of that pipeline stage at those steps, before the check.
@@ -20,6 +27,7 @@ import math
 import os
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,10 +49,16 @@ class StepVerdict:
     grad_stages: list[int] = field(default_factory=list)  # stages with an inf or nan in their gradients
     spike_over: float = 0.0  # the median the loss exceeded spike_factor times; 0: no spike
     discarded: bool = False  # the update was not applied
+    grad_norm: float | None = None  # a discarded spike's measured global gradient norm (None: the optimizer's)
 
     @property
     def nonfinite(self) -> bool:
         return bool(self.loss_stages or self.grad_stages)
+
+    @property
+    def skip_reason(self) -> str:
+        """Why the update was not applied ("" when it was)."""
+        return "" if not self.discarded else "non-finite" if self.nonfinite else "loss spike"
 
     def describe(self) -> str:
         """``step 7: non-finite loss on stage 1 and non-finite gradient norm on stages 0, 1``."""
@@ -68,6 +82,28 @@ def _injected_steps(stage: int) -> set[int]:
     return {int(s) for s in steps.split(",") if s} if int(where) == stage else set()
 
 
+class SpikeReference:
+    """The loss a spike is judged against: the median of the last ``window`` finite losses seen, applied or not."""
+
+    def __init__(self, factor: float, window: int):
+        self.factor = factor
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def over(self, loss: float) -> float:
+        """The median ``loss`` exceeds ``factor`` times, or 0.0 (no spike; factor 0: off; the window not full)."""
+        if self.factor <= 0 or len(self.recent) < (self.recent.maxlen or 0):
+            return 0.0
+        median = statistics.median(self.recent)
+        return median if loss > self.factor * median else 0.0
+
+    def seen(self, loss: float) -> None:
+        """Every finite loss joins the window, a discarded step's too: were only applied steps counted, a loss
+        that rose for good would stay a spike against a window that never moves, and every later update would
+        be discarded (the model frozen, the run "done")."""
+        if math.isfinite(loss):
+            self.recent.append(loss)
+
+
 class StepGate:
     """Wraps this engine's ``ReduceTiedGrads`` instruction (``engine`` None: the executor calls ``before_update``);
     ``verdict`` is the last step's finding."""
@@ -76,11 +112,12 @@ class StepGate:
         self.module, self.mesh, self.device = module, mesh, device
         self.stage_of = [Mesh.from_plan(plan, r).coords[1] for r in range(plan.world_size)]
         self.micro_batches = plan.micro_batches
-        self.spike_factor = float(train_cfg.spike_factor)
+        self.spikes = SpikeReference(float(train_cfg.spike_factor), train_cfg.spike_window)
         self.spike_skips = train_cfg.on_spike.value == "skip"
-        self.recent: deque[float] = deque(maxlen=train_cfg.spike_window)  # losses of applied steps
         self.inject = _injected_steps(mesh.pp_rank)
         self.verdict: StepVerdict | None = None
+        # the global norm of this rank's gradients once reduced, on copies (the executor sets it; None: not measured)
+        self.measure_norm: Callable[[], float] | None = None
         if engine is None:  # a torch pipeline schedule calls ``before_update`` itself (p3d.train.executor)
             return
         table = dict(pipeline_instruction_map(engine))
@@ -94,16 +131,22 @@ class StepGate:
         step's last backward (before any tied, dp or optimizer work), ``loss`` the replica's mean loss on the rank
         that computes it (else None). A discarded step's gradients are filled with nan, as under DeepSpeed."""
         self.verdict = self._decide(step, self._values(step, grads, loss))
-        if self.verdict.discarded:
-            for g in grads:
-                g.fill_(math.nan)
+        self._discard(grads)
+
+    def _discard(self, grads: list[torch.Tensor]) -> None:
+        """Fill a discarded step's gradients with nan, after measuring a spike's norm (every rank alike)."""
+        v = self.verdict
+        if v is None or not v.discarded:
+            return
+        if not v.nonfinite and self.measure_norm is not None:
+            v.grad_norm = self.measure_norm()
+        for g in grads:
+            g.fill_(math.nan)
 
     def _wrap(self, fn):
         def gated(engine, *args, **kwargs):
             self.verdict = self.judge(engine)
-            if self.verdict.discarded:
-                for g in local_gradients(engine, self.module):
-                    g.fill_(math.nan)
+            self._discard(local_gradients(engine, self.module))
             return fn(engine, *args, **kwargs)
 
         return gated
@@ -137,13 +180,10 @@ class StepGate:
             {self.stage_of[r] for r, row in enumerate(every) if row[0] > 0 and not math.isfinite(row[1])}
         )
         v.grad_stages = sorted({self.stage_of[r] for r, row in enumerate(every) if row[2] > 0})
-        if not v.nonfinite and self.spike_factor > 0 and len(self.recent) == self.recent.maxlen:
-            median = statistics.median(self.recent)
-            if loss > self.spike_factor * median:
-                v.spike_over = median
+        if not v.nonfinite:
+            v.spike_over = self.spikes.over(loss)
         v.discarded = v.nonfinite or (v.spike_over > 0 and self.spike_skips)
-        if not v.discarded:
-            self.recent.append(loss)
+        self.spikes.seen(loss)
         return v
 
 
@@ -160,7 +200,9 @@ class StepPolicy:
 
     def apply(self, v: StepVerdict) -> tuple[bool, str, dict]:
         """(stop the run, a console line or "", metrics fields) for this step."""
-        fields: dict[str, float] = {"skipped": int(v.discarded), "loss_spike": int(v.spike_over > 0)}
+        fields: dict[str, float | str] = {"skipped": int(v.discarded), "loss_spike": int(v.spike_over > 0)}
+        if v.discarded:
+            fields["skip_reason"] = v.skip_reason
         self.in_row = self.in_row + 1 if v.discarded else 0
         self.total += int(v.discarded)
         fields["skipped_steps"] = self.total
@@ -171,11 +213,13 @@ class StepPolicy:
                 "train.lr or train.grad_clip, or set train.on_nonfinite=skip",
                 fields,
             )
-        if v.nonfinite and self.in_row > self.max_skipped:
+        if v.discarded and self.in_row > self.max_skipped:
+            what = v.describe() if v.nonfinite else self._spike(v)
             return (
                 True,
-                f"error: {v.describe()}; {self.in_row} steps in a row discarded, more than train.max_skipped="
-                f"{self.max_skipped}: stopped; lower train.lr, or resume an earlier checkpoint",
+                f"error: {what}; {self.in_row} steps in a row discarded, more than train.max_skipped="
+                f"{self.max_skipped}: stopped; lower train.lr, or resume an earlier checkpoint"
+                + ("" if v.nonfinite else ", or raise train.spike_factor"),
                 fields,
             )
         line = ""
@@ -183,22 +227,28 @@ class StepPolicy:
             line = f"warning: {v.describe()}; update discarded ({self.in_row} in a row, train.max_skipped="
             line += f"{self.max_skipped})"
         elif v.spike_over > 0:
-            what = "update discarded" if v.discarded else "update applied"
-            line = (
-                f"warning: step {v.step}: loss spike {v.loss:.4f} > {self.spike_factor:g} x {v.spike_over:.4f} (median "
-                f"of the last {self.window} steps); {what}"
-            )
+            line = f"warning: {self._spike(v)}; "
+            if v.discarded:
+                norm = "" if v.grad_norm is None else f", its gradient norm {v.grad_norm:.4g} finite"
+                line += f"update discarded ({self.in_row} in a row, train.max_skipped={self.max_skipped}{norm})"
+            else:
+                line += "update applied"
         return False, line, fields
+
+    def _spike(self, v: StepVerdict) -> str:
+        return f"step {v.step}: loss spike {v.loss:.4f} > {self.spike_factor:g} x {v.spike_over:.4f} (" + (
+            f"median of the last {self.window} losses)" if self.window > 1 else "the loss before)"
+        )
 
 
 def fault_state(gate: StepGate, policy: StepPolicy) -> dict:
     """What a resumed run needs to judge and count its steps as the uninterrupted run would, for meta.json
     (plain numbers: no layout, no code)."""
-    return {"skipped_steps": policy.total, "skipped_in_row": policy.in_row, "recent_losses": list(gate.recent)}
+    return {"skipped_steps": policy.total, "skipped_in_row": policy.in_row, "recent_losses": list(gate.spikes.recent)}
 
 
 def restore_fault_state(meta: dict, gate: StepGate, policy: StepPolicy) -> None:
     """The counts and spike window of a checkpoint's ``faults`` (absent in older checkpoints: a fresh start)."""
     state = meta.get("faults", {})
     policy.total, policy.in_row = state.get("skipped_steps", 0), state.get("skipped_in_row", 0)
-    gate.recent.extend(state.get("recent_losses", []))
+    gate.spikes.recent.extend(state.get("recent_losses", []))

@@ -49,6 +49,37 @@ def global_grad_norm(params, mesh) -> torch.Tensor:
     return sq.sqrt()
 
 
+@torch.no_grad()
+def norm_once_reduced(
+    grads: list[tuple[torch.nn.Parameter, torch.Tensor]], tied: list[tuple[torch.nn.Parameter, Any]], mesh
+) -> float:
+    """The global norm that ``global_grad_norm`` would give once the step's reductions ran, measured on copies of
+    this rank's gradients as they stand before them (``grads``: (parameter, its gradient so far, zeros where it
+    has none), every trainable parameter of the rank; ``tied``: the tied copies among them and the group of their
+    holders). A loss spike's update is discarded by filling
+    the gradients with nan (p3d.train.faults): this is the norm its report shows.
+
+    The copies go through the same reductions, one parameter at a time (so the extra memory is one parameter's,
+    not the model's): the tied copies summed over their holders, then the mean over dp; the sum of squares
+    of the parameters ``counts_in_norm`` counts, over the pp x tp ranks of the replica. Every rank of a dp
+    group holds the same parameters in the same order, so the per-parameter all-reduces pair up."""
+    copies = {id(p): g.detach().clone() for p, g in grads}  # in the gradient's dtype, as the step reduces it
+    for p, group in tied:  # first, so no rank waits on a tied holder that is busy with its dp reductions
+        dist.all_reduce(copies[id(p)], group=group)
+    device = grads[0][1].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p, _ in grads:
+        c = copies.pop(id(p))
+        if mesh.dp > 1:
+            dist.all_reduce(c, group=mesh.dp_group)
+            c.div_(mesh.dp)
+        if counts_in_norm(p, mesh.tp_rank):
+            sq += torch.linalg.vector_norm(c.double()) ** 2
+    if mesh.replica_group is not None and mesh.tp * mesh.pp > 1:
+        dist.all_reduce(sq, group=mesh.replica_group)
+    return float(sq.sqrt())
+
+
 class ClippedAdamW(torch.optim.AdamW):
     """AdamW that clips to ``max_norm`` by the exact mesh-wide gradient norm before each step.
 

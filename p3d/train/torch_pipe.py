@@ -35,7 +35,7 @@ from p3d.model.chunks import ChunkModule
 from p3d.model.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.pipe import VocabParallelLoss, layer_specs_of
 from p3d.torch_compat import SCHEDULE_CLASSES, forward_only_order, schedule_class, timed_p2p_waits
-from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, param_groups
+from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, norm_once_reduced, param_groups
 from p3d.train.timing import drain_seconds
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
@@ -259,6 +259,14 @@ class TorchPipeline:
             if p.grad is None:  # pragma: no cover - every chunk runs forward and backward each step
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.tied_group)
+
+    def norm_once_reduced(self) -> float:
+        """The global norm this step's gradients will have after ``reduce_tied_grads`` and ``reduce_dp_grads``,
+        measured on copies (``optim.norm_once_reduced``: a discarded loss spike's report)."""
+        holds_tied = self.tied_group is not None and (self.holds_first or self.holds_last)
+        tied = [(p, self.tied_group) for p in self.tied_params] if holds_tied else []
+        grads = [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
+        return norm_once_reduced(grads, tied, self.mesh)
 
     def reduce_dp_grads(self) -> None:
         """Mean of the replicas' grads: one flat fp32 buffer, all-reduced (SUM) over dp, divided by dp."""

@@ -170,7 +170,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 step,
                 loss=float(loss),
                 lr=float(lr),
-                grad_norm=ex.grad_norm(),
+                grad_norm=gate.verdict.grad_norm if gate.verdict.grad_norm is not None else ex.grad_norm(),
                 step_time_s=step_time,
                 samples=samples,
                 bubble=bubble,

@@ -10,9 +10,9 @@ from tests.conftest import compose
 def compose_config(*overrides: str):
     """Config (typed, cluster preset filled) for these overrides, through Hydra's compose API."""
     from p3d.config.spec import to_config
-    from p3d.config.validate import fill_cluster
+    from p3d.config.validate import fill_derived
 
-    return fill_cluster(to_config(compose(*overrides, run_dir="/tmp/p3d-plan-test")))
+    return fill_derived(to_config(compose(*overrides, run_dir="/tmp/p3d-plan-test")))
 
 
 @pytest.fixture

@@ -1,0 +1,131 @@
+"""A resume starts from the run it resumes: ``p3d-train train.resume=auto run.dir=r1 train.steps=8`` is r1's own
+run spec with ``train.steps=8`` on top, not p3d's defaults with ``train.steps=8``.
+
+Hydra composes every command line from the defaults, so a resume that named only what changes used to get the
+default mesh, no logger, no validation and no periodic checkpoints (issue 31). Here the composed config is laid
+over the resumed run's spec (the newest segment's ``run_spec.yaml`` for ``train.resume=auto``; the checkpoint's
+own copy for a checkpoint path), and only what the command line names is taken from the composition:
+
+- a group (``mesh=pp4``): that whole section, as the group file gives it with the dotted overrides on it;
+- a field (``train.steps=8``, ``~train.foo``): that field;
+- a field that follows from another (``FOLLOWS``: a preset's numbers from ``cluster.device``, the chunks per rank
+  from ``schedule.pipeline``), when its source changed and the command line does not name it: re-derived, as
+  a fresh launch would;
+- ``run.dir``, ``train.resume`` and ``dry_run`` always: they describe this launch.
+
+What then differs from the checkpoint is printed and checked by ``p3d.config.resume_rules`` as before.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from p3d.config.spec import config_part
+from p3d.run_dir import SPEC
+
+# field -> the fields derived from it when unset (p3d.config.validate.fill_derived)
+FOLLOWS = {
+    "cluster.device": (
+        "cluster.gpus_per_node",
+        "cluster.peak_tflops",
+        "cluster.memory_gb",
+        "cluster.intra_node_gbps",
+        "cluster.inter_node_gbps",
+        "train.dtype",
+    ),
+    "schedule.pipeline": ("schedule.virtual_stages",),
+}
+THIS_LAUNCH = ("run.dir", "train.resume", "dry_run")
+
+
+def _get(tree: dict, key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(tree: dict, key: str, value: Any, present: bool = True) -> None:
+    *path, last = key.split(".")
+    node = tree
+    for part in path:
+        node = node.setdefault(part, {})
+    if present:
+        node[last] = copy.deepcopy(value)
+    else:
+        node.pop(last, None)
+
+
+def _has(tree: dict, key: str) -> bool:
+    *path, last = key.split(".")
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return isinstance(node, dict) and last in node
+
+
+def named_on_the_command_line(overrides: list[str], groups: set[str]) -> tuple[set[str], set[str]]:
+    """(groups chosen, dotted fields set or deleted) by Hydra command-line overrides such as ``mesh=pp4``,
+    ``train.steps=8``, ``+train.x=1``, ``~train.x``; Hydra's own (``hydra.*``, ``hydra/launcher=...``) are left out."""
+    chosen: set[str] = set()
+    fields: set[str] = set()
+    for text in overrides:
+        key = text.split("=", 1)[0].lstrip("~+").split("@", 1)[0]
+        if key.startswith("hydra"):
+            continue
+        (chosen if key in groups else fields).add(key)
+    return chosen, fields
+
+
+def resumed_spec_path(run_dir: Path, resume: str) -> Path | None:
+    """The spec a resume starts from: ``auto``: the run directory's ``run_spec.yaml``, else (a run directory
+    that holds only checkpoints) the newest checkpoint's copy; a checkpoint path: that checkpoint's copy of the
+    spec that wrote it. None: nothing to start from (a fresh composition)."""
+    from p3d.paths import absolute
+    from p3d.train.ckpt_find import find
+
+    if resume == "none":
+        return None
+    if resume == "auto" and (run_dir / SPEC).is_file():
+        return run_dir / SPEC
+    ckpt = find(run_dir, "auto") if resume == "auto" else absolute(resume)
+    path = ckpt / SPEC if ckpt is not None else None
+    return path if path is not None and path.is_file() else None
+
+
+def over_resumed_run(composed: dict, resumed: dict, overrides: list[str], groups: set[str]) -> dict:
+    """The config of a resume: ``resumed`` (a run spec's config part) with what ``overrides`` name taken from
+    ``composed`` (the command line's composition), as the module docstring says."""
+    chosen, fields = named_on_the_command_line(overrides, groups)
+    merged = copy.deepcopy(resumed)
+    for group in chosen:
+        merged[group] = copy.deepcopy(composed[group])
+    for key in (*fields, *THIS_LAUNCH):
+        _set(merged, key, _get(composed, key), present=_has(composed, key))
+    for source, derived in FOLLOWS.items():
+        if _get(merged, source) != _get(resumed, source):
+            for key in derived:
+                if key not in fields:
+                    _set(merged, key, _get(composed, key), present=_has(composed, key))
+    return merged
+
+
+def resume_node(cfg_node: DictConfig, overrides: list[str], groups: set[str]) -> DictConfig | dict:
+    """``cfg_node`` as it is for a fresh run, or laid over the spec of the run it resumes."""
+    from p3d.paths import absolute
+
+    resume = str(cfg_node.train.resume)
+    spec = resumed_spec_path(absolute(str(cfg_node.run.dir)), resume) if resume != "none" else None
+    if spec is None:
+        return cfg_node
+    resumed = config_part(OmegaConf.to_container(OmegaConf.load(spec)))  # type: ignore[arg-type]
+    composed = OmegaConf.to_container(cfg_node, resolve=True)
+    return over_resumed_run(composed, resumed, overrides, groups)  # type: ignore[arg-type]
