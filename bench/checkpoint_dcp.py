@@ -40,8 +40,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from p3d.train.ckpt_files import coordinate_reader, read_json, read_tensors
-from p3d.train.ckpt_save import Snapshot, _host
+from p3d.checkpoint.files import coordinate_reader, read_json, read_tensors
+from p3d.checkpoint.snapshot import Snapshot, _host
 
 
 def coords(ckpt: Path) -> list[tuple[int, int, int]]:

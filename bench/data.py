@@ -54,7 +54,7 @@ def prepare(out: Path, workers: int) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds of it and its workers, tokens written)."""
     t0, c0 = time.perf_counter(), child_cpu()
     r = subprocess.run(
-        [sys.executable, "-m", "p3d.data.prepare_store", f"prepare.out={out}", f"prepare.workers={workers}"],
+        [sys.executable, "-m", "p3d.cli.prepare", f"prepare.out={out}", f"prepare.workers={workers}"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -3,8 +3,8 @@
     .venv/bin/python bench/executor_overhead.py                        # the bench model of bench/schedules.py
     .venv/bin/python bench/executor_overhead.py --model tiny --steps 30 # per-op overhead dominates
 
-One process (gloo, one thread, as a p3d worker) builds both executors exactly as ``p3d.train.trainer.train``
-builds them (``p3d.train.executor``): ``DeepSpeedExecutor`` (schedule.pipeline=1f1b) and ``TorchExecutor``
+One process (gloo, one thread, as a p3d worker) builds both executors exactly as ``p3d.train.loop.train``
+builds them (``p3d.train.executors``): ``DeepSpeedExecutor`` (schedule.pipeline=1f1b) and ``TorchExecutor``
 running torch's ``ScheduleGPipe`` over one stage that holds the whole model (p3d-train refuses a torch schedule
 with mesh.pp=1, so the bench sets it after validation). With one stage there is no pipeline, no p2p and no
 bubble: the two do the same forward and backward of the same micro batches, then the step gate, the exact
@@ -49,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from p3d.config.schema import Pipeline
     from p3d.data.loader import micro_batches
-    from p3d.dist.mesh import Mesh
-    from p3d.train.executor import DeepSpeedExecutor, TorchExecutor
-    from p3d.worker import init_process_group
+    from p3d.parallel.mesh import Mesh
+    from p3d.train.executors.ds_engine import DeepSpeedExecutor
+    from p3d.train.executors.torch_schedules import TorchExecutor
+    from p3d.train.worker import init_process_group
 
     cfg, plan = compose_spec(["mesh=single", f"model={args.model}", f"train.steps={2 * args.steps}", *overrides], tmp)
     init_process_group(plan, 0, cfg.cluster.timeout_s)

@@ -73,7 +73,7 @@ def tail(proc: subprocess.CompletedProcess, n: int = 6) -> str:
 
 
 def plan_of(overrides: list[str], cwd: Path) -> dict:
-    proc = p3d("p3d.plan.cli", [*overrides, "format=json"], 120, cwd)
+    proc = p3d("p3d.cli.plan", [*overrides, "format=json"], 120, cwd)
     if proc.returncode != 0:
         raise RuntimeError(f"p3d-plan refused {' '.join(overrides)}: {tail(proc)}")
     return json.loads(proc.stdout)
@@ -130,7 +130,7 @@ def step_bf16(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float) 
         return
     import torch
 
-    from p3d.config.spec import read_spec
+    from p3d.rundir.spec import read_spec
     from p3d.train.reference import reference_run
 
     cfg, _ = read_spec(run_dir)
@@ -158,7 +158,7 @@ def step_nccl(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float, 
             continue
         import torch
 
-        from p3d.config.spec import read_spec
+        from p3d.rundir.spec import read_spec
         from p3d.train.reference import reference_run
 
         cfg, _ = read_spec(out / f"c_{mesh}")

@@ -11,9 +11,9 @@ number of torch threads, and each step is timed the same way:
 - **p3d**: the real ``p3d-train mesh=single ...`` as a subprocess (run directory in a temp dir); its
   ``metrics.jsonl`` ``step_time_s`` is the wall time of one ``engine.train_batch`` call (fetching
   the micro batches, forward/backward of each, the DeepSpeed gradient reduction, clipping and the
-  optimizer + LR scheduler step). Its gloo worker runs one torch thread (p3d/worker.py).
+  optimizer + LR scheduler step). Its gloo worker runs one torch thread (p3d/train/worker.py).
 - **plain**: a fresh ``python bench/overhead.py --plain-worker`` process that reads the run spec the
-  bench composed through p3d's own Hydra path, builds the model with ``p3d.model.pipe.to_sequential``
+  bench composed through p3d's own Hydra path, builds the model with ``p3d.parallel.pipeline.specs.to_sequential``
   (the pipeline's single-process twin, same seeded master weights), pulls the micro batches from the
   same ``p3d.data.loader.micro_batches`` iterator, and times: fetch every micro batch of the step,
   forward/backward each (loss / micro batches), ``clip_grad_norm_``, ``torch.optim.AdamW.step``,
@@ -69,9 +69,9 @@ def plain_worker(spec_path: str, out_path: str, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    from p3d.config.spec import read_spec
-    from p3d.model.geometry import padded_vocab
-    from p3d.model.pipe import to_sequential
+    from p3d.layout.geometry import padded_vocab
+    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.rundir.spec import read_spec
     from p3d.train.optim import build_optimizer
 
     cfg, plan = read_spec(spec_path)
@@ -135,9 +135,9 @@ def compose_spec(overrides: list[str], run_dir: Path):
     from hydra import compose, initialize_config_dir
 
     from p3d.config.schema import register_configs
-    from p3d.config.spec import write_spec
-    from p3d.launch.hydra_app import CONFIG_PATH
-    from p3d.launch.prepare import prepare
+    from p3d.launch.check import prepare
+    from p3d.launch.compose import CONFIG_PATH
+    from p3d.rundir.spec import write_spec
 
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch threads of the plain side (default 1: what p3d's gloo worker uses, p3d/worker.py)",
+        help="torch threads of the plain side (default 1: what p3d's gloo worker uses, p3d/train/worker.py)",
     )
     ap.add_argument("--model", default="small", help="model preset (default small)")
     ap.add_argument("--seq-len", type=int, default=128, help="model.seq_len (default 128)")

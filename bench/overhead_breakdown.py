@@ -3,13 +3,13 @@
     .venv/bin/python bench/overhead_breakdown.py                 # p3d as it is
 
 A diagnostic companion of bench/overhead.py (which times the real ``p3d-train`` subprocess). Here
-one process builds the p3d DeepSpeed pipeline engine exactly as ``p3d.train.trainer.train`` does
+one process builds the p3d DeepSpeed pipeline engine exactly as ``p3d.train.loop.train`` does
 (mesh=single, gloo, one thread) and the plain loop of bench/overhead.py, and alternates their
 optimizer steps (p3d, plain, plain, p3d, ...), so machine noise hits both alike. Every DeepSpeed
 pipeline instruction is timed (wall and process CPU time; CPU time is the steadier figure on a
 shared machine), and the plain loop's matching phases.
 
-The p3d side is ``p3d.train.trainer.build_engine``, the very function a p3d worker calls, so what is
+The p3d side is ``p3d.train.executors.ds_engine.build_engine``, the very function a p3d worker calls, so what is
 measured here is what runs (including the two overhead fixes that came out of this diagnostic: the
 chunked fused gradient norm in ``p3d.train.optim`` and, over a single replica, skipping DeepSpeed's
 flatten / all-reduce-over-one-rank / copy-back of every gradient).
@@ -56,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from overhead import compose_spec, plain_micro_batches
 
-    from p3d.dist.mesh import Mesh
-    from p3d.model.geometry import padded_vocab
-    from p3d.model.pipe import to_sequential
-    from p3d.train import optim, trainer
-    from p3d.worker import init_process_group
+    from p3d.layout.geometry import padded_vocab
+    from p3d.parallel.mesh import Mesh
+    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.train import optim
+    from p3d.train.executors import ds_engine as trainer
+    from p3d.train.worker import init_process_group
 
     cfg, plan = compose_spec(
         [
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     optim.global_grad_norm = timed(optim.global_grad_norm, "p3d    of which global_grad_norm")
     torch.optim.AdamW.step = timed(torch.optim.AdamW.step, "{side} AdamW.step")
 
-    # p3d: as p3d.train.trainer.train builds it
+    # p3d: as p3d.train.loop.train builds it
     mesh = Mesh.from_plan(plan, 0).with_groups()
     engine, _, _ = trainer.build_engine(cfg, plan, mesh)
     p3d_data = plain_micro_batches(cfg)  # what p3d's trainer reads at dp=1

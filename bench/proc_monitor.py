@@ -24,9 +24,9 @@ def proc_cpu_s(pid: int) -> float | None:
 
 
 def find_pid(marker: str) -> int | None:
-    """The p3d-train worker of this run: a process named ``p3d-rank0`` (p3d.worker.name_process) whose command line
-    holds ``marker`` (its run directory: in the spec path of a fresh worker, or the launcher's ``run.dir=`` of a
-    forked one)."""
+    """The p3d-train worker of this run: a process named ``p3d-rank0`` (p3d.train.worker.name_process) whose
+    command line holds ``marker`` (its run directory: in the spec path of a fresh worker, or the launcher's
+    ``run.dir=`` of a forked one)."""
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
@@ -86,7 +86,7 @@ def run_monitored(
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         sys.exit(f"bench: {' '.join(cmd[:3])} ... failed with status {proc.returncode}; last lines of {log}:\n{tail}")
-    from p3d.metrics import read_metrics
+    from p3d.train.metrics import read_metrics
 
     records = read_metrics(out)
     for i, r in enumerate(records):  # CPU seconds between this step's record and the previous one's

@@ -12,7 +12,7 @@ stages are balanced and what differs between schedules is their bubble and their
 
 Two ways to alternate, both on two worker processes (one per core here, so idle time is lost time):
 - default: the pp workers build every schedule's executor as p3d-train builds it
-  (``p3d.train.executor.build_executor``, the same seeded init and data) and alternate *steps*: one step of
+  (``p3d.train.executors.build_executor``, the same seeded init and data) and alternate *steps*: one step of
   each schedule per round, the order reversed every other round. A step's time is the wall time of
   ``train_batch`` and its bubble the executor's timer over it (``trainer.step_stats``), as in metrics.jsonl. The
   machine's load then hits every schedule within seconds of the others: ratios to 1f1b are steady where whole
@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p3d.model.geometry import schedule_bubble  # noqa: E402
+from p3d.layout.geometry import schedule_bubble  # noqa: E402
 
 BENCH_MODEL = ("model.hidden_size=512", "model.ffn_hidden_size=1536", "model.seq_len=128")
 SCHEDULES = {  # name -> overrides (v = 2 for all but 1f1b and gpipe)
@@ -95,10 +95,10 @@ def _steps_worker(rank: int, world: int, args, out_path: str) -> None:
     import torch
 
     from p3d.data.loader import micro_batches
-    from p3d.dist.mesh import Mesh
-    from p3d.train.executor import build_executor
-    from p3d.train.trainer import Stopper, step_stats
-    from p3d.worker import set_up_cpu_worker
+    from p3d.parallel.mesh import Mesh
+    from p3d.train.executors import build_executor
+    from p3d.train.loop import Stopper, step_stats
+    from p3d.train.worker import set_up_cpu_worker
     from tests.conftest import typed
 
     set_up_cpu_worker()  # one thread, freed memory kept: as p3d-train's CPU workers

@@ -11,7 +11,7 @@ machine's load hits every configuration alike. Per step it measures:
 
 - activation bytes: every tensor autograd saves for backward during the forward pass and the loss
   (``torch.autograd.graph.saved_tensors_hooks``, once per storage, parameters left out), the figure the
-  planner models (``p3d.plan.memory``: blocks, embedding, final norm and head of one micro batch on one
+  planner models (``p3d.planner.memory``: blocks, embedding, final norm and head of one micro batch on one
   stage holding every layer, its ``activation_bytes``), printed next to it with both factors SP off / on;
 - RSS fwd: the process RSS after the forward pass and the loss minus the RSS before it (can differ from
   the saved bytes: glibc may hand out freed heap memory again, and transient buffers count);
@@ -74,8 +74,8 @@ def _typed(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from p3d.config.schema import register_configs
-    from p3d.launch.hydra_app import CONFIG_PATH
-    from p3d.launch.prepare import prepare
+    from p3d.launch.check import prepare
+    from p3d.launch.compose import CONFIG_PATH
 
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
@@ -100,9 +100,9 @@ def _worker(rank: int, args, store: str, queue) -> None:
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
 
-    from p3d.dist.mesh import Mesh
     from p3d.model.llama import TransformerBlock
-    from p3d.model.pipe import SequentialModel, VocabParallelLoss, build_layer_specs
+    from p3d.parallel.mesh import Mesh
+    from p3d.parallel.pipeline.specs import SequentialModel, VocabParallelLoss, build_layer_specs
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     from p3d.config.schema import Recompute
-    from p3d.plan.memory import stage_memory
-    from p3d.plan.shapes import Layout
+    from p3d.planner.memory import stage_memory
+    from p3d.planner.shapes import Layout
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned workers' glibc
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -10,5 +10,5 @@ PREEMPTED = 75  # (EX_TEMPFAIL) SIGTERM/SIGUSR1: the step finished, a checkpoint
 
 
 class SweepNotDone(SystemExit):
-    """Ends ``p3d-train -m`` when some point is not done (p3d.report.SweepCallback, after the report): its
+    """Ends ``p3d-train -m`` when some point is not done (p3d.launch.report.SweepCallback, after the report): its
     code is the sweep's exit status, WORKER_FAILED when a point failed, CONFIG_ERROR when all were skipped."""

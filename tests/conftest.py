@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
+CONF = ROOT / "p3d" / "conf"
 PLACEMENT_PID = re.compile(r"\[rank (\d+)\] placement: .* pid (\d+)")
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -33,7 +33,7 @@ def compose(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
 
 def typed(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
     """(Config, RunPlan) exactly as p3d-train prepares them."""
-    from p3d.launch.prepare import prepare
+    from p3d.launch.check import prepare
 
     return prepare(compose(*overrides, run_dir=run_dir))
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from p3d.dist.forked import worker_imports
+from p3d.jobs.forked import worker_imports
 
 # what every test worker imports first, imported once by the forkserver (an import that fails there is
 # skipped by multiprocessing and done by the worker)
@@ -29,7 +29,7 @@ PRELOAD = [
     "torch._dynamo",
     "torch.distributed",
     "torch.distributed.pipelining",
-    "p3d.worker",
+    "p3d.train.worker",
     *worker_imports("1f1b", zero_stage=1),  # DeepSpeed, and its ZeRO check for the tests that use it
 ]
 
@@ -42,7 +42,7 @@ def context():
 
 
 def _entry(rank: int, world: int, store: str, fn, args, errors, environ: dict[str, str]) -> None:
-    from p3d.worker import leave, skip_cpu_shm_build
+    from p3d.train.worker import leave, skip_cpu_shm_build
 
     os.environ.clear()
     os.environ.update(environ)
@@ -60,7 +60,7 @@ def _entry(rank: int, world: int, store: str, fn, args, errors, environ: dict[st
         status = 1
     finally:
         dist.destroy_process_group()
-    leave(status)  # not the interpreter's teardown, which can abort on gloo's threads (see p3d.worker.leave)
+    leave(status)  # not the interpreter's teardown, which can abort on gloo's threads (see p3d.train.worker.leave)
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 120.0) -> None:

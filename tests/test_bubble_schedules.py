@@ -1,6 +1,6 @@
 """The measured pipeline bubble of every schedule on pp4 with m = 8 micro batches (issue 11).
 
-Four gloo workers build each schedule's real executor in turn (``p3d.train.executor.build_executor``: DeepSpeed's
+Four gloo workers build each schedule's real executor in turn (``p3d.train.executors.build_executor``: DeepSpeed's
 engine for 1f1b, torch's schedules for the rest) and run training steps on real data, and the bubble is computed
 exactly as the trainer computes it: the executor's timer (p2p waits plus the drain at the step's end) over the
 wall time of ``train_batch``, averaged over the ranks by ``trainer.step_stats``.
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from p3d.model.geometry import schedule_bubble
+from p3d.layout.geometry import schedule_bubble
 from tests.conftest import typed
 from tests.dist import run_distributed
 
@@ -55,10 +55,10 @@ def _measure(rank, world, run_dir, out_path):
     import torch
 
     from p3d.data.loader import micro_batches
-    from p3d.dist.mesh import Mesh
+    from p3d.parallel.mesh import Mesh
     from p3d.train.block_seconds import BLOCK_SECONDS_ENV
-    from p3d.train.executor import build_executor
-    from p3d.train.trainer import Stopper, step_stats
+    from p3d.train.executors import build_executor
+    from p3d.train.loop import Stopper, step_stats
 
     os.environ[BLOCK_SECONDS_ENV] = str(SECONDS)
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from p3d import exit_codes
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
+from p3d.checkpoint import checkpointer as checkpoint
+from p3d.checkpoint import find as ckpt_find
+from p3d.train.metrics import read_metrics
 from tests.conftest import p3d_train, start_p3d_train, worker_pids
 
 pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
@@ -44,7 +45,7 @@ def _wait_for_steps(run_dir: Path, n: int, proc, timeout: float = 300) -> None:
 
 
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    meta = checkpoint.verify(ckpt)
+    meta = ckpt_find.verify(ckpt)
     read = checkpoint.reader(ckpt, meta)
     out = {}
     for pp in range(meta["mesh"]["pp"]):
@@ -69,8 +70,8 @@ def test_async_save_trains_bitwise_like_sync_and_writes_the_same_checkpoints(tmp
     assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]  # bitwise
     for step in (2, 4, 6):
         ta, tb = (
-            _tensors(checkpoint.step_dir(tmp_path / "sync", step)),
-            _tensors(checkpoint.step_dir(tmp_path / "async", step)),
+            _tensors(ckpt_find.step_dir(tmp_path / "sync", step)),
+            _tensors(ckpt_find.step_dir(tmp_path / "async", step)),
         )
         assert ta.keys() == tb.keys() and ta
         assert all(torch.equal(ta[k], tb[k]) for k in ta), step  # the snapshot of that step, not a later one
@@ -106,8 +107,8 @@ def test_sigkill_during_a_background_write_leaves_latest_on_the_previous_complet
     finally:
         _kill_run(proc, run)
     assert caught is not None, "never caught a background write in progress"
-    found = checkpoint.find(run, "auto")
-    meta = checkpoint.verify(found)  # complete, every file at its recorded size
+    found = ckpt_find.find(run, "auto")
+    meta = ckpt_find.verify(found)  # complete, every file at its recorded size
     assert (run / "checkpoints" / "latest").read_text().strip() == found.name
     assert meta["step"] < int(caught.name[len(".step_") : -len(".tmp")])
     (run / "metrics.jsonl").unlink(missing_ok=True)
@@ -128,8 +129,8 @@ def test_a_stop_signal_waits_for_the_background_write_before_exit_75(tmp_path):
         _kill_run(proc, run)
     assert proc.returncode == exit_codes.PREEMPTED, out[-3000:]
     last = read_metrics(run)[-1]["step"]
-    found = checkpoint.find(run, "auto")
-    assert found == checkpoint.step_dir(run, last)  # the stop's own save, complete before the exit
+    found = ckpt_find.find(run, "auto")
+    assert found == ckpt_find.step_dir(run, last)  # the stop's own save, complete before the exit
     assert json.loads((found / "meta.json").read_text())["step"] == last
-    checkpoint.verify(found)
+    ckpt_find.verify(found)
     assert not list((run / "checkpoints").glob(".step_*.tmp"))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from p3d.train.ckpt_files import CheckpointError, CheckpointSaveError, coordinate_reader, read_tensors, write_tensors
-from p3d.train.ckpt_save import HostBuffers, collect_manifests, dp_slices, rng_state, set_rng_state
+from p3d.checkpoint.files import CheckpointError, CheckpointSaveError, coordinate_reader, read_tensors, write_tensors
+from p3d.checkpoint.snapshot import HostBuffers, collect_manifests, dp_slices, rng_state, set_rng_state
 
 
 def _write_fragments(ckpt: Path, full: dict[str, torch.Tensor], cuts: list[int]) -> None:

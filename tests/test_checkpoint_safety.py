@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from p3d import exit_codes
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
-from p3d.train.ckpt_files import LEGACY_FORMAT
+from p3d.checkpoint import checkpointer as checkpoint
+from p3d.checkpoint import find as ckpt_find
+from p3d.checkpoint.files import LEGACY_FORMAT
+from p3d.train.metrics import read_metrics
 from tests.conftest import ROOT, p3d_train
 
 pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
@@ -60,7 +61,7 @@ def _plant_pickle(ckpt: Path, rel: str, marker: Path) -> Path:
 
 def _export(run: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "p3d.export", f"run.dir={run}", f"out={out}"],
+        [sys.executable, "-m", "p3d.cli.export", f"run.dir={run}", f"out={out}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -89,7 +90,7 @@ def _to_previous_format(ckpt: Path) -> None:
 def test_a_pickle_in_place_of_a_checkpoint_file_runs_no_code(saved_run, tmp_path):
     run = _copy(saved_run, tmp_path)
     marker = tmp_path / "marker"
-    planted = _plant_pickle(checkpoint.step_dir(run, 2), "optim/pp0_tp1_dp0.safetensors", marker)
+    planted = _plant_pickle(ckpt_find.step_dir(run, 2), "optim/pp0_tp1_dp0.safetensors", marker)
     result = p3d_train(f"run.dir={run}", "train.steps=4", MESH, "train.resume=auto", timeout=200)
     assert result.returncode == exit_codes.WORKER_FAILED, result.stdout[-2000:]
     assert f"checkpoint file {planted} cannot be read" in result.stdout + result.stderr
@@ -102,12 +103,12 @@ def test_a_pickle_in_place_of_a_checkpoint_file_runs_no_code(saved_run, tmp_path
 @pytest.mark.timeout(400)
 def test_a_checkpoint_of_the_previous_format_resumes_once_with_a_note(saved_run, tmp_path):
     run = _copy(saved_run, tmp_path)
-    _to_previous_format(checkpoint.step_dir(run, 2))
+    _to_previous_format(ckpt_find.step_dir(run, 2))
     result = p3d_train(f"run.dir={run}", "train.steps=3", MESH, "train.resume=auto", timeout=200)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"is in the previous format ({LEGACY_FORMAT}" in result.stdout
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
-    assert checkpoint.verify(checkpoint.step_dir(run, 3))["format"] == checkpoint.FORMAT  # written anew
+    assert ckpt_find.verify(ckpt_find.step_dir(run, 3))["format"] == checkpoint.FORMAT  # written anew
 
     straight = read_metrics(_copy_resumed(saved_run, tmp_path))  # the same step 3 from the new format
     assert read_metrics(run)[-1]["loss"] == pytest.approx(straight[-1]["loss"], rel=1e-6, abs=0)
@@ -124,7 +125,7 @@ def _copy_resumed(saved: Path, tmp_path: Path) -> Path:
 @pytest.mark.timeout(400)
 def test_a_pickle_in_a_checkpoint_of_the_previous_format_runs_no_code(saved_run, tmp_path):
     run = _copy(saved_run, tmp_path)
-    ckpt = checkpoint.step_dir(run, 2)
+    ckpt = ckpt_find.step_dir(run, 2)
     _to_previous_format(ckpt)
     marker = tmp_path / "marker"
     planted = _plant_pickle(ckpt, "optim/pp1_tp0.pt", marker)  # a file resume reads
@@ -164,9 +165,9 @@ def test_a_full_disk_during_a_save_stops_with_one_line_and_keeps_the_previous_ch
     assert "checkpoint save failed" in errors[0] and "No space left on device" in errors[0], errors[0]
     assert "MiB free on the file system of" in errors[0], errors[0]
     assert "Traceback" not in out
-    found = checkpoint.find(run, "auto")
-    assert found == checkpoint.step_dir(run, 1), found  # the step-2 save failed; nothing partial is taken
-    checkpoint.verify(found)
+    found = ckpt_find.find(run, "auto")
+    assert found == ckpt_find.step_dir(run, 1), found  # the step-2 save failed; nothing partial is taken
+    ckpt_find.verify(found)
     assert [d.name for d in (run / "checkpoints").iterdir() if d.name.startswith((".step_", "step_"))] == [found.name]
 
     moved = tmp_path / "run"  # resume where there is room

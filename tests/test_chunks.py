@@ -1,18 +1,19 @@
 """Chunks of the torch schedules: placement arithmetic, bubble theory, ChunkModule (names, tied sharing,
-full recompute), the torch touchpoints, and the refusals of p3d.train.torch_pipe that need no processes."""
+full recompute), the torch touchpoints, and the refusals of p3d.train.executors.torch_pipeline that need no
+processes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from p3d.compat.pipelining_internals import TOUCHPOINTS, Touchpoint, stage_to_rank_mapping
 from p3d.config.schema import Partition, Recompute
-from p3d.dist.mesh import Mesh
-from p3d.model.chunks import ChunkModule
-from p3d.model.geometry import chunk_to_rank, rank_chunks, schedule_bubble, stage_bounds
+from p3d.layout.geometry import chunk_to_rank, rank_chunks, schedule_bubble, stage_bounds
 from p3d.model.llama import TransformerBlock
-from p3d.model.pipe import build_layer_specs
-from p3d.torch_compat import TOUCHPOINTS, Touchpoint, stage_to_rank_mapping
+from p3d.parallel.mesh import Mesh
+from p3d.parallel.pipeline.chunks import ChunkModule
+from p3d.parallel.pipeline.specs import build_layer_specs
 from tests.conftest import typed
 from tests.dist import run_distributed
 
@@ -90,7 +91,7 @@ def test_full_recompute_reruns_each_block_and_changes_nothing():
 
 
 def test_torch_pipe_refusals():
-    from p3d.train.torch_pipe import build_torch_optimizer, check_recompute, chunks_per_rank
+    from p3d.train.executors.torch_pipeline import build_torch_optimizer, check_recompute, chunks_per_rank
 
     assert chunks_per_rank("interleaved_1f1b", 3) == 3
     assert chunks_per_rank("gpipe", 1) == 1
@@ -117,7 +118,7 @@ def _names_as_deepspeed(rank, world, tie):
     import deepspeed
     import torch.distributed as dist
 
-    from p3d.train.trainer import build_pipeline
+    from p3d.train.executors.ds_engine import build_pipeline
 
     deepspeed.init_distributed("gloo")
     cfg, plan = typed("mesh=pp2", f"model.tie_embeddings={str(tie).lower()}")

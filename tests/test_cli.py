@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from p3d.metrics import read_metrics
-from p3d.model.geometry import total_params
+from p3d.layout.geometry import total_params
+from p3d.train.metrics import read_metrics
 from tests.conftest import ROOT, p3d_train, typed, worker_pids
 
 pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
@@ -105,7 +105,7 @@ def _expected_rank_params(m, tp, pp_rank, n_blocks, last):
 
 
 def test_dry_run_llama70b_tp8_pp8_counts():
-    from p3d.dryrun import dry_run
+    from p3d.launch.dryrun import dry_run
 
     cfg, plan = typed("mesh=tp8_pp8", "model=llama70b", "dry_run=true", "schedule=large")
     report = dry_run(cfg, plan)
@@ -121,7 +121,7 @@ def test_dry_run_llama70b_tp8_pp8_counts():
 
 def test_dry_run_with_sp_and_recompute_counts_the_same_parameters():
     """Sequence parallelism and recompute change no parameter: the dry run's per-rank counts stay."""
-    from p3d.dryrun import dry_run
+    from p3d.launch.dryrun import dry_run
 
     base = ("model=tiny", "mesh=tp2_pp2", "model.tie_embeddings=true", "dry_run=true")
     plain = dry_run(*typed(*base))
@@ -153,7 +153,7 @@ def test_dry_run_with_sp_and_recompute_counts_the_same_parameters():
 )
 def test_dry_run_counts_parameters_in_the_unit_that_fits(overrides, words):
     """Issue 31, item 8e: not ``262,720 (0.00 B)``."""
-    from p3d.dryrun import dry_run
+    from p3d.launch.dryrun import dry_run
 
     assert words in dry_run(*typed("dry_run=true", *overrides)).render().splitlines()
 
@@ -244,10 +244,10 @@ def test_dry_run_of_a_torch_schedule_prints_each_ranks_chunks_and_exact_counts(p
     to the ChunkModules a worker builds (tied table: a copy on each holder under loop placement, one shared under V)."""
     import torch.nn as nn
 
-    from p3d.dist.mesh import Mesh
-    from p3d.dryrun import dry_run
-    from p3d.model.chunks import ChunkModule
-    from p3d.model.pipe import build_layer_specs
+    from p3d.launch.dryrun import dry_run
+    from p3d.parallel.mesh import Mesh
+    from p3d.parallel.pipeline.chunks import ChunkModule
+    from p3d.parallel.pipeline.specs import build_layer_specs
 
     cfg, plan = typed("mesh=pp2", "model.tie_embeddings=true", "dry_run=true", "schedule.virtual_stages=2", *pipeline)
     report = dry_run(cfg, plan)
@@ -266,7 +266,7 @@ def test_dry_run_of_a_torch_schedule_prints_each_ranks_chunks_and_exact_counts(p
 
 @pytest.mark.procs
 def test_forked_and_fresh_workers_train_the_same_run(tmp_path):
-    """On CPU the launcher imports torch once and forks its workers (p3d.dist.forked); P3D_WORKER_START=exec
+    """On CPU the launcher imports torch once and forks its workers (p3d.jobs.forked); P3D_WORKER_START=exec
     starts each as a fresh interpreter, as GPU runs do. Both give the same losses and norms to the last bit,
     the same console lines and logs, and workers named p3d-rank<R> whose pids their placement lines give."""
     runs = {}
@@ -297,7 +297,7 @@ def test_workers_are_forked_only_where_it_is_safe(monkeypatch):
     import threading
     import types
 
-    from p3d.dist import forked
+    from p3d.jobs import forked
 
     def threads(*names):
         found = [threading.main_thread(), *(types.SimpleNamespace(name=n) for n in names)]
@@ -329,7 +329,7 @@ def test_the_launcher_imports_what_a_zero_worker_imports_and_can_still_fork(tmp_
     launcher's preload, that check imports nothing more, and no import left a thread that makes a fork unsafe."""
     probe = """
 import sys, torch
-from p3d.dist import forked
+from p3d.jobs import forked
 forked.preload(forked.worker_imports("1f1b", 1))
 assert forked.can_fork("gloo"), "a preloaded module started a thread"
 import deepspeed, torch.distributed as dist

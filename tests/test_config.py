@@ -7,9 +7,9 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from p3d.config.schema import Partition
-from p3d.config.spec import read_spec, write_spec
-from p3d.config.validate import P3DConfigError
-from p3d.model.geometry import padded_vocab, stage_bounds, total_params
+from p3d.layout.geometry import padded_vocab, stage_bounds, total_params
+from p3d.layout.run_plan import P3DConfigError
+from p3d.rundir.spec import read_spec, write_spec
 from tests.conftest import CONF, compose, typed
 
 GROUP_FILES = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
@@ -40,7 +40,7 @@ def test_every_group_has_files():
 
 @pytest.mark.parametrize("group,name", GROUP_FILES, ids=[f"{g}/{n}" for g, n in GROUP_FILES])
 def test_every_config_file_composes_and_validates(group, name):
-    from p3d.launch.prepare import prepare
+    from p3d.launch.check import prepare
 
     node = compose(f"{group}={name}", *COMPANIONS.get((group, name), []))
     cfg, plan = prepare(node)
@@ -79,7 +79,7 @@ def test_unknown_or_mistyped_overrides_fail_at_compose(override):
 
 I2 = ("schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2")
 ZBV = ("schedule.pipeline=zbv", "schedule.virtual_stages=2")
-PIPELINE_RULES = [  # p3d/config/validate_schedule.py, docs/design/pipeline-schedules.md §9
+PIPELINE_RULES = [  # p3d/layout/schedule_rules.py, docs/design/pipeline-schedules.md §9
     (["schedule.pipeline=zbv", "mesh=tp2"], "schedule.pipeline=zbv needs mesh.pp >= 2", "mesh=pp2"),
     (["schedule.pipeline=gpipe", "schedule.virtual_stages=2"], "gpipe runs one chunk", "schedule.virtual_stages=1"),
     (
@@ -199,7 +199,7 @@ def test_each_rule_names_field_value_and_fix(overrides, message, fix):
 
 def _busiest_rank(costs, bounds, pp, style="loop"):
     """The largest sum of chunk costs on one pp rank (v = 1: the costliest stage)."""
-    from p3d.model.geometry import chunk_to_rank
+    from p3d.layout.geometry import chunk_to_rank
 
     owner = chunk_to_rank(pp, len(bounds) - 1, style)
     return max(sum(sum(costs[bounds[c] : bounds[c + 1]]) for c in owner if owner[c] == r) for r in range(pp))
@@ -231,7 +231,7 @@ def test_the_cost_partition_is_the_best_contiguous_split(model, pp, v, style):
     blocks or uniform (issue 11, item 6)."""
     import itertools
 
-    from p3d.model.geometry import layer_costs
+    from p3d.layout.geometry import layer_costs
 
     cfg, _ = typed(f"model={model}", "model.n_layers=6" if model != "tiny" else "model.n_layers=4", "mesh=single")
     costs, n, chunks = layer_costs(cfg.model), cfg.model.n_layers, pp * v

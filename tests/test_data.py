@@ -117,7 +117,7 @@ def test_a_run_skips_bad_lines_on_every_data_rank_alike(tmp_path):
 
 def _disagreeing_readers(rank, world):
     from p3d.data.corpus import DataStats
-    from p3d.train.trainer import Stopper, step_stats
+    from p3d.train.loop import Stopper, step_stats
 
     stats = DataStats(skipped_records=3, failed_files=1 if rank == 1 else 0)  # a file failed on rank 1 only
     with pytest.raises(RuntimeError, match="data-reading ranks skipped different records or files"):

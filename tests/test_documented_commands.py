@@ -129,8 +129,8 @@ def _resume_keeps_the_run(cwd: Path, result: subprocess.CompletedProcess) -> Non
     """Issue 31: the resume re-read the defaults (``logger.name: wandb -> none``, ``train.eval_every: 2 -> 0``,
     ``train.save_every: 2 -> 0``, and the default 8-rank mesh without ``mesh=``). It keeps the run's mesh,
     logger, validation and checkpoints, and says only what the command line changed."""
-    from p3d.config.spec import read_spec
-    from p3d.train import ckpt_find
+    from p3d.checkpoint import find as ckpt_find
+    from p3d.rundir.spec import read_spec
 
     said = [line for line in result.stdout.splitlines() if line.startswith("p3d: ") and " -> " in line]
     assert said == ["p3d: train.steps: 4 -> 6 from step 5"], result.stdout[-3000:]

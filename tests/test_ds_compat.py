@@ -1,4 +1,5 @@
-"""DeepSpeed's private API that p3d relies on is all in p3d.ds_compat; each touchpoint is still there."""
+"""DeepSpeed's private API that p3d relies on is all in p3d.compat.deepspeed_internals; each touchpoint is still
+there."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import ast
 
 import pytest
 
-from p3d.ds_compat import TOUCHPOINTS, Touchpoint
+from p3d.compat.deepspeed_internals import TOUCHPOINTS, Touchpoint
 from tests.conftest import ROOT
 
 
@@ -16,13 +17,13 @@ def test_installed_deepspeed_still_has(touchpoint: Touchpoint):
 
     assert touchpoint.present(), (
         f"DeepSpeed {deepspeed.__version__} no longer has {touchpoint.name}, which "
-        f"{touchpoint.used_by} relies on: see p3d/ds_compat.py"
+        f"{touchpoint.used_by} relies on: see p3d/compat/deepspeed_internals.py"
     )
 
 
 def test_a_missing_touchpoint_is_reported():
     assert not Touchpoint("nothing", "nobody", lambda: False).present()
-    from p3d.ds_compat import _source_has
+    from p3d.compat.deepspeed_internals import _source_has
 
     assert not _source_has("deepspeed.runtime.pipe.engine:PipelineEngine", "no_such_attribute_anywhere")
     assert not _source_has("deepspeed.runtime.pipe.engine:NoSuchClass", "self")
@@ -43,7 +44,7 @@ PRIVATE = {
 def test_only_ds_compat_touches_deepspeed_private_api():
     users = {}
     for path in (ROOT / "p3d").rglob("*.py"):
-        if path.name == "ds_compat.py":
+        if path.name == "deepspeed_internals.py":
             continue
         tree = ast.parse(path.read_text())
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from p3d import exit_codes
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
+from p3d.checkpoint import find as checkpoint
+from p3d.train.metrics import read_metrics
 from tests.conftest import p3d_train, start_p3d_train, worker_pids
 
 pytestmark = pytest.mark.procs  # every test here starts processes (make test, not test-fast)
@@ -65,7 +65,7 @@ def _assert_same_curve(a: list[dict], b: list[dict]) -> None:
     [
         ("mesh=dp2_pp2_tp2", "zero=stage0"),
         ("mesh=dp2_pp2_tp2", "zero=stage1"),
-        ("mesh=pp2", "schedule.pipeline=zbv", "schedule.virtual_stages=2"),  # a torch schedule (p3d.train.executor)
+        ("mesh=pp2", "schedule.pipeline=zbv", "schedule.virtual_stages=2"),  # a torch schedule (p3d.train.executors)
     ],
     ids=["stage0", "stage1", "zbv"],
 )

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from p3d.dist import hang
-from p3d.dist.mesh import Mesh
+from p3d.parallel import hang
+from p3d.parallel.mesh import Mesh
 from p3d.train.faults import SpikeReference, StepPolicy, StepVerdict
 from p3d.train.timing import StragglerWatch
 from tests.conftest import typed
@@ -95,7 +95,7 @@ def test_hang_summary_names_who_never_arrived(tmp_path):
 
 
 def test_slurm_cause_is_the_first_task_srun_saw_end_by_a_signal(tmp_path):
-    from p3d.dist.restart import slurm_cause
+    from p3d.jobs.restart import slurm_cause
 
     (tmp_path / "logs").mkdir()
     err = tmp_path / "srun.err"
@@ -117,7 +117,7 @@ def test_slurm_cause_is_the_first_task_srun_saw_end_by_a_signal(tmp_path):
 
 
 def test_restart_decision_stops_on_a_repeat_and_when_restarts_are_used():
-    from p3d.dist.restart import decide
+    from p3d.jobs.restart import decide
 
     assert decide((5, "rank 0 ended: Killed"), None, 0, 2)[0]
     again, line = decide((5, "rank 0 ended: Killed"), (5, "rank 0 ended: Killed"), 1, 2)

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from p3d import exit_codes
-from p3d.dist.hang import STOP_ENV
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
+from p3d.checkpoint import find as checkpoint
+from p3d.parallel.hang import STOP_ENV
 from p3d.train.faults import INJECT_ENV
+from p3d.train.loop import KILL_ENV
+from p3d.train.metrics import read_metrics
 from p3d.train.timing import SLOW_ENV
-from p3d.train.trainer import KILL_ENV
 from tests.conftest import p3d_train, start_p3d_train, worker_pids
 
 pytestmark = pytest.mark.procs
@@ -59,7 +59,7 @@ def _state(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state = {}
-    for f in sorted(ckpt.rglob("*.safetensors")):  # every rank's share (p3d/train/ckpt_files.py)
+    for f in sorted(ckpt.rglob("*.safetensors")):  # every rank's share (p3d/checkpoint/files.py)
         if f.parts[-2] in ("model", "optim"):
             state.update(_tensors(load_file(f), f"{f.parent.name}/{f.name}"))
     assert state, f"no model/optim files in {ckpt}"

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from p3d import exit_codes
-from p3d.config.validate import P3DConfigError
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
+from p3d.checkpoint import find as checkpoint
+from p3d.layout.run_plan import P3DConfigError
+from p3d.train.metrics import read_metrics
 from tests.conftest import ROOT, p3d_train, typed
 from tests.file_modes import umask, wrong_modes
 
@@ -49,7 +49,7 @@ def _run(args: list[str], cwd, timeout: float = 300) -> subprocess.CompletedProc
 
 
 def p3d_export(*args: str, cwd) -> subprocess.CompletedProcess:
-    return _run(["-m", "p3d.export", *args], cwd, timeout=120)
+    return _run(["-m", "p3d.cli.export", *args], cwd, timeout=120)
 
 
 def one_line(result: subprocess.CompletedProcess) -> str:
@@ -68,7 +68,7 @@ def work(tmp_path_factory):
     made = _run(
         [
             "-m",
-            "p3d.data.train_tokenizer",
+            "p3d.cli.tokenizer",
             "data=files",
             "data.path=corpus.jsonl",
             f"tokenizer.vocab_size={VOCAB}",
@@ -104,8 +104,8 @@ def _leftovers(parent):
 @pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_export_twice_into_one_directory(work, tmp_path):
-    from p3d.export import load_sequential
-    from p3d.hf import SafetensorsDir
+    from p3d.hf.export import load_sequential
+    from p3d.hf.load import SafetensorsDir
 
     run = work / "run"
     first = p3d_export(f"run.dir={run}", "out=hf", "step=15", "max_shard_gb=0.0002", cwd=tmp_path)
@@ -237,7 +237,7 @@ def test_begin_and_padding_tokens_are_named_where_the_tokenizer_defines_them(wor
     ],
 )
 def test_export_arguments_are_one_line_errors(work, args, needle, capsys):
-    from p3d.export import main
+    from p3d.cli.export import main
 
     cwd = os.getcwd()
     os.chdir(work)
@@ -252,7 +252,7 @@ def test_export_arguments_are_one_line_errors(work, args, needle, capsys):
 
 
 def test_export_refuses_a_missing_run_or_out(tmp_path, capsys):
-    from p3d.export import main
+    from p3d.cli.export import main
 
     assert main([f"run.dir={tmp_path / 'nope'}", f"out={tmp_path / 'x'}"]) == exit_codes.CONFIG_ERROR
     assert "run.dir=" in capsys.readouterr().err
@@ -290,7 +290,7 @@ def test_a_failed_export_leaves_nothing_and_keeps_the_old_export(work, tmp_path)
 
 def test_a_checkpoint_pruned_during_export_is_named(work, tmp_path, monkeypatch):
     """A live run's keep_last deletes the checkpoint between p3d-export's check and its reads."""
-    from p3d.export import ExportError, export
+    from p3d.hf.export import ExportError, export
 
     run = _copy_run(work, tmp_path)
     verify = checkpoint.verify
@@ -331,7 +331,7 @@ def test_export_from_another_working_directory(work, tmp_path):
 
 def test_an_older_checkpoint_without_its_tokenizer_names_where_to_export_from(work, tmp_path, capsys):
     """Checkpoints saved before they carried their tokenizer: the run_spec's relative tok.json."""
-    from p3d.export import main
+    from p3d.cli.export import main
 
     run = _copy_run(work, tmp_path)
     ckpt = checkpoint.step_dir(run, 30)
@@ -434,7 +434,7 @@ def test_init_from_checks_the_vocab_against_the_tokenizer(exported, tmp_path):
 @pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
 def test_export_files_get_the_mode_of_the_umask(work, tmp_path, mask):
     """safetensors writes 0600 whatever the umask; on shared storage teammates could not read the export."""
-    from p3d.export import export
+    from p3d.hf.export import export
 
     with umask(mask):  # shards and their index too; the parent directory is created by the export
         out = export(work / "run", tmp_path / "exports" / "hf", max_shard_gb=0.0002)
@@ -457,7 +457,7 @@ BYTE_TEXTS = (
 @pytest.fixture(scope="module")
 def byte_export(tmp_path_factory):
     """A 1-step run with the default (byte) tokenizer, exported."""
-    from p3d.export import export
+    from p3d.hf.export import export
 
     w = tmp_path_factory.mktemp("byte")
     run = p3d_train(f"run.dir={w / 'run'}", "mesh=single", "train.steps=1", timeout=200)

@@ -1,4 +1,4 @@
-"""CPU workers keep the host memory a step frees (p3d.host_memory), so the next step faults no page in."""
+"""CPU workers keep the host memory a step frees (p3d.train.host_memory), so the next step faults no page in."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ STEPS = """
 import resource, sys
 import torch
 if sys.argv[1] == "keep":
-    from p3d.host_memory import keep_freed_memory
+    from p3d.train.host_memory import keep_freed_memory
     assert keep_freed_memory(), "not glibc"
 def step(r):
     kept = []
@@ -47,7 +47,7 @@ def test_a_cpu_worker_faults_no_page_in_for_a_steps_activations():
     # glibc's own thresholds: the last six steps still hand MiB back and fault them in again (measured: 18,000 to
     # 45,000 pages in all; the pattern between steps varies with the process's earlier allocations)
     assert sum(default[-6:]) > 5000, default
-    # raised (what p3d.worker sets on gloo): the heap serves those steps without a fault (measured: 0)
+    # raised (what p3d.train.worker sets on gloo): the heap serves those steps without a fault (measured: 0)
     assert sum(kept[-6:]) < 200, kept
 
 
@@ -55,7 +55,7 @@ def test_other_c_libraries_are_left_alone(monkeypatch):
     """musl has a mallopt that ignores these; macOS has none: the worker goes on without the setting."""
     import types
 
-    from p3d import host_memory
+    from p3d.train import host_memory
 
     calls = []
     musl = types.SimpleNamespace(mallopt=lambda *args: calls.append(args) or 1)

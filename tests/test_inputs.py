@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from p3d.config.schema import BOUNDS, Config
-from p3d.config.validate import P3DConfigError
-from p3d.metrics import MetricsLogger, read_metrics, wandb_mode
-from p3d.report import Row, sweep_status
+from p3d.launch.report import Row, sweep_status
+from p3d.layout.run_plan import P3DConfigError
+from p3d.train.metrics import MetricsLogger, read_metrics, wandb_mode
 from tests.conftest import p3d_train, typed
 from tests.test_report import make_point
 from tests.wandb_log import history
@@ -148,7 +148,7 @@ def test_wandb_failing_during_the_run_warns_once_and_metrics_go_on(tmp_path, mon
 
 @pytest.mark.timeout(120)
 def test_run_that_logged_no_step_leaves_its_run_dir_usable(tmp_path):
-    from p3d.launch.prepare import check_run
+    from p3d.launch.check import check_run
 
     cfg, plan = typed("mesh=single", run_dir=str(tmp_path))
     MetricsLogger(tmp_path, cfg, plan).close()  # a run that died before its first step
@@ -208,7 +208,7 @@ def test_log_every_zero_is_refused_before_any_worker(tmp_path):
 
 def p3d_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "p3d.plan.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=100
+        [sys.executable, "-m", "p3d.cli.plan", *args], cwd=cwd, capture_output=True, text=True, timeout=100
     )
 
 
@@ -296,7 +296,7 @@ def test_sweep_with_a_skipped_point_exits_non_zero(tmp_path):
 def test_report_csv_into_a_missing_folder_is_created(tmp_path):
     sweep = tmp_path / "sweep"
     make_point(sweep, "0", status={"status": "done", "returncode": 0})
-    report = [sys.executable, "-m", "p3d.report", str(sweep)]
+    report = [sys.executable, "-m", "p3d.cli.report", str(sweep)]
     made = subprocess.run(
         [*report, "--csv", "new/deeper/x.csv", "--png", "plots/x.png"],
         cwd=tmp_path,

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from p3d import exit_codes
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
+from p3d.checkpoint import find as checkpoint
+from p3d.train.metrics import read_metrics
 from tests.conftest import p3d_train, typed
 from tests.dist import run_distributed
 
@@ -87,8 +87,8 @@ def _imported_logits_match(rank, world, hf_dir, sp: bool = False):
     sequence parallelism, which changes no parameter)."""
     import deepspeed
 
-    from p3d.dist.mesh import Mesh
-    from p3d.train.trainer import build_engine
+    from p3d.parallel.mesh import Mesh
+    from p3d.train.executors.ds_engine import build_engine
 
     deepspeed.init_distributed("gloo")
     cfg, plan = typed("mesh=tp2_pp2", f"model.init_from={hf_dir}", f"schedule.sequence_parallel={str(sp).lower()}")
@@ -114,7 +114,7 @@ def test_hf_import_on_tp2_pp2_gives_the_same_logits(hf_llama, sp):
 
 @pytest.mark.timeout(300)
 def test_hf_round_trip_import_train_export(hf_llama, tmp_path):
-    from p3d.export import export, load_sequential
+    from p3d.hf.export import export, load_sequential
 
     result = p3d_train(f"run.dir={tmp_path / 'run'}", "mesh=tp2_pp2", f"model.init_from={hf_llama}", "train.steps=3")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from p3d.config.errors import P3DConfigError
-from p3d.dist.mesh import Mesh
-from p3d.parallel_dims import ParallelDims, resolve_dp
+from p3d.layout.dims import ParallelDims, resolve_dp
+from p3d.parallel.mesh import Mesh
 
 
 def test_dp2_pp2_tp2_coordinates():
@@ -94,7 +94,7 @@ def test_parallel_dims_match_deepspeed_topology(tp, pp, dp):
 
 
 def test_dp_auto_is_resolved_once_for_validation_and_planner():
-    from p3d.plan.shapes import layout_of
+    from p3d.planner.shapes import layout_of
     from tests.conftest import typed
 
     assert resolve_dp(2, 2, "auto", nodes=4, gpus_per_node=8) == 8

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from p3d.config.schema import ModelConfig
-from p3d.dist.mesh import Mesh
-from p3d.model.pipe import build_layer_specs, to_sequential
+from p3d.parallel.mesh import Mesh
+from p3d.parallel.pipeline.specs import build_layer_specs, to_sequential
 from tests.conftest import typed
 from tests.dist import run_distributed
 
@@ -66,10 +66,10 @@ def test_rope_tables_are_built_once_and_equal_the_per_forward_ones():
 def _count_block_forwards(rank, world, recompute, counts):
     import deepspeed
 
-    from p3d.config.deepspeed_json import deepspeed_config
     from p3d.model.llama import TransformerBlock
+    from p3d.train.executors.deepspeed_config import deepspeed_config
+    from p3d.train.executors.ds_engine import build_pipeline
     from p3d.train.optim import build_optimizer
-    from p3d.train.trainer import build_pipeline
 
     deepspeed.init_distributed("gloo")
     over = ["mesh=pp2" if world == 2 else "mesh=single", "train.steps=1", "model.n_layers=2"]

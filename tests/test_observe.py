@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from p3d.metrics import read_metrics
+from p3d.train.metrics import read_metrics
 from tests.conftest import p3d_train
 from tests.wandb_log import history, run_config
 
@@ -87,7 +87,7 @@ def test_trained_tokenizer_round_trips_and_trains(tmp_path):
         [
             sys.executable,
             "-m",
-            "p3d.data.train_tokenizer",
+            "p3d.cli.tokenizer",
             "data=files",
             f"data.path={corpus}",
             "tokenizer.vocab_size=400",

@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from p3d.metrics import read_metrics
+from p3d.train.metrics import read_metrics
 from p3d.train.reference import reference_run
 from tests.conftest import p3d_train, typed
 

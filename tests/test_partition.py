@@ -17,9 +17,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from p3d.config.schema import Partition
-from p3d.metrics import read_metrics
-from p3d.model.geometry import layer_costs, padded_vocab, stage_bounds
-from p3d.model.pipe import to_sequential
+from p3d.layout.geometry import layer_costs, padded_vocab, stage_bounds
+from p3d.parallel.pipeline.specs import to_sequential
+from p3d.train.metrics import read_metrics
 from tests.conftest import p3d_train, typed
 
 SEQ = 256

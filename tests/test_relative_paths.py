@@ -111,7 +111,7 @@ def before_root():
 
 
 def test_paths_resolve_against_the_given_directory(tmp_path):
-    from p3d.paths import absolute, absolute_globs, hydra_output_overrides, missing_run_dirs, remove_if_empty
+    from p3d.rundir.paths import absolute, absolute_globs, hydra_output_overrides, missing_run_dirs, remove_if_empty
 
     assert absolute("runs/exp1", tmp_path) == tmp_path / "runs" / "exp1"
     assert absolute("~/x", tmp_path) == Path.home() / "x"
@@ -149,7 +149,7 @@ def test_paths_resolve_against_the_given_directory(tmp_path):
 
 
 def test_config_paths_are_frozen_absolute(tmp_path, monkeypatch):
-    from p3d.launch.prepare import typed_config
+    from p3d.launch.check import typed_config
     from tests.conftest import compose
 
     monkeypatch.chdir(tmp_path)
@@ -173,7 +173,7 @@ def test_config_paths_are_frozen_absolute(tmp_path, monkeypatch):
 
 
 def test_file_rendezvous_url_is_absolute():
-    from p3d.dist.rendezvous import file_url
+    from p3d.parallel.rendezvous import file_url
 
     assert file_url(Path("/tmp/a b/.rendezvous-x")) == "file:///tmp/a b/.rendezvous-x"  # torch does not unquote
     with pytest.raises(ValueError):
@@ -188,7 +188,7 @@ def test_missing_peer_is_bounded_by_cluster_timeout(tmp_path):
     code = (
         "import os, sys, time\n"
         f"os.environ['P3D_INIT_METHOD'] = 'file://{tmp_path}/store'\n"
-        "from p3d.dist.rendezvous import RendezvousError, join\n"
+        "from p3d.parallel.rendezvous import RendezvousError, join\n"
         "t = time.monotonic()\n"
         "try:\n    join('gloo', 0, 2, 3)\nexcept RendezvousError as exc:\n"
         "    print(f'{time.monotonic() - t:.1f} {exc}'); sys.exit(0)\n"
@@ -284,7 +284,7 @@ def test_files_tokenizer_spaces_and_export(tmp_path, before_root):
     directory with spaces, and p3d-export with relative run.dir and out=."""
     _corpus(tmp_path / "my corpus")
     proc, _ = run(
-        "p3d.data.train_tokenizer",
+        "p3d.cli.tokenizer",
         "data=files",
         "data.path='my corpus/*.txt'",
         "tokenizer.vocab_size=300",
@@ -317,7 +317,7 @@ def test_files_tokenizer_spaces_and_export(tmp_path, before_root):
         import transformers  # noqa: F401
     except ImportError:
         pytest.skip("p3d-export needs the hf extra (safetensors, transformers): pip install -e '.[hf]'")
-    proc, _ = run("p3d.export", "run.dir=my run", "out=hf out/x", cwd=tmp_path)
+    proc, _ = run("p3d.cli.export", "run.dir=my run", "out=hf out/x", cwd=tmp_path)
     ok(proc)
     out = tmp_path / "hf out" / "x"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}

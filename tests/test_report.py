@@ -13,7 +13,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from p3d.report import collect, main, table
+from p3d.cli.report import main
+from p3d.launch.report import collect, table
 from tests.conftest import p3d_train
 
 
@@ -119,6 +120,6 @@ def test_local_multirun_runs_points_in_sequence_skips_infeasible_and_reports(tmp
     assert json.loads((sweep / "1" / "p3d_status.json").read_text())["status"] == "skipped"
     assert (sweep / "report.csv").is_file() and (sweep / "report.png").is_file()
     again = subprocess.run(
-        [sys.executable, "-m", "p3d.report", str(sweep), "--no-plot"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "p3d.cli.report", str(sweep), "--no-plot"], capture_output=True, text=True, timeout=60
     )
     assert again.returncode == 0 and again.stdout.count(" done") == 2, again.stdout

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from p3d import exit_codes
+from p3d.checkpoint import find as checkpoint
 from p3d.config import resume_rules
 from p3d.config.resume_rules import Rule
 from p3d.config.schema import Config, DataConfig, LRDecay, TrainConfig
-from p3d.config.spec import config_dict, read_spec, write_spec
 from p3d.data.loader import micro_batches, sample_stream
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
+from p3d.rundir.spec import config_dict, read_spec, write_spec
+from p3d.train.metrics import read_metrics
 from p3d.train.optim import lr_factor
 from tests.conftest import ROOT, typed
 
@@ -226,7 +226,7 @@ def test_a_new_lr_applies_from_the_next_step(home):
 def test_a_new_global_batch_and_dp_train_on_the_next_samples(home, batch, mesh):
     """Resumed with another global batch (and dp): the logged samples stay true, and the loss of the first
     resumed step is the step-3 model's loss on samples [48, 48 + batch) of the stream."""
-    from p3d.export import load_sequential
+    from p3d.hf.export import load_sequential
 
     r = user_train(
         home,

@@ -1,4 +1,4 @@
-"""One run per run directory (p3d.run_lock) and Ctrl-C (p3d.dist.stop): the lease logic in-process,
+"""One run per run directory (p3d.rundir.lease) and Ctrl-C (p3d.jobs.stop): the lease logic in-process,
 then real p3d-train launches racing for one directory, a SIGKILLed holder, and Ctrl-C once and twice."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from p3d import exit_codes
-from p3d.dist.stop import StopSignals
-from p3d.metrics import read_metrics
-from p3d.run_lock import LOCK_NAME, STALE_S, Lease, RunLocked, read
-from p3d.train import checkpoint
+from p3d.checkpoint import find as checkpoint
+from p3d.jobs.stop import StopSignals
+from p3d.rundir.lease import LOCK_NAME, STALE_S, Lease, RunLocked, read
+from p3d.train.metrics import read_metrics
 from p3d.train.timing import SLOW_ENV
 from tests.conftest import ROOT, p3d_train, start_p3d_train, worker_pids
 from tests.test_durable import _kill_run, _wait_for_steps

@@ -14,9 +14,9 @@ import functools
 import pytest
 import torch
 
-from p3d.metrics import read_metrics
-from p3d.model.geometry import schedule_bubble
-from p3d.train import checkpoint
+from p3d.checkpoint import find as checkpoint
+from p3d.layout.geometry import schedule_bubble
+from p3d.train.metrics import read_metrics
 from p3d.train.reference import reference_run
 from tests.conftest import p3d_train, typed
 
@@ -104,7 +104,7 @@ def test_resume_across_schedules_continues_the_curve(case, tmp_path):
 def _assert_owners_write_whole_states(ckpt) -> None:
     """Every chunk's optim files over dp 0 and 1: disjoint names (each parameter once, by the dp rank whose
     ZeroRedundancyOptimizer steps it), together every parameter, each whole (start 0) with its Adam moments."""
-    from p3d.train.ckpt_files import read_tensors
+    from p3d.checkpoint.files import read_tensors
 
     for c in range(4):
         names = []
@@ -133,7 +133,7 @@ def test_export_of_a_torch_schedule_run_equals_deepspeeds(tmp_path):
         run = tmp_path / name
         proc = p3d_train(f"run.dir={run}", "train.steps=3", *COMMON, *layout, timeout=300)
         assert proc.returncode == 0, _out(proc)
-        cmd = [sys.executable, "-m", "p3d.export", f"run.dir={run}", f"out={tmp_path / f'hf_{name}'}"]
+        cmd = [sys.executable, "-m", "p3d.cli.export", f"run.dir={run}", f"out={tmp_path / f'hf_{name}'}"]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         exported.append(load_file(tmp_path / f"hf_{name}" / "model.safetensors"))

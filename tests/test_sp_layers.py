@@ -26,7 +26,7 @@ def _seq_block(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def _check_mappings(rank, world):
-    from p3d.tp.mappings import gather_from_sp, reduce_scatter_to_sp, scatter_to_sp
+    from p3d.parallel.tp.mappings import gather_from_sp, reduce_scatter_to_sp, scatter_to_sp
 
     group = dist.group.WORLD
     full = _same_inputs(2, S, 3)
@@ -52,7 +52,7 @@ def _check_mappings(rank, world):
 
 
 def _check_column(rank, world):
-    from p3d.tp.layers import ColumnParallelLinear
+    from p3d.parallel.tp.layers import ColumnParallelLinear
 
     full_mesh, mesh = _meshes(rank, world)
     sizes, keys = [16, 8, 8], ["q", "k", "v"]
@@ -70,7 +70,7 @@ def _check_column(rank, world):
 
 
 def _check_row(rank, world):
-    from p3d.tp.layers import RowParallelLinear
+    from p3d.parallel.tp.layers import RowParallelLinear
 
     full_mesh, mesh = _meshes(rank, world)
     full = RowParallelLinear(16, 6, full_mesh, "wo", 0.1, SEED)
@@ -87,8 +87,8 @@ def _check_row(rank, world):
 
 
 def _embedding_pair(rank, world):
-    from p3d.model.geometry import padded_vocab
-    from p3d.tp.layers import VocabParallelEmbedding
+    from p3d.layout.geometry import padded_vocab
+    from p3d.parallel.tp.layers import VocabParallelEmbedding
 
     full_mesh, mesh = _meshes(rank, world)
     vocab = 37  # not a multiple of tp: padding rows

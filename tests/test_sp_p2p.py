@@ -34,10 +34,10 @@ def _count(rank, world, cases, out_dir):
     import deepspeed
     import torch
 
+    from p3d.compat.deepspeed_internals import pipe_sends
     from p3d.data.loader import micro_batches
-    from p3d.dist.mesh import Mesh
-    from p3d.ds_compat import pipe_sends
-    from p3d.train import executor  # build_engine and the deepspeed_config it calls live here
+    from p3d.parallel.mesh import Mesh
+    from p3d.train.executors import ds_engine as executor  # build_engine and the deepspeed_config it calls
 
     deepspeed.init_distributed(dist_backend="gloo")
     p3d_json = executor.deepspeed_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from p3d.metrics import read_metrics
+from p3d.train.metrics import read_metrics
 from tests.conftest import p3d_train
 
 pytestmark = pytest.mark.procs  # p3d-train runs with four workers
@@ -41,7 +41,7 @@ def _hf_tensors(run_dir, out) -> dict:
     from tests.conftest import ROOT
 
     r = subprocess.run(
-        [sys.executable, "-m", "p3d.export", f"run.dir={run_dir}", f"out={out}"],
+        [sys.executable, "-m", "p3d.cli.export", f"run.dir={run_dir}", f"out={out}"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from p3d.checkpoint import find as checkpoint
 from p3d.config.schema import DataConfig, DataSource, TextUnit
 from p3d.data.check import check_data
 from p3d.data.corpus import DataStats, iter_texts, resolve_files
@@ -28,8 +29,7 @@ from p3d.data.loader import global_batches
 from p3d.data.prepare_store import prepare_store
 from p3d.data.store import TokenStore
 from p3d.data.tokenizer import ByteTokenizer
-from p3d.metrics import read_metrics
-from p3d.train import checkpoint
+from p3d.train.metrics import read_metrics
 from p3d.train.reference import reference_run
 from tests.conftest import ROOT, typed
 
@@ -318,7 +318,7 @@ def test_p3d_tokenizer_reads_documents_with_their_line_breaks(tmp_path):
     for unit in ("document", "line"):
         result = _p3d(
             tmp_path,
-            "p3d.data.train_tokenizer",
+            "p3d.cli.tokenizer",
             "data=files",
             "data.path=corpus",
             f"data.text_unit={unit}",

@@ -250,7 +250,7 @@ def test_prepare_counts_and_skips_bad_and_empty_documents(tmp_path):
 
 
 def test_slices_merged_give_the_windows_of_one_prepare(tmp_path, capsys):
-    from p3d.data.prepare_store import prepare_task
+    from p3d.launch.prepare import prepare_task
     from tests.conftest import compose
 
     for k in range(5):
@@ -295,8 +295,8 @@ def test_slices_merged_give_the_windows_of_one_prepare(tmp_path, capsys):
 )
 def test_a_shard_out_of_range_says_slices_count_from_0(spec, says):
     """Issue 31, item 8b: one line naming the value, that i counts from 0, and a value to try."""
-    from p3d.config.validate import P3DConfigError
     from p3d.data.store_parts import parse_shard
+    from p3d.layout.run_plan import P3DConfigError
 
     with pytest.raises(P3DConfigError) as err:
         parse_shard(spec)
@@ -307,8 +307,8 @@ def test_a_shard_out_of_range_says_slices_count_from_0(spec, says):
 def test_slices_on_slurm_are_checked_before_anything_is_submitted(tmp_path, capsys):
     """prepare.slices=n cluster=slurm: each bad input is one line and nothing is written or submitted
     (these are refused before Slurm is asked anything; tests/slurm/test_prepare_slurm.py submits)."""
-    from p3d.data.prepare_store import prepare_task
-    from p3d.dist.slurm_prepare import job_overrides
+    from p3d.jobs.slurm.prepare import job_overrides
+    from p3d.launch.prepare import prepare_task
     from tests.conftest import compose
 
     for k in range(2):

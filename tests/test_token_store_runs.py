@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from p3d.data.store import TokenStore
-from p3d.metrics import read_metrics
+from p3d.train.metrics import read_metrics
 from p3d.train.reference import reference_run
 from tests.conftest import ROOT, p3d_train, typed
 
@@ -27,7 +27,7 @@ RTOL = 1e-5  # as tests/test_parity.py
 
 def prepare(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "p3d.data.prepare_store", f"prepare.out={out}", SHARD, *args],
+        [sys.executable, "-m", "p3d.cli.prepare", f"prepare.out={out}", SHARD, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -60,7 +60,7 @@ def test_two_workers_write_the_same_bytes_as_one(store, tmp_path):
 def test_a_prepare_killed_midway_finishes_on_rerun_byte_identical(store, tmp_path):
     out = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "p3d.data.prepare_store", f"prepare.out={out}", SHARD, "prepare.workers=2"],
+        [sys.executable, "-m", "p3d.cli.prepare", f"prepare.out={out}", SHARD, "prepare.workers=2"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

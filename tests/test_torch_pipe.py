@@ -1,4 +1,4 @@
-"""Loss parity of the torch pipeline schedules (p3d.train.torch_pipe) with the single-process run.
+"""Loss parity of the torch pipeline schedules (p3d.train.executors.torch_pipeline) with the single-process run.
 
 Each case runs ``TorchPipeline`` in gloo worker processes (model=tiny, fp32, STEPS steps, m = 8 micro batches
 per replica, ``train.grad_clip`` small enough that clipping fires every step) and compares the per-step loss
@@ -68,9 +68,9 @@ def reference(model_overrides: tuple[str, ...]) -> list[dict]:
 
 def _train(rank, world, overrides, schedule, v, out_path):
     from p3d.data.loader import global_batches, validation_batches
-    from p3d.dist.mesh import Mesh
     from p3d.model.llama import TransformerBlock
-    from p3d.train.torch_pipe import TorchPipeline
+    from p3d.parallel.mesh import Mesh
+    from p3d.train.executors.torch_pipeline import TorchPipeline
 
     cfg, plan = typed(*overrides)
     mesh = Mesh.from_plan(plan, rank).with_groups()

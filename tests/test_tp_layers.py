@@ -19,7 +19,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _meshes(rank, world):
-    from p3d.dist.mesh import Mesh
+    from p3d.parallel.mesh import Mesh
 
     full = Mesh(tp=1, pp=1, dp=1)
     sharded = Mesh(tp=world, pp=1, dp=1, rank=rank, tp_group=dist.group.WORLD)
@@ -39,7 +39,7 @@ def _same_inputs(*shape, dtype=torch.float32, high=None):
 
 
 def _check_column(rank, world):
-    from p3d.tp.layers import ColumnParallelLinear
+    from p3d.parallel.tp.layers import ColumnParallelLinear
 
     full_mesh, mesh = _meshes(rank, world)
     sizes, keys = [16, 8, 8], ["q", "k", "v"]
@@ -59,7 +59,7 @@ def _check_column(rank, world):
 
 
 def _check_row(rank, world):
-    from p3d.tp.layers import RowParallelLinear
+    from p3d.parallel.tp.layers import RowParallelLinear
 
     full_mesh, mesh = _meshes(rank, world)
     full = RowParallelLinear(16, 6, full_mesh, "wo", 0.1, SEED)
@@ -78,8 +78,8 @@ def _check_row(rank, world):
 
 
 def _check_embedding(rank, world):
-    from p3d.model.geometry import padded_vocab
-    from p3d.tp.layers import VocabParallelEmbedding
+    from p3d.layout.geometry import padded_vocab
+    from p3d.parallel.tp.layers import VocabParallelEmbedding
 
     full_mesh, mesh = _meshes(rank, world)
     vocab = 37  # not a multiple of tp: exercises the padding rows
@@ -99,8 +99,8 @@ def _check_embedding(rank, world):
 
 
 def _check_cross_entropy(rank, world):
-    from p3d.model.geometry import padded_vocab
-    from p3d.tp.cross_entropy import vocab_parallel_cross_entropy
+    from p3d.layout.geometry import padded_vocab
+    from p3d.parallel.tp.cross_entropy import vocab_parallel_cross_entropy
 
     vocab = 37
     padded = padded_vocab(vocab, world)

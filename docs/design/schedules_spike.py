@@ -84,9 +84,9 @@ def worker(rank: int, world: int, store_path: str, name: str, overrides, out_pat
     import torch.distributed.pipelining as pipelining
 
     from p3d.data.loader import global_batches
-    from p3d.dist.mesh import Mesh
-    from p3d.model.geometry import stage_bounds
-    from p3d.model.pipe import VocabParallelLoss, build_layer_specs
+    from p3d.layout.geometry import stage_bounds
+    from p3d.parallel.mesh import Mesh
+    from p3d.parallel.pipeline.specs import VocabParallelLoss, build_layer_specs
     from p3d.train.optim import build_optimizer, global_grad_norm
 
     cfg, plan = config(overrides)

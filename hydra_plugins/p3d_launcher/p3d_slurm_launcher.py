@@ -1,6 +1,6 @@
-"""``hydra/launcher=p3d_slurm``: see :mod:`p3d.dist.sweep`."""
+"""``hydra/launcher=p3d_slurm``: see :mod:`p3d.launch.sweep`."""
 
-from p3d.dist.sweep import P3DSlurmLauncher as _P3DSlurmLauncher
+from p3d.launch.sweep import P3DSlurmLauncher as _P3DSlurmLauncher
 
 
 class P3DSlurmLauncher(_P3DSlurmLauncher):

@@ -2,7 +2,7 @@
 
 Each YAML file under ``conf/<group>/`` extends one of these dataclasses (``defaults: [base_<group>]``),
 so Hydra rejects unknown keys and wrong types at compose time. Cross-group rules (world size, head
-divisibility, batch arithmetic, ...) live in :mod:`p3d.config.validate`.
+divisibility, batch arithmetic, ...) live in :mod:`p3d.layout.run_plan`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from p3d.config.choice import Choice
-from p3d.hardware import DeviceName
+from p3d.config.devices import DeviceName
 
 
 class Arch(Enum):
@@ -34,8 +34,8 @@ class Partition(Enum):
 
 # The pipeline schedule: which executor runs the steps (docs/design/pipeline-schedules.md). "1f1b" is DeepSpeed's
 # PipelineEngine (p3d's default since the start); the others run torch.distributed.pipelining's schedules over
-# the same layer list cut into mesh.pp x schedule.virtual_stages chunks (p3d/train/torch_pipe.py). Functional
-# form: "1f1b" is not an identifier. Read a member as Pipeline["zbv"], compare values as strings.
+# the same layer list cut into mesh.pp x schedule.virtual_stages chunks (p3d/train/executors/torch_pipeline.py).
+# Functional form: "1f1b" is not an identifier. Read a member as Pipeline["zbv"], compare values as strings.
 Pipeline = Enum(
     "Pipeline",
     {
@@ -167,7 +167,9 @@ class ZeroConfig:
 class ClusterConfig:
     name: str = "local"
     launcher: Launcher = Launcher.local
-    device: DeviceName = DeviceName.cpu  # a preset of p3d/hardware.py: cpu, a100_40gb, a100_80gb, h100_sxm, h200, b200
+    device: DeviceName = (
+        DeviceName.cpu
+    )  # a preset of p3d/config/devices.py: cpu, a100_40gb, a100_80gb, h100_sxm, h200, b200
     nodes: int = 1
     # The numbers below come from the device preset when left null; set any to override it.
     gpus_per_node: Optional[int] = None  # processes per node; null on cpu: the whole world on one node
@@ -176,7 +178,7 @@ class ClusterConfig:
     intra_node_gbps: Optional[float] = None  # GB/s per device, one direction, inside a node
     inter_node_gbps: Optional[float] = None  # GB/s per device, one direction, across nodes
     timeout_s: int = 300  # a collective that waits longer than this fails instead of hanging
-    # Slurm (launcher=slurm): sbatch options of the job (p3d.dist.slurm); null leaves Slurm's default.
+    # Slurm (launcher=slurm): sbatch options of the job (p3d.jobs.slurm.submit); null leaves Slurm's default.
     partition: Optional[str] = None  # --partition
     account: Optional[str] = None  # --account
     qos: Optional[str] = None  # --qos
@@ -189,7 +191,7 @@ class ClusterConfig:
     signal_s: int = 300  # SIGUSR1 this many seconds before the time limit: checkpoint, exit 75, requeue
     requeue: bool = True  # --requeue; a job whose workers exit 75 (preempted) requeues itself
     max_requeues: int = 20  # a job requeues itself at most this many times
-    recipe: str = "recipes/slurm/train.sbatch"  # the batch script p3d-train submits (relative: to the repo)
+    recipe: str = "recipes/slurm/train.sbatch"  # the batch script p3d-train submits (relative: p3d's own, p3d/recipes/)
 
 
 @dataclass
@@ -340,7 +342,7 @@ FRACTION = Bound(0, 1)  # [0, 1]
 BELOW_1 = Bound(0, 1, open_high=True)  # [0, 1)
 
 # Every int and float field of the schema has its bound here (tests/test_inputs.py checks that none is
-# missing); p3d.config.validate.check_fields refuses a value outside it in one line.
+# missing); p3d.layout.run_plan.check_fields refuses a value outside it in one line.
 BOUNDS: dict[str, Bound] = {
     "model.n_layers": AT_LEAST_1,
     "model.hidden_size": AT_LEAST_1,
@@ -353,7 +355,7 @@ BOUNDS: dict[str, Bound] = {
     "model.norm_eps": POSITIVE,
     "model.init_std": POSITIVE,
     "mesh.tp": AT_LEAST_1,
-    "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.config.validate._world_size
+    "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.layout.run_plan._world_size
     "schedule.micro_batch_size": AT_LEAST_1,
     "schedule.global_batch_size": AT_LEAST_1,
     "schedule.virtual_stages": AT_LEAST_1,

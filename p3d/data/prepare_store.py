@@ -19,7 +19,6 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
 
 from p3d.data.store import (
     FORMAT,
@@ -223,8 +222,8 @@ def check_prepare(cfg, out: Path) -> str | None:
     import json
 
     from p3d.config.schema import DataSource
-    from p3d.config.validate import P3DConfigError
     from p3d.data.check import check_data
+    from p3d.layout.run_plan import P3DConfigError
 
     if cfg.data.source == DataSource.prepared:
         raise P3DConfigError(
@@ -252,66 +251,3 @@ def check_prepare(cfg, out: Path) -> str | None:
                 "prepare.overwrite=true starts it over, or choose another prepare.out"
             )
     return None
-
-
-def prepare_task(cfg_node: DictConfig) -> int:
-    from p3d.config.validate import P3DConfigError
-    from p3d.data.store_parts import slice_config
-    from p3d.launch.hydra_app import config_error
-    from p3d.launch.prepare import typed_config
-    from p3d.paths import absolute
-
-    try:
-        cfg = typed_config(cfg_node, resolve_auto=False)
-        out = absolute(cfg.prepare.out)
-        if cfg.prepare.slices is not None or cfg.cluster.launcher.value == "slurm":
-            from p3d.dist.slurm_prepare import submit_slices
-
-            return submit_slices(cfg, out, check_prepare)
-        if cfg.prepare.merge:
-            return merge_task(cfg, out)
-        if cfg.prepare.shard:
-            cfg, out = slice_config(cfg, out)
-        finished = check_prepare(cfg, out)
-    except (P3DConfigError, OSError, ValueError, KeyError) as exc:
-        return config_error(str(exc).strip(chr(39)))
-    if finished:
-        print(finished, flush=True)
-        return 0
-    if cfg.prepare.overwrite:
-        for f in our_files(out) if out.is_dir() else []:
-            f.unlink()
-    m = prepare_store(cfg, out)
-    print(
-        f"p3d-prepare: wrote {out}: {len(m['shards'])} shards, {m['train']['documents']} + {m['val']['documents']} "
-        f"documents, {m['train']['tokens']} train + {m['val']['tokens']} val tokens ({m['dtype']}); train with "
-        f"data=prepared data.path={out}",
-        flush=True,
-    )
-    return 0
-
-
-def merge_task(cfg, out: Path) -> int:
-    from p3d.data.store_parts import merge_parts
-
-    if (out / MANIFEST).is_file() and not cfg.prepare.overwrite:
-        print(f"p3d-prepare: {out} is a finished store; left as it is (prepare.overwrite=true merges again)")
-        return 0
-    m = merge_parts(out)
-    print(
-        f"p3d-prepare: merged {m['parts']} parts into {out}: {len(m['shards'])} shards, {m['train']['tokens']} train "
-        f"+ {m['val']['tokens']} val tokens; train with data=prepared data.path={out}",
-        flush=True,
-    )
-    return 0
-
-
-def main() -> None:
-    """Console script ``p3d-prepare``."""
-    from p3d.launch.hydra_app import run_hydra
-
-    sys.exit(run_hydra(prepare_task, writes_outputs=False))
-
-
-if __name__ == "__main__":
-    main()  # exits through sys.exit

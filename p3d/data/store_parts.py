@@ -15,8 +15,8 @@ import json
 import re
 from pathlib import Path
 
-from p3d.config.validate import P3DConfigError
 from p3d.data.store import MANIFEST, SPLITS, StoreError, TokenStore, write_json
+from p3d.layout.run_plan import P3DConfigError
 
 _PART = re.compile(r"part-(\d{5})-of-(\d{5})")
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -92,9 +93,18 @@ def tokenizer_files(spec: str) -> list[Path]:
 
 
 def load_tokenizer(spec: str):
+    """The tokenizer ``data.tokenizer`` names, loaded once per process and file: the launcher's checks (the vocab
+    of the run plan, the data check, the HF import's) and a worker's readers all get the same object. A file
+    changed on disk since (its size or mtime) is loaded again."""
     if spec in ("byte", AUTO):  # auto without model.init_from is byte (the launcher resolves it with one)
         return ByteTokenizer()
     path = Path(spec).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"data.tokenizer={spec}: no such tokenizer.json; try data.tokenizer=byte")
-    return HFTokenizer(str(path))
+    st = path.stat()
+    return _load_file(str(path.absolute()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_file(path: str, size: int, mtime_ns: int) -> HFTokenizer:
+    return HFTokenizer(path)

@@ -1,175 +1,63 @@
-"""From a composed config to a checked, typed config and run plan, before anything is written:
-``prepare`` (types, presets, HF shape and tokenizer, absolute paths, every rule, the run plan),
-``preflight`` (the memory plan), ``check_run`` (the checkpoint to resume, the run directory, the data).
-Each raises :class:`P3DConfigError` with one line naming the field and the fix."""
+"""``p3d-prepare``'s task: check the data config, then tokenize it into a token store (p3d.data.prepare_store),
+one slice of it, a merge of the slices, or an array job of slices on Slurm (p3d.jobs.slurm.prepare)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from p3d.config.validate import P3DConfigError, build_plan, check_config, fill_derived
-from p3d.console import say
-from p3d.launch.hydra_app import given_overrides
-from p3d.run_dir import METRICS, holds_run
+from p3d.data.prepare_store import check_prepare, our_files, prepare_store
+from p3d.data.store import MANIFEST
 
 
-def tokenizer_vocab(data_cfg) -> int:
-    from p3d.data.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(data_cfg.tokenizer).vocab_size
-    except (OSError, ValueError) as exc:
-        raise P3DConfigError(str(exc)) from None
-
-
-def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True):
-    """The typed Config with the device preset filled in and ``mesh=auto`` resolved by the planner."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    from p3d.config.spec import to_config
-    from p3d.paths import resolve_config_paths
+def prepare_task(cfg_node: DictConfig) -> int:
+    from p3d.data.store_parts import slice_config
+    from p3d.launch.check import typed_config
+    from p3d.launch.compose import config_error
+    from p3d.layout.run_plan import P3DConfigError
+    from p3d.rundir.paths import absolute
 
     try:
-        cfg = fill_derived(to_config(cfg_node))
-    except OmegaConfBaseException as exc:
-        raise P3DConfigError(str(exc).splitlines()[0]) from None
-    cfg = resolve_config_paths(cfg)  # every user-given path absolute, against the directory the command ran from
-    if cfg.model.init_from:
-        cfg = with_hf_shape(cfg)
-    cfg = with_tokenizer(cfg)
-    check_config(cfg)  # field bounds and the model's shape: what p3d-plan cannot compute either
-    if cfg.mesh.name == "auto" and resolve_auto:
-        from p3d.plan import apply_layout, best_layout
+        cfg = typed_config(cfg_node, resolve_auto=False)
+        out = absolute(cfg.prepare.out)
+        if cfg.prepare.slices is not None or cfg.cluster.launcher.value == "slurm":
+            from p3d.jobs.slurm.prepare import submit_slices
 
-        cfg = apply_layout(cfg, best_layout(cfg))
-    return cfg
-
-
-def with_hf_shape(cfg):
-    """``model.init_from``: the model shape comes from the HF config.json; a field also set on the
-    command line must agree with it."""
-    import dataclasses
-
-    from p3d.hf import HFImportError, SafetensorsDir, model_fields, read_config
-
-    where = cfg.model.init_from
-    try:
-        fields = model_fields(read_config(where), where)
-        SafetensorsDir(where)  # every shard present
-    except HFImportError as exc:
-        raise P3DConfigError(str(exc)) from None
-    overrides = given_overrides()
-    for key, value in fields.items():
-        given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"model.{key}=")]
-        if given and str(getattr(cfg.model, key)) != str(value):
-            raise P3DConfigError(
-                f"model.{key}={given[-1]} disagrees with {where}/config.json ({value}); drop the "
-                f"override or set model.{key}={value}"
-            )
-    name = f"hf:{Path(where).name}"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, **fields))
-
-
-def with_tokenizer(cfg):
-    """``data.tokenizer=auto`` resolved: the tokenizer.json of ``model.init_from`` when it has one, else
-    ``byte``; with ``model.init_from``, another tokenizer is refused and the vocabulary checked."""
-    import dataclasses
-
-    from p3d.hf import HFImportError
-    from p3d.hf_tokenizer import import_tokenizer
-
-    try:
-        tokenizer = import_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.vocab_size)
-    except HFImportError as exc:
-        raise P3DConfigError(str(exc)) from None
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
-
-
-def prepare(cfg_node: DictConfig):
-    """Typed config and run plan, or P3DConfigError. A resume starts from the resumed run's spec
-    (p3d.launch.resume_base)."""
-    from p3d.launch.hydra_app import config_groups
-    from p3d.launch.resume_base import resume_node
-
-    cfg = typed_config(resume_node(cfg_node, given_overrides(), config_groups()))
-    return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
-
-
-def preflight(cfg) -> None:
-    """Refuse a layout the planner predicts not to fit device memory (plan.force=true skips this)."""
-    from p3d.plan import plan as plan_memory
-
-    report = plan_memory(cfg)
-    if report.fits or cfg.plan.force:
-        return
-    print(report.render(), file=sys.stderr)
-    mem = report.to_json()["memory_gb"]
-    lay = report.layout
-    need = (
-        f"{mem['all_ranks']:.3g} GB for its {lay.world_size} workers together"
-        if report.shared_host
-        else f"{mem['total']:.3g} GB on its most loaded device"
+            return submit_slices(cfg, out, check_prepare)
+        if cfg.prepare.merge:
+            return merge_task(cfg, out)
+        if cfg.prepare.shard:
+            cfg, out = slice_config(cfg, out)
+        finished = check_prepare(cfg, out)
+    except (P3DConfigError, OSError, ValueError, KeyError) as exc:
+        return config_error(str(exc).strip(chr(39)))
+    if finished:
+        print(finished, flush=True)
+        return 0
+    if cfg.prepare.overwrite:
+        for f in our_files(out) if out.is_dir() else []:
+            f.unlink()
+    m = prepare_store(cfg, out)
+    print(
+        f"p3d-prepare: wrote {out}: {len(m['shards'])} shards, {m['train']['documents']} + {m['val']['documents']} "
+        f"documents, {m['train']['tokens']} train + {m['val']['tokens']} val tokens ({m['dtype']}); train with "
+        f"data=prepared data.path={out}",
+        flush=True,
     )
-    raise P3DConfigError(
-        f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
-        f"more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
-        "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
-        "or plan.force=true"
+    return 0
+
+
+def merge_task(cfg, out: Path) -> int:
+    from p3d.data.store_parts import merge_parts
+
+    if (out / MANIFEST).is_file() and not cfg.prepare.overwrite:
+        print(f"p3d-prepare: {out} is a finished store; left as it is (prepare.overwrite=true merges again)")
+        return 0
+    m = merge_parts(out)
+    print(
+        f"p3d-prepare: merged {m['parts']} parts into {out}: {len(m['shards'])} shards, {m['train']['tokens']} train "
+        f"+ {m['val']['tokens']} val tokens; train with data=prepared data.path={out}",
+        flush=True,
     )
-
-
-def check_run(cfg, multirun: bool = False):
-    """What needs the disk and the data, before any worker starts: the checkpoint to resume (``auto``
-    resolved to a directory, checked complete and of this model), a run directory that already holds a
-    run (never overwritten without ``train.resume``), the data (opens, has the text column, has enough
-    tokens), and the W&B group of a sweep."""
-    import dataclasses
-
-    from p3d.data.check import check_data
-    from p3d.train import ckpt_find as checkpoint
-
-    run_dir = Path(cfg.run.dir)
-    try:
-        found = checkpoint.find(run_dir, cfg.train.resume)
-        if found is not None:
-            meta = checkpoint.verify(found)
-            checkpoint.check_compatible(meta, cfg, found)
-    except checkpoint.CheckpointError as exc:
-        raise P3DConfigError(str(exc)) from None
-    changes = check_resume(cfg, found, meta["step"]) if found is not None else []
-    if cfg.train.resume == "none" and (holds_run(run_dir) or checkpoint.find(run_dir, "auto")):
-        raise P3DConfigError(
-            f"run.dir={run_dir} already holds a run ({METRICS} / checkpoints); resume it with "
-            "train.resume=auto, or choose a new run.dir"
-        )
-    try:
-        check_data(cfg.data, cfg.model.seq_len, need_val=cfg.train.eval_every > 0)
-    except (OSError, ValueError, KeyError) as exc:
-        raise P3DConfigError(str(exc).strip("'\"")) from None
-    if found is None and cfg.train.resume == "auto":
-        say(f"no checkpoint in {checkpoint.root(run_dir)}; starting from step 0")
-    for line in changes:
-        say(line)
-    train = dataclasses.replace(cfg.train, resume=str(found) if found else "none")
-    logger = cfg.logger
-    if multirun and logger.group is None:
-        from hydra.core.hydra_config import HydraConfig
-
-        logger = dataclasses.replace(logger, group=Path(HydraConfig.get().sweep.dir).name)
-    return dataclasses.replace(cfg, train=train, logger=logger)
-
-
-def check_resume(cfg, ckpt: Path, step: int) -> list[str]:
-    """The lines saying what this resume changes (p3d.config.resume_rules), or P3DConfigError for a field
-    that may not change or a train.steps not above the checkpoint's step."""
-    from p3d.config import resume_rules
-    from p3d.config.spec import resume_changes
-
-    changes = resume_changes(cfg, ckpt)
-    refused = resume_rules.refusal(changes, str(ckpt), step, cfg.train.steps)
-    if refused:
-        raise P3DConfigError(refused)
-    return [c.line(step + 1) for c in resume_rules.printed(changes)]
+    return 0

@@ -24,10 +24,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from p3d.config.spec import config_part
-from p3d.run_dir import SPEC
+from p3d.rundir.files import SPEC
+from p3d.rundir.spec import config_part
 
-# field -> the fields derived from it when unset (p3d.config.validate.fill_derived)
+# field -> the fields derived from it when unset (p3d.layout.run_plan.fill_derived)
 FOLLOWS = {
     "cluster.device": (
         "cluster.gpus_per_node",
@@ -89,8 +89,8 @@ def resumed_spec_path(run_dir: Path, resume: str) -> Path | None:
     """The spec a resume starts from: ``auto``: the run directory's ``run_spec.yaml``, else (a run directory
     that holds only checkpoints) the newest checkpoint's copy; a checkpoint path: that checkpoint's copy of the
     spec that wrote it. None: nothing to start from (a fresh composition)."""
-    from p3d.paths import absolute
-    from p3d.train.ckpt_find import find
+    from p3d.checkpoint.find import find
+    from p3d.rundir.paths import absolute
 
     if resume == "none":
         return None
@@ -120,7 +120,7 @@ def over_resumed_run(composed: dict, resumed: dict, overrides: list[str], groups
 
 def resume_node(cfg_node: DictConfig, overrides: list[str], groups: set[str]) -> DictConfig | dict:
     """``cfg_node`` as it is for a fresh run, or laid over the spec of the run it resumes."""
-    from p3d.paths import absolute
+    from p3d.rundir.paths import absolute
 
     resume = str(cfg_node.train.resume)
     spec = resumed_spec_path(absolute(str(cfg_node.run.dir)), resume) if resume != "none" else None

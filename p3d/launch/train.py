@@ -9,12 +9,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from p3d import exit_codes, run_dir
-from p3d.config.validate import P3DConfigError
+from p3d import exit_codes
 from p3d.console import say
-from p3d.launch.hydra_app import config_error, given_overrides, is_multirun, report_error, with_source
-from p3d.launch.prepare import check_run, preflight, prepare
-from p3d.run_lock import take_lease
+from p3d.launch.check import check_run, preflight, prepare
+from p3d.launch.compose import config_error, given_overrides, is_multirun, report_error, with_source
+from p3d.layout.run_plan import P3DConfigError
+from p3d.rundir import files as run_dir
+from p3d.rundir.lease import take_lease
 
 
 def train_task(cfg_node: DictConfig) -> int:
@@ -23,15 +24,15 @@ def train_task(cfg_node: DictConfig) -> int:
     try:
         cfg, plan = prepare(cfg_node)
         if not cfg.dry_run:
-            preflight(cfg)
-            lease = take_lease(cfg)  # one run per run.dir, from before anything is written (p3d.run_lock)
+            preflight(cfg, plan)
+            lease = take_lease(cfg)  # one run per run.dir, from before anything is written (p3d.rundir.lease)
             cfg = check_run(cfg, multirun)
     except P3DConfigError as exc:
         if lease is not None:
             lease.release()
         return _refused(str(exc), multirun)
     if cfg.dry_run:
-        from p3d.dryrun import dry_run
+        from p3d.launch.dryrun import dry_run
 
         print(dry_run(cfg, plan).render(), flush=True)
         return exit_codes.OK
@@ -59,10 +60,10 @@ def _launch(cfg, plan, lease) -> int:
     if "RANK" in os.environ:
         return _run_as_worker(cfg, plan)
 
-    from p3d.config.deepspeed_json import DS_CONFIG_NAME, deepspeed_config
-    from p3d.config.spec import write_spec
-    from p3d.dist.forked import worker_imports
-    from p3d.dist.launch import launch_local
+    from p3d.jobs.forked import worker_imports
+    from p3d.jobs.local import launch_local
+    from p3d.rundir.spec import write_spec
+    from p3d.train.executors.deepspeed_config import DS_CONFIG_NAME, deepspeed_config
 
     spec = write_spec(cfg, plan, cfg.run.dir)
     ds_json = spec.parent / DS_CONFIG_NAME
@@ -71,10 +72,10 @@ def _launch(cfg, plan, lease) -> int:
     else:  # a torch schedule; a resumed 1f1b run's file would describe an engine this run does not use
         ds_json.unlink(missing_ok=True)
     if cfg.cluster.launcher.value == "slurm":
-        from p3d.dist.slurm import FREEZE_ONLY_ENV, dispatch, inside_allocation
+        from p3d.jobs.slurm.submit import FREEZE_ONLY_ENV, dispatch, inside_allocation
 
         if inside_allocation() and os.environ.get(FREEZE_ONLY_ENV) != "1":  # salloc, or a sweep's job: one srun step
-            from p3d.dist.slurm_job import run_step
+            from p3d.jobs.slurm.step import run_step
 
             return run_step(cfg, plan, spec)
         return dispatch(cfg, plan, spec, lease)
@@ -84,8 +85,8 @@ def _launch(cfg, plan, lease) -> int:
         f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}"
     )
     # the lease names the workers as soon as they exist: a launcher killed now leaves a lease that stays live
-    from p3d.dist.restart import run_with_restarts
-    from p3d.dist.stop import StopSignals
+    from p3d.jobs.restart import run_with_restarts
+    from p3d.jobs.stop import StopSignals
 
     imports = worker_imports(cfg.schedule.pipeline.value, cfg.zero.stage)
     signals = StopSignals({}, sys.stdout, spec.parent, cfg.train.keep_last)  # one for every launch of the run
@@ -94,7 +95,11 @@ def _launch(cfg, plan, lease) -> int:
         on_started = lease.refresh if lease is not None else None
         return launch_local(spec, plan, on_started=on_started, failure=failure, imports=imports, signals=signals)
 
-    rc = run_with_restarts(launch_once, spec.parent, cfg.train.max_restarts, stopped=lambda: bool(signals.received))
+    from p3d.launch.requeue import resume_spec
+
+    rc = run_with_restarts(
+        launch_once, spec.parent, cfg.train.max_restarts, resume_spec, stopped=lambda: bool(signals.received)
+    )
     if rc == 0:
         say(f"done; metrics in {spec.parent / run_dir.METRICS}")
     return rc
@@ -102,9 +107,9 @@ def _launch(cfg, plan, lease) -> int:
 
 def _run_as_worker(cfg, plan) -> int:
     """Under torchrun / srun (RANK set): every rank composed the same spec; rank 0 writes it."""
-    from p3d import worker
-    from p3d.config.spec import write_spec
-    from p3d.dist.rendezvous import RendezvousError
+    from p3d.parallel.rendezvous import RendezvousError
+    from p3d.rundir.spec import write_spec
+    from p3d.train import worker
 
     if not any(o.startswith("run.dir=") for o in given_overrides()):
         return report_error(

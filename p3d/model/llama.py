@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from p3d.tp.layers import ColumnParallelLinear, RowParallelLinear, on_meta
-from p3d.tp.mappings import copy_to_tp
+from p3d.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, on_meta
+from p3d.parallel.tp.mappings import copy_to_tp
 
 
 class RMSNorm(nn.Module):

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from p3d.dist.mesh import Mesh
-from p3d.ds_compat import local_gradients, pipeline_instruction_map, set_pipeline_instruction_map
+from p3d.compat.deepspeed_internals import local_gradients, pipeline_instruction_map, set_pipeline_instruction_map
+from p3d.parallel.mesh import Mesh
 
 INJECT_ENV = "P3D_TEST_NONFINITE"
 
@@ -118,7 +118,7 @@ class StepGate:
         self.verdict: StepVerdict | None = None
         # the global norm of this rank's gradients once reduced, on copies (the executor sets it; None: not measured)
         self.measure_norm: Callable[[], float] | None = None
-        if engine is None:  # a torch pipeline schedule calls ``before_update`` itself (p3d.train.executor)
+        if engine is None:  # a torch pipeline schedule calls ``before_update`` itself (p3d.train.executors)
             return
         table = dict(pipeline_instruction_map(engine))
         for instr, fn in table.items():

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from p3d.compat.deepspeed_internals import GRAD_NORM_ATTR, is_pipe_replicated
 from p3d.config.schema import LRDecay, TrainConfig
-from p3d.ds_compat import GRAD_NORM_ATTR, is_pipe_replicated
-from p3d.tp.layers import owned_by_tp_rank
+from p3d.parallel.tp.layers import owned_by_tp_rank
 
 
 def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:

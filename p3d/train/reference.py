@@ -13,8 +13,8 @@ import time
 import torch
 
 from p3d.data.loader import global_batches, validation_batches
-from p3d.model.geometry import padded_vocab
-from p3d.model.pipe import to_sequential
+from p3d.layout.geometry import padded_vocab
+from p3d.parallel.pipeline.specs import to_sequential
 from p3d.train.optim import build_optimizer
 
 

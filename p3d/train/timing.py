@@ -6,7 +6,7 @@ pipeline's is not (the drain: in 1F1B the first stage finishes last, the others 
 timed at the schedule's p2p instructions; the second by a barrier over this rank's pp group right after the
 step's last backward (before the step gate, the gradient reductions and the optimizer, whose collectives would
 otherwise absorb the wait unseen). Their sum over the step time is the idle share whose theory is
-``p3d.model.geometry.schedule_bubble``: (p - 1) / (m + p - 1) for 1F1B, measured on every rank against the
+``p3d.layout.geometry.schedule_bubble``: (p - 1) / (m + p - 1) for 1F1B, measured on every rank against the
 step's end, as the theory counts it.
 
 DeepSpeed's pipeline engine runs a step as a list of instructions (load, forward, backward, send/recv of
@@ -15,7 +15,7 @@ at ``ReduceTiedGrads``, the first instruction after the last backward. The torch
 p2p waits (``torch_compat.timed_p2p_waits``) and the same barrier after ``schedule.step``.
 
 Stragglers: the same wrappers time the ForwardPass and BackwardPass instructions, this rank's compute per step
-(p3d.train.trainer gathers it from every rank). Test hooks: ``P3D_TEST_SLOW_RANK=<rank>:<seconds>`` makes that
+(p3d.train.loop gathers it from every rank). Test hooks: ``P3D_TEST_SLOW_RANK=<rank>:<seconds>`` makes that
 rank sleep that long in each forward pass, a real straggler; ``P3D_TEST_BLOCK_SECONDS`` gives every block a fixed
 compute time (p3d.train.block_seconds).
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from p3d.ds_compat import pipeline_instruction_map, set_pipeline_instruction_map
+from p3d.compat.deepspeed_internals import pipeline_instruction_map, set_pipeline_instruction_map
 
 PIPE_WAITS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
 DRAIN = "ReduceTiedGrads"  # the first instruction after the step's last backward
@@ -112,7 +112,7 @@ class StragglerWatch:
 
     def update(self, compute_s: list[float]) -> tuple[dict[str, Any], list[str]]:
         """(metrics fields, a console line for each rank to name now)."""
-        from p3d.dist.mesh import Mesh
+        from p3d.parallel.mesh import Mesh
 
         median = statistics.median(compute_s)
         slowest = max(range(len(compute_s)), key=lambda r: compute_s[r])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from p3d.dryrun import dry_run
+from p3d.launch.dryrun import dry_run
 from tests.conftest import typed
 
 

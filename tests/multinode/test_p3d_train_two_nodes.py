@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from p3d.parallel_dims import ParallelDims
+from p3d.layout.dims import ParallelDims
 from tests.conftest import p3d_train
 from tests.multinode.conftest import client_env
 from tests.multinode.test_two_nodes import hosts_of, losses, placements

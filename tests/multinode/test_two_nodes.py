@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from p3d.metrics import read_metrics
-from p3d.parallel_dims import ParallelDims
-from p3d.train import checkpoint
+from p3d.checkpoint import find as checkpoint
+from p3d.layout.dims import ParallelDims
+from p3d.train.metrics import read_metrics
 from tests.conftest import ROOT, p3d_train
 from tests.multinode.conftest import client_env
 

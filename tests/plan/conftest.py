@@ -9,8 +9,8 @@ from tests.conftest import compose
 
 def compose_config(*overrides: str):
     """Config (typed, cluster preset filled) for these overrides, through Hydra's compose API."""
-    from p3d.config.spec import to_config
-    from p3d.config.validate import fill_derived
+    from p3d.layout.run_plan import fill_derived
+    from p3d.rundir.spec import to_config
 
     return fill_derived(to_config(compose(*overrides, run_dir="/tmp/p3d-plan-test")))
 

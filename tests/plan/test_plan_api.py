@@ -1,12 +1,12 @@
-"""The Python API p3d-train uses: plan(cfg) -> report (fits, to_json, render), best_layout(cfg) for mesh=auto."""
+"""The Python API p3d-train uses: predict(cfg) -> report (fits, to_json, render), best_layout(cfg) for mesh=auto."""
 
 from __future__ import annotations
 
 import pytest
 
-from p3d.config.validate import P3DConfigError, build_plan
-from p3d.model.geometry import block_matmul_params, total_params
-from p3d.plan import Layout, apply_layout, best_layout, plan, search
+from p3d.layout.geometry import block_matmul_params, total_params
+from p3d.layout.run_plan import P3DConfigError, build_plan
+from p3d.planner import Layout, apply_layout, best_layout, predict, search
 
 H100_x8 = [
     "cluster.device=h100_sxm",
@@ -22,11 +22,11 @@ def test_a_replicated_70b_does_not_fit_and_a_sharded_one_does(make_cfg):
     """By hand: bf16 weights alone are 2 bytes x 70.6 B = 141 GB on every GPU with tp = pp = 1, more than
     80 GB; with tp 8 x pp 8 a rank holds about 1/64 of the weights (the first stage one tp slice of the
     embedding more) and the 16-bytes-per-parameter states come to roughly 16 x 1.2 B / ... < 80 GB."""
-    flat = plan(make_cfg("model=llama70b", "mesh.tp=1", "mesh.pp=1", *H100_x8))
+    flat = predict(make_cfg("model=llama70b", "mesh.tp=1", "mesh.pp=1", *H100_x8))
     assert not flat.fits
     assert flat.worst.params_bytes == 2 * total_params(flat.cfg.model)
     assert any(w.startswith("does not fit") for w in flat.warnings)
-    sharded = plan(make_cfg("model=llama70b", "mesh=tp8_pp8", *H100_x8))
+    sharded = predict(make_cfg("model=llama70b", "mesh=tp8_pp8", *H100_x8))
     assert sharded.fits
     m = sharded.cfg.model
     first_stage = 10 * (block_matmul_params(m, 8) + 2 * m.hidden_size) + m.vocab_size * m.hidden_size // 8
@@ -45,7 +45,7 @@ def test_best_layout_is_trainable_and_ranked_first(make_cfg):
     chosen = apply_layout(cfg, best)
     run_plan = build_plan(chosen, None)  # p3d-train accepts it as it stands
     assert (run_plan.tp, run_plan.pp, run_plan.dp) == (best.tp, best.pp, best.dp)
-    report = plan(cfg)  # mesh=auto through the main entry point: the best layout, with the ranking
+    report = predict(cfg)  # mesh=auto through the main entry point: the best layout, with the ranking
     assert report.layout == best and report.ranking and report.ranking[0].layout == best
     assert "mesh=auto" in report.render()
     assert report.to_json()["ranking"][0]["tp"] == best.tp
@@ -57,7 +57,7 @@ def test_micro_batches_read_as_p3d_train_prints_them(make_cfg):
     cfg = make_cfg("model=llama70b", "mesh=tp8_pp8", *H100_x8)
     run_plan = build_plan(cfg, None)
     trainer_words = f"{run_plan.micro_batches} micro batches of {cfg.schedule.micro_batch_size} x {cfg.model.seq_len}"
-    header = plan(cfg).render().splitlines()[0]
+    header = predict(cfg).render().splitlines()[0]
     assert f"(64 ranks), {trainer_words} per replica, 1f1b" in header, header
     assert trainer_words == "1024 micro batches of 1 x 8192" and "micro batch " not in header
 
@@ -72,7 +72,7 @@ def test_the_documented_plans_are_of_configs_p3d_train_accepts(make_cfg):
     assert len(lines) >= 2, lines
     for line in lines:
         overrides = [w for w in line.split()[1:] if not w.startswith("format=")]
-        refused = [w for w in plan(make_cfg(*overrides)).warnings if "p3d-train would refuse" in w]
+        refused = [w for w in predict(make_cfg(*overrides)).warnings if "p3d-train would refuse" in w]
         assert not refused, (line, refused)
 
 
@@ -97,13 +97,13 @@ def test_auto_on_cpu_needs_a_gpu_count(make_cfg):
 
 def test_refused_configs_are_modelled_and_flagged(make_cfg):
     """ZeRO-3 with tp only: p3d-train refuses it; the planner divides the parameters by dp and says so."""
-    r = plan(
+    r = predict(
         make_cfg("model=small", "mesh.tp=2", "mesh.pp=1", "mesh.dp=4", "zero.stage=3", "schedule.global_batch_size=16")
     )
     assert any("p3d-train would refuse" in w and "zero.stage=3" in w for w in r.warnings)
     sp = r.stages[0].params.total
     assert r.stages[0].grads_bytes == pytest.approx(sp * 4 / 4)  # fp32, sharded over dp=4
-    gpt = plan(
+    gpt = predict(
         make_cfg(
             "model=gpt_175b",
             "mesh=tp8_pp8",
@@ -123,7 +123,7 @@ def test_layout_that_does_not_divide_the_cluster_is_an_error(make_cfg):
         P3DConfigError,
         match=r"mesh.tp\*mesh.pp=3 must divide the world size 8 \(cluster.nodes=1 x cluster.gpus_per_node=8\)",
     ):
-        plan(
+        predict(
             make_cfg(
                 "mesh.tp=3",
                 "mesh.pp=1",
@@ -138,7 +138,7 @@ def test_layout_that_does_not_divide_the_cluster_is_an_error(make_cfg):
 
 
 def test_report_figures_are_consistent(make_cfg):
-    r = plan(
+    r = predict(
         make_cfg(
             "model=llama3_8b",
             "mesh=tp2_pp2",

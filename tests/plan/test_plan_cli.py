@@ -30,7 +30,7 @@ FIELDS = {
 
 def p3d_plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "p3d.plan.cli", *args],
+        [sys.executable, "-m", "p3d.cli.plan", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -126,7 +126,7 @@ def test_fast_and_without_torch():
             "import sys, time",
             "t = time.perf_counter()",
             "sys.argv = ['p3d-plan', 'model=llama70b', 'mesh=tp8_pp8', 'format=json']",
-            "from p3d.plan.cli import main",
+            "from p3d.cli.plan import main",
             "try:",
             "    main()",
             "except SystemExit as e:",

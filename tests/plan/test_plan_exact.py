@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from p3d.config.validate import build_plan
-from p3d.model.geometry import total_params
-from p3d.plan.memory import stage_memory
-from p3d.plan.shapes import layout_of, stage_params
+from p3d.layout.geometry import total_params
+from p3d.layout.run_plan import build_plan
+from p3d.planner.memory import stage_memory
+from p3d.planner.shapes import layout_of, stage_params
 
 MESHES = [
     ("model=tiny", "mesh=tp2_pp2"),
@@ -29,7 +29,7 @@ MESHES = [
 
 @pytest.mark.parametrize("overrides", MESHES, ids=lambda o: "-".join(x.split("=")[1] for x in o[:2]))
 def test_params_per_rank_match_the_dry_run(make_cfg, overrides):
-    from p3d.dryrun import dry_run
+    from p3d.launch.dryrun import dry_run
 
     cfg = make_cfg(*overrides)
     built = dry_run(cfg, build_plan(cfg, None, for_training=False)).params  # (pp, tp) -> parameters on that rank
@@ -61,9 +61,9 @@ def _engine_worker(rank: int, world: int, init_method: str, cfgs, results) -> No
         import torch
         import torch.distributed as dist
 
-        from p3d.dist.mesh import Mesh
-        from p3d.train.trainer import build_engine
-        from p3d.worker import init_process_group
+        from p3d.parallel.mesh import Mesh
+        from p3d.train.executors.ds_engine import build_engine
+        from p3d.train.worker import init_process_group
 
         init_process_group(build_plan(cfgs[0], None), rank, 120)
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

@@ -3,8 +3,8 @@
 Two FLOP conventions, compared like with like:
   hfu  Narayanan et al. (2021) Eq. 3, F = 96 B s l h^2 (1 + s/6h + V/16lh): counts the recomputed
        forward of full recompute. Megatron-LM (2021), Megatron-DeepSpeed (BLOOM) and GPT-NeoX
-       (megatron/logging.py get_flops, ckpt factor 4) report this -> PlanReport.hfu_tflops_per_gpu.
-  mfu  model FLOPs only (Korthikanti et al. 2022; Llama 3; MosaicML) -> PlanReport.tflops_per_gpu.
+       (megatron/logging.py get_flops, ckpt factor 4) report this -> Prediction.hfu_tflops_per_gpu.
+  mfu  model FLOPs only (Korthikanti et al. 2022; Llama 3; MosaicML) -> Prediction.tflops_per_gpu.
 
 Sources
   [N21]  D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -33,7 +33,7 @@ FLOPs / iteration time / GPUs / 312 TFLOP/s; [MTNLG] 126 / 121 / 113 TFLOP/s = E
 1920 x 2048-token batch over 60.1 / 50.2 / 44.4 s iterations; [MPT] rows copied from the README.
 
 Calibration: the matmul efficiency of each device generation is the one fitted constant of the
-time model (p3d/hardware.py matmul_efficiency). It was set from the MPT-70B rows on 64 A100 and 64
+time model (p3d/config/devices.py matmul_efficiency). It was set from the MPT-70B rows on 64 A100 and 64
 H100 (test_calibration_rows); every other row here is a prediction.
 """
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import pytest
 
-from p3d.plan import evaluate
+from p3d.planner import evaluate
 
 
 def gpt(layers, hidden, heads, vocab=51200, seq=2048, tied=True):
@@ -300,9 +300,9 @@ def test_zero_stages_through_a_config(make_cfg):
     31.4 GB with P_os, 16.6 GB with P_os+g, 1.88 GB with P_os+g+p. Through the planner's own path: a
     GPT of 36 x 4096 on 64 GPUs (pp 1, tp 1), bf16 with the ZeRO stage's sharding. Its bytes per
     parameter are Psi (2 + 2 + 12/64) etc. exactly, and at the paper's Psi = 7.5e9 they give the table."""
-    from p3d.model.geometry import block_matmul_params, total_params
-    from p3d.plan.memory import stage_memory
-    from p3d.plan.shapes import layout_of
+    from p3d.layout.geometry import block_matmul_params, total_params
+    from p3d.planner.memory import stage_memory
+    from p3d.planner.shapes import layout_of
 
     for stage, factor, published_gb in ((1, 2 + 2 + 12 / 64, 31.4), (2, 2 + 14 / 64, 16.6), (3, 16 / 64, 1.88)):
         cfg = make_cfg(*gpt(36, 4096, 32), *run(1, 1, 64, 1, 64, "a100_80gb", zero=stage))

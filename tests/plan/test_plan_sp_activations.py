@@ -67,7 +67,7 @@ def block_saved_bytes(cfg, mesh, sequence_parallel: bool, recompute: str) -> int
 def _measure(rank, world, cfgs, expected):
     import torch.distributed as dist
 
-    from p3d.dist.mesh import Mesh
+    from p3d.parallel.mesh import Mesh
 
     mesh = Mesh(tp=world, pp=1, dp=1, rank=rank, tp_group=dist.group.WORLD)
     got = [block_saved_bytes(cfg, mesh, sp, rc) for cfg, (sp, rc, _) in zip(cfgs, CASES)]
@@ -76,8 +76,8 @@ def _measure(rank, world, cfgs, expected):
 
 
 def test_block_activation_bytes_with_sp_and_recompute(make_cfg):
-    from p3d.plan.memory import block_bytes
-    from p3d.plan.shapes import Layout
+    from p3d.planner.memory import block_bytes
+    from p3d.planner.shapes import Layout
 
     cfgs = [
         make_cfg(

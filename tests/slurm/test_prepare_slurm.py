@@ -23,7 +23,7 @@ pytestmark = pytest.mark.procs  # submits Slurm jobs
 
 def p3d_prepare(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "p3d.data.prepare_store", *args],
+        [sys.executable, "-m", "p3d.cli.prepare", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

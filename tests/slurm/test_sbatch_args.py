@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from p3d.config.validate import P3DConfigError
-from p3d.dist.slurm import (
+from p3d.jobs.slurm.submit import (
     Partition,
     check_fits,
-    layout,
+    job_shape,
     parse_gres_gpus,
     parse_sinfo,
     sbatch_args,
     time_minutes,
     time_seconds,
 )
+from p3d.layout.run_plan import P3DConfigError
 from tests.conftest import compose, typed
 
 CLUSTERS = ["local", "slurm", "a100_80gb", "h100_sxm", "h200", "b200"]
@@ -23,18 +23,18 @@ CLUSTERS = ["local", "slurm", "a100_80gb", "h100_sxm", "h200", "b200"]
 
 def args_of(*overrides: str, run_dir: str = "/shared/runs/r1") -> list[str]:
     cfg, plan = typed(*overrides)
-    return sbatch_args(cfg, layout(cfg, plan), run_dir)
+    return sbatch_args(cfg, job_shape(cfg, plan), run_dir)
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_every_cluster_preset_composes_and_validates(cluster):
-    from p3d.hardware import DEVICES
+    from p3d.config.devices import DEVICES
 
     node = compose(f"cluster={cluster}", "mesh=tp2_pp2")
     cfg, plan = typed(f"cluster={cluster}", "mesh=tp2_pp2", "mesh.dp=auto", "schedule.global_batch_size=512")
     assert cfg.cluster.name == cluster and cfg.cluster.device in DEVICES
     assert node.cluster.launcher.value == ("local" if cluster == "local" else "slurm")
-    # device numbers live in p3d/hardware.py; a preset only names the device
+    # device numbers live in p3d/config/devices.py; a preset only names the device
     assert cfg.cluster.peak_tflops == DEVICES[cfg.cluster.device].peak_tflops
     assert cfg.cluster.memory_gb == DEVICES[cfg.cluster.device].memory_gb
     assert plan.world_size == cfg.cluster.nodes * (cfg.cluster.gpus_per_node or 4)
@@ -42,7 +42,7 @@ def test_every_cluster_preset_composes_and_validates(cluster):
 
 def test_gpu_cluster_multi_node_llama70b():
     cfg, plan = typed("cluster=h100_sxm", "cluster.nodes=8", "mesh=tp8_pp8", "model=llama70b", "schedule=large")
-    lay = layout(cfg, plan)
+    lay = job_shape(cfg, plan)
     assert (lay.nodes, lay.ntasks_per_node, lay.gpus_per_node, lay.world_size) == (8, 8, 8, 64)
     args = sbatch_args(cfg, lay, "/shared/runs/r1")
     for expected in (
@@ -67,7 +67,7 @@ def test_gpu_cluster_dp_fills_the_nodes():
         "mesh.dp=auto",
         "schedule.global_batch_size=64",
     )
-    lay = layout(cfg, plan)
+    lay = job_shape(cfg, plan)
     assert plan.dp == 4 and (lay.nodes, lay.ntasks_per_node, lay.gpus_per_node) == (4, 8, 8)
 
 
@@ -79,19 +79,19 @@ def test_cpu_cluster_asks_for_no_gpus_and_one_task_per_rank():
 
 def test_cpu_cluster_spreads_the_mesh_over_nodes():
     cfg, plan = typed("cluster=slurm", "mesh=dp2_pp2_tp2", "cluster.nodes=2")
-    lay = layout(cfg, plan)
+    lay = job_shape(cfg, plan)
     assert (lay.nodes, lay.ntasks_per_node, lay.gpus_per_node) == (2, 4, None)
     cfg, plan = typed("cluster=slurm", "mesh=tp2_pp2", "mesh.dp=auto", "cluster.nodes=2", "cluster.gpus_per_node=4")
-    assert plan.dp == 2 and layout(cfg, plan).ntasks_per_node == 4
+    assert plan.dp == 2 and job_shape(cfg, plan).ntasks_per_node == 4
 
 
 def test_uneven_or_split_tp_layouts_are_refused():
     cfg, plan = typed("cluster=slurm", "mesh=pp2", "mesh.dp=3", "cluster.nodes=4", "schedule.global_batch_size=24")
     with pytest.raises(P3DConfigError, match=r"cluster.nodes=4 does not divide the mesh's 6 ranks"):
-        layout(cfg, plan)
+        job_shape(cfg, plan)
     cfg, plan = typed("cluster=slurm", "mesh=tp4", "cluster.nodes=2")
     with pytest.raises(P3DConfigError, match=r"mesh.tp=4 must divide the 2 ranks per node"):
-        layout(cfg, plan)
+        job_shape(cfg, plan)
 
 
 def test_cluster_options_and_extra_lines_pass_through():
@@ -165,17 +165,17 @@ def test_partition_from_sinfo():
 def test_mesh_that_does_not_fit_the_partition_is_refused():
     debug = parse_sinfo(SINFO, None)
     cfg, plan = typed("cluster=slurm", "mesh=dp2_pp2_tp2")  # 8 ranks, 8 CPUs: fits
-    check_fits(layout(cfg, plan), debug, plan)
+    check_fits(job_shape(cfg, plan), debug, plan)
     cfg, plan = typed("cluster=slurm", "mesh=tp2_pp2", "mesh.dp=4", "schedule.global_batch_size=32")  # 16 ranks
     with pytest.raises(
         P3DConfigError,
         match=r"needs 16 tasks x 1 CPUs = 16 CPUs per node.*have 8; try "
         r"cluster.nodes=2 cluster.gpus_per_node=8",
     ):
-        check_fits(layout(cfg, plan), debug, plan)
+        check_fits(job_shape(cfg, plan), debug, plan)
     cfg, plan = typed("cluster=slurm", "mesh=dp2_pp2_tp2", "cluster.nodes=4")
     with pytest.raises(P3DConfigError, match=r"cluster.nodes=4 exceeds the 2 node\(s\) of partition debug"):
-        check_fits(layout(cfg, plan), debug, plan)
+        check_fits(job_shape(cfg, plan), debug, plan)
     cfg, plan = typed(
         "cluster=h100_sxm",
         "cluster.partition=gpu",
@@ -185,4 +185,4 @@ def test_mesh_that_does_not_fit_the_partition_is_refused():
         "schedule.global_batch_size=64",
     )
     with pytest.raises(P3DConfigError, match=r"cluster.gpus_per_node=8 exceeds the 4 GPUs per node of partition gpu"):
-        check_fits(layout(cfg, plan), parse_sinfo(SINFO, "gpu"), plan)
+        check_fits(job_shape(cfg, plan), parse_sinfo(SINFO, "gpu"), plan)

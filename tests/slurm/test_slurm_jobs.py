@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from p3d.metrics import read_metrics
+from p3d.train.metrics import read_metrics
 from tests.conftest import ROOT, p3d_train
 from tests.slurm.conftest import run, wait_for
 
@@ -103,7 +103,7 @@ def test_p3d_train_cluster_slurm_submits_and_the_job_completes(slurm_cluster, tm
     assert "gres/gpu" not in detail  # device=cpu asks for no GPUs
     assert json.loads((run_dir / "p3d_status.json").read_text())["job_id"] == job
     report = subprocess.run(
-        [sys.executable, "-m", "p3d.report", str(run_dir), "--no-plot"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "p3d.cli.report", str(run_dir), "--no-plot"], capture_output=True, text=True, timeout=60
     )
     assert report.returncode == 0 and re.search(r"pp2 .* 3/3\s+done", report.stdout), report.stdout + report.stderr
 

@@ -1,12 +1,12 @@
-"""The batch recipe restarts its workers within the allocation (p3d.dist.restart, train.max_restarts) when
+"""The batch recipe restarts its workers within the allocation (p3d.jobs.restart, train.max_restarts) when
 one is killed: real Slurm (one node here), a real SIGKILL (the P3D_TEST_KILL_AT hook), tiny pp2 on CPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from p3d.metrics import read_metrics
-from p3d.train.trainer import KILL_ENV
+from p3d.train.loop import KILL_ENV
+from p3d.train.metrics import read_metrics
 from tests.conftest import p3d_train
 from tests.slurm.test_slurm_jobs import RECIPE, steps_done
 

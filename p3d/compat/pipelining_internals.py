@@ -1,0 +1,185 @@
+"""Every place p3d relies on ``torch.distributed.pipelining`` beyond its documented API, in one module.
+
+The twin of ``p3d.compat.deepspeed_internals``: each touchpoint is a small function used by the rest of p3d and
+an entry of ``TOUCHPOINTS``, whose ``present()`` checks (without processes) that the installed torch still has it;
+tests/test_chunks.py runs them all, so an upgrade that removes one fails loudly, naming it.
+Read in torch 2.13.0 (docs/design/pipeline-schedules.md §1 gives the file and line of each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+TORCH_CHECKED = ">=2.9 (last read: 2.13.0)"
+MIN_TORCH = (2, 9)  # ScheduleDualPipeV and the I/W-split schedules as read; older ones are refused
+
+# schedule name -> (class in torch.distributed.pipelining, chunk placement style). The class decides the
+# placement (ScheduleInterleaved*: "loop"; ScheduleZBVZeroBubble / ScheduleDualPipeV: "v", two per rank).
+SCHEDULE_CLASSES: dict[str, tuple[str, str]] = {
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+    "gpipe": ("ScheduleGPipe", "loop"),
+}
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch() -> None:
+    """One-line error when the installed torch is older than the pipelining API read here."""
+    if torch_version() < MIN_TORCH:
+        raise RuntimeError(
+            f"torch {torch.__version__}: p3d's torch pipeline schedules need torch {TORCH_CHECKED}; "
+            "upgrade torch or use schedule.pipeline=1f1b (DeepSpeed's engine)"
+        )
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class of schedule ``name`` (a key of ``SCHEDULE_CLASSES``)."""
+    check_torch()
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, SCHEDULE_CLASSES[name][0])
+
+
+def stage_to_rank_mapping(pp: int, n_stages: int, style: str) -> dict[int, int]:
+    """torch's own placement (private ``_utils.generate_stage_to_rank_mapping``), for the test that
+    ``geometry.chunk_to_rank`` computes the same."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    return generate_stage_to_rank_mapping(pp, n_stages, style=style)
+
+
+@contextlib.contextmanager
+def timed_p2p_waits(add_wait: Callable[[float], None]) -> Iterator[None]:
+    """While inside, every wait of a schedule on a pipeline neighbour (the private module-level
+    ``schedules._wait_batch_p2p``, looked up at call time by the runtime) reports its seconds to ``add_wait``."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._wait_batch_p2p
+
+    def timed(work):
+        t0 = time.perf_counter()
+        try:
+            return original(work)
+        finally:
+            add_wait(time.perf_counter() - t0)
+
+    schedules._wait_batch_p2p = timed
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = original
+
+
+@contextlib.contextmanager
+def forward_only_order(schedule) -> Iterator[None]:
+    """While inside, a multi-stage schedule runs only its forward actions and their sends and receives: each rank's
+    action list (the private ``pipeline_order_with_comms`` that ``_PipelineScheduleRuntime`` executes) with every
+    backward, weight and gradient action taken out, the rest in its order.
+
+    Why: torch 2.13's ``eval`` of ScheduleZBVZeroBubble / ScheduleDualPipeV still runs their input-gradient
+    actions and fails ("can't steal_bwd_input if this stage doesn't have backward"). Forwards depend only on
+    earlier forwards, so the filtered order keeps every dependency of the original, which ran."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
+
+    def forwards(actions):
+        for a in actions:
+            if a is not None and a.computation_type == Kind.OVERLAP_F_B:  # DualPipeV: a forward and a backward
+                yield from (sub for sub in a.sub_actions or () if sub.computation_type == Kind.FORWARD)
+            elif a is not None and a.computation_type in keep:
+                yield a
+
+    original = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: list(forwards(actions)) for rank, actions in original.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = original
+
+
+# ---- the checks
+
+
+@dataclass(frozen=True)
+class Touchpoint:
+    name: str
+    used_by: str
+    present: Callable[[], bool]
+
+
+def _has(module: str, attr: str) -> bool:
+    import importlib
+
+    return hasattr(importlib.import_module(module), attr)
+
+
+def _accepts(module: str, cls: str, arg: str) -> bool:
+    import importlib
+
+    obj = getattr(importlib.import_module(module), cls, None)
+    return obj is not None and arg in inspect.signature(obj.__init__).parameters
+
+
+PIPELINING = "torch.distributed.pipelining"
+
+
+def _schedules():
+    import importlib
+
+    return importlib.import_module(f"{PIPELINING}.schedules")
+
+
+TOUCHPOINTS: tuple[Touchpoint, ...] = (
+    *(
+        Touchpoint(
+            f"{PIPELINING}.{cls}(scale_grads=)",
+            "p3d.train.executors.torch_pipeline",
+            partial(_accepts, PIPELINING, cls, "scale_grads"),
+        )
+        for cls, _ in SCHEDULE_CLASSES.values()
+    ),
+    Touchpoint(
+        f"{PIPELINING}.PipelineStage(group=)",
+        "p3d.train.executors.torch_pipeline",
+        lambda: _accepts(PIPELINING, "PipelineStage", "group"),
+    ),
+    Touchpoint(
+        f"{PIPELINING}._utils.generate_stage_to_rank_mapping",
+        "tests/test_chunks.py",
+        lambda: _has(f"{PIPELINING}._utils", "generate_stage_to_rank_mapping"),
+    ),
+    Touchpoint(
+        f"{PIPELINING}.schedules._ComputationType(FORWARD, SEND_F, RECV_F, OVERLAP_F_B)",
+        "p3d.compat.pipelining_internals.forward_only_order",
+        lambda: all(
+            hasattr(getattr(_schedules(), "_ComputationType", None), k)
+            for k in ("FORWARD", "SEND_F", "RECV_F", "OVERLAP_F_B")
+        ),
+    ),
+    Touchpoint(
+        f"{PIPELINING}.schedules._PipelineScheduleRuntime._step_microbatches runs pipeline_order_with_comms",
+        "p3d.compat.pipelining_internals.forward_only_order",
+        lambda: (
+            "pipeline_order_with_comms" in inspect.getsource(_schedules()._PipelineScheduleRuntime._step_microbatches)
+        ),
+    ),
+    Touchpoint(
+        f"{PIPELINING}.schedules._wait_batch_p2p",
+        "p3d.compat.pipelining_internals.timed_p2p_waits",
+        lambda: _has(f"{PIPELINING}.schedules", "_wait_batch_p2p"),
+    ),
+)

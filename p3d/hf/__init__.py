@@ -1,0 +1,1 @@
+"""Hugging Face: import a Llama checkpoint, export one, and the tokenizer files."""

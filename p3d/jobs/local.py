@@ -1,0 +1,250 @@
+"""Start tp*pp*dp worker processes on this machine and watch them.
+
+Each worker is ``python -m p3d.cli.worker <run_spec.yaml>`` with RANK/WORLD_SIZE/LOCAL_RANK set and a
+file-store rendezvous in the run directory (no fixed port to collide). Worker output goes to
+``<run.dir>/logs/rank<N>.log``; the logging rank's output is also copied to this console. If one
+worker exits with an error, the others are stopped at once and the rank is named.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from p3d import exit_codes
+from p3d.jobs import forked
+from p3d.jobs.follow import follow
+from p3d.jobs.stop import StopSignals
+from p3d.parallel import hang
+from p3d.parallel.mesh import Mesh
+from p3d.parallel.rendezvous import MARKER, file_url, store_path
+from p3d.rundir.files import logs as run_logs
+
+POLL_S = 0.1
+FOLLOW_S = 0.05  # how often the console shows what the logging rank wrote
+GRACE_S = 5.0
+HANG_GATHER_S = 10.0  # after the first hang report, how long the other waiting ranks have to write theirs
+
+
+def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_RANK=str(rank % plan.procs_per_node),
+        LOCAL_WORLD_SIZE=str(plan.procs_per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",
+        P3D_INIT_METHOD=file_url(store),
+        PYTHONUNBUFFERED="1",
+    )
+    if plan.backend == "gloo":
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    if sys.stdout.isatty():
+        env["P3D_TTY"] = "1"  # the logging rank may draw a progress bar
+    return env
+
+
+class Console:
+    """The logging rank's log, followed onto the console (p3d.jobs.follow) while the workers run."""
+
+    def __init__(self, log: Path, console):
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=follow, args=(log, self._done.is_set, console, FOLLOW_S), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Copy the rest of the log (the workers have ended, or are being stopped) and stop following."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop(procs: dict[int, forked.Worker], sig=signal.SIGTERM) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + GRACE_S
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+# What a worker prints when a peer, not itself, went away first.
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker crashing",
+    "ProcessGroupGloo",
+    "DistNetworkError",
+    "Socket Timeout",
+    MARKER,
+)  # MARKER: it waited for a peer
+
+
+def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
+    """Of the workers found dead in one poll, the one that failed first: its peers die of the lost
+    connection a moment later. A signal death beats an error exit; an error that is not a lost
+    peer beats one that is; then the lowest rank."""
+
+    def secondary(rank: int) -> bool:
+        tail = _tail(logs / f"rank{rank}.log", 40)
+        return any(marker in tail for marker in _PEER_LOSS)
+
+    return min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), f[0]))
+
+
+def _report_hang(procs: dict[int, forked.Worker], plan, logs: Path, console, shown: Console, failure: dict) -> int:
+    """A rank's hang watch fired (p3d.parallel.hang): give the other waiting ranks a moment to report too, stop
+    the job, and say who waited on whom and who never arrived."""
+    deadline = time.monotonic() + HANG_GATHER_S
+    while time.monotonic() < deadline:
+        reports = hang.read_reports(logs)
+        if all(r in reports or p.poll() is not None for r, p in procs.items()):
+            break
+        time.sleep(POLL_S)
+    reports = hang.read_reports(logs)
+    running = [r for r, p in procs.items() if p.poll() is None and r not in reports]
+    _stop(procs)
+    shown.drain()
+    mesh = Mesh.from_plan(plan, 0)
+    print(hang.summarize(reports, running, mesh), file=console, flush=True)
+    absent = sorted({p for r in reports.values() for p in r["peers"]} - set(reports))
+    failure.update(restartable=True, cause=f"a hang (ranks {', '.join(map(str, absent)) or '?'} never arrived)")
+    return exit_codes.HUNG
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        return f"was killed by {signal.Signals(-rc).name}"
+    return f"exited with status {rc}"
+
+
+def launch_local(
+    spec_path: Path,
+    plan,
+    console=None,
+    on_started=None,
+    failure: dict | None = None,
+    imports: tuple[str, ...] = (),
+    signals: StopSignals | None = None,
+) -> int:
+    """Run the workers to completion. Returns 0; NONFINITE when they stopped at a step with an inf/nan loss or
+    gradient norm (p3d.train.faults); PREEMPTED when they stopped on SIGTERM / SIGUSR1 / a
+    first Ctrl-C (see p3d.jobs.stop) after saving a checkpoint; or 1 naming the first failed rank.
+    ``on_started()`` runs once every worker is started (the run lease records their pids then). ``failure``
+    receives ``cause`` (one phrase) and ``restartable`` (a worker killed by a signal, or a hang: not an error
+    the worker raised) when the run fails (p3d.jobs.restart). ``signals``: how stop signals reach the workers
+    (p3d.jobs.stop; one for every launch of a run with restarts, which knows its run dir and train.keep_last)."""
+    failure = {} if failure is None else failure
+    console = console or sys.stdout
+    run_dir = spec_path.parent
+    logs = run_logs(run_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    for old in logs.glob(f"rank*{hang.REPORT_SUFFIX}"):  # an earlier launch's hang reports
+        old.unlink()
+    store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
+    procs: dict[int, forked.Worker] = {}
+    shown = Console(logs / f"rank{plan.logging_rank}.log", console)
+    fork = forked.can_fork(plan.backend)
+    if fork:  # ``imports``: what the workers import beyond torch (forked.worker_imports), imported once here
+        forked.preload(imports)  # before the signal handlers: a Ctrl-C here is the launcher's KeyboardInterrupt
+        fork = forked.can_fork(plan.backend)  # an import that started a thread makes a fork unsafe: exec then
+    # SIGTERM/SIGUSR1 forwarded; Ctrl-C: save, twice: abort
+    signals = signals or StopSignals({}, console, run_dir)
+    signals.procs = procs
+    signals.install()
+    received = signals.received
+    try:
+        for rank in range(plan.world_size):
+            with open(logs / f"rank{rank}.log", "wb") as log:  # each worker writes its own log
+                if fork:
+                    procs[rank] = forked.fork_worker(spec_path, worker_env(plan, rank, store), log.fileno())
+                else:
+                    procs[rank] = subprocess.Popen(
+                        [sys.executable, "-m", "p3d.cli.worker", str(spec_path)],
+                        env=worker_env(plan, rank, store),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+        shown.start()  # once every worker is: no fork while this thread writes to the console
+        if on_started is not None:
+            on_started()
+        ok = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.NONFINITE)  # every rank ends with the same one
+        while True:
+            failed = [(r, rc) for r, rc in ((r, p.poll()) for r, p in procs.items()) if rc is not None and rc not in ok]
+            if any(rc == exit_codes.HUNG for _, rc in failed) or hang.read_reports(logs):
+                return _report_hang(procs, plan, logs, console, shown, failure)
+            if failed:
+                rank, rc = _first_cause(failed, logs)
+                break
+            if all(p.returncode in ok for p in procs.values()):
+                shown.drain()
+                if signals.aborted:  # the second Ctrl-C's kill came as they exited: say what is on disk
+                    print(signals.settled(), file=console, flush=True)
+                for status in (exit_codes.NONFINITE, exit_codes.PREEMPTED):
+                    if any(p.returncode == status for p in procs.values()):
+                        return status  # NONFINITE: the logging rank printed the step, the quantity and the stage
+                return exit_codes.OK
+            time.sleep(POLL_S)
+        others = sum(1 for p in procs.values() if p.poll() is None)
+        _stop(procs)
+        also = sorted(r for r, _ in failed if r != rank)
+        shown.drain()
+        failure.update(restartable=rc < 0 and not received, cause=f"rank {rank} {describe_exit(rc)}")
+        if received:
+            print(f"p3d: stopped by {signal.Signals(received[0]).name}", file=console, flush=True)
+            if signals.aborted:  # every worker is reaped (_stop): what the kill left on disk is final
+                print(signals.settled(), file=console, flush=True)
+            return 128 + received[0]
+        dp, pp, tp = plan.dims.coords_of(rank)
+        then = f" (ranks {', '.join(map(str, also))} failed with it)" if also else ""
+        if rc == exit_codes.RENDEZVOUS_FAILED:  # the worker's own line names the store or host:port and the cause
+            why = [ln for ln in _tail(logs / f"rank{rank}.log").splitlines() if MARKER in ln]
+            cause = why[-1].split(MARKER, 1)[1].strip() if why else f"see {logs / f'rank{rank}.log'}"
+            print(
+                f"p3d: the workers could not rendezvous: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {cause}{then}; "
+                f"stopped the other {others} running workers",
+                file=console,
+                flush=True,
+            )
+            return exit_codes.WORKER_FAILED
+        print(
+            f"p3d: rank {rank} (dp {dp}, pp {pp}, tp {tp}) {describe_exit(rc)}{then}; stopped the other {others} "
+            f"running workers. Last lines of {logs / f'rank{rank}.log'}:\n{_tail(logs / f'rank{rank}.log')}",
+            file=console,
+            flush=True,
+        )
+        return exit_codes.WORKER_FAILED
+    finally:
+        if any(p.poll() is None for p in procs.values()):  # an exception in this function: leave no orphans
+            _stop(procs, signal.SIGKILL)
+        shown.drain()
+        signals.restore()
+        store.unlink(missing_ok=True)

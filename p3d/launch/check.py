@@ -1,0 +1,176 @@
+"""From a composed config to a checked, typed config and run plan, before anything is written:
+``prepare`` (types, presets, HF shape and tokenizer, absolute paths, every rule, the run plan),
+``preflight`` (the memory plan), ``check_run`` (the checkpoint to resume, the run directory, the data).
+Each raises :class:`P3DConfigError` with one line naming the field and the fix."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from p3d.console import say
+from p3d.launch.compose import given_overrides
+from p3d.layout.run_plan import P3DConfigError, build_plan, check_config, fill_derived
+from p3d.rundir.files import METRICS, holds_run
+
+
+def tokenizer_vocab(data_cfg) -> int:
+    from p3d.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(data_cfg.tokenizer).vocab_size
+    except (OSError, ValueError) as exc:
+        raise P3DConfigError(str(exc)) from None
+
+
+def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True):
+    """The typed Config with the device preset filled in and ``mesh=auto`` resolved by the planner."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from p3d.rundir.paths import resolve_config_paths
+    from p3d.rundir.spec import to_config
+
+    try:
+        cfg = fill_derived(to_config(cfg_node))
+    except OmegaConfBaseException as exc:
+        raise P3DConfigError(str(exc).splitlines()[0]) from None
+    cfg = resolve_config_paths(cfg)  # every user-given path absolute, against the directory the command ran from
+    if cfg.model.init_from:
+        cfg = with_hf_shape(cfg)
+    cfg = with_tokenizer(cfg)
+    check_config(cfg)  # field bounds and the model's shape: what p3d-plan cannot compute either
+    if cfg.mesh.name == "auto" and resolve_auto:
+        from p3d.planner import apply_layout, best_layout
+
+        cfg = apply_layout(cfg, best_layout(cfg))
+    return cfg
+
+
+def with_hf_shape(cfg):
+    """``model.init_from``: the model shape comes from the HF config.json; a field also set on the
+    command line must agree with it."""
+    import dataclasses
+
+    from p3d.hf.load import HFImportError, SafetensorsDir, model_fields, read_config
+
+    where = cfg.model.init_from
+    try:
+        fields = model_fields(read_config(where), where)
+        SafetensorsDir(where)  # every shard present
+    except HFImportError as exc:
+        raise P3DConfigError(str(exc)) from None
+    overrides = given_overrides()
+    for key, value in fields.items():
+        given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"model.{key}=")]
+        if given and str(getattr(cfg.model, key)) != str(value):
+            raise P3DConfigError(
+                f"model.{key}={given[-1]} disagrees with {where}/config.json ({value}); drop the "
+                f"override or set model.{key}={value}"
+            )
+    name = f"hf:{Path(where).name}"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, **fields))
+
+
+def with_tokenizer(cfg):
+    """``data.tokenizer=auto`` resolved: the tokenizer.json of ``model.init_from`` when it has one, else
+    ``byte``; with ``model.init_from``, another tokenizer is refused and the vocabulary checked."""
+    import dataclasses
+
+    from p3d.hf.load import HFImportError
+    from p3d.hf.tokenizer import import_tokenizer
+
+    try:
+        tokenizer = import_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.vocab_size)
+    except HFImportError as exc:
+        raise P3DConfigError(str(exc)) from None
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+
+
+def prepare(cfg_node: DictConfig):
+    """Typed config and run plan, or P3DConfigError. A resume starts from the resumed run's spec
+    (p3d.launch.resume_base)."""
+    from p3d.launch.compose import config_groups
+    from p3d.launch.resume_base import resume_node
+
+    cfg = typed_config(resume_node(cfg_node, given_overrides(), config_groups()))
+    return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
+
+
+def preflight(cfg, run_plan) -> None:
+    """Refuse a layout the planner predicts not to fit device memory (plan.force=true skips this); the planner
+    models ``run_plan``, the run plan already built for ``cfg``."""
+    from p3d.planner import predict
+
+    report = predict(cfg, run_plan)
+    if report.fits or cfg.plan.force:
+        return
+    print(report.render(), file=sys.stderr)
+    mem = report.to_json()["memory_gb"]
+    lay = report.layout
+    need = (
+        f"{mem['all_ranks']:.3g} GB for its {lay.world_size} workers together"
+        if report.shared_host
+        else f"{mem['total']:.3g} GB on its most loaded device"
+    )
+    raise P3DConfigError(
+        f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
+        f"more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
+        "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
+        "or plan.force=true"
+    )
+
+
+def check_run(cfg, multirun: bool = False):
+    """What needs the disk and the data, before any worker starts: the checkpoint to resume (``auto``
+    resolved to a directory, checked complete and of this model), a run directory that already holds a
+    run (never overwritten without ``train.resume``), the data (opens, has the text column, has enough
+    tokens), and the W&B group of a sweep."""
+    import dataclasses
+
+    from p3d.checkpoint import find as checkpoint
+    from p3d.data.check import check_data
+
+    run_dir = Path(cfg.run.dir)
+    try:
+        found = checkpoint.find(run_dir, cfg.train.resume)
+        if found is not None:
+            meta = checkpoint.verify(found)
+            checkpoint.check_compatible(meta, cfg, found)
+    except checkpoint.CheckpointError as exc:
+        raise P3DConfigError(str(exc)) from None
+    changes = check_resume(cfg, found, meta["step"]) if found is not None else []
+    if cfg.train.resume == "none" and (holds_run(run_dir) or checkpoint.find(run_dir, "auto")):
+        raise P3DConfigError(
+            f"run.dir={run_dir} already holds a run ({METRICS} / checkpoints); resume it with "
+            "train.resume=auto, or choose a new run.dir"
+        )
+    try:
+        check_data(cfg.data, cfg.model.seq_len, need_val=cfg.train.eval_every > 0)
+    except (OSError, ValueError, KeyError) as exc:
+        raise P3DConfigError(str(exc).strip("'\"")) from None
+    if found is None and cfg.train.resume == "auto":
+        say(f"no checkpoint in {checkpoint.root(run_dir)}; starting from step 0")
+    for line in changes:
+        say(line)
+    train = dataclasses.replace(cfg.train, resume=str(found) if found else "none")
+    logger = cfg.logger
+    if multirun and logger.group is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        logger = dataclasses.replace(logger, group=Path(HydraConfig.get().sweep.dir).name)
+    return dataclasses.replace(cfg, train=train, logger=logger)
+
+
+def check_resume(cfg, ckpt: Path, step: int) -> list[str]:
+    """The lines saying what this resume changes (p3d.config.resume_rules), or P3DConfigError for a field
+    that may not change or a train.steps not above the checkpoint's step."""
+    from p3d.config import resume_rules
+    from p3d.rundir.spec import resume_changes
+
+    changes = resume_changes(cfg, ckpt)
+    refused = resume_rules.refusal(changes, str(ckpt), step, cfg.train.steps)
+    if refused:
+        raise P3DConfigError(refused)
+    return [c.line(step + 1) for c in resume_rules.printed(changes)]

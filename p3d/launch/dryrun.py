@@ -1,0 +1,169 @@
+"""``dry_run=true``: build every pipeline stage of every (pp, tp) coordinate on torch's meta device.
+
+No worker, no process group, no memory: it shows the mesh map (rank -> dp, pp, tp -> node, local
+device; inside a Slurm allocation with the run's node count, each node's hostname too), the layers
+of each stage and the exact parameter count of each rank, and checks that the shards add up to the
+closed-form count of the model.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from p3d.config.schema import Launcher
+from p3d.console import human_count
+from p3d.layout.geometry import rank_chunks, stage_bounds, total_params
+from p3d.parallel.mesh import Mesh
+from p3d.parallel.pipeline.specs import layer_specs_of
+from p3d.parallel.tp.layers import owned_by_tp_rank
+
+if TYPE_CHECKING:
+    from p3d.config.schema import Config
+    from p3d.layout.run_plan import RunPlan
+
+MAX_MAP_ROWS = 64
+
+
+@dataclass
+class DryRunReport:
+    cfg: Config
+    plan: RunPlan
+    mesh_map: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)  # rank, dp, pp, tp, node, local
+    stage_layers: list[list[str]] = field(default_factory=list)  # per stage, or per chunk under a torch schedule
+    rank_chunks: list[list[int]] = field(default_factory=list)  # pp rank -> its chunks (torch schedules only)
+    params: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> parameters on that rank
+    padding: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> vocab padding entries
+    owned: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> its share of the model
+    node_names: list[str] = field(default_factory=list)  # node index -> hostname, inside a Slurm allocation
+
+    @property
+    def total(self) -> int:
+        """The model's parameters from the shards: each sharded slice once, each replicated tensor
+        (norms: on every tp rank; a tied embedding: on the first and last stage) once, no padding."""
+        return sum(self.owned.values())
+
+    @property
+    def closed_form(self) -> int:
+        return total_params(self.cfg.model)
+
+    def render(self) -> str:
+        plan, cfg = self.plan, self.cfg
+        out = [
+            f"dry run: {cfg.model.name} on dp={plan.dp} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks, "
+            f"{plan.procs_per_node} per node",
+            "",
+            "mesh map (rank: dp pp tp -> node/local device)",
+        ]
+        if self.node_names:
+            out[-1] += f"; node i is host i of the allocation: {' '.join(self.node_names)}"
+        for rank, dp, pp, tp, node, local in self.mesh_map[:MAX_MAP_ROWS]:
+            host = f" ({self.node_names[node]})" if self.node_names else ""
+            out.append(f"  rank {rank:>5}: dp {dp:>3} pp {pp:>3} tp {tp:>2} -> node {node:>3}{host} device {local}")
+        if len(self.mesh_map) > MAX_MAP_ROWS:
+            out.append(
+                f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = (pp * dp_size + dp) * tp_size + tp)"
+            )
+        if self.rank_chunks:  # a torch schedule: pp x v chunks, each rank's in the order of its stages
+            pipe = f"schedule.pipeline={cfg.schedule.pipeline.value}"
+            out += ["", f"chunks of {pipe} (layers of the flat pipeline list), per pp rank"]
+            for pp, chunks in enumerate(self.rank_chunks):
+                for c in chunks:
+                    out.append(f"  pp {pp:>3} chunk {c:>3}: {_compact(self.stage_layers[c])}")
+        else:
+            out += ["", "stages (layers of the flat pipeline list)"]
+            for s, names in enumerate(self.stage_layers):
+                out.append(f"  stage {s:>3}: {_compact(names)}")
+        out += ["", "parameters per rank (same on every dp replica)"]
+        for (pp, tp), n in sorted(self.params.items()):
+            note = f" (incl. {self.padding[(pp, tp)]:,} vocab padding)" if self.padding.get((pp, tp)) else ""
+            out.append(f"  pp {pp:>3} tp {tp:>2}: {n:>15,}{note}")
+        out += [
+            "",
+            f"total from shards: {self.total:,} ({human_count(self.total)}); closed form: {self.closed_form:,}; "
+            f"{'match' if self.total == self.closed_form else 'MISMATCH'}",
+        ]
+        return "\n".join(out)
+
+
+def _compact(names: list[str]) -> str:
+    """embed, block0..block9 (10 blocks), final_norm, head"""
+    out, run = [], []
+    for n in names + [""]:
+        if n.startswith("block"):
+            run.append(n)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else f"{run[0]}..{run[-1]} ({len(run)} blocks)")
+            run = []
+        if n:
+            out.append(n)
+    return ", ".join(out)
+
+
+def allocation_hosts(cfg, plan) -> list[str]:
+    """The hosts of the Slurm allocation this runs in (node i of the mesh map runs on host i, as the
+    recipe's srun places tasks: block by block, in node-list order), when it has the run's node count."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if cfg.cluster.launcher != Launcher.slurm or not nodelist:
+        return []
+    from p3d.jobs.slurm.step import hostnames
+
+    try:
+        hosts = hostnames(nodelist)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return hosts if len(hosts) * plan.procs_per_node == plan.world_size else []
+
+
+def dry_run(cfg, plan) -> DryRunReport:
+    report = DryRunReport(cfg, plan)
+    report.node_names = allocation_hosts(cfg, plan)
+    dims = plan.dims
+    for rank in range(plan.world_size):
+        dp, pp, tp = dims.coords_of(rank)
+        report.mesh_map.append((rank, dp, pp, tp, dims.node_of(rank), dims.local_rank_of(rank)))
+    bounds, chunks_of = plan.stage_bounds, [[pp] for pp in range(plan.pp)]
+    pipeline = cfg.schedule.pipeline.value
+    if pipeline != "1f1b":  # the torch schedules' chunks (docs/design/pipeline-schedules.md §3)
+        from p3d.layout.schedule_rules import V_SHAPED, chunks_per_rank
+
+        v, style = chunks_per_rank(cfg), "v" if pipeline in V_SHAPED else "loop"
+        bounds = stage_bounds(cfg.model.n_layers, plan.pp, cfg.schedule.partition, cfg.model, v, style)
+        chunks_of = [rank_chunks(plan.pp, v, style, pp) for pp in range(plan.pp)]
+        report.rank_chunks = chunks_of
+    report.stage_layers = [plan.layer_names[bounds[s] : bounds[s + 1]] for s in range(len(bounds) - 1)]
+    for pp in range(plan.pp):
+        for tp in range(plan.tp):
+            mesh = Mesh.from_plan(plan, dims.rank_of(0, pp, tp))
+            specs = layer_specs_of(cfg, plan, mesh)
+            n = pad = owned = 0
+            built_tied: set[str] = set()
+            with torch.device("meta"):
+                for idx in (i for c in chunks_of[pp] for i in range(bounds[c], bounds[c + 1])):
+                    spec = specs[idx]
+                    key = getattr(spec, "key", None)
+                    if key is not None and key in built_tied:
+                        continue  # one tied module per rank, as in DeepSpeed's PipelineModule and ChunkModule
+                    module = spec.build()
+                    if key is not None:
+                        built_tied.add(key)
+                    padding = getattr(module, "padding_numel", 0)
+                    n += sum(p.numel() for p in module.parameters())
+                    pad += padding
+                    if key is not None and _first_stage_of(specs, bounds, key) not in chunks_of[pp]:
+                        continue  # the tied copy on the last stage is owned by the first
+                    owned += sum(p.numel() for p in module.parameters() if owned_by_tp_rank(p, tp)) - padding
+            report.params[(pp, tp)], report.padding[(pp, tp)], report.owned[(pp, tp)] = n, pad, owned
+    return report
+
+
+def _first_stage_of(specs, bounds, key) -> int:
+    for s in range(len(bounds) - 1):
+        if any(getattr(specs[i], "key", None) == key for i in range(bounds[s], bounds[s + 1])):
+            return s
+    raise ValueError(key)

@@ -1,0 +1,101 @@
+"""The degrees of one run (tp x pp x dp), the ``dp=auto`` rule, and rank <-> coordinates.
+
+Pure arithmetic, no processes and no torch, so that validation, the planner, the dry run, Slurm
+sizing and the worker's :class:`p3d.parallel.mesh.Mesh` all read one definition. Ranks follow
+DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; the last varies fastest):
+
+    rank = (pp * dp_size + dp) * tp_size + tp
+
+so a TP group is a run of adjacent ranks (one node, the fastest links), the dp replicas of a stage
+come next (stride tp) and pipeline stages are furthest apart (stride tp * dp).
+``tests/test_mesh.py`` checks this against DeepSpeed's topology.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from p3d.config.errors import P3DConfigError
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def resolve_dp(tp: int, pp: int, dp: object, nodes: int, gpus_per_node: int | None) -> int:
+    """``mesh.dp`` as a number. ``auto`` takes the cluster's GPUs (nodes x gpus_per_node) / (tp pp), or
+    1 where the mesh decides the world (cpu workers: gpus_per_node is None). An explicit dp is returned
+    as given: whether it fills the cluster is a rule of validation; the planner models it as asked."""
+    if dp == "auto":
+        if gpus_per_node is None:
+            return 1
+        world = nodes * gpus_per_node
+        if world % (tp * pp):
+            fit = math.ceil(world / (tp * pp)) * tp * pp // gpus_per_node or 1
+            raise P3DConfigError(
+                f"mesh.tp*mesh.pp={tp * pp} must divide the world size {world} (cluster.nodes={nodes} x "
+                f"cluster.gpus_per_node={gpus_per_node}); try cluster.nodes={fit} or set mesh.dp"
+            )
+        return world // (tp * pp)
+    if not _positive_int(dp):
+        raise P3DConfigError(f"mesh.dp={dp!r} must be a positive integer or auto; try mesh.dp=auto")
+    return dp  # type: ignore[return-value]  # checked just above
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int
+    pp: int
+    dp: int
+    procs_per_node: int | None = None  # None: the whole world on one node
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        return f"dp={self.dp} x pp={self.pp} x tp={self.tp} ({self.world_size} ranks)"
+
+    # ---- rank <-> coordinates
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        rest, tp = divmod(rank, self.tp)
+        pp, dp = divmod(rest, self.dp)
+        return dp, pp, tp
+
+    @property
+    def logging_rank(self) -> int:
+        """Last stage, dp 0, tp 0: the rank where the loss is known, whose log the console shows."""
+        return self.rank_of(0, self.pp - 1, 0)
+
+    def node_of(self, rank: int) -> int:
+        return rank // (self.procs_per_node or self.world_size)
+
+    def local_rank_of(self, rank: int) -> int:
+        return rank % (self.procs_per_node or self.world_size)
+
+    # ---- groups: lists of ranks, in the order every rank must create them
+    def tp_ranks(self) -> list[list[int]]:
+        """All TP groups (ranks sharing dp and pp)."""
+        return [[self.rank_of(d, p, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def pp_ranks(self) -> list[list[int]]:
+        return [[self.rank_of(d, p, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def dp_ranks(self) -> list[list[int]]:
+        return [[self.rank_of(d, p, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def replica_ranks(self) -> list[list[int]]:
+        """The pp x tp ranks of each dp replica (all ranks with one dp coordinate)."""
+        return [[self.rank_of(d, p, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]

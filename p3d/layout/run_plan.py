@@ -1,0 +1,342 @@
+"""Cross-group rules, checked once in the launcher, and the frozen run plan derived from them.
+
+Every rule raises :class:`P3DConfigError` with one line naming the field, its value and an override
+that fixes it. ``build_plan`` returns the numbers every worker needs (dp, micro batches, padded
+vocab, stage boundaries, ...) so that no worker derives them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import cast
+
+from p3d.config.errors import P3DConfigError
+from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher
+from p3d.config.shipped import conf_dir
+from p3d.layout.dims import ParallelDims, resolve_dp
+from p3d.layout.geometry import PIECES_RULE, layer_names, max_pieces, padded_vocab, stage_bounds, total_params
+from p3d.layout.schedule_rules import check_schedule
+
+__all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int  # per optimizer step, per dp replica
+    padded_vocab_size: int  # vocab rounded up to a multiple of tp; padded logits are masked
+    tokens_per_step: int
+    layer_names: list[str] = field(default_factory=list)  # the flat pipeline layer list
+    stage_bounds: list[int] = field(default_factory=list)  # stage s holds layers [b[s], b[s+1])
+    procs_per_node: int = 1
+    logging_rank: int = 0  # last stage, dp 0, tp 0: where the loss is known (ParallelDims.logging_rank)
+    backend: str = "gloo"
+    n_params: int = 0  # closed form, unpadded vocab, tied embedding counted once
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node)
+
+
+def _mesh_presets() -> dict[tuple[int, int, str], str]:
+    """(tp, pp, dp) -> preset name, read from conf/mesh/ to suggest a fix by name."""
+    from omegaconf import DictConfig, OmegaConf
+
+    presets: dict[tuple[int, int, str], str] = {}
+    for f in sorted((conf_dir() / "mesh").glob("*.yaml")):
+        vals = cast(DictConfig, OmegaConf.load(f))  # conf/mesh/*.yaml are mappings
+        try:
+            if vals["name"] != "auto":  # a placeholder for the planner's search, not a layout
+                presets[(int(vals["tp"]), int(vals["pp"]), str(vals["dp"]))] = f.stem
+        except (KeyError, ValueError, TypeError):
+            continue
+    return presets
+
+
+def suggest_mesh(tp: int, pp: int, dp: int | str = "auto") -> str:
+    """An override that sets this layout: a preset name where one exists."""
+    presets = _mesh_presets()
+    for key in ((tp, pp, str(dp)), (tp, pp, "auto"), (tp, pp, "1")):  # dp auto is 1 on one machine
+        if key in presets:
+            return f"mesh={presets[key]}"
+    return f"mesh.tp={tp} mesh.pp={pp}" + (f" mesh.dp={dp}" if dp != "auto" else "")
+
+
+def _largest_divisor_at_most(n: int, limit: int, *also: int) -> int:
+    return max(d for d in range(1, limit + 1) if n % d == 0 and all(a % d == 0 for a in also))
+
+
+def fill_derived(cfg: Config) -> Config:
+    """The config with what follows from other fields filled in: the cluster numbers and dtype
+    (:func:`fill_cluster`), and ``schedule.virtual_stages`` from the pipeline when unset."""
+    from p3d.layout.schedule_rules import fewest_chunks_per_rank
+
+    cfg = fill_cluster(cfg)
+    s = cfg.schedule
+    if s.virtual_stages is None:
+        s = dataclasses.replace(s, virtual_stages=fewest_chunks_per_rank(str(s.pipeline.value)))
+    return dataclasses.replace(cfg, schedule=s)
+
+
+def fill_cluster(cfg: Config) -> Config:
+    """The config with every unset cluster number taken from the ``cluster.device`` preset, and
+    ``train.dtype=auto`` made fp32 on cpu, bf16 on GPUs."""
+    from p3d.config.devices import DEVICES
+
+    c = cfg.cluster
+    if c.device not in DEVICES:  # an Enum of DEVICES' keys: only a spec edited by hand gets here
+        raise P3DConfigError(
+            f"cluster.device={c.device} is not a known device; try one of: "
+            + ", ".join(f"cluster.device={d}" for d in sorted(DEVICES))
+        )
+    preset = DEVICES[c.device]
+    filled = {
+        f: getattr(preset, f)
+        for f in ("gpus_per_node", "peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps")
+        if getattr(c, f) is None
+    }
+    train = cfg.train
+    if train.dtype == DType.auto:
+        train = dataclasses.replace(train, dtype=DType.fp32 if c.device == "cpu" else DType.bf16)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(c, **filled), train=train)
+
+
+def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
+    """(world size, dp) from the cluster and mesh: the cluster's GPUs must be exactly tp pp dp."""
+    cluster = cfg.cluster
+    gpn = cluster.gpus_per_node
+    world = None if gpn is None else cluster.nodes * gpn  # None on cpu: the mesh decides the world
+    dp = resolve_dp(tp, pp, cfg.mesh.dp, cluster.nodes, gpn)
+    if world is not None and tp * pp * dp != world:
+        raise P3DConfigError(
+            f"mesh.tp*mesh.pp*mesh.dp={tp}*{pp}*{dp}={tp * pp * dp} must equal the world size {world} "
+            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={gpn}); try mesh.dp=auto"
+        )
+    return tp * pp * dp, dp
+
+
+def _describe(b: Bound) -> str:
+    if b.low is not None and b.high is not None:
+        return f"must lie in {'(' if b.open_low else '['}{b.low:g}, {b.high:g}{')' if b.open_high else ']'}"
+    if b.low is None:
+        return f"must be {'<' if b.open_high else '<='} {b.high:g}"
+    if b.open_low:
+        return "must be positive" if b.low == 0 else f"must be > {b.low:g}"
+    return "must be >= 0" if b.low == 0 else f"must be at least {b.low:g}"
+
+
+def _suggest(b: Bound, value: float, default) -> str:
+    """The schema's default where it lies inside the bound (null: the preset's or the code's choice), else
+    the nearest value inside it."""
+    if default is None or _inside(b, default):
+        return "null" if default is None else str(default)
+    nearest = b.low if b.low is not None and value < b.low else b.high
+    return str(type(value)(nearest if nearest is not None else value))
+
+
+def _inside(b: Bound, value: float) -> bool:
+    low_ok = b.low is None or (value > b.low if b.open_low else value >= b.low)
+    return low_ok and (b.high is None or (value < b.high if b.open_high else value <= b.high))
+
+
+def check_fields(cfg: Config) -> None:
+    """Every int and float field against its bound (``p3d.config.schema.BOUNDS``); NaN and inf are refused."""
+    for key, b in BOUNDS.items():
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # null: the preset's or the code's default; a non-number: the field's own rule
+        default = getattr(type(getattr(cfg, group))(), name)
+        if not math.isfinite(value):
+            raise P3DConfigError(f"{key}={value} must be a finite number; try {key}={default}")
+        if not _inside(b, value):
+            raise P3DConfigError(f"{key}={value} {_describe(b)}; try {key}={_suggest(b, value, default)}")
+
+
+LOGGER_CHOICES = {"name": ("none", "wandb")}  # logger.mode and logger.progress are Enums, checked at compose time
+
+
+def check_logger(cfg: Config) -> None:
+    for name, choices in LOGGER_CHOICES.items():
+        value = getattr(cfg.logger, name)
+        if value not in choices:
+            raise P3DConfigError(
+                f"logger.{name}={value} is not one of {', '.join(choices)}; "
+                f"try logger.{name}={choices[0] if name != 'name' else 'wandb'}"
+            )
+
+
+def check_config(cfg: Config) -> None:
+    """What p3d-train and p3d-plan both refuse, whatever the layout: field bounds, the logger, the model's shape."""
+    check_fields(cfg)
+    check_logger(cfg)
+    check_model(cfg)
+    check_faults(cfg)
+
+
+def check_faults(cfg: Config) -> None:
+    f = cfg.train.spike_factor
+    if 0 < f < 1:  # every loss near the median is above f times it: every step would be a spike
+        raise P3DConfigError(
+            f"train.spike_factor={f:g} flags every loss above {f:g} x the recent median, nearly every step; it is a "
+            f"multiple of the median: try train.spike_factor={1 + f:g} ({1 + f:g} x the median), or 0 (off)"
+        )
+
+
+def check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.hidden_size % m.n_heads:
+        raise P3DConfigError(f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size}")
+    if (m.hidden_size // m.n_heads) % 2:
+        raise P3DConfigError(
+            f"model.hidden_size/model.n_heads={m.hidden_size // m.n_heads} (head dim) must be even "
+            "for rotary embeddings; change model.n_heads"
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise P3DConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+            f"(grouped-query attention); try model.n_kv_heads={math.gcd(m.n_heads, m.n_kv_heads)}"
+        )
+
+
+def check_mesh(cfg: Config, tp: int, pp: int) -> None:
+    m, s = cfg.model, cfg.schedule
+    for name, v in (("tp", tp), ("pp", pp)):
+        if not isinstance(v, int) or v < 1:
+            raise P3DConfigError(f"mesh.{name}={v!r} must be a positive integer")
+    if m.n_heads % tp or m.n_kv_heads % tp:
+        ok = _largest_divisor_at_most(m.n_kv_heads, tp, m.n_heads)
+        raise P3DConfigError(
+            f"mesh.tp={tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads} "
+            f"(attention is split by heads); try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
+        )
+    if m.ffn_hidden_size % tp:
+        ok = _largest_divisor_at_most(m.ffn_hidden_size, tp, m.n_kv_heads, m.n_heads)
+        raise P3DConfigError(
+            f"mesh.tp={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}; "
+            f"try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
+        )
+    if max_pieces(m.n_layers, s.partition) < pp:
+        raise P3DConfigError(
+            f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: schedule.partition={s.partition.value} cuts it into at "
+            f"most {max_pieces(m.n_layers, s.partition)} stages ({PIECES_RULE[s.partition]}); "
+            f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
+        )
+    gpn = cfg.cluster.gpus_per_node
+    if gpn is not None and tp > gpn:
+        raise P3DConfigError(
+            f"mesh.tp={tp} exceeds cluster.gpus_per_node={gpn}: a TP group must stay inside one node; "
+            f"try {suggest_mesh(gpn, pp * tp // gpn)}"
+        )
+
+
+def check_sequence_parallel(cfg: Config, tp: int) -> None:
+    """Sequence parallelism splits the sequence over the tp group: it needs one, and equal blocks."""
+    if not cfg.schedule.sequence_parallel:
+        return
+    if tp == 1:
+        raise P3DConfigError(
+            "schedule.sequence_parallel=true needs mesh.tp > 1 (it splits the sequence over the tp group); "
+            "try schedule.sequence_parallel=false or mesh=tp2"
+        )
+    seq = cfg.model.seq_len
+    if seq % tp:
+        raise P3DConfigError(
+            f"model.seq_len={seq} must be divisible by mesh.tp={tp} with schedule.sequence_parallel=true; "
+            f"try model.seq_len={max(tp, seq // tp * tp)}"
+        )
+
+
+def check_recompute_swiglu(cfg: Config) -> None:
+    """The SwiGLU knob adds to selective recompute; full already recomputes whole blocks, none nothing."""
+    recompute = cfg.schedule.recompute.value
+    if cfg.schedule.recompute_swiglu and recompute != "selective":
+        raise P3DConfigError(
+            f"schedule.recompute_swiglu=true needs schedule.recompute=selective (it is {recompute}); "
+            "try schedule.recompute=selective or schedule.recompute_swiglu=false"
+        )
+
+
+def check_zero(cfg: Config, pp: int) -> None:
+    stage = cfg.zero.stage
+    if stage >= 2:
+        why = (
+            f"with mesh.pp={pp} > 1 DeepSpeed's pipeline engine cannot shard gradients or parameters"
+            if pp > 1
+            else "p3d runs every mesh through DeepSpeed's pipeline engine, which supports ZeRO 0-1 only"
+        )
+        raise P3DConfigError(f"zero.stage={stage} is refused: {why}; try zero=stage1")
+
+
+def check_train(cfg: Config) -> None:
+    t = cfg.train
+    if t.eval_every > 0 and cfg.data.val_fraction <= 0 and cfg.data.source != DataSource.prepared:
+        raise P3DConfigError(
+            f"data.val_fraction={cfg.data.val_fraction} leaves no validation data for train.eval_every="
+            f"{t.eval_every}; try data.val_fraction=0.005, or train.eval_every=0 for no validation"
+        )
+
+
+def check_data(cfg: Config, tokenizer_vocab: int | None) -> None:
+    d, m = cfg.data, cfg.model
+    if d.source == DataSource.files and not d.path:
+        raise P3DConfigError("data.path is not set for data.source=files; try data.path=/path/to/*.jsonl")
+    if d.source == DataSource.prepared and not d.path and not d.mix:
+        raise P3DConfigError("data.path is not set for data=prepared; try data.path=<a store written by p3d-prepare>")
+    if d.mix and d.source != DataSource.prepared:
+        raise P3DConfigError(
+            f"data.mix is set for data.source={d.source.value}; mixtures are of stores: try data=prepared"
+        )
+    if tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
+        raise P3DConfigError(
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens "
+            f"(data.tokenizer={d.tokenizer}); try model.vocab_size={tokenizer_vocab}"
+        )
+
+
+def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bool = True) -> RunPlan:
+    """Check every cross-group rule and derive the run plan. Raises P3DConfigError. ``cfg``: typed and its fields
+    checked (:func:`check_config`, which p3d.launch.check.typed_config runs once for every command)."""
+    if cfg.model.arch != Arch.llama and for_training:
+        raise P3DConfigError(
+            f"model.arch={cfg.model.arch.value}: the trainer builds llama only "
+            "(gpt shapes are for p3d-plan); try model.arch=llama"
+        )
+    tp, pp = cfg.mesh.tp, cfg.mesh.pp
+    check_mesh(cfg, tp, pp)
+    world, dp = _world_size(cfg, tp, pp)
+    micro_batches = check_schedule(cfg, dp, pp)
+    check_sequence_parallel(cfg, tp)
+    check_recompute_swiglu(cfg)
+    check_zero(cfg, pp)
+    check_train(cfg)
+    check_data(cfg, tokenizer_vocab)
+    if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
+        raise P3DConfigError(
+            f"cluster.nodes={cfg.cluster.nodes} with cluster.launcher=local: local runs use one "
+            "machine; try cluster.nodes=1 or cluster=slurm"
+        )
+    backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
+    dims = ParallelDims(tp, pp, dp)
+    # cpu workers on several nodes: spread evenly (p3d.jobs.slurm.submit.job_shape refuses an uneven split)
+    per_node = world // cfg.cluster.nodes if world % cfg.cluster.nodes == 0 else world
+    return RunPlan(
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batches=micro_batches,
+        padded_vocab_size=padded_vocab(cfg.model.vocab_size, tp),
+        tokens_per_step=cfg.schedule.global_batch_size * cfg.model.seq_len,
+        layer_names=layer_names(cfg.model.n_layers),
+        stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition, cfg.model),
+        procs_per_node=cfg.cluster.gpus_per_node or per_node,
+        logging_rank=dims.logging_rank,
+        backend=backend,
+        n_params=total_params(cfg.model),
+    )

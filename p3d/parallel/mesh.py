@@ -1,0 +1,96 @@
+"""The device mesh of one worker: its rank in a :class:`ParallelDims` and the process groups.
+
+The rank arithmetic (tp fastest, then dp, then pp; DeepSpeed's pipe/data/model axes) lives in
+:mod:`p3d.layout.dims`, shared with validation, the planner and the dry run; ``with_groups``
+creates the process groups in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from p3d.layout.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class Mesh:
+    tp: int
+    pp: int
+    dp: int
+    rank: int = 0
+    procs_per_node: int | None = None  # None: the whole world on one node
+    tp_group: Any = field(default=None, compare=False, repr=False)
+    pp_group: Any = field(default=None, compare=False, repr=False)
+    dp_group: Any = field(default=None, compare=False, repr=False)
+    replica_group: Any = field(default=None, compare=False, repr=False)  # pp x tp ranks of one dp replica
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Mesh.rank={self.rank} outside world size {self.world_size}")
+
+    @classmethod
+    def from_plan(cls, plan, rank: int) -> Mesh:
+        return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, rank=rank, procs_per_node=plan.procs_per_node)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @cached_property
+    def topology(self):  # DeepSpeed's PipelineModule wants its own; the same arithmetic (tests/test_mesh.py)
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+
+    @cached_property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node)
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return self.dims.coords_of(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    # ---- process groups
+    def with_groups(self) -> Mesh:
+        """Create every group; each rank must call this with the same mesh (same order of new_group)."""
+        import torch.distributed as dist
+
+        groups = {}
+        d = self.dims
+        for name, lists in (
+            ("tp_group", d.tp_ranks()),
+            ("pp_group", d.pp_ranks()),
+            ("dp_group", d.dp_ranks()),
+            ("replica_group", d.replica_ranks()),
+        ):
+            for ranks in lists:
+                g = dist.new_group(ranks=ranks)
+                if self.rank in ranks:
+                    groups[name] = g
+        return dataclasses.replace(self, **groups)
+
+    def describe(self) -> str:
+        return self.dims.describe()

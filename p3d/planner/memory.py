@@ -1,0 +1,244 @@
+"""Memory per GPU and per pipeline stage: model states (ZeRO, precision) and activations (1F1B).
+
+Model states per rank, N = the rank's parameters (p3d.planner.shapes.stage_params), d = dp:
+
+    precision   params   grads           optimizer (Adam)
+    fp32        4 N      4 N             8 N moments; with ZeRO >= 1 also a 4 N fp32 copy, all / d
+    bf16        2 N      2 N (+2 N)      4 N fp32 master + 8 N moments, / d
+    torch       4 N      4 N             8 N moments, / d with ZeRO 1   (schedule.pipeline other than 1f1b,
+                                         fp32 or bf16: autocast over the fp32 weights)
+
+ZeRO 2 divides the gradients and ZeRO 3 also the parameters by d (Rajbhandari et al. 2020, Table 1:
+2 + 2 + K with K = 12). Two DeepSpeed facts that p3d inherits: its ZeRO optimizer keeps an fp32
+copy of the partition even when the model is fp32, and with bf16 and zero.stage=0 the pipeline
+engine uses BF16_Optimizer, which already shards master weights and moments over dp and keeps a
+second bf16 gradient buffer (the "+2 N"). Sharded optimizer partitions are DeepSpeed's: each param
+group (matrices, vectors) is flattened, padded to a multiple of 2 d elements and split in d.
+
+Activations per micro batch (one tp rank, bytes per token, c = 4 for fp32 and 2 for bf16) follow
+what the p3d model saves for backward, checked against torch's saved-tensor hooks
+(tests/plan/test_activations.py):
+
+    llama block  2 norms    2 (4 h + 4 + 2 c h)      x (fp32), rsqrt, x_hat, x_hat * w
+                 attention  c (3 q + 3 kv) / t + 4 a / t     q|k|v, rotated q and k, output,
+                                                              flash log-sum-exp (fp32)
+                 mlp        4 c f / t                 gate|up, silu(gate), silu(gate) * up
+                 rope       2 s hd c per micro batch  cos, sin (since they are built once, a buffer per
+                                                  block: an over-count of (in flight - 1) x 2 s hd c per
+                                                  block, 4 MB at 8k context in bf16)
+    gpt block    Korthikanti et al. (2022), Eq. 2 with c bytes: (4 c + 2) h replicated
+                 + c (2 q + 2 kv + 2 f) / t + (2 c + 1) a s / t  (softmax, dropout mask and output)
+
+Sequence parallelism divides the replicated terms (norms, residual-side tensors) by t too: p3d's
+column-parallel layers keep only the (b, s/t, h) block of their input and all-gather it again in
+backward (p3d.parallel.tp.mappings.gathered_linear). Without flash attention a llama also keeps the (a/t) s x s
+probabilities; selective recompute drops the attention core (probabilities, or the log-sum-exp), and
+in a llama also RoPE (rotated q and k, cos and sin, recomputed with the core under
+torch.utils.checkpoint): the block keeps c (2 q + 2 kv) / t per token of attention, q|k|v and the
+output (measured, tests/plan/test_plan_sp_activations.py); full recompute keeps only each
+block's input (c h, / t with sequence parallelism) plus one block's full set while it recomputes.
+First stage: token ids (8 bytes/token, + a 1-byte mask with tp > 1). Last stage: the final norm,
+the saved fp32 softmax of the vocab-parallel cross entropy (4 V_pad / t) and its int64 / bool
+targets, and the loss buffer: the logits DeepSpeed holds until backward (c V_pad / t) plus the
+backward's fp32 gradient (and its cast to c bytes when c < 4).
+
+In flight: the micro batches whose activations a rank holds at its peak, per schedule (p stages, m micro
+batches, v chunks per rank, rank s 0-based; counted in chunks, each 1/v of the rank's layers; docs/planner.md):
+
+    1f1b                     min(p - s, m)                              DeepSpeed's TrainSchedule
+    gpipe                    m                                          all forwards, then all backwards
+    interleaved_1f1b         min(2 (p - s - 1) + (v - 1) p + 1, m v)    Narayanan et al. 2021 (stage 0:
+                                                                        1 + (p - 1)/(p v) times p micro batches)
+    interleaved_zero_bubble  min(p, m) v                                torch's ZB1P: a full warmup on every rank
+    zbv                      min(2 p, m + 1 + s)                        Qi et al. 2024 (ZB-V: 1F1B's p stages' worth)
+    dualpipev                2 p + 1                                    torch's DualPipeV (m >= 2 p)
+
+With the I/W-split schedules a chunk's activations live until its W (weight-gradient) pass: torch's I pass
+runs ``autograd.grad`` with ``retain_graph=True`` (pipelining/_backward.py), so the counts above run to W.
+tests/plan/test_plan_schedules.py checks every row against the peak counted from the action lists of
+DeepSpeed's TrainSchedule and of torch's schedules (``pipeline_order``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from p3d.config.schema import Arch, Config, DType, Recompute
+from p3d.layout.geometry import block_matmul_params, head_dims, padded_vocab
+from p3d.planner.shapes import Layout, StageParams, stage_params
+
+GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables and of device datasheets
+
+
+def dtype_bytes(cfg: Config) -> int:
+    return 4 if cfg.train.dtype == DType.fp32 else 2
+
+
+def optimizer_sharded(cfg: Config) -> bool:
+    """Whether Adam's states are split over dp: ZeRO >= 1, or bf16 (DeepSpeed's BF16_Optimizer)."""
+    return cfg.zero.stage >= 1 or cfg.train.dtype == DType.bf16
+
+
+def _partition(n: int, dp: int) -> int:
+    """Elements of one rank's slice of a flat group: padded to a multiple of 2 dp, then / dp."""
+    return math.ceil(n / (2 * dp)) * 2 if n else 0
+
+
+def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes on one rank of a stage."""
+    c, d, zero = dtype_bytes(cfg), layout.dp, cfg.zero.stage
+    n = sp.total
+    if layout.pipeline != "1f1b":
+        # the torch executor (p3d.train.executors.torch_pipeline): fp32 weights and gradients in either precision
+        # (bf16 is autocast over them: they are the master copy); ZeRO-1 is torch's ZeroRedundancyOptimizer, each
+        # rank keeping the Adam moments of the parameters it owns, whole (~1/d of them)
+        return 4.0 * n, 4.0 * n, 8.0 * n / (d if zero >= 1 else 1)
+    params = n * c / (d if zero >= 3 else 1)
+    grads = n * c / (d if zero >= 2 else 1)
+    if cfg.train.dtype == DType.bf16 and zero == 0:
+        grads += 2 * n  # BF16_Optimizer: a flat bf16 accumulation buffer beside the params' own grads
+    if optimizer_sharded(cfg):
+        optimizer = 12.0 * (_partition(sp.matrices, d) + _partition(sp.vectors, d))
+    else:
+        optimizer = 8.0 * n  # torch AdamW on the fp32 params: exp_avg, exp_avg_sq
+    return params, grads, optimizer
+
+
+def _norm_bytes(cfg: Config) -> float:
+    """One norm per token: llama RMSNorm keeps x (fp32), rsqrt, x_hat and x_hat * w; gpt LayerNorm its input."""
+    h, c = cfg.model.hidden_size, dtype_bytes(cfg)
+    return 4 * h + 4 + 2 * c * h if cfg.model.arch == Arch.llama else c * h
+
+
+def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None) -> float:
+    """Activation bytes one block keeps for backward, per micro batch, on one tp rank."""
+    m, sched = cfg.model, cfg.schedule
+    recompute = sched.recompute if recompute is None else recompute
+    c, t, b, s = dtype_bytes(cfg), layout.tp, layout.micro_batch_size, m.seq_len
+    h, a, f = m.hidden_size, m.n_heads, m.ffn_hidden_size
+    q, kv = head_dims(m)
+    sp = t if sched.sequence_parallel else 1
+    flash = cfg.plan.flash_attention
+    if recompute == Recompute.full:
+        return b * s * c * h / sp
+    if m.arch == Arch.llama:
+        per_token = 2 * _norm_bytes(cfg) / sp + c * 4 * f / t
+        if recompute == Recompute.selective:  # RoPE + attention core recomputed: q|k|v and the output stay
+            if sched.recompute_swiglu:  # silu(gate) recomputed too: gate|up and the product stay
+                per_token -= c * f / t
+            return b * s * (per_token + c * (2 * q + 2 * kv) / t)
+        if flash:
+            per_token += c * (3 * q + 3 * kv) / t + 4 * a / t
+        else:  # math attention: no log-sum-exp, a contiguous output copy, and the probabilities
+            per_token += c * (4 * q + 3 * kv) / t + c * a * s / t
+        return b * s * per_token + 2 * s * (h // a) * c
+    per_token = (4 * c + 2) * h / sp + c * (2 * q + 2 * kv + 2 * f) / t
+    if recompute != Recompute.selective:
+        per_token += 4 * a / t if flash else (2 * c + 1) * a * s / t
+    return b * s * per_token
+
+
+def first_stage_bytes(cfg: Config, layout: Layout) -> float:
+    """Embedding: token ids (int64), the out-of-slice mask with tp > 1; gpt: its dropout mask."""
+    b, s, t = layout.micro_batch_size, cfg.model.seq_len, layout.tp
+    per_token: float = 8 + (1 if t > 1 else 0)
+    if cfg.model.arch == Arch.gpt:
+        per_token += cfg.model.hidden_size / (t if cfg.schedule.sequence_parallel else 1)
+    return b * s * per_token
+
+
+def last_stage_bytes(cfg: Config, layout: Layout) -> float:
+    """Final norm, head input and what the vocab-parallel cross entropy saves (fp32 softmax, targets)."""
+    b, s, t, c = layout.micro_batch_size, cfg.model.seq_len, layout.tp, dtype_bytes(cfg)
+    sp = t if cfg.schedule.sequence_parallel else 1
+    vpad = padded_vocab(cfg.model.vocab_size, t)
+    norm = _norm_bytes(cfg) if cfg.model.arch == Arch.llama else 2 * c * cfg.model.hidden_size
+    return b * s * (norm / sp + 4 * vpad / t + 8 + 1)
+
+
+def loss_buffer_bytes(cfg: Config, layout: Layout) -> float:
+    """Logits held until backward, plus the loss backward's fp32 gradient (and its cast)."""
+    b, s, t, c = layout.micro_batch_size, cfg.model.seq_len, layout.tp, dtype_bytes(cfg)
+    vpad = padded_vocab(cfg.model.vocab_size, t)
+    return b * s * vpad / t * (c + 4 + (c if c < 4 else 0))
+
+
+def in_flight_chunks(pipeline: str, p: int, m: int, v: int, stage: int) -> int:
+    """Chunks (1/v of a rank's layers each) whose activations rank ``stage`` holds at its peak under ``pipeline``."""
+    if pipeline == "1f1b":
+        return min(p - stage, m)
+    if pipeline == "gpipe":
+        return m
+    if pipeline == "interleaved_1f1b":
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    if pipeline == "interleaved_zero_bubble":
+        return min(p, m) * v
+    if pipeline == "zbv":
+        return min(2 * p, m + 1 + stage)
+    if pipeline == "dualpipev":
+        return 2 * p + 1
+    raise ValueError(f"schedule {pipeline!r}: no in-flight model")
+
+
+def in_flight(layout: Layout, stage: int) -> float:
+    """Micro batches whose activations stage ``stage`` holds at its peak (in units of the full stage)."""
+    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    return in_flight_chunks(layout.pipeline, p, m, v, stage) / v
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    params: StageParams
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # per micro batch
+    in_flight: float
+    recompute_bytes: float  # one block's full activations while it is recomputed
+    loss_bytes: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def activations_total(self) -> float:
+        """In-flight activations + recompute working set + loss buffer."""
+        return self.activation_bytes * self.in_flight + self.recompute_bytes + self.loss_bytes
+
+    @property
+    def total(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_total
+
+
+def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
+    out = []
+    per_block = block_bytes(cfg, layout)
+    working = 0.0
+    if cfg.schedule.recompute != Recompute.none:
+        working = block_bytes(cfg, layout, Recompute.none) - (
+            0.0 if cfg.schedule.recompute == Recompute.full else per_block
+        )
+    for s, sp in enumerate(stage_params(cfg, layout)):
+        params, grads, opt = state_bytes(cfg, layout, sp)
+        if cfg.zero.stage >= 3:  # gathered full-size weights: the block in use and the prefetched one
+            params += 2 * block_matmul_params(cfg.model, layout.tp) * dtype_bytes(cfg)
+        act = sp.blocks * per_block
+        if "embed" in sp.layers:
+            act += first_stage_bytes(cfg, layout)
+        last = "head" in sp.layers
+        if last:
+            act += last_stage_bytes(cfg, layout)
+        out.append(
+            StageMemory(
+                s,
+                sp,
+                params,
+                grads,
+                opt,
+                act,
+                in_flight(layout, s),
+                working if sp.blocks else 0.0,
+                loss_buffer_bytes(cfg, layout) if last else 0.0,
+            )
+        )
+    return out

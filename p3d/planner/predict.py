@@ -1,0 +1,289 @@
+"""The plan of one config: memory per stage, step time, throughput, and what p3d-train would say.
+
+``predict(cfg)`` (:mod:`p3d.planner.search`) is the entry point (``cfg`` a typed, checked Config); ``mesh=auto``
+predicts the best layout of the search and keeps the ranking; ``predict(cfg, run_plan)`` models the run p3d-train
+has accepted, with the layout its run plan derived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from p3d.config.schema import Config, DType, Pipeline, Recompute
+from p3d.layout.geometry import model_flops_per_token, recompute_flops_per_token, schedule_bubble, total_params
+from p3d.layout.run_plan import P3DConfigError, build_plan
+from p3d.planner import memory, step_time
+from p3d.planner.render import render
+from p3d.planner.shapes import Layout, layout_of
+from p3d.planner.step_time import assumptions
+
+GB = memory.GB
+
+
+@dataclass
+class Prediction:
+    """Memory per stage, time per step and the derived figures of one config and layout.
+
+    ``fits``, ``step_time_s``, ``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``hfu_tflops_per_gpu``
+    (with recompute), ``mfu``, ``hfu``, ``bubble`` and ``warnings`` are what p3d-plan prints;
+    ``to_json()`` is the same as one dict, ``render()`` as text."""
+
+    cfg: Config
+    layout: Layout
+    stages: list[memory.StageMemory]
+    stage_times: list[step_time.StageTime]
+    step_time_s: float
+    breakdown: dict[str, float]  # seconds per step
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    ranking: list[Prediction] = field(default_factory=list)  # mesh=auto: the best layouts, best first
+
+    # ---- figures
+    @property
+    def capacity_bytes(self) -> float:
+        return cast(float, self.cfg.cluster.memory_gb) * GB
+
+    @property
+    def worst(self) -> memory.StageMemory:
+        """The most loaded stage (its every rank holds the same bytes)."""
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def all_ranks_bytes(self) -> float:
+        """Memory of every rank together (each stage has tp x dp ranks)."""
+        return sum(s.total for s in self.stages) * self.layout.tp * self.layout.dp
+
+    @property
+    def shared_host(self) -> bool:
+        """cpu workers (gpus_per_node unset) share one machine's memory."""
+        return self.cfg.cluster.gpus_per_node is None
+
+    @property
+    def fits(self) -> bool:
+        if self.shared_host:
+            return self.all_ranks_bytes <= self.capacity_bytes
+        return self.worst.total <= self.capacity_bytes
+
+    @property
+    def tokens_per_step(self) -> int:
+        """m micro batches of b sequences on each of d replicas (= global_batch x s when the batch divides)."""
+        lay = self.layout
+        return lay.micro_batches * lay.micro_batch_size * lay.dp * self.cfg.model.seq_len
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return model_flops_per_token(self.cfg.model) * self.tokens_per_s / self.layout.world_size / 1e12
+
+    @property
+    def hfu_tflops_per_gpu(self) -> float:
+        extra = recompute_flops_per_token(self.cfg.model, self.cfg.schedule.recompute.value)
+        return self.tflops_per_gpu * (1 + extra / model_flops_per_token(self.cfg.model))
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu / cast(float, self.cfg.cluster.peak_tflops)
+
+    @property
+    def hfu(self) -> float:
+        return self.hfu_tflops_per_gpu / cast(float, self.cfg.cluster.peak_tflops)
+
+    @property
+    def bubble(self) -> float:
+        """The idle share of a step under the layout's schedule: ``p3d.layout.geometry.schedule_bubble``."""
+        lay = self.layout
+        return schedule_bubble(lay.pipeline, lay.pp, lay.micro_batches, lay.virtual_stages)
+
+    # ---- output
+    def summary(self) -> dict[str, Any]:
+        w = self.worst
+        return {
+            "fits": self.fits,
+            "memory_gb": {
+                "params": w.params_bytes / GB,
+                "grads": w.grads_bytes / GB,
+                "optimizer": w.optimizer_bytes / GB,
+                "activations": w.activations_total / GB,
+                "total": w.total / GB,
+                "loss_buffer": w.loss_bytes / GB,
+                "capacity": self.cfg.cluster.memory_gb,
+                "stage": w.stage,
+                "all_ranks": self.all_ranks_bytes / GB,
+            },
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "hfu_tflops_per_gpu": self.hfu_tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "bubble": self.bubble,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        out = self.summary()
+        out["warnings"] = list(self.warnings)
+        out["layout"] = {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "micro_batch_size": lay.micro_batch_size,
+            "micro_batches": lay.micro_batches,
+            "virtual_stages": lay.virtual_stages,
+            "pipeline": lay.pipeline,
+            "recompute": lay.recompute,
+            "zero": lay.zero,
+            "world_size": lay.world_size,
+        }
+        m = self.cfg.model
+        out["model"] = {
+            "name": m.name,
+            "arch": m.arch.value,
+            "params": total_params(m),
+            "flops_per_token": model_flops_per_token(m),
+        }
+        out["time_s"] = dict(self.breakdown)
+        out["stages"] = [
+            {
+                "stage": s.stage,
+                "blocks": s.params.blocks,
+                "params": s.params.total,
+                "in_flight": s.in_flight,
+                "time_per_micro_batch_s": t.total,
+                "memory_gb": {
+                    "params": s.params_bytes / GB,
+                    "grads": s.grads_bytes / GB,
+                    "optimizer": s.optimizer_bytes / GB,
+                    "activations": s.activations_total / GB,
+                    "total": s.total / GB,
+                },
+            }
+            for s, t in zip(self.stages, self.stage_times)
+        ]
+        out["assumptions"] = assumptions(self.cfg)
+        out["notes"] = list(self.notes)
+        if self.ranking:
+            out["ranking"] = [{**r.to_json()["layout"], **r.summary()} for r in self.ranking]
+        return out
+
+    def render(self) -> str:
+        return render(self)
+
+
+def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True, accepted: bool = False) -> Prediction:
+    """Memory and time of ``cfg`` (its layout, or ``layout``); ``check`` adds the warnings and notes, among
+    them whether p3d-train would refuse the config, unless ``accepted`` (p3d-train has built its run plan)."""
+    layout = layout or layout_of(cfg)
+    stages = memory.stage_memory(cfg, layout)
+    times = step_time.stage_times(cfg, layout, [s.params for s in stages])
+    slow = max(range(layout.pp), key=lambda i: times[i].total)
+    t_mb = times[slow].total
+    idle = schedule_bubble(layout.pipeline, layout.pp, layout.micro_batches, layout.virtual_stages)
+    fill = layout.micro_batches * idle / (1 - idle)  # micro-batch times of fill and drain: idle = fill / (m + fill)
+    tails = []
+    for mem, t in zip(stages, times):
+        dp = step_time.dp_seconds(cfg, layout, mem.params)
+        if cfg.plan.overlap_dp:
+            hide = layout.micro_batches * t.total if cfg.zero.stage >= 3 else t.forward_compute + t.backward_compute
+            dp = max(0.0, dp - hide)
+        tails.append((dp + step_time.optimizer_seconds(cfg, layout, mem.params), dp))
+    tail, dp_exposed = max(tails)
+    tied = step_time.tied_seconds(cfg, layout)
+    m = layout.micro_batches
+    step = (m + fill) * t_mb + tail + tied
+    breakdown = {
+        "compute": m * times[slow].compute,
+        "recompute": m * times[slow].recompute,
+        "tp_comm": m * times[slow].tp_comm,
+        "pp_comm": m * times[slow].pp_comm,
+        "pipeline_idle": fill * t_mb,
+        "dp_comm": dp_exposed,
+        "optimizer": tail - dp_exposed,
+        "tied_embedding": tied,
+        "step": step,
+    }
+    report = Prediction(cfg, layout, stages, times, step, breakdown)
+    if check:
+        report.warnings, report.notes = _verdict(report, accepted)
+    return report
+
+
+def _verdict(r: Prediction, accepted: bool) -> tuple[list[str], list[str]]:
+    cfg, lay, warnings, notes = r.cfg, r.layout, [], []
+    try:
+        if not accepted:
+            build_plan(cfg, None, for_training=True)
+    except P3DConfigError as exc:
+        warnings.append(f"p3d-train would refuse this config: {exc}")
+    w = r.worst
+    if not r.fits and r.shared_host:
+        warnings.append(
+            f"does not fit: the {lay.world_size} cpu workers need {r.all_ranks_bytes / GB:.1f} GB "
+            f"together, cluster.memory_gb={cfg.cluster.memory_gb:g}"
+        )
+    elif not r.fits:
+        warnings.append(
+            f"does not fit: stage {w.stage} needs {w.total / GB:.1f} GB of {cfg.cluster.memory_gb:g} GB "
+            f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
+            f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})"
+        )
+    gpn = cfg.cluster.gpus_per_node
+    if gpn is not None and lay.tp > gpn:
+        warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
+    if r.bubble > 0.1:
+        warnings.append(
+            f"pipeline bubble {r.bubble:.0%} of the step ({lay.schedule_name} with m={lay.micro_batches}): raise "
+            "schedule.global_batch_size or lower schedule.micro_batch_size"
+        )
+    asked = cfg.schedule.pipeline.value
+    if asked != lay.pipeline:
+        notes.append(
+            f"schedule.pipeline={asked} with schedule.virtual_stages={cfg.schedule.virtual_stages}: planned as "
+            f"{lay.pipeline} (v chunks per rank); p3d-train runs that as schedule.pipeline={lay.pipeline}"
+        )
+    if cfg.cluster.device == "cpu":
+        notes.append(
+            f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
+            f"(together {r.all_ranks_bytes / GB:.2f} GB); times use a nominal CPU peak"
+        )
+    if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 0:
+        notes.append(
+            "bf16 with zero.stage=0: DeepSpeed's BF16_Optimizer shards master weights and Adam moments "
+            "over dp anyway and keeps a second bf16 gradient buffer"
+        )
+    if cfg.schedule.recompute == Recompute.full:
+        notes.append("full recompute: each block keeps its input; one block's activations are rebuilt at a time")
+    return warnings, notes
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    """``cfg`` with the mesh, micro batch, pipeline schedule and chunks, recompute and ZeRO stage of ``layout``
+    (what p3d-train runs for mesh=auto)."""
+    mesh = dataclasses.replace(
+        cfg.mesh, name=f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}", tp=layout.tp, pp=layout.pp, dp=layout.dp
+    )
+    sched = dataclasses.replace(
+        cfg.schedule,
+        micro_batch_size=layout.micro_batch_size,
+        pipeline=Pipeline[layout.pipeline],
+        virtual_stages=layout.virtual_stages,
+        recompute=Recompute(layout.recompute),
+    )
+    zero = cfg.zero
+    if zero.stage != layout.zero:
+        zero = dataclasses.replace(zero, name=f"stage{layout.zero}", stage=layout.zero)
+    return dataclasses.replace(cfg, mesh=mesh, schedule=sched, zero=zero)
+
+
+def check_options(cfg: Config) -> None:
+    """The cluster numbers the model divides by must be set (the fields' bounds are checked before, by
+    p3d.launch.check.typed_config, for p3d-train and p3d-plan alike)."""
+    c = cfg.cluster
+    for name in ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps"):
+        if getattr(c, name) is None:
+            raise P3DConfigError(f"cluster.{name}=null has no value from cluster.device={c.device}; set cluster.{name}")

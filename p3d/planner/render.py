@@ -1,0 +1,116 @@
+"""Text output of a PlanReport: layout, memory per stage, time per step, warnings."""
+
+from __future__ import annotations
+
+from p3d.planner.memory import GB
+from p3d.planner.step_time import assumptions
+
+MAX_STAGE_ROWS = 12
+
+
+def _stage_rows(report) -> list:
+    """All stages, or the first two, the most loaded and the last two when there are many."""
+    stages = report.stages
+    if len(stages) <= MAX_STAGE_ROWS:
+        return stages
+    keep = {0, 1, len(stages) - 2, len(stages) - 1, report.worst.stage}
+    return [s for s in stages if s.stage in keep]
+
+
+def _layers(names: tuple[str, ...]) -> str:
+    blocks = [n for n in names if n.startswith("block")]
+    parts = [n for n in names if n == "embed"]
+    if blocks:
+        parts.append(f"{len(blocks)} blocks")
+    parts += [n for n in names if n in ("final_norm", "head")]
+    return "+".join(parts) or "-"
+
+
+def render(report) -> str:
+    cfg, lay = report.cfg, report.layout
+    unit, scale = ("GB", GB) if report.worst.total >= 0.1 * GB else ("MB", 1e6)
+    m = cfg.model
+    out = []
+    if report.ranking:
+        out += [
+            f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x {cfg.cluster.device}",
+            f"  {'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>4} {'m':>5} {'mem GB':>7} {'step s':>9} {'tokens/s':>12} "
+            f"{'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  {'schedule':<26} {'recompute':<9} zero",
+        ]
+        for r in report.ranking:
+            lo = r.layout
+            out.append(
+                f"  {lo.tp:>3} {lo.pp:>3} {lo.dp:>5} {lo.micro_batch_size:>4} {lo.micro_batches:>5} "
+                f"{r.worst.total / GB:>7.1f} {r.step_time_s:>9.3f} {r.tokens_per_s:>12,.0f} "
+                f"{r.tflops_per_gpu:>8.1f} {r.mfu:>6.1%} {r.bubble:>7.1%}  {lo.schedule_name:<26} {lo.recompute:<9} "
+                f"{lo.zero}"
+            )
+        out.append("")
+    out.append(
+        f"p3d-plan: {m.name} ({m.arch.value}, {m.n_layers} layers, h={m.hidden_size}) on "
+        f"{lay.describe(m.seq_len)}, {cfg.cluster.device}"
+    )
+    out.append(
+        f"  {cfg.train.dtype.value}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
+        f"sequence_parallel={cfg.schedule.sequence_parallel}, global batch {cfg.schedule.global_batch_size} "
+        f"x {m.seq_len} tokens"
+    )
+    out += [
+        "",
+        f"memory per GPU ({unit}; capacity {cfg.cluster.memory_gb:g} GB)",
+        f"  {'stage':>5} {'layers':<26} {'params':>8} {'grads':>8} {'optim':>8} {'act/mb':>8} {'in flight':>9} "
+        f"{'loss':>7} {'total':>8}",
+    ]
+    for s in _stage_rows(report):
+        flag = "  <- most loaded" if s.stage == report.worst.stage and len(report.stages) > 1 else ""
+        out.append(
+            f"  {s.stage:>5} {_layers(s.params.layers):<26} {s.params_bytes / scale:>8.2f} "
+            f"{s.grads_bytes / scale:>8.2f} {s.optimizer_bytes / scale:>8.2f} "
+            f"{s.activation_bytes / scale:>8.2f} "
+            f"{s.in_flight:>9.2f} {s.loss_bytes / scale:>7.2f} {s.total / scale:>8.2f}{flag}"
+        )
+    verdict = "fits" if report.fits else "DOES NOT FIT"
+    if report.shared_host:
+        out.append(
+            f"  -> {verdict}: {report.all_ranks_bytes / scale:.2f} {unit} for all {lay.world_size} workers of "
+            f"{cfg.cluster.memory_gb:g} GB host memory"
+        )
+    else:
+        out.append(
+            f"  -> {verdict}: {report.worst.total / scale:.2f} {unit} of {cfg.cluster.memory_gb:g} GB on the "
+            "most loaded GPU"
+        )
+    b = report.breakdown
+    out += ["", "time per step (s; slowest stage)"]
+    for key in (
+        "compute",
+        "recompute",
+        "tp_comm",
+        "pp_comm",
+        "pipeline_idle",
+        "dp_comm",
+        "optimizer",
+        "tied_embedding",
+    ):
+        if b[key] > 0 or key in ("compute", "pipeline_idle"):
+            out.append(f"  {key:<15} {b[key]:>10.4f}")
+    out.append(f"  {'step':<15} {report.step_time_s:>10.4f}")
+    out += [
+        "",
+        f"throughput: {report.tokens_per_s:,.0f} tokens/s, {report.tflops_per_gpu:.1f} TFLOP/s per GPU "
+        f"(MFU {report.mfu:.1%}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
+        f"bubble {report.bubble:.1%}",
+    ]
+    a = assumptions(cfg)
+    out.append(
+        f"assumed: {a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls, "
+        f"HBM {a['hbm_gbps']:g} GB/s, "
+        f"links {a['intra_node_gbps']:g}/{a['inter_node_gbps']:g} GB/s x {a['comm_efficiency']:g}, "
+        f"flash_attention={a['flash_attention']}, overlap tp/pp/dp={a['overlap_tp']}/{a['overlap_pp']}/"
+        f"{a['overlap_dp']}"
+    )
+    for n in report.notes:
+        out.append(f"note: {n}")
+    for w in report.warnings:
+        out.append(f"warning: {w}")
+    return "\n".join(out)

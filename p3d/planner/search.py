@@ -1,0 +1,145 @@
+"""``mesh=auto``: every layout of the cluster p3d-train accepts, ranked by predicted throughput.
+
+A layout is tp x pp x dp, the micro batch size, the pipeline schedule with its chunks per rank v, recompute
+and the ZeRO stage. The search tries every combination of
+
+    tp, pp, dp      divisors of the GPUs, tp inside a node and dividing the heads, kv heads and FFN width
+    micro batch     every divisor of global_batch_size / dp
+    schedule x v    1f1b and gpipe with v = 1; interleaved_1f1b and interleaved_zero_bubble with v = 2, 4, 8, ...
+                    up to blocks / pp; zbv and dualpipev with v = 2
+    recompute       none, selective, full
+    zero.stage      0, 1 (p3d-train refuses 2 and 3: DeepSpeed's pipeline engine and p3d's torch executor
+                    shard neither gradients nor parameters)
+
+and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
+``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``: the functions p3d-train calls, so the
+two cannot drift). Layouts predicted not to fit device memory are dropped; the rest are sorted by predicted
+tokens/s (ties: less memory first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import cast
+
+from p3d.config.schema import Config
+from p3d.layout.geometry import max_pieces
+from p3d.layout.run_plan import (
+    P3DConfigError,
+    check_mesh,
+    check_recompute_swiglu,
+    check_sequence_parallel,
+    check_zero,
+)
+from p3d.layout.schedule_rules import check_schedule
+from p3d.planner.predict import Prediction, apply_layout, check_options, evaluate
+from p3d.planner.shapes import Layout, divisors, layout_of_run_plan, world_size
+
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1)
+
+
+def schedules(cfg: Config, pp: int) -> list[tuple[str, int]]:
+    """(schedule.pipeline, virtual_stages) pairs worth trying on pp stages (validation prunes the rest)."""
+    out = [("1f1b", 1)]
+    if pp < 2:
+        return out
+    out.append(("gpipe", 1))
+    blocks = max_pieces(cfg.model.n_layers, cfg.schedule.partition)
+    v = 2
+    while v * pp <= blocks:
+        out += [("interleaved_1f1b", v), ("interleaved_zero_bubble", v)]
+        v *= 2
+    return out + [("zbv", 2), ("dualpipev", 2)]
+
+
+def check_layout(cfg: Config, layout: Layout) -> None:
+    """p3d-train's layout-dependent rules for ``cfg`` (with ``layout`` applied). Raises P3DConfigError."""
+    check_schedule(cfg, layout.dp, layout.pp)
+    check_sequence_parallel(cfg, layout.tp)
+    check_recompute_swiglu(cfg)
+    check_zero(cfg, layout.pp)
+
+
+def candidates(cfg: Config) -> list[Layout]:
+    world = world_size(cfg)
+    if world is None:
+        raise P3DConfigError(
+            "mesh=auto needs the number of GPUs: set cluster.device (a GPU preset) and cluster.nodes, "
+            "or cluster.gpus_per_node for cpu workers"
+        )
+    # gpus_per_node is set: world is not None
+    m, gbs, gpn = cfg.model, cfg.schedule.global_batch_size, cast(int, cfg.cluster.gpus_per_node)
+    max_pp = max_pieces(m.n_layers, cfg.schedule.partition)
+    out = []
+    for tp in divisors(world):
+        if tp > gpn or m.n_heads % tp or m.n_kv_heads % tp or m.ffn_hidden_size % tp:
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > max_pp or gbs % dp:
+                continue
+            try:
+                check_mesh(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tp=tp, pp=pp, dp=dp)), tp, pp)
+            except P3DConfigError:
+                continue
+            for mbs in divisors(gbs // dp):
+                micro = gbs // (dp * mbs)
+                for pipeline, v in schedules(cfg, pp):
+                    for recompute in RECOMPUTE:
+                        for zero in ZERO_STAGES:
+                            layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero)
+                            try:
+                                check_layout(apply_layout(cfg, layout), layout)
+                            except P3DConfigError:
+                                continue
+                            out.append(layout)
+    return out
+
+
+def search(cfg: Config) -> list[Prediction]:
+    """Reports of the fitting layouts, best first. Raises P3DConfigError when none fits."""
+    reports, smallest = [], None
+    for layout in candidates(cfg):
+        r = evaluate(apply_layout(cfg, layout), layout, check=False)
+        if r.fits:
+            reports.append(r)
+        elif smallest is None or r.worst.total < smallest.worst.total:
+            smallest = r
+    if not reports:
+        if smallest is None:
+            raise P3DConfigError(
+                f"mesh=auto: no valid layout of {world_size(cfg)} GPUs for model={cfg.model.name} "
+                f"with schedule.global_batch_size={cfg.schedule.global_batch_size}; change the "
+                "batch size or cluster.nodes"
+            )
+        lean = smallest.layout
+        raise P3DConfigError(
+            f"mesh=auto: no layout of {world_size(cfg)} GPUs fits {cfg.cluster.memory_gb:g} GB; the leanest "
+            f"({lean.describe(cfg.model.seq_len)}, recompute={lean.recompute}, zero.stage={lean.zero}) needs "
+            f"{smallest.worst.total / 1e9:.1f} GB; try more cluster.nodes"
+        )
+    reports.sort(key=lambda r: (-r.tokens_per_s, r.worst.total))
+    return reports
+
+
+def best_layout(cfg: Config) -> Layout:
+    """The fastest layout predicted to fit (for ``p3d-train mesh=auto``); P3DConfigError when none fits."""
+    return search(cfg)[0].layout
+
+
+def predict(cfg: Config, run_plan=None) -> Prediction:
+    """The planner's prediction for a typed, checked config; mesh=auto picks the best layout. ``run_plan``: the
+    run plan p3d-train built for ``cfg`` (its pre-flight check): its layout is modelled, not derived again.
+
+    Raises P3DConfigError where nothing can be modelled (a layout that does not divide the cluster,
+    or mesh=auto without a fitting layout)."""
+    check_options(cfg)
+    if run_plan is not None:
+        return evaluate(cfg, layout_of_run_plan(cfg, run_plan), accepted=True)
+    if cfg.mesh.name == "auto":
+        ranked = search(cfg)
+        best = evaluate(apply_layout(cfg, ranked[0].layout))
+        best.ranking = ranked[: max(1, cfg.plan.top)]
+        return best
+    return evaluate(cfg)

@@ -1,0 +1,202 @@
+"""What the planner counts exactly: the layout, parameters per rank and stage, and FLOPs per token.
+
+Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = h / a, q = a * hd,
+kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded to a multiple of tp, as p3d
+builds it), s sequence, b micro batch, t = tp, p = pp, d = dp, m micro batches per replica per
+step, v virtual stages (chunks per pp rank).
+
+A layout also names the pipeline schedule, recompute and ZeRO stage it runs with, the knobs ``mesh=auto``
+searches (p3d.planner.search); ``layout_of`` reads them from the config and ``apply_layout`` writes them back.
+
+Parameters per tensor-parallel rank mirror the modules p3d builds (p3d/model/llama.py, pipe.py):
+
+    llama block:  matrices  h (q + 2 kv) / t  (q|k|v)  +  h q / t  (o)  +  3 h f / t  (gate|up, down)
+                  vectors   2 h  (two RMSNorm weights, replicated on every tp rank)
+    gpt block:    matrices  h (q + 2 kv) / t  +  h q / t  +  2 h f / t  (fc1, fc2)
+                  vectors   (q + 2 kv) / t + f / t  (column-parallel biases)  +  2 h  (row-parallel
+                            biases, replicated)  +  4 h  (two LayerNorms, weight and bias)
+    embedding:    V_pad h / t  (+ gpt: learned positions s h, replicated)
+    final norm:   h (llama RMSNorm) or 2 h (gpt LayerNorm)
+    head:         V_pad h / t; with tied embeddings and pp > 1 the last stage holds a copy of the
+                  embedding (DeepSpeed's TiedLayerSpec), with pp = 1 the one table serves both.
+
+Layers are placed on stages by ``p3d.layout.geometry.stage_bounds``, the function p3d-train uses; with a torch
+schedule of v chunks per rank the layer list is cut into p v chunks and rank r holds the chunks
+``geometry.rank_chunks`` gives it (loop placement for the interleaved schedules, V placement for zbv and
+dualpipev, where rank 0 holds both the embedding and the head), as p3d/train/executors/torch_pipeline.py builds them.
+The per-block counts and FLOPs per token are ``p3d.layout.geometry``'s too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from p3d.config.schema import Arch, Config, ModelConfig
+from p3d.layout.dims import resolve_dp
+from p3d.layout.geometry import (
+    block_matmul_params,
+    block_vector_params,
+    layer_names,
+    max_pieces,
+    padded_vocab,
+    rank_chunks,
+    stage_bounds,
+)
+from p3d.layout.run_plan import P3DConfigError
+from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, virtual_stages
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: degrees, micro batch, the derived micro batches per replica, the pipeline schedule
+    with its chunks per rank, recompute and the ZeRO stage (the values of ``schedule.pipeline``,
+    ``schedule.recompute``, ``zero.stage``)."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    micro_batches: int
+    virtual_stages: int = 1
+    pipeline: str = "1f1b"
+    recompute: str = "none"
+    zero: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self, seq_len: int) -> str:
+        """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
+        counted, then batch x sequence length, as ``p3d-train`` prints them at start."""
+        return (
+            f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), {self.micro_batches} micro "
+            f"batches of {self.micro_batch_size} x {seq_len} per replica, {self.schedule_name}"
+        )
+
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule with its chunks per rank: ``1f1b``, ``interleaved_1f1b v=4``, ``zbv v=2``."""
+        return self.pipeline + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+
+
+def world_size(cfg: Config) -> int | None:
+    """GPUs of the cluster: nodes x gpus_per_node; None on cpu, where the mesh decides the world."""
+    gpn = cfg.cluster.gpus_per_node
+    return None if gpn is None else cfg.cluster.nodes * gpn
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The layout the config asks for, modelled even where p3d-train would refuse it.
+
+    dp=auto takes world / (tp pp); an explicit dp that disagrees with the cluster is modelled as
+    given (tp pp dp GPUs). Micro batches m = global_batch / (micro_batch dp), at least 1. The schedule is
+    ``schedule.pipeline``; v is ``schedule.virtual_stages``, 2 for zbv and dualpipev. v > 1 with 1f1b or gpipe
+    (which p3d-train refuses: they run one chunk per rank) is planned as interleaved_1f1b, and the report's
+    notes say so (PlanReport._verdict), as a published Megatron run with virtual stages is.
+    """
+    tp, pp, s = cfg.mesh.tp, cfg.mesh.pp, cfg.schedule
+    for name, val in (
+        ("mesh.tp", tp),
+        ("mesh.pp", pp),
+        ("schedule.micro_batch_size", s.micro_batch_size),
+        ("schedule.global_batch_size", s.global_batch_size),
+        ("schedule.virtual_stages", virtual_stages(cfg)),
+    ):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise P3DConfigError(f"{name}={val!r} must be a positive integer")
+    dp = resolve_dp(tp, pp, cfg.mesh.dp, cfg.cluster.nodes, cfg.cluster.gpus_per_node)
+    m = max(1, s.global_batch_size // (s.micro_batch_size * dp))
+    pipeline, v = str(s.pipeline.value), virtual_stages(cfg)
+    if pipeline in V_SHAPED:
+        v = 2
+    elif pipeline in ("1f1b", "gpipe") and v > 1:
+        pipeline = "interleaved_1f1b"
+    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage)
+
+
+def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
+    """The layout of a run p3d-train has accepted: tp, pp, dp and the micro batches as its run plan derived
+    them (p3d.layout.run_plan.RunPlan), the rest from the config, so that the pre-flight planner models the
+    very run that will start and derives nothing again."""
+    s = cfg.schedule
+    pipeline, v = str(s.pipeline.value), virtual_stages(cfg)
+    return Layout(
+        run_plan.tp,
+        run_plan.pp,
+        run_plan.dp,
+        s.micro_batch_size,
+        run_plan.micro_batches,
+        2 if pipeline in V_SHAPED else v,
+        pipeline,
+        s.recompute.value,
+        cfg.zero.stage,
+    )
+
+
+def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:
+    """Per pp rank, the names of the layers it holds: its stage (1f1b, gpipe) or its v chunks (torch schedules).
+
+    Where the p v chunks would outnumber the layers (p3d-train refuses that), the rank's stage is modelled."""
+    m, p, v = cfg.model, layout.pp, layout.virtual_stages
+    names = layer_names(m.n_layers)
+    if (
+        v > 1
+        and p * v <= max_pieces(m.n_layers, cfg.schedule.partition)
+        and layout.pipeline in (*INTERLEAVED, *V_SHAPED)
+    ):
+        style = "v" if layout.pipeline in V_SHAPED else "loop"
+        bounds = stage_bounds(m.n_layers, p, cfg.schedule.partition, m, v, style)
+        return [[n for c in rank_chunks(p, v, style, r) for n in names[bounds[c] : bounds[c + 1]]] for r in range(p)]
+    bounds = stage_bounds(m.n_layers, p, cfg.schedule.partition, m)
+    return [names[bounds[r] : bounds[r + 1]] for r in range(p)]
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters on one rank of a stage, split as p3d's optimizer groups them."""
+
+    matrices: int  # ndim >= 2: weight-decayed group
+    vectors: int  # norms, biases: no-decay group
+    blocks: int  # transformer blocks on this stage
+    layers: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.matrices + self.vectors
+
+
+def _layer_params(m: ModelConfig, name: str, tp: int, vpad: int) -> tuple[int, int]:
+    h = m.hidden_size
+    if name == "embed":
+        return vpad * h // tp + (m.seq_len * h if m.arch == Arch.gpt else 0), 0
+    if name == "head":
+        return vpad * h // tp, 0
+    if name == "final_norm":
+        return 0, (h if m.arch == Arch.llama else 2 * h)
+    return block_matmul_params(m, tp), block_vector_params(m, tp)
+
+
+def stage_params(cfg: Config, layout: Layout) -> list[StageParams]:
+    """Per stage, the parameters of one tp rank (identical on every tp rank and dp replica)."""
+    m = cfg.model
+    vpad = padded_vocab(m.vocab_size, layout.tp)
+    out = []
+    for here in rank_layers(cfg, layout):
+        mat = vec = 0
+        for name in here:
+            if name == "head" and m.tie_embeddings and "embed" in here:
+                continue  # pp=1 (or embed and head on one stage): one tied table
+            if name == "head" and m.tie_embeddings:
+                mat += vpad * m.hidden_size // layout.tp  # DeepSpeed's tied copy: the embedding table only
+                continue
+            dm, dv = _layer_params(m, name, layout.tp, vpad)
+            mat, vec = mat + dm, vec + dv
+        out.append(StageParams(mat, vec, sum(n.startswith("block") for n in here), tuple(here)))
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -1,0 +1,227 @@
+"""Step time: compute at a stated efficiency, memory-bound kernels, the bubble, TP / PP / DP traffic.
+
+Per block and micro batch on one tp rank (b micro batch, s sequence, t tp; docs/planner.md):
+
+    matmuls     2 b s W / t FLOPs forward, twice that backward (W: the block's weights)
+    attention   4 b s^2 q / t forward (halved with flash attention: causal tiles are skipped),
+                backward 2x (2.5x with flash, which recomputes the scores)
+    compute     FLOPs / (peak x efficiency)  +  bytes of the memory-bound kernels / (HBM x 0.8)
+    recompute   full: one more forward (its TP collectives too); selective: the attention core
+
+TP: two all-reduces of b s h c bytes forward and two backward per block (with sequence
+parallelism the same bytes as all-gathers and reduce-scatters), ring time 2 (t-1)/t x bytes / link
+for an all-reduce and (t-1)/t for the others, plus a latency per collective; the link is NVLink
+while the group fits in a node. They are exposed (p3d's tp layers block), or hidden behind the
+matmuls up to their length with ``plan.overlap_tp``.
+
+PP: blocking sends of b s h c bytes per micro batch for every chunk boundary that crosses to another rank
+(``p2p_hops``): 1f1b / gpipe 2 per middle stage, 1 on the first and last; interleaved 2 v (2 v - 1 on the
+first and last rank): v times the traffic; V-shaped (zbv, dualpipev) 4 on middle ranks and 2 on the first and
+the last, whose chunk p - 1 hands to chunk p on the same rank. ``plan.overlap_pp`` hides them behind the stage's
+compute (asynchronous sends, as Megatron's schedules do). Step = (m + fill) x the slowest stage's micro batch
+time, where fill = m B / (1 - B) for the schedule's bubble B = ``p3d.layout.geometry.schedule_bubble`` (1f1b:
+fill = p - 1; interleaved: (p - 1) / v; the I/W-split schedules: (p - 1) / (3 v), a chunk forward per stage in
+three passes), so the bubble, the idle share of the step, is B.
+
+DP: ZeRO 0 all-reduces the gradients once per step; a sharded optimizer reduce-scatters them and
+all-gathers the updated parameters; ZeRO 2 reduce-scatters every micro batch, ZeRO 3 also gathers
+the parameters forward and backward every micro batch. DeepSpeed's pipeline engine runs them after
+the last backward (exposed); ``plan.overlap_dp`` hides them behind one micro batch's forward and
+backward (ZeRO 3: behind all compute of the step). Tied embeddings add one all-reduce of the table's
+gradient between the first and last stage. The optimizer step streams ~32 bytes per local
+optimizer element through HBM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+from p3d.config.devices import DEVICES
+from p3d.config.schema import Arch, Config, Recompute
+from p3d.layout.geometry import block_matmul_params, chunk_to_rank, head_dims, padded_vocab
+from p3d.layout.schedule_rules import V_SHAPED
+from p3d.planner.memory import dtype_bytes, optimizer_sharded
+from p3d.planner.shapes import Layout, StageParams
+
+HBM_EFFICIENCY = 0.8  # memory-bound kernels reach about 80% of the datasheet bandwidth
+COMM_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100: ~0.8)
+LATENCY_S = {"intra": 10e-6, "inter": 25e-6}  # per collective or send
+OPTIMIZER_BYTES_PER_ELEMENT = 32.0  # Adam step: grad, fp32 master, m, v read + written, param written
+
+
+def efficiency(cfg: Config) -> float:
+    return cfg.plan.efficiency or DEVICES[cfg.cluster.device].matmul_efficiency
+
+
+def hbm_bytes_per_s(cfg: Config) -> float:
+    return (cfg.plan.hbm_gbps or DEVICES[cfg.cluster.device].hbm_gbps) * 1e9 * HBM_EFFICIENCY
+
+
+def _link(cfg: Config, span: int) -> tuple[float, float]:
+    """(bytes/s, latency) of a group whose ranks span ``span`` consecutive ranks (tp fastest, then dp, then pp)."""
+    c = cfg.cluster
+    intra = c.gpus_per_node is None or span <= c.gpus_per_node
+    gbps = cast(float, c.intra_node_gbps if intra else c.inter_node_gbps)
+    return gbps * 1e9 * COMM_EFFICIENCY, LATENCY_S["intra" if intra else "inter"]
+
+
+def ring(cfg: Config, nbytes: float, n: int, span: int, op: str = "all_reduce") -> float:
+    """Seconds of one ring collective over n ranks: all_reduce moves 2 (n-1)/n of the bytes, others (n-1)/n."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = _link(cfg, span)
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes / bw + lat
+
+
+@dataclass
+class StageTime:
+    """Seconds per micro batch on one stage (compute = matmuls + attention + memory-bound kernels)."""
+
+    compute: float
+    recompute: float
+    tp_comm: float  # exposed
+    pp_comm: float
+    backward_compute: float  # one micro batch's backward, what DP traffic may hide behind
+    forward_compute: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp_comm + self.pp_comm
+
+
+def _block_costs(cfg: Config, layout: Layout) -> dict[str, float]:
+    """FLOPs and memory-bound bytes of one block's forward, and its TP collectives, per micro batch."""
+    m, sched = cfg.model, cfg.schedule
+    b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)
+    h, a, f = m.hidden_size, m.n_heads, m.ffn_hidden_size
+    q, kv = head_dims(m)
+    sp = t if sched.sequence_parallel else 1
+    flash = cfg.plan.flash_attention
+    attn_flops = 4.0 * b * s * s * q / t * (0.5 if flash else 1.0)
+    core = (2 * q + 2 * kv) / t + (0 if flash else (2 if m.arch == Arch.llama else 4.5) * a * s / t)
+    if m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up
+        side = 10 * h / sp + (4 * (q + kv) + 5 * f) / t
+    else:  # 2 layer norms + 2 bias-dropout-adds; qkv bias; bias-gelu
+        side = 13 * h / sp + (2 * (q + 2 * kv) + 2 * f) / t
+    act_bytes = b * s * h * c
+    # 2 all-reduces per direction (or, with sequence parallelism, 2 all-gathers + 2 reduce-scatters)
+    if sched.sequence_parallel:
+        tp_dir = 2 * (ring(cfg, act_bytes, t, t, "all_gather") + ring(cfg, act_bytes, t, t, "reduce_scatter"))
+    else:
+        tp_dir = 2 * ring(cfg, act_bytes, t, t)
+    return {
+        "gemm": 2.0 * b * s * block_matmul_params(m, t),
+        "attn": attn_flops,
+        "attn_bwd": 2.5 if flash else 2.0,
+        "side_bytes": b * s * side * c,
+        "core_bytes": b * s * core * c,
+        "tp": tp_dir,
+    }
+
+
+def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
+    m = cfg.model
+    flops_s = cast(float, cfg.cluster.peak_tflops) * 1e12 * efficiency(cfg)
+    mem_s = hbm_bytes_per_s(cfg)
+    k = _block_costs(cfg, layout)
+    b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)
+    gemm_f = k["gemm"] / flops_s
+    attn_f = k["attn"] / flops_s + k["core_bytes"] / mem_s
+    side_f = k["side_bytes"] / mem_s
+    fwd = gemm_f + attn_f + side_f
+    bwd = 2 * gemm_f + k["attn_bwd"] * k["attn"] / flops_s + 2 * (k["core_bytes"] + k["side_bytes"]) / mem_s
+    rec = {Recompute.full: fwd, Recompute.selective: attn_f, Recompute.none: 0.0}[cfg.schedule.recompute]
+    tp_layer = 2 * k["tp"] + (k["tp"] if cfg.schedule.recompute == Recompute.full else 0.0)
+    if cfg.plan.overlap_tp:
+        tp_layer = max(0.0, tp_layer - 3 * gemm_f)
+    vpad = padded_vocab(m.vocab_size, t)
+    act_bytes = b * s * m.hidden_size * c
+    head_gemm = 2.0 * b * s * m.hidden_size * vpad / t / flops_s
+    loss_mem = b * s * vpad / t * (c + 16) / mem_s  # logits written, fp32 copy, shift, exp, softmax
+    # pipeline neighbours are tp * dp ranks apart: some boundary leaves the node unless the whole world fits in one
+    bw, lat = _link(cfg, layout.world_size)
+    p2p = act_bytes / bw + lat
+    out = []
+    for rank, st in enumerate(stages):
+        n = st.blocks
+        comp, back, forw = n * (fwd + bwd), n * bwd, n * fwd
+        tp = n * tp_layer
+        if "embed" in st.layers:
+            tp += ring(cfg, act_bytes, t, t)  # the vocab-parallel lookup's all-reduce
+        if "head" in st.layers:
+            comp += 3 * head_gemm + 2 * loss_mem
+            back += 2 * head_gemm + loss_mem
+            tp += ring(cfg, act_bytes, t, t) + 3 * ring(cfg, b * s * 4, t, t)  # head input grad; loss max/sum/target
+        pp = 0.0
+        if layout.pp > 1:
+            pp = p2p * p2p_hops(layout, rank)
+            if cfg.plan.overlap_pp:
+                pp = max(0.0, pp - comp)
+        out.append(StageTime(comp, n * rec, tp, pp, back, forw))
+    return out
+
+
+def p2p_hops(layout: Layout, rank: int) -> int:
+    """Point-to-point transfers per micro batch and direction on pp rank ``rank``: the boundaries between
+    consecutive chunks that touch this rank and cross to another one (a V keeps chunk p-1 -> p on one rank)."""
+    p, v = layout.pp, layout.virtual_stages
+    n = p * v
+    where = chunk_to_rank(p, n, "v" if layout.pipeline in V_SHAPED else "loop")
+    hops = 0
+    for c in range(n - 1):
+        if where[c] != where[c + 1] and rank in (where[c], where[c + 1]):
+            hops += 1
+    return hops
+
+
+def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
+    """Per-step seconds of one rank's data-parallel traffic (all of it, before any overlap)."""
+    d, zero = layout.dp, cfg.zero.stage
+    if d <= 1:
+        return 0.0
+    nbytes = st.total * dtype_bytes(cfg)
+    span = layout.tp * layout.dp
+    if zero >= 3:
+        return layout.micro_batches * (
+            2 * ring(cfg, nbytes, d, span, "all_gather") + ring(cfg, nbytes, d, span, "reduce_scatter")
+        )
+    if zero == 2:
+        grads = layout.micro_batches * ring(cfg, nbytes, d, span, "reduce_scatter")
+    elif optimizer_sharded(cfg) and zero == 1:
+        grads = ring(cfg, nbytes, d, span, "reduce_scatter")
+    else:
+        grads = ring(cfg, nbytes, d, span)
+    params = ring(cfg, nbytes, d, span, "all_gather") if optimizer_sharded(cfg) else 0.0
+    return grads + params
+
+
+def tied_seconds(cfg: Config, layout: Layout) -> float:
+    """All-reduce of the tied embedding's gradient between the first and the last stage (none in a V: rank 0
+    holds both ends, one module, as p3d/train/executors/torch_pipeline.py builds it)."""
+    if not cfg.model.tie_embeddings or layout.pp == 1 or layout.pipeline in V_SHAPED:
+        return 0.0
+    vpad = padded_vocab(cfg.model.vocab_size, layout.tp)
+    nbytes = vpad * cfg.model.hidden_size / layout.tp * dtype_bytes(cfg)
+    return ring(cfg, nbytes, 2, layout.world_size)
+
+
+def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
+    n = st.total / (layout.dp if optimizer_sharded(cfg) else 1)
+    return n * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(cfg)
+
+
+def assumptions(cfg: Config) -> dict[str, Any]:
+    """The planner's fixed assumptions for this config (printed and in format=json)."""
+    return {
+        "efficiency": efficiency(cfg),
+        "hbm_gbps": hbm_bytes_per_s(cfg) / HBM_EFFICIENCY / 1e9,
+        "peak_tflops": cfg.cluster.peak_tflops,
+        "intra_node_gbps": cfg.cluster.intra_node_gbps,
+        "inter_node_gbps": cfg.cluster.inter_node_gbps,
+        "comm_efficiency": COMM_EFFICIENCY,
+        "flash_attention": cfg.plan.flash_attention,
+        "overlap_dp": cfg.plan.overlap_dp,
+        "overlap_tp": cfg.plan.overlap_tp,
+        "overlap_pp": cfg.plan.overlap_pp,
+    }

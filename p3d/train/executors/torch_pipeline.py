@@ -1,0 +1,311 @@
+"""Interleaved and zero-bubble pipeline schedules, executed by ``torch.distributed.pipelining``.
+
+DeepSpeed's engine runs plain 1F1B only; these schedules come from torch (docs/design/pipeline-schedules.md).
+The model is the same flat list of ``LayerSpec``s (``layer_specs_of``), cut by the one stage-bounds
+function into p * v chunks (``geometry.stage_bounds(n_layers, p, partition, model, v, style)``); chunk c is torch's
+``PipelineStage`` c, on pp rank ``geometry.chunk_to_rank(p, p * v, style)[c]``. Init, the TP layers, tied
+embeddings and the vocab-parallel loss are unchanged; only the executor differs.
+
+One optimizer step (``TorchPipeline.train_step``):
+  1. ``schedule.step``: m micro batches of this dp replica, loss = VocabParallelLoss / m on the last chunk,
+     ``scale_grads=False`` (the schedule would divide per stage, twice for a module two stages share);
+     afterwards every ``.grad`` holds d(mean loss of the replica)/d(param), summed over the micro batches;
+  2. tied embeddings under loop placement: the two copies' grads summed over the two holders (DeepSpeed's
+     ``TiedLayerSpec`` rule); under V placement one module serves both ends and autograd sums;
+  3. dp: all grads flattened into one fp32 buffer, all-reduced (SUM; gloo has no AVG) over dp, divided by dp;
+  4. the exact global norm (``optim.global_grad_norm``: tied copy once, replicated params on tp 0), clipping
+     with ``clip_grad_norm_``'s rule, AdamW (ZeRO-1: torch's ZeroRedundancyOptimizer over dp), the LR
+     schedule; a non-finite norm skips the update and the LR step and sets ``overflow`` (``ClippedAdamW``'s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from p3d.compat.deepspeed_internals import mark_pipe_replicated
+from p3d.compat.pipelining_internals import SCHEDULE_CLASSES, forward_only_order, schedule_class, timed_p2p_waits
+from p3d.config.schema import DType, Recompute
+from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
+from p3d.parallel.pipeline.chunks import ChunkModule
+from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
+from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, norm_once_reduced, param_groups
+from p3d.train.timing import drain_seconds
+
+SCHEDULES = tuple(SCHEDULE_CLASSES)
+# Schedules that split backward into I (dx) and W (dw) passes (torch's stage_backward_input / _weight).
+IW_SPLIT = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+def check_recompute(schedule: str, recompute: Recompute) -> None:
+    """Full recompute with an I/W-split schedule is refused: W computes each weight's gradient by its own
+    autograd pass over the chunk, and the non-reentrant checkpoint recomputes a block's forward for each
+    (measured with torch 2.13: 8 forwards of a Llama block per micro batch instead of 2; docs/design §6)."""
+    if schedule in IW_SPLIT and recompute == Recompute.full:
+        raise ValueError(
+            f"schedule.recompute=full with schedule.pipeline={schedule}: its split W pass reruns every block's "
+            "forward once per weight (8 times a micro batch, not 2); "
+            "try schedule.recompute=selective or schedule.pipeline=interleaved_1f1b"
+        )
+
+
+def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
+    """v: the chunks each pp rank holds. V schedules place exactly two (schedules.py:3249), gpipe one."""
+    if schedule not in SCHEDULE_CLASSES:
+        raise ValueError(f"schedule.pipeline={schedule}: expected one of {', '.join(SCHEDULES)}")
+    style = SCHEDULE_CLASSES[schedule][1]
+    if schedule == "gpipe":
+        return 1
+    if style == "v":
+        if virtual_stages != 2:
+            raise ValueError(
+                f"schedule.virtual_stages={virtual_stages}: {schedule} places exactly two chunks per rank; "
+                "try schedule.virtual_stages=2"
+            )
+        return 2
+    if virtual_stages < 2:
+        raise ValueError(f"schedule.virtual_stages={virtual_stages}: {schedule} interleaves; try virtual_stages=2")
+    return virtual_stages
+
+
+def tied_holder_groups(mesh) -> object | None:
+    """The group of this rank's two tied-embedding holders (first and last pp rank of its (dp, tp) pipeline),
+    created on every rank in the same order; None on ranks in the middle of the pipeline."""
+    if mesh.pp == 2:
+        return mesh.pp_group  # the pipeline is exactly the two holders
+    mine = None
+    for ranks in mesh.dims.pp_ranks():
+        group = dist.new_group(ranks=[ranks[0], ranks[-1]])
+        if mesh.rank in (ranks[0], ranks[-1]):
+            mine = group
+    return mine
+
+
+def build_torch_optimizer(module: nn.Module, cfg, mesh):
+    """AdamW and its LambdaLR schedule. ``zero.stage=1`` with dp > 1: torch's ``ZeroRedundancyOptimizer`` over
+    the dp group (each dp rank keeps the Adam states of the whole parameters it owns and broadcasts them after
+    its step; the gradients are all-reduced in full before, as DeepSpeed's stage 1 does). Higher stages:
+    refused (torch's pipelining shards gradients and parameters only through FSDP2, which p3d does not wire)."""
+    t = cfg.train
+    if cfg.zero.stage >= 2:
+        raise ValueError(
+            f"zero.stage={cfg.zero.stage} with a torch pipeline schedule: it shards gradients/parameters only "
+            "through FSDP2, which p3d does not wire; try zero=stage1"
+        )
+    if cfg.zero.stage == 0 or mesh.dp == 1:
+        return build_optimizer(module, t)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    kwargs = {} if t.adamw_impl.value == "default" else {t.adamw_impl.value: True}
+    opt = ZeroRedundancyOptimizer(
+        param_groups(module, t.weight_decay),
+        optimizer_class=torch.optim.AdamW,
+        process_group=mesh.dp_group,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        **kwargs,
+    )
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, t))
+
+
+class TorchPipeline:
+    """This rank's chunks, their ``PipelineStage``s, the torch schedule and the optimizer.
+
+    ``cfg``: Config; ``plan``: RunPlan (``micro_batches`` per replica, ``padded_vocab_size``); ``mesh``: with
+    groups. ``schedule``: a key of ``SCHEDULES``; ``virtual_stages``: v (the V schedules need 2, gpipe 1).
+    Every rank of the world builds one (the tied-holder groups are created collectively).
+    """
+
+    def __init__(self, cfg, plan, mesh, schedule: str, virtual_stages: int, device: torch.device | None = None):
+        import torch.distributed.pipelining as pipelining
+
+        self.cfg, self.plan, self.mesh, self.schedule_name = cfg, plan, mesh, schedule
+        self.v = chunks_per_rank(schedule, virtual_stages)
+        check_recompute(schedule, cfg.schedule.recompute)
+        self.style = SCHEDULE_CLASSES[schedule][1]
+        self.n_chunks = mesh.pp * self.v
+        self.m = plan.micro_batches
+        self.device = device or torch.device("cpu")
+        self.bounds = stage_bounds(cfg.model.n_layers, mesh.pp, cfg.schedule.partition, cfg.model, self.v, self.style)
+        self.chunk_rank = chunk_to_rank(mesh.pp, self.n_chunks, self.style)
+        self.chunk_ids = rank_chunks(mesh.pp, self.v, self.style, mesh.pp_rank)
+        torch.manual_seed(cfg.train.seed)  # as reference_run; the weights come from seeded masters anyway
+        specs = layer_specs_of(cfg, plan, mesh)
+        tied: dict[str, nn.Module] = {}  # one module per key on this rank (shared by its chunks)
+        recompute = cfg.schedule.recompute == Recompute.full
+        # bf16: autocast over the fp32 weights, which are the master copy; gradients accumulate in fp32
+        autocast = torch.bfloat16 if cfg.train.dtype == DType.bf16 else None
+        self.chunks = [
+            ChunkModule(specs, self.bounds[c], self.bounds[c + 1], tied, recompute=recompute, autocast_dtype=autocast)
+            for c in self.chunk_ids
+        ]
+        for chunk in self.chunks:
+            chunk.to(self.device)
+        self.module = nn.ModuleList(self.chunks)  # parameters() lists a module shared by two chunks once
+        self.first_chunk, self.last_chunk = 0, self.n_chunks - 1
+        self.holds_first = self.first_chunk in self.chunk_ids
+        self.holds_last = self.last_chunk in self.chunk_ids
+        # Tied embedding with its two ends on different ranks: two copies (the same seeded init); the last
+        # chunk's copy is "pipe replicated", counted once in the norm as DeepSpeed's copy is.
+        self.tied_cross_rank = cfg.model.tie_embeddings and self.chunk_rank[0] != self.chunk_rank[self.last_chunk]
+        self.tied_group = tied_holder_groups(mesh) if self.tied_cross_rank else None
+        self.tied_params = [p for module in tied.values() for p in module.parameters()]
+        if self.tied_cross_rank and self.holds_last:
+            for p in self.tied_params:
+                mark_pipe_replicated(p)  # the marker optim.counts_in_norm reads
+
+        loss = VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh)
+        m = self.m
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            # torch runs the loss after the last chunk's forward_one_chunk; timed as compute, as DeepSpeed's is
+            t0 = time.perf_counter()
+            try:
+                return loss(logits, labels) / m  # the reference's 1/m per micro batch; summed over m by autograd
+            finally:
+                if self.add_compute is not None:
+                    self.add_compute(time.perf_counter() - t0)
+
+        self.stages = [
+            pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
+            for c, chunk in zip(self.chunk_ids, self.chunks)
+        ]
+        cls = schedule_class(schedule)
+        stages = self.stages[0] if schedule == "gpipe" else self.stages
+        self.schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
+        self.overflow = False
+        # set by p3d.train.executors: the step gate (grads, replica loss or None), the p2p wait and compute timers
+        self.before_update: Callable[[list[torch.Tensor], float | None], None] | None = None
+        self.add_wait: Callable[[float], None] | None = None
+        self.add_compute: Callable[[float], None] | None = None
+
+    def waits(self):
+        """A context that times the schedule's waits on pipeline neighbours (when ``add_wait`` is set)."""
+        return timed_p2p_waits(self.add_wait) if self.add_wait is not None else contextlib.nullcontext()
+
+    # ---- one step
+    def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This dp replica's rows of the global batch (gbs, s + 1), as ``loader.rank_slice`` takes them."""
+        per = batch.shape[0] // self.mesh.dp
+        return batch[self.mesh.dp_rank * per : (self.mesh.dp_rank + 1) * per]
+
+    def get_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_step(self, batch: torch.Tensor) -> tuple[float, float]:
+        """One optimizer step on the global batch (gbs, s + 1) (every rank passes the same one): the mean
+        loss over the global batch and the global gradient norm before clipping."""
+        rows = self.replica_rows(batch).to(self.device)
+        return self.run_step(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+
+    def train_batch(self, data_iter) -> tuple[float, float]:
+        """``train_step`` fed as DeepSpeed's engine is: ``data_iter`` yields this replica's m micro batches as
+        (inputs, labels), each (mbs, s) (``loader.micro_batches``); None on ranks that hold neither end."""
+        if not (self.holds_first or self.holds_last):
+            return self.run_step(None, None)
+        pairs = [next(data_iter) for _ in range(self.m)]
+        inputs = torch.cat([x for x, _ in pairs]).to(self.device)
+        return self.run_step(inputs, torch.cat([y for _, y in pairs]).to(self.device))
+
+    def run_step(self, inputs: torch.Tensor | None, labels: torch.Tensor | None) -> tuple[float, float]:
+        """One optimizer step on this replica's (m mbs, s) inputs and labels (read on the end chunks' holders)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first else ()
+        kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
+        with self.waits():
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.add_wait is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
+            self.add_wait(drain_seconds(self.mesh.pp_group))
+        if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
+            grads = [p.grad for p in self.params if p.grad is not None]
+            self.before_update(grads, sum(float(x.detach()) for x in losses) if self.holds_last else None)
+        self.reduce_tied_grads()
+        self.reduce_dp_grads()
+        norm = self.clip_and_step()
+        return self.step_loss(losses), norm
+
+    @torch.no_grad()
+    def eval_step(self, batch: torch.Tensor | None) -> float:
+        """The mean loss over the global batch (gbs, s + 1), forward only (as DeepSpeed's ``eval_batch``).
+
+        Under the V schedules torch's ``eval`` would still run their input-gradient actions and fail, so their
+        action lists are cut to the forwards for the call (``torch_compat.forward_only_order``)."""
+        forward_only = forward_only_order(self.schedule) if self.style == "v" else contextlib.nullcontext()
+        losses: list[torch.Tensor] = []
+        args: tuple = ()
+        kwargs: dict = {}
+        if batch is not None:  # None on ranks that hold neither end
+            rows = self.replica_rows(batch).to(self.device)
+            args = (rows[:, :-1].contiguous(),) if self.holds_first else ()
+            kwargs = dict(target=rows[:, 1:].contiguous(), losses=losses) if self.holds_last else {}
+        with forward_only:
+            self.schedule.eval(*args, return_outputs=False, **kwargs)
+        return self.step_loss(losses)
+
+    def reduce_tied_grads(self) -> None:
+        """Sum the two tied copies' grads over their holders (loop placement only)."""
+        if self.tied_group is None or not (self.holds_first or self.holds_last):
+            return
+        for p in self.tied_params:
+            if p.grad is None:  # pragma: no cover - every chunk runs forward and backward each step
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.tied_group)
+
+    def norm_once_reduced(self) -> float:
+        """The global norm this step's gradients will have after ``reduce_tied_grads`` and ``reduce_dp_grads``,
+        measured on copies (``optim.norm_once_reduced``: a discarded loss spike's report)."""
+        holds_tied = self.tied_group is not None and (self.holds_first or self.holds_last)
+        tied = [(p, self.tied_group) for p in self.tied_params] if holds_tied else []
+        grads = [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
+        return norm_once_reduced(grads, tied, self.mesh)
+
+    def reduce_dp_grads(self) -> None:
+        """Mean of the replicas' grads: one flat fp32 buffer, all-reduced (SUM) over dp, divided by dp."""
+        if self.mesh.dp == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=self.mesh.dp_group)
+        flat.div_(self.mesh.dp)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
+            offset += g.numel()
+
+    @torch.no_grad()
+    def clip_and_step(self) -> float:
+        """Exact global norm, clip (``clip_grad_norm_``'s rule), AdamW and the LR step; skip on a non-finite norm."""
+        norm = float(global_grad_norm(self.params, self.mesh))
+        self.overflow = not math.isfinite(norm)
+        if not self.overflow:
+            max_norm = self.cfg.train.grad_clip
+            if max_norm > 0:
+                coef = max_norm / (norm + 1e-6)
+                if coef < 1.0:
+                    for p in self.params:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def step_loss(self, losses: list[torch.Tensor]) -> float:
+        """The step's mean loss over the global batch: the last chunk's holder sums its m (already / m) micro-batch
+        losses; summed over pp (only the holder is non-zero), averaged over dp."""
+        total = torch.tensor([sum(float(x.detach()) for x in losses)], dtype=torch.float64)
+        if self.mesh.pp > 1:
+            dist.all_reduce(total, group=self.mesh.pp_group)
+        if self.mesh.dp > 1:
+            dist.all_reduce(total, group=self.mesh.dp_group)
+            total /= self.mesh.dp
+        return float(total)
