@@ -2,7 +2,7 @@
 #   make train   create the environment if missing, then run the default training job
 #   make test    create the environment if missing, then run the test suite (less its slow tier)
 #   make test-all    the whole suite, slow tier included
-#   make test-fast   the in-process tests only (no worker, no p3d-train, no Slurm job): a few minutes
+#   make test-fast   the in-process tests only (tests/unit/: no worker, no p3d-train, no Slurm job)
 #   make lint    ruff (lint + format check) and mypy
 #   make gpu-check   the GPU path on a CUDA machine (docs/gpu.md); a dry mode anywhere else
 PYTHON ?= python3
@@ -27,16 +27,16 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/p3d-train $(ARGS)
 
-# The suite less its slow tier (tests/conftest.py SLOW_TIER: variants of paths it runs); test-all: all of it.
+# The suite less its slow tier (variants of paths it runs, marked slow where defined); test-all: all of it.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# A test that starts a process fails here unless it is marked procs (tests/conftest.py).
+# tests/unit/: in-process; a test there that starts a process fails (tests/conftest.py).
 test-fast: $(STAMP)
-	P3D_TEST_TIER=fast $(BIN)/python -m pytest -q -m "not procs" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,13 +8,13 @@ its 1/dp of the coordinate's parameters and its ZeRO fragments of master / exp_a
 range of a flattened parameter. Every rank then saves that same state, timed as max over ranks after a
 barrier, ``--repeat`` times each:
 
-- ours: ``ckpt_save.Snapshot.write`` (two safetensors files + JSON, fsync'd, manifest);
+- ours: ``p3d.checkpoint.snapshot.Snapshot.write`` (two safetensors files + JSON, fsync'd, manifest);
 - DCP ``save`` with ``FileSystemWriter`` (fsync on). A fragment is a 1-D ``ShardedTensor`` of the
   flattened parameter of its (pp, tp) coordinate, sharded over the coordinate's dp group at the
   fragment's offset: DTensor ``Shard(0)`` cannot express ZeRO's arbitrary offsets;
 - DCP ``async_save`` (thread, default stager): the stall is the time until it returns; the write
   finishes in the background (its total is printed too). Our async stall is the host copy
-  (``ckpt_save._host`` of every tensor), which is what ``train.async_save`` blocks training for.
+  (``p3d.checkpoint.snapshot._host`` of every tensor), which is what ``train.async_save`` blocks training for.
 
 Then the DCP checkpoint is loaded under another layout: dp1 (each (pp, tp) coordinate whole, as plain
 tensors) with DCP's own resharding planner, and compared with our joiner (``coordinate_reader``) on

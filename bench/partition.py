@@ -9,7 +9,7 @@ first waits for it; by ``cost`` the head gets the last stage to itself. Per run 
 the measured idle share (``bubble``) and the ratio of the busier stage's forward + backward seconds to the
 other's (``stage_compute_s``), medians over the steps after the first. The rounds interleave the partitions
 so the machine's load hits each alike; it prints every run and the medians over rounds, with the theory
-(1F1B with equal stages: (p-1)/(m+p-1)). The FLOPs each stage runs are a test (tests/test_partition.py);
+(1F1B with equal stages: (p-1)/(m+p-1)). The FLOPs each stage runs are a test (tests/unit/layout/test_partition.py);
 this is the wall-clock effect, which on shared cores is no test.
 """
 

@@ -99,7 +99,7 @@ def _steps_worker(rank: int, world: int, args, out_path: str) -> None:
     from p3d.train.executors import build_executor
     from p3d.train.loop import Stopper, step_stats
     from p3d.train.worker import set_up_cpu_worker
-    from tests.conftest import typed
+    from tests.helpers.runs import typed
 
     set_up_cpu_worker()  # one thread, freed memory kept: as p3d-train's CPU workers
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
@@ -136,7 +136,7 @@ def _steps_worker(rank: int, world: int, args, out_path: str) -> None:
 
 
 def by_steps(args) -> dict[tuple[str, int], list[tuple[float, float]]]:
-    from tests.dist import run_distributed
+    from tests.helpers.dist import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="p3d-bench-schedules-") as tmp:
         out = Path(tmp) / "results.json"

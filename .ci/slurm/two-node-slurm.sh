@@ -3,7 +3,7 @@
 # network namespace (own IP, own hostname), so that multi-node jobs cross a real network hop:
 # srun places tasks on n1 (10.77.0.2) and n2 (10.77.0.3); slurmctld listens on 10.77.0.1 (a
 # bridge in the root namespace). No systemd, no accounting. Root only. Idempotent.
-# (Carried from shared/slurm/ for .ci/run and tests/multinode/; changed here: munged is started
+# (Carried from shared/slurm/ for .ci/run and tests/cluster/multinode/; changed here: munged is started
 # directly when it does not answer, and start-local-slurm.sh runs only to install Slurm, with
 # SLURM_CONF unset and its own accounting default, so that the single-node config stays its own;
 # no `cmd | grep -q` tests under pipefail.)

@@ -1,5 +1,5 @@
 """Every console script and sbatch subcommand of p3d, one module each: parse the command line, call one library
-function, return its exit status. Nothing imports this package (tests/test_structure.py checks it).
+function, return its exit status. Nothing imports this package (tests/unit/test_structure.py checks it).
 
     p3d-train      train.py       (also ``python -m p3d.cli``, what torchrun and srun start)
     p3d-plan       plan.py        p3d-prepare   prepare.py     p3d-tokenizer   tokenizer.py

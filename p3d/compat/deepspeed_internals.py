@@ -1,8 +1,9 @@
 """Every place p3d relies on DeepSpeed beyond its documented API, in one module.
 
 Each touchpoint is a small function used by the rest of p3d and an entry of ``TOUCHPOINTS``, whose
-``present()`` checks (without processes) that the installed DeepSpeed still has it; tests/test_ds_compat.py
-runs them all, so an upgrade that removes one fails loudly, naming it, instead of training a different model.
+``present()`` checks (without processes) that the installed DeepSpeed still has it;
+tests/unit/compat/test_deepspeed_internals.py runs them all, so an upgrade that removes one fails loudly, naming it,
+instead of training a different model.
 Checked against DeepSpeed 0.16 - 0.19.8 (pyproject pins ``deepspeed>=0.16,<0.20``).
 """
 
@@ -162,7 +163,7 @@ def pipe_sends(record: list, keep_tensors: bool = False):
     ``record`` gets ``(dest_stage, shape, dtype, nbytes)`` per send (activations, their gradients and
     DeepSpeed's meta tensors), plus a copy of the tensor with ``keep_tensors``. The engine calls
     ``deepspeed.runtime.pipe.p2p.send`` through the module attribute, so wrapping that attribute sees each
-    send (used by tests/test_sp_p2p.py)."""
+    send (used by tests/workers/test_sp_p2p.py)."""
     from deepspeed.runtime.pipe import p2p
 
     original = p2p.send
@@ -184,7 +185,7 @@ def wrapped_optimizer(wrapper):
     return wrapper.optimizer
 
 
-# ---- what tests/test_ds_compat.py checks
+# ---- what tests/unit/compat/test_deepspeed_internals.py checks
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ TOUCHPOINTS = (
     ),
     Touchpoint(
         "PipelineEngine sends through deepspeed.runtime.pipe.p2p.send",
-        "tests/test_sp_p2p.py",
+        "tests/workers/test_sp_p2p.py",
         lambda: (
             _source_has("deepspeed.runtime.pipe.engine:PipelineEngine", "p2p.send(")
             and _source_has("deepspeed.runtime.pipe.engine", "from . import p2p")

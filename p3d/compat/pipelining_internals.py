@@ -2,8 +2,8 @@
 
 The twin of ``p3d.compat.deepspeed_internals``: each touchpoint is a small function used by the rest of p3d and
 an entry of ``TOUCHPOINTS``, whose ``present()`` checks (without processes) that the installed torch still has it;
-tests/test_chunks.py runs them all, so an upgrade that removes one fails loudly, naming it.
-Read in torch 2.13.0 (docs/design/pipeline-schedules.md §1 gives the file and line of each).
+tests/unit/parallel/pipeline/test_chunks.py runs them all, so an upgrade that removes one fails loudly, naming it.
+Read in torch 2.13.0 (docs/schedules.md, "The torch API p3d relies on", gives the file and line of each).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     ),
     Touchpoint(
         f"{PIPELINING}._utils.generate_stage_to_rank_mapping",
-        "tests/test_chunks.py",
+        "tests/unit/parallel/pipeline/test_chunks.py",
         lambda: _has(f"{PIPELINING}._utils", "generate_stage_to_rank_mapping"),
     ),
     Touchpoint(

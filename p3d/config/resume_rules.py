@@ -13,7 +13,7 @@ the config (``p3d.config.schema.Config``, flattened to ``group.field``) follows 
   value the checkpoint was trained with.
 
 ``RULES`` maps a field, or a whole group as ``group.*``, to its rule and the reason; a field's own entry
-wins over its group's. ``tests/test_resume_changes.py`` checks that every field of the schema has a rule.
+wins over its group's. ``tests/unit/config/test_resume_rules.py`` checks that every field of the schema has a rule.
 """
 
 from __future__ import annotations

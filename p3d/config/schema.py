@@ -32,7 +32,7 @@ class Partition(Enum):
     cost = "cost"  # balance each stage's modelled FLOPs: blocks, and the head with its loss, by their cost
 
 
-# The pipeline schedule: which executor runs the steps (docs/design/pipeline-schedules.md). "1f1b" is DeepSpeed's
+# The pipeline schedule: which executor runs the steps (docs/schedules.md). "1f1b" is DeepSpeed's
 # PipelineEngine (p3d's default since the start); the others run torch.distributed.pipelining's schedules over
 # the same layer list cut into mesh.pp x schedule.virtual_stages chunks (p3d/train/executors/torch_pipeline.py).
 # Functional form: "1f1b" is not an identifier. Read a member as Pipeline["zbv"], compare values as strings.
@@ -341,7 +341,7 @@ AT_LEAST_1, NON_NEGATIVE, POSITIVE = Bound(1), Bound(0), Bound(0, open_low=True)
 FRACTION = Bound(0, 1)  # [0, 1]
 BELOW_1 = Bound(0, 1, open_high=True)  # [0, 1)
 
-# Every int and float field of the schema has its bound here (tests/test_inputs.py checks that none is
+# Every int and float field of the schema has its bound here (tests/unit/launch/test_check_inputs.py checks that none is
 # missing); p3d.layout.run_plan.check_fields refuses a value outside it in one line.
 BOUNDS: dict[str, Bound] = {
     "model.n_layers": AT_LEAST_1,

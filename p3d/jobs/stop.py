@@ -6,7 +6,7 @@
 - The first SIGINT (Ctrl-C) does the same (the workers get SIGTERM), with one console line saying so.
 - A second SIGINT aborts at once: the workers are killed (SIGKILL: no traceback from any rank). A save can be
   cut anywhere (while its files are written, between its rename and ``latest``, while old checkpoints are
-  pruned), so once the workers are gone the launcher settles the checkpoints (``ckpt_find.settle``: the
+  pruned), so once the workers are gone the launcher settles the checkpoints (``p3d.checkpoint.find.settle``: the
   unfinished save dropped, ``train.keep_last`` kept, ``latest`` at the newest complete one) and says what is
   on disk. If the workers had already saved and exited by then, the line says so and the run ends as after
   one Ctrl-C (``exit_codes.PREEMPTED``).

@@ -129,7 +129,7 @@ def dry_run(cfg, plan) -> DryRunReport:
         report.mesh_map.append((rank, dp, pp, tp, dims.node_of(rank), dims.local_rank_of(rank)))
     bounds, chunks_of = plan.stage_bounds, [[pp] for pp in range(plan.pp)]
     pipeline = cfg.schedule.pipeline.value
-    if pipeline != "1f1b":  # the torch schedules' chunks (docs/design/pipeline-schedules.md §3)
+    if pipeline != "1f1b":  # the torch schedules' chunks (docs/schedules.md, Placement)
         from p3d.layout.schedule_rules import V_SHAPED, chunks_per_rank
 
         v, style = chunks_per_rank(cfg), "v" if pipeline in V_SHAPED else "loop"

@@ -8,7 +8,7 @@ DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; the last 
 
 so a TP group is a run of adjacent ranks (one node, the fastest links), the dp replicas of a stage
 come next (stride tp) and pipeline stages are furthest apart (stride tp * dp).
-``tests/test_mesh.py`` checks this against DeepSpeed's topology.
+``tests/unit/parallel/test_mesh.py`` checks this against DeepSpeed's topology.
 """
 
 from __future__ import annotations

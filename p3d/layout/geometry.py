@@ -206,14 +206,15 @@ def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
-# ---- chunks of the torch schedules (docs/design/pipeline-schedules.md §3, §7)
+# ---- chunks of the torch schedules (docs/schedules.md: placement, metrics)
 # A "chunk" is one of the p * v pieces ``stage_bounds(n_layers, p * v, partition, model)`` cuts the flat list
 # into; chunk c is a torch ``PipelineStage`` with stage_index c. ``style``: "loop" (the interleaved schedules:
 # rank r holds chunks r, r + p, ...) or "v" (zbv, dualpipev: rank r holds chunks r and 2p - 1 - r, so the
 # first rank holds both the embedding and the head).
 def chunk_to_rank(pp: int, n_chunks: int, style: str) -> dict[int, int]:
-    """chunk index -> pp rank; the arithmetic of torch's ``generate_stage_to_rank_mapping`` (tests/test_chunks.py
-    checks they agree). "v" snakes: even rounds of p chunks go up the ranks, odd rounds come back down."""
+    """chunk index -> pp rank; the arithmetic of torch's ``generate_stage_to_rank_mapping``
+    (tests/unit/parallel/pipeline/test_chunks.py checks they agree). "v" snakes: even rounds of p chunks go up
+    the ranks, odd rounds come back down."""
     if style == "loop":
         return {c: c % pp for c in range(n_chunks)}
     if style == "v":
@@ -243,7 +244,7 @@ def schedule_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     3 v m chunk-times a step and idles (p - 1) of them while the first forward reaches it and the last
     backward leaves, (p - 1) / (3 v m + p - 1) for interleaved_zero_bubble and dualpipev; zbv idles
     max(p - 1, 4p - 2 - 2m), so the same from m >= (3p - 1) / 2. Each formula equals the idle share of torch's
-    own action orders (torch 2.13, ``pipeline_order``) run with those times (tests/plan/test_plan_schedules.py).
+    own action orders (torch 2.13, ``pipeline_order``) run with those times (tests/unit/planner/test_schedules.py).
     """
     if schedule in ("1f1b", "gpipe"):
         return pipeline_bubble(p, m, 1)

@@ -1,4 +1,4 @@
-"""The rules of ``schedule.*`` that depend on the pipeline schedule (docs/design/pipeline-schedules.md §9, §13).
+"""The rules of ``schedule.*`` that depend on the pipeline schedule (docs/schedules.md, Refusals).
 
 ``schedule.pipeline=1f1b`` (the default) is DeepSpeed's PipelineEngine: one chunk per pp rank, m >= p micro
 batches. The other schedules run ``torch.distributed.pipelining`` over mesh.pp x v chunks

@@ -40,7 +40,8 @@ class Mesh:
         return self.dims.world_size
 
     @cached_property
-    def topology(self):  # DeepSpeed's PipelineModule wants its own; the same arithmetic (tests/test_mesh.py)
+    # DeepSpeed's PipelineModule wants its own; the same arithmetic (tests/unit/parallel/test_mesh.py)
+    def topology(self):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 MARKER = "rendezvous failed:"  # the worker's one line in its log starts with "[rank N] " and this
-# Test hook (tests/test_relative_paths.py): the local launcher puts its file store in this directory
+# Test hook (tests/e2e/test_relative_paths.py): the local launcher puts its file store in this directory
 # instead of the run directory, so that a test can make the store unreachable. Not for users.
 STORE_DIR_ENV = "P3D_TEST_RENDEZVOUS_DIR"
 

@@ -17,7 +17,7 @@ group (matrices, vectors) is flattened, padded to a multiple of 2 d elements and
 
 Activations per micro batch (one tp rank, bytes per token, c = 4 for fp32 and 2 for bf16) follow
 what the p3d model saves for backward, checked against torch's saved-tensor hooks
-(tests/plan/test_activations.py):
+(tests/unit/planner/test_activations.py):
 
     llama block  2 norms    2 (4 h + 4 + 2 c h)      x (fp32), rsqrt, x_hat, x_hat * w
                  attention  c (3 q + 3 kv) / t + 4 a / t     q|k|v, rotated q and k, output,
@@ -35,7 +35,7 @@ backward (p3d.parallel.tp.mappings.gathered_linear). Without flash attention a l
 probabilities; selective recompute drops the attention core (probabilities, or the log-sum-exp), and
 in a llama also RoPE (rotated q and k, cos and sin, recomputed with the core under
 torch.utils.checkpoint): the block keeps c (2 q + 2 kv) / t per token of attention, q|k|v and the
-output (measured, tests/plan/test_plan_sp_activations.py); full recompute keeps only each
+output (measured, tests/workers/test_plan_sp_activations.py); full recompute keeps only each
 block's input (c h, / t with sequence parallelism) plus one block's full set while it recomputes.
 First stage: token ids (8 bytes/token, + a 1-byte mask with tp > 1). Last stage: the final norm,
 the saved fp32 softmax of the vocab-parallel cross entropy (4 V_pad / t) and its int64 / bool
@@ -55,7 +55,7 @@ batches, v chunks per rank, rank s 0-based; counted in chunks, each 1/v of the r
 
 With the I/W-split schedules a chunk's activations live until its W (weight-gradient) pass: torch's I pass
 runs ``autograd.grad`` with ``retain_graph=True`` (pipelining/_backward.py), so the counts above run to W.
-tests/plan/test_plan_schedules.py checks every row against the peak counted from the action lists of
+tests/unit/planner/test_schedules.py checks every row against the peak counted from the action lists of
 DeepSpeed's TrainSchedule and of torch's schedules (``pipeline_order``).
 """
 

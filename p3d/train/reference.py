@@ -2,7 +2,7 @@
 
 Same init (the seeded master weights), same data (the global sample order), torch's AdamW,
 ``clip_grad_norm_`` and the same schedule. Every mesh must reproduce its per-step loss and
-gradient norm (tests/test_parity.py), and with ``train.eval_every`` its ``val_loss`` (the same held-out
+gradient norm (tests/e2e/test_parity.py), and with ``train.eval_every`` its ``val_loss`` (the same held-out
 batches, :func:`p3d.data.loader.validation_batches`); bench/overhead.py times it against p3d.
 """
 

@@ -140,7 +140,7 @@ class StragglerWatch:
 
 
 class TorchStageTimer:
-    """The same two figures for a torch pipeline schedule (docs/design/pipeline-schedules.md §7): seconds blocked
+    """The same two figures for a torch pipeline schedule (docs/schedules.md, Metrics): seconds blocked
     on pipeline neighbours (every wait of the schedule's runtime on a p2p exchange, ``torch_compat.timed_p2p_waits``
     around each step) and seconds of compute (each stage's forward, backward and weight-backward of one micro batch,
     and the loss).

@@ -5,7 +5,7 @@ engine runs into p * v chunks (``geometry.stage_bounds(n_layers, p * v, ...)``);
 ``PipelineStage`` c. A chunk registers its parameters under exactly the names DeepSpeed's ``PipelineModule``
 gives them (deepspeed/runtime/pipe/module.py, ``_build``): layer i as ``str(i)`` (its index in the whole list),
 a ``TiedLayerSpec`` under ``tied_modules.<key>``. So checkpoints, ``hf.load_into`` and ``p3d-export`` see
-the same global names whichever executor built the model (tests/test_chunks.py).
+the same global names whichever executor built the model (tests/workers/test_chunk_names.py).
 
 Between chunks flows what flows between DeepSpeed stages: token ids (b, s) into the first, hidden states
 (b, s, h) (with sequence parallelism (b, s/tp, h)) between chunks, local logits (b, s, V_pad/tp) out of the

@@ -1,6 +1,6 @@
 """Interleaved and zero-bubble pipeline schedules, executed by ``torch.distributed.pipelining``.
 
-DeepSpeed's engine runs plain 1F1B only; these schedules come from torch (docs/design/pipeline-schedules.md).
+DeepSpeed's engine runs plain 1F1B only; these schedules come from torch (docs/schedules.md).
 The model is the same flat list of ``LayerSpec``s (``layer_specs_of``), cut by the one stage-bounds
 function into p * v chunks (``geometry.stage_bounds(n_layers, p, partition, model, v, style)``); chunk c is torch's
 ``PipelineStage`` c, on pp rank ``geometry.chunk_to_rank(p, p * v, style)[c]``. Init, the TP layers, tied
@@ -46,7 +46,7 @@ IW_SPLIT = ("interleaved_zero_bubble", "zbv", "dualpipev")
 def check_recompute(schedule: str, recompute: Recompute) -> None:
     """Full recompute with an I/W-split schedule is refused: W computes each weight's gradient by its own
     autograd pass over the chunk, and the non-reentrant checkpoint recomputes a block's forward for each
-    (measured with torch 2.13: 8 forwards of a Llama block per micro batch instead of 2; docs/design §6)."""
+    (measured with torch 2.13: 8 forwards of a Llama block per micro batch instead of 2; docs/schedules.md)."""
     if schedule in IW_SPLIT and recompute == Recompute.full:
         raise ValueError(
             f"schedule.recompute=full with schedule.pipeline={schedule}: its split W pass reruns every block's "

@@ -1,0 +1,249 @@
+"""The command lines README.md, the docs/ pages and the recipe headers show, and how each one is run by the tests.
+
+A documented line is a line of a code block of README.md or of a docs/*.md page (indented four spaces)
+that starts with a command, or a ``#   `` line of a recipe header that does. Every one must have an entry
+in ``CASES`` (a test fails otherwise), so that a line added to the docs cannot go untested. ``run`` lines
+are typed as written, in a fresh working directory, with the few overrides that keep them small here
+appended; ``refused`` lines need what this machine lacks and must fail with the one-line error that says
+so; ``dry`` lines need GPU nodes and are checked by the dry run of the same config; ``not_here`` lines say
+why not. The examples indented inside a bullet of a page (a feature's own walk-through, more than four
+spaces) and transcripts shown with a ``$ `` prompt are not collected here; the feature's tests run them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE_COMMAND = re.compile(r"^    ((?:p3d-|make |sbatch |\.venv/bin/|NPROC=)\S*.*)$")
+PAGES = ("README.md", *sorted(f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")))
+DOCS = {
+    **dict.fromkeys(PAGES, PAGE_COMMAND),
+    "recipes/slurm/train.sbatch": re.compile(r"^#   ((?:p3d-|sbatch |NPROC=)\S*.*)$"),
+    "recipes/torchrun.sh": re.compile(r"^#   ((?:p3d-|sbatch |NPROC=)\S*.*)$"),
+}
+SMALL = ("train.steps=1",)  # appended to every training line: the last value of a field wins in Hydra
+# model=small's one step in seconds, not 20: 4 micro batches of 1 x 128 tokens (from 8 of 2 x 1024), one per stage
+SMALL_MODEL_STEP = (*SMALL, "model.seq_len=128", "schedule.micro_batch_size=1", "schedule.global_batch_size=4")
+
+
+def strip_comment(line: str) -> str:
+    """The command without its trailing ``# comment`` (a ``#`` after a space)."""
+    return re.split(r"\s+#\s", line, maxsplit=1)[0].strip()
+
+
+def documented_lines() -> list[tuple[str, str]]:
+    """(file, command) for every documented command line, in document order."""
+    out = []
+    for name, pattern in DOCS.items():
+        for text in (ROOT / name).read_text().splitlines():
+            found = pattern.match(text)
+            if found:
+                out.append((name, strip_comment(found.group(1))))
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # run | slurm | refused | dry | not_here
+    extra: tuple[str, ...] = SMALL  # appended overrides
+    setup: str = ""  # a name in tests/e2e/test_documented_commands.py's SETUPS: files the line needs
+    expect: str = ""  # refused: a regex the one-line error must match; not_here: the reason
+    then: tuple[str, ...] = field(default_factory=tuple)  # further documented lines run in the same directory
+    check: str = ""  # a name in tests/e2e/test_documented_commands.py's CHECKS: what the line promises beyond status 0
+    slow: bool = False  # the slow tier: a variant of a path another line in make test already runs (say which)
+
+
+def argv_of(command: str, tmp: Path) -> tuple[dict[str, str], list[str]]:
+    """(environment assignments, argv) of a documented line, with the paths that only exist on the
+    reader's cluster mapped into ``tmp`` and the repository's recipes addressed from any directory."""
+    words = [w.replace("/shared/runs/", f"{tmp}/shared/runs/") for w in shlex.split(command)]
+    env = {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    words = [str(ROOT / w) if w.startswith("recipes/") else w for w in words]
+    return env, words
+
+
+CASES: dict[str, Case] = {
+    # README: two commands, quick start
+    "make train": Case("run", slow=True),  # slow tier: kept: `p3d-train`, the job make train runs
+    "make test": Case("not_here", expect="the suite itself: CI's .ci/run runs it"),
+    "p3d-train": Case("run"),
+    "p3d-train mesh=tp2_pp2 train.steps=200": Case("run"),
+    "p3d-train mesh=dp2_pp2_tp2 zero=stage1": Case("run"),
+    # slow tier: kept: the full-recompute parity cases
+    "p3d-train model=small mesh=pp4 schedule=recompute": Case("run", extra=SMALL_MODEL_STEP, slow=True),
+    # slow tier: kept: the SP + selective parity cases
+    "p3d-train model=small mesh=tp2_pp2 schedule.sequence_parallel=true schedule.recompute=selective": Case(
+        "run",
+        extra=SMALL_MODEL_STEP,
+        slow=True,
+    ),
+    "p3d-train mesh=pp2 schedule.pipeline=interleaved_1f1b schedule.virtual_stages=2": Case("run"),
+    "p3d-train data=files data.path='/data/*.jsonl'": Case(
+        "refused", expect=r"^p3d: (config|input) error: data.path=/data/\*.jsonl .*matches no file"
+    ),
+    "p3d-train mesh=tp8_pp8 model=llama70b dry_run=true": Case("run", extra=()),
+    # slow tier: kept: e2e/test_token_store_runs.py prepares and trains
+    "p3d-prepare data=files data.path='corpus/*.jsonl' prepare.out=store": Case(
+        "run",
+        setup="jsonl_corpus",
+        extra=(),
+        then=("p3d-train data=prepared data.path=store",),
+        slow=True,
+    ),
+    "p3d-train data=prepared data.path=store": Case("run"),
+    "p3d-train -m mesh=dp2,tp2,pp2 train.steps=20": Case("run", then=("p3d-report multirun/2025-01-01/12-00-00",)),
+    # README, docs/clusters.md: Slurm
+    # slow tier: kept: cluster/slurm/test_slurm_jobs.py submits p3d-train cluster=slurm
+    "p3d-train cluster=slurm mesh=tp2_pp2 train.steps=200": Case("slurm", slow=True),
+    "p3d-train cluster=h100_sxm cluster.nodes=8 mesh=tp8_pp8 model=llama70b cluster.partition=gpu "
+    "cluster.account=proj": Case("dry", extra=("dry_run=true",)),
+    "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 run.dir=/shared/runs/exp1": Case("slurm"),
+    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch cluster=h100_sxm mesh=tp8_pp8 model=llama70b": Case(
+        "dry", extra=("cluster.nodes=8", "dry_run=true")
+    ),
+    # slow tier: kept: the sweep `p3d-train -m mesh=dp2,tp2,pp2 train.steps=20`, and the Slurm sweep through submitit
+    # (tests/cluster/slurm/test_slurm_jobs.py)
+    "p3d-train -m mesh=dp4,tp2_pp2,pp4 train.steps=50": Case("run", slow=True),
+    "p3d-train -m cluster=slurm mesh=dp4,tp2_pp2,pp4 train.steps=50": Case("slurm", slow=True),
+    "p3d-report multirun/2025-01-01/12-00-00": Case("not_here", expect="run after the -m sweep above (its `then`)"),
+    # README, docs/data.md, docs/checkpoints.md: data, checkpoints, resume
+    # slow tier: kept: the resume pair, with W&B, validation and saves
+    "p3d-train train.save_every=100 train.eval_every=50 logger=wandb": Case(
+        "run",
+        extra=("train.steps=2", "train.save_every=2", "train.eval_every=2"),
+        slow=True,
+    ),
+    "p3d-train mesh=pp2 train.save_every=2 train.eval_every=2 logger=wandb train.steps=4 run.dir=outputs/run1": Case(
+        "run", extra=(), then=("p3d-train train.resume=auto run.dir=outputs/run1 train.steps=6",)
+    ),
+    "p3d-train train.resume=auto run.dir=outputs/run1 train.steps=6": Case(
+        "run", extra=(), check="resume_keeps_the_run"
+    ),
+    # slow tier: kept: the resume pair; e2e/test_layouts.py, e2e/test_hf_roundtrip.py
+    "p3d-train train.resume=auto run.dir=outputs/run1": Case(
+        "run",
+        setup="trained_run1",
+        extra=("train.steps=3",),
+        then=(
+            "p3d-train train.resume=auto run.dir=outputs/run1 mesh=pp4",
+            "p3d-export run.dir=outputs/run1 out=hf/run1 [step=N] [max_shard_gb=5] [overwrite=true]",
+        ),
+        slow=True,
+    ),
+    "p3d-train train.resume=auto run.dir=outputs/run1 mesh=pp4": Case("run", extra=("train.steps=4",)),
+    # slow tier: kept: e2e/test_observe.py trains and round-trips a p3d-tokenizer
+    "p3d-tokenizer data=files data.path='corpus/*.jsonl' tokenizer.vocab_size=8192 tokenizer.out=tok.json": Case(
+        "run",
+        setup="jsonl_corpus",
+        extra=(),
+        then=("p3d-train data=files data.path='corpus/*.jsonl' data.tokenizer=tok.json model.vocab_size=8192",),
+        slow=True,
+    ),
+    "p3d-train data=files data.path='corpus/*.jsonl' data.tokenizer=tok.json model.vocab_size=8192": Case("run"),
+    "p3d-train data.source=hub data.path=HuggingFaceFW/fineweb-edu data.subset=sample-10BT": Case(
+        "not_here", expect="needs the Hugging Face Hub; this machine reaches package registries only"
+    ),
+    "p3d-train data=files data.path=corpus data.text_unit=paragraph": Case("run", setup="txt_corpus"),
+    # README, docs/checkpoints.md: HF import and export
+    "p3d-train model.init_from=/models/Meta-Llama-3-8B mesh=tp2_pp2": Case(
+        "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/Meta-Llama-3-8B .*"
+    ),
+    "p3d-export run.dir=outputs/run1 out=hf/run1 [step=N] [max_shard_gb=5] [overwrite=true]": Case(
+        "not_here", expect="run after its resume line above (its `then`), once bare and once with every option"
+    ),
+    # README, docs/planner.md: planner
+    "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large": Case("run", extra=()),
+    "p3d-plan model=llama3_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json": Case(
+        "run", extra=()
+    ),
+    "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large plan.efficiency=0.55": Case(
+        "run", extra=()
+    ),
+    # README: development; docs/benchmarks.md
+    "make test-fast": Case("not_here", expect="a tier of this suite; CI runs make test"),
+    "make test-all": Case("not_here", expect="the suite with its slow tier; make test runs the rest"),
+    "make lint": Case("not_here", expect="CI's .ci/run runs it before the tests"),
+    'make test PYTEST_ARGS="tests/unit/planner"': Case("not_here", expect="the suite itself, on one folder"),
+    "make bench": Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    **dict.fromkeys(
+        (
+            ".venv/bin/python bench/overhead_breakdown.py",
+            ".venv/bin/python bench/data.py",
+            ".venv/bin/python bench/compile.py --set model.n_layers=4",
+            ".venv/bin/python bench/checkpoint.py --steps 13 --save-every 4",
+            ".venv/bin/python bench/checkpoint.py --steps 8 --save-every 3",
+            ".venv/bin/python bench/checkpoint_dcp.py /tmp/i14/small_ckpt --repeat 5",
+            ".venv/bin/python bench/schedules.py",
+            ".venv/bin/python bench/schedules.py --m 8 --rounds 16 --schedules 1f1b interleaved_1f1b zbv",
+            ".venv/bin/python bench/schedules.py --m 8 --rounds 16 --schedules 1f1b interleaved_1f1b zbv --set "
+            "model.hidden_size=512 model.ffn_hidden_size=1536 model.seq_len=128 model.n_layers=8",
+            ".venv/bin/python bench/schedules.py --m 8 --rounds 40 --schedules 1f1b interleaved_1f1b zbv",
+            ".venv/bin/python bench/schedules.py --m 8 --rounds 12 --schedules 1f1b interleaved_1f1b zbv",
+            ".venv/bin/python bench/executor_overhead.py",
+            ".venv/bin/python bench/partition.py --rounds 2",
+            ".venv/bin/python bench/sp_recompute.py --rounds 6",
+        ),
+        Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    ),
+    "make gpu-check": Case("not_here", expect="needs a CUDA GPU; its dry mode is tests/e2e/test_gpu_check.py"),
+    # docs/clusters.md: multi-node, on the two-node cluster of tests/cluster/multinode (the same lines, a few steps)
+    "sbatch --nodes=2 --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=dp2_pp2_tp2 model=tiny": Case(
+        "not_here", expect="tests/cluster/multinode/test_two_nodes.py runs it across two nodes"
+    ),
+    "p3d-train cluster=slurm cluster.nodes=2 mesh=dp2_tp2 model=tiny": Case(
+        "not_here", expect="tests/cluster/multinode/test_p3d_train_two_nodes.py runs it across two nodes"
+    ),
+    "p3d-train -m cluster=slurm cluster.nodes=1,2 mesh=dp2_tp2 model=tiny": Case(
+        "not_here", expect="tests/cluster/multinode/test_p3d_train_two_nodes.py runs the sweep"
+    ),
+    # recipe headers
+    # slow tier: kept: the sbatch line with run.dir; cluster/slurm/test_slurm_jobs.py
+    "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 model=tiny": Case("slurm", slow=True),
+    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch mesh=tp8_pp8 model=llama70b cluster=h100_sxm": Case(
+        "dry", extra=("cluster.nodes=8", "dry_run=true")
+    ),
+    # slow tier: kept: the same recipe line without --ntasks-per-node
+    "sbatch --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=tp2_pp2 run.dir=/shared/runs/exp1": Case(
+        "slurm", slow=True
+    ),
+    "p3d-train cluster=slurm mesh=tp2_pp2 ...": Case("not_here", expect="the README's cluster=slurm line, with ..."),
+    # slow tier: kept: e2e/test_cli.py runs recipes/torchrun.sh
+    "NPROC=8 RUN_DIR=/shared/runs/exp1 recipes/torchrun.sh mesh=dp2_pp2_tp2 model=tiny": Case("run", slow=True),
+}
+
+
+BIN = Path(sys.executable).parent
+
+
+def user_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A shell whose PATH starts with the environment p3d is installed in, as after `source .venv/bin/activate`."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(extra or {})}
+
+
+def run_line(command: str, cwd: Path, extra: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+    env, argv = argv_of(command, cwd)
+    if argv[0] == "make":  # the Makefile's commands run in the checkout; ARGS reaches p3d-train
+        args = " ".join([shlex.quote(f"run.dir={cwd / 'make-train'}"), *extra])  # the recipe's shell splits ARGS
+        argv = ["make", "-C", str(ROOT), *argv[1:], f"ARGS={args}"]
+    else:
+        argv = [*argv, *extra]
+    return subprocess.run(argv, cwd=cwd, env=user_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def metrics_files(where: Path) -> list[Path]:
+    return sorted(where.rglob("metrics.jsonl"))
+
+
+def last_step(metrics: Path) -> int:
+    return max(r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r and "loss" in r)

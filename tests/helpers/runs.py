@@ -1,0 +1,136 @@
+"""Configs composed as p3d-train composes them, and p3d run as a user runs it: a subprocess from the checkout,
+its workers found by their placement lines, and nothing left running after a test."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "p3d" / "conf"
+PLACEMENT_PID = re.compile(r"\[rank (\d+)\] placement: .* pid (\d+)")
+
+
+def compose(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
+    """The composed DictConfig for these overrides, through Hydra's compose API (a copy of the composition made
+    once per test session: the groups are files that do not change during it, and their config refers to no
+    environment variable)."""
+    return copy.deepcopy(_composed(overrides, run_dir))
+
+
+@functools.lru_cache(maxsize=1024)
+def _composed(overrides: tuple[str, ...], run_dir: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from p3d.config.schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("config", overrides=[f"run.dir={run_dir}", *overrides])
+
+
+def compose_config(*overrides: str):
+    """The typed Config for these overrides (what follows from other fields filled in), composed as p3d-plan
+    composes it, without the run plan (the planner's tests model layouts p3d-train may refuse)."""
+    from p3d.layout.run_plan import fill_derived
+    from p3d.rundir.spec import to_config
+
+    return fill_derived(to_config(compose(*overrides, run_dir="/tmp/p3d-plan-test")))
+
+
+def typed(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
+    """(Config, RunPlan) exactly as p3d-train prepares them."""
+    from p3d.launch.check import prepare
+
+    return prepare(compose(*overrides, run_dir=run_dir))
+
+
+def p3d_train(
+    *args: str, timeout: float = 300, env: dict | None = None, drop_env: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run p3d-train as a user would; output captured. ``env`` adds to this process's environment,
+    from which the variables starting with ``drop_env`` are removed first."""
+    base = {k: v for k, v in os.environ.items() if not (drop_env and k.startswith(drop_env))}
+    return subprocess.run(
+        [sys.executable, "-m", "p3d.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base, **(env or {})},
+    )
+
+
+def start_p3d_train(run_dir, *overrides: str, cwd: Path = ROOT, new_session: bool = False) -> subprocess.Popen:
+    """p3d-train in the background, output captured; ``new_session``: its own process group, as a shell
+    starts a foreground job (so a test can send the group a terminal's Ctrl-C)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", *overrides],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the live p3d workers of this run: the pids their placement lines give (logs/rank<R>.log;
+    workers may be forked from the launcher and share its command line), each still named ``p3d-rank<R>``."""
+    pids = {}
+    for log in (Path(run_dir) / "logs").glob("rank*.log"):
+        try:
+            found = PLACEMENT_PID.findall(log.read_text(errors="replace"))
+        except OSError:
+            continue
+        for rank, pid in found[-1:]:  # the latest launch's (a restart appends to the log)
+            try:
+                alive = Path(f"/proc/{pid}/comm").read_text().strip() == f"p3d-rank{rank}"
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if alive and state != "Z":
+                pids[int(rank)] = int(pid)
+    return pids
+
+
+def kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Whatever happened in the test: no launcher or worker of this run survives it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    for pid in worker_pids(run_dir).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    pytest.fail("training did not reach the expected step")
+
+
+def copy_run(saved: Path, tmp_path: Path) -> Path:
+    """A copy of run directory ``saved`` at ``tmp_path/run``, for a test to damage or resume."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    return run

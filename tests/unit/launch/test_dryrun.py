@@ -1,0 +1,147 @@
+"""The dry run (p3d.launch.dryrun), in-process: exact parameter counts of every stage, with SP and recompute, under
+a torch schedule, in the unit that fits; where workers may be forked."""
+
+from __future__ import annotations
+
+import pytest
+
+from p3d.layout.geometry import total_params
+from tests.helpers.runs import typed
+
+
+def _expected_rank_params(m, tp, pp_rank, n_blocks, last):
+    """Independent closed form of one rank's parameters under Megatron-style sharding."""
+    hd = m.hidden_size // m.n_heads
+    sharded = m.hidden_size * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.hidden_size * m.ffn_hidden_size
+    n = n_blocks * (sharded // tp + 2 * m.hidden_size)
+    vocab_rows = -(-m.vocab_size // tp)
+    if pp_rank == 0:
+        n += vocab_rows * m.hidden_size
+    if last:
+        n += m.hidden_size + vocab_rows * m.hidden_size
+    return n
+
+
+def test_dry_run_llama70b_tp8_pp8_counts():
+    from p3d.launch.dryrun import dry_run
+
+    cfg, plan = typed("mesh=tp8_pp8", "model=llama70b", "dry_run=true", "schedule=large")
+    report = dry_run(cfg, plan)
+    assert report.total == total_params(cfg.model) == 70_553_706_496
+    assert len(report.params) == 64 and len(report.mesh_map) == 64
+    # partition=cost: the head weighs 1.2 blocks, so the last stage gives up a block (9 + head = 10.2 blocks'
+    # work) and the busiest stage does 11 blocks' work, against 11.2 with ten blocks everywhere
+    blocks = [sum(name.startswith("block") for name in report.stage_layers[pp]) for pp in range(8)]
+    assert blocks == [10, 10, 10, 10, 10, 10, 11, 9]
+    for (pp, tp), n in report.params.items():
+        assert n == _expected_rank_params(cfg.model, 8, pp, blocks[pp], pp == 7), (pp, tp)
+
+
+def test_dry_run_with_sp_and_recompute_counts_the_same_parameters():
+    """Sequence parallelism and recompute change no parameter: the dry run's per-rank counts stay."""
+    from p3d.launch.dryrun import dry_run
+
+    base = ("model=tiny", "mesh=tp2_pp2", "model.tie_embeddings=true", "dry_run=true")
+    plain = dry_run(*typed(*base))
+    sp = dry_run(
+        *typed(
+            *base,
+            "schedule.sequence_parallel=true",
+            "schedule.recompute=selective",
+            "schedule.recompute_swiglu=true",
+        )
+    )
+    assert sp.cfg.schedule.sequence_parallel and not plain.cfg.schedule.sequence_parallel
+    assert sp.total == plain.total == total_params(sp.cfg.model)
+    assert (sp.params, sp.owned, sp.padding, sp.stage_layers) == (
+        plain.params,
+        plain.owned,
+        plain.padding,
+        plain.stage_layers,
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ((), "total from shards: 262,720 (262.7K); closed form: 262,720; match"),
+        (("model=small", "mesh=single"), "total from shards: 123,587,328 (123.6M); closed form: 123,587,328; match"),
+    ],
+    ids=["tiny", "small"],
+)
+def test_dry_run_counts_parameters_in_the_unit_that_fits(overrides, words):
+    """Issue 31, item 8e: not ``262,720 (0.00 B)``."""
+    from p3d.launch.dryrun import dry_run
+
+    assert words in dry_run(*typed("dry_run=true", *overrides)).render().splitlines()
+
+
+def test_human_counts_have_four_digits_and_the_unit_that_fits():
+    from p3d.console import human_count
+
+    cases = {7: "7", 999: "999", 262_720: "262.7K", 999_960: "1M", 124_439_808: "124.4M", 70_553_706_496: "70.55B"}
+    assert {n: human_count(n) for n in cases} == cases
+    assert human_count(1_250_000_000_000) == "1.25T"
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [("schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2"), ("schedule.pipeline=zbv",)],
+    ids=["interleaved_1f1b", "zbv"],
+)
+def test_dry_run_of_a_torch_schedule_prints_each_ranks_chunks_and_exact_counts(pipeline):
+    """The chunks of every pp rank (loop placement: c mod p; V: r and 2p-1-r), and each rank's parameter count equal
+    to the ChunkModules a worker builds (tied table: a copy on each holder under loop placement, one shared under V)."""
+    import torch.nn as nn
+
+    from p3d.launch.dryrun import dry_run
+    from p3d.parallel.mesh import Mesh
+    from p3d.parallel.pipeline.chunks import ChunkModule
+    from p3d.parallel.pipeline.specs import build_layer_specs
+
+    cfg, plan = typed("mesh=pp2", "model.tie_embeddings=true", "dry_run=true", "schedule.virtual_stages=2", *pipeline)
+    report = dry_run(cfg, plan)
+    v_shaped = "zbv" in pipeline[0]
+    assert report.rank_chunks == ([[0, 3], [1, 2]] if v_shaped else [[0, 2], [1, 3]])
+    text = report.render()
+    assert "pp   1 chunk   3: block3, final_norm, head" in text or "pp   0 chunk   3: block3, final_norm, head" in text
+    assert report.total == total_params(cfg.model)
+    bounds = [0, 2, 3, 4, 7]  # tiny, pp2 x 2 chunks, partition=blocks
+    for pp, chunks in enumerate(report.rank_chunks):
+        specs = build_layer_specs(cfg.model, plan.padded_vocab_size, Mesh.from_plan(plan, pp), cfg.train.seed)
+        tied: dict = {}
+        built = nn.ModuleList([ChunkModule(specs, bounds[c], bounds[c + 1], tied) for c in chunks])
+        assert report.params[(pp, 0)] == sum(p.numel() for p in built.parameters()), pp
+
+
+def test_workers_are_forked_only_where_it_is_safe(monkeypatch):
+    """gloo only (no CUDA in a forked child); never with P3D_WORKER_START=exec; never beside a thread that is
+    not the run lease's heartbeat (a fork copies only the calling thread, and a lock held by another would
+    stay held in the child), nor where the kernel's thread count cannot be read or shows threads Python does
+    not know of (gloo's, in a process that ran collectives)."""
+    import threading
+    import types
+
+    from p3d.jobs import forked
+
+    def threads(*names):
+        found = [threading.main_thread(), *(types.SimpleNamespace(name=n) for n in names)]
+        monkeypatch.setattr(forked.threading, "enumerate", lambda: found)
+        monkeypatch.setattr(forked, "native_threads", lambda: len(found))
+
+    monkeypatch.delenv(forked.WORKER_START, raising=False)
+    threads()
+    assert forked.can_fork("gloo")
+    assert not forked.can_fork("nccl")
+    monkeypatch.setenv(forked.WORKER_START, "exec")
+    assert not forked.can_fork("gloo")
+    monkeypatch.setenv(forked.WORKER_START, "fork")
+    threads("p3d-lease")
+    assert forked.can_fork("gloo")
+    threads("a-stranger")
+    assert not forked.can_fork("gloo")
+    threads()
+    monkeypatch.setattr(forked, "native_threads", lambda: None)  # not Linux
+    assert not forked.can_fork("gloo")
+    monkeypatch.setattr(forked, "native_threads", lambda: 40)
+    assert not forked.can_fork("gloo")

@@ -1,0 +1,186 @@
+"""The shape of the code base: an acyclic import graph, imports that run down the declared layers (issue 32), the
+architecture page that lists them, no library module importing the entry points, a run spec that keeps every
+option (issue 10)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.helpers.runs import ROOT, compose
+
+PACKAGE = ROOT / "p3d"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """p3d module -> the p3d modules it imports anywhere in its body (function-local imports too).
+
+    ``from p3d.a import b`` counts as an import of ``p3d.a.b`` when that is a module, else of ``p3d.a``.
+    Imports under ``if TYPE_CHECKING:`` are not executed and are left out."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("p3d")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("p3d"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    deps.add(sub if sub in modules else node.module)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_p3d_imports_form_a_tree():
+    graph = import_graph()
+    assert len(graph) > 40 and graph["p3d.planner.search"] >= {"p3d.planner.predict"}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The declared order of the layers, top first (docs/architecture.md explains each): a module may import its own
+# room and the rooms below it, never one above, at package level or inside a function. ``p3d.parallel.pipeline``
+# sits above ``p3d.model`` (it cuts the model into stages), which sits above the rest of ``p3d.parallel`` (the
+# model's blocks are built of the tensor-parallel layers).
+LAYERS = (
+    "p3d.cli",
+    "p3d.launch",
+    "p3d.jobs",
+    "p3d.train",
+    "p3d.hf",
+    "p3d.checkpoint",
+    "p3d.planner",
+    "p3d.parallel.pipeline",
+    "p3d.model",
+    "p3d.parallel",
+    "p3d.data",
+    "p3d.rundir",
+    "p3d.layout",
+    "p3d.config",
+    "p3d.compat",
+    "p3d.console",
+    "p3d.exit_codes",
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the most specific room holding ``module``."""
+    rooms = [i for i, room in enumerate(LAYERS) if module == room or module.startswith(room + ".")]
+    assert rooms or module == "p3d", f"{module} is in no room of LAYERS"
+    return max(rooms, key=lambda i: len(LAYERS[i])) if rooms else len(LAYERS)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} ({LAYERS[layer_of(m)]}) imports {d} ({LAYERS[layer_of(d)]})"
+        for m, deps in graph.items()
+        for d in deps
+        if layer_of(d) < layer_of(m)
+    )
+
+
+def test_the_layering_check_catches_an_upward_import():
+    assert upward_imports({"p3d.data.loader": {"p3d.train.loop"}, "p3d.train.loop": set()}) == [
+        "p3d.data.loader (p3d.data) imports p3d.train.loop (p3d.train)"
+    ]
+    assert (
+        upward_imports({"p3d.parallel.pipeline.specs": {"p3d.model.llama"}, "p3d.model.llama": {"p3d.parallel.tp"}})
+        == []
+    )
+    assert upward_imports({"p3d.model.llama": {"p3d.parallel.pipeline.specs"}}) != []
+
+
+def test_imports_run_down_the_declared_layers():
+    """Issue 32: lower layers reached up (dist/slurm_job -> launch, data/prepare_store -> launch, ...), and with
+    function-local imports counted 17 packages formed one strongly connected set."""
+    graph = import_graph()
+    assert all(layer_of(m) is not None for m in graph)  # every module is in a room
+    assert upward_imports(graph) == []
+
+
+def test_the_architecture_page_lists_the_layers_in_order():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    listed = re.findall(r"^\s+(p3d(?:\.[a-z_]+)*)/?\s", text.split("## Layers", 1)[1].split("\n## ", 1)[0], re.M)
+    assert tuple(m.replace("/", ".") for m in listed) == LAYERS, listed
+
+
+def test_no_library_module_imports_the_cli():
+    offenders = sorted(
+        m
+        for m, deps in import_graph().items()
+        if not m.startswith("p3d.cli") and any(d.startswith("p3d.cli") for d in deps)
+    )
+    assert offenders == []
+
+
+def test_plan_options_survive_the_run_spec(tmp_path):
+    """``plan.*`` (the planner's options) and the derived run plan are both in run_spec.yaml, apart."""
+    from p3d.launch.check import prepare
+    from p3d.rundir.spec import read_spec, write_spec
+
+    node = compose(
+        "plan.force=true",
+        "plan.efficiency=0.37",
+        "plan.overlap_tp=true",
+        "plan.overlap_dp=true",
+        "plan.flash_attention=false",
+        "plan.top=7",
+        "mesh=tp2_pp2",
+        run_dir=str(tmp_path),
+    )
+    cfg, plan = prepare(node)
+    write_spec(cfg, plan, tmp_path)
+    back, back_plan = read_spec(tmp_path)
+    assert (
+        back.plan.force,
+        back.plan.efficiency,
+        back.plan.overlap_tp,
+        back.plan.overlap_dp,
+        back.plan.flash_attention,
+        back.plan.top,
+    ) == (True, 0.37, True, True, False, 7)
+    assert back.plan == cfg.plan and back_plan == plan and (back_plan.tp, back_plan.pp) == (2, 2)
