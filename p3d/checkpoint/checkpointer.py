@@ -56,6 +56,7 @@ from p3d.compat.deepspeed_internals import (
     relink_optimizer_states,
     wrapped_optimizer,
 )
+from p3d.parallel.zero.fsdp import is_sharded, local, my_rows, piece_of, sharded_like
 
 FORMAT = "p3d-checkpoint-2"
 
@@ -312,6 +313,10 @@ def _load(ck: Checkpointer, path: Path) -> dict:
                     f"checkpoint {path}: {name} has shape {tuple(state['master'].shape)}, this "
                     f"rank needs {tuple(p.shape)}"
                 )
+            if is_sharded(p):  # ZeRO-2/3: this dp rank's rows of the parameter and of its moments
+                local(p).copy_(my_rows(state["master"], *piece_of(p)[:2]).to(p.dtype))
+                held.optimizer.state[p] = {"step": step_t.clone(), **{k: sharded_like(p, state[k]) for k in ADAM_KEYS}}
+                continue
             p.copy_(state["master"].to(p.dtype))
             if hp:
                 safe_set_full_fp32_param(p, state["master"].to(p.device))

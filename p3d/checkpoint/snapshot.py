@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from p3d.checkpoint.files import CheckpointSaveError, fsync_dir, save_failed, write_json, write_tensors
 from p3d.compat.deepspeed_internals import has_hp_mapping, hp_fragment
+from p3d.parallel.zero.fsdp import flat_range, is_sharded, local, piece_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -121,9 +122,12 @@ class Snapshot:
         host buffers' keys (a rank's chunks share names)."""
         host = host or HostBuffers()
         named = list(module.named_parameters())
-        slices = dp_slices([p.numel() for _, p in named], mesh.dp, mesh.dp_rank)
+        sharded = bool(named) and is_sharded(named[0][1])  # ZeRO-2/3 (FSDP2): each dp rank writes the rows it holds
+        slices = dp_slices([0 if sharded else p.numel() for _, p in named], mesh.dp, mesh.dp_rank)
         self.params: dict[str, torch.Tensor] = {}
         self.params_index: dict[str, dict] = {}
+        self.optim: dict[str, torch.Tensor] = {}
+        self.optim_index: dict[str, dict] = {}
         for (name, p), (start, numel) in zip(named, slices):
             if numel:
                 self.params[f"{name}/param"] = host.copy(
@@ -135,9 +139,10 @@ class Snapshot:
                     "keys": ["param"],
                     "shard": specs[name],
                 }
-        self.optim: dict[str, torch.Tensor] = {}
-        self.optim_index: dict[str, dict] = {}
-        if has_hp_mapping(module):  # the fragments this rank's ZeRO / bf16 partition holds
+        if sharded:
+            for name, p in named:
+                self._add_piece(host, key, name, p, held.optimizer.state.get(p, {}), specs[name])
+        elif has_hp_mapping(module):  # the fragments this rank's ZeRO / bf16 partition holds
             for name, p in named:
                 frag = hp_fragment(p, ADAM_KEYS)
                 if frag is not None and frag[1] > 0:
@@ -158,6 +163,20 @@ class Snapshot:
                     self._add(host, key, name, start, list(p.shape), parts)
         host.ready()
         self.rng = rng_state()
+
+    def _add_piece(self, host: HostBuffers, key: str, name: str, p, raw: dict, spec: dict) -> None:
+        """A sharded parameter's piece (its dim-0 rows on this dp rank: one flat range) and its Adam moments'."""
+        pieces, index, replica = piece_of(p)
+        start, numel = flat_range(p, pieces, index)
+        piece = local(p)
+        if piece.numel() != numel:  # FSDP2 cut it otherwise than torch.chunk: the offsets would be wrong
+            raise RuntimeError(f"{name}: this dp rank holds {piece.numel()} elements, torch.chunk's cut {numel}")
+        if not numel or replica:  # HSDP: the first replica of each piece writes it
+            return
+        self.params[f"{name}/param"] = host.copy(f"{key}model/{name}/param", piece.reshape(-1))
+        self.params_index[name] = {"start": start, "shape": list(p.shape), "keys": ["param"], "shard": spec}
+        states = {"master": piece, **{k: local(raw[k]) for k in ADAM_KEYS if k in raw}}
+        self._add(host, key, name, start, list(p.shape), {k: t.reshape(-1) for k, t in states.items()})
 
     def _add(self, host: HostBuffers, key: str, name: str, start: int, shape: list[int], states: dict) -> None:
         for k, t in states.items():

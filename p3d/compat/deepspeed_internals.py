@@ -114,6 +114,9 @@ def tied_weights(module) -> list:
 GRAD_NORM_ATTR = "_global_grad_norm"
 
 
+PIPE_REPLICATED_ATTR = "ds_pipe_replicated"  # the marker attribute itself (p3d.parallel.zero.fsdp copies it)
+
+
 def is_pipe_replicated(p) -> bool:
     """A tied layer's copy on a later stage (``ds_pipe_replicated``, set by ``PipelineModule``)."""
     return bool(getattr(p, "ds_pipe_replicated", False))

@@ -87,14 +87,15 @@ def timed_p2p_waits(add_wait: Callable[[float], None]) -> Iterator[None]:
 def forward_only_order(schedule) -> Iterator[None]:
     """While inside, a multi-stage schedule runs only its forward actions and their sends and receives: each rank's
     action list (the private ``pipeline_order_with_comms`` that ``_PipelineScheduleRuntime`` executes) with every
-    backward, weight and gradient action taken out, the rest in its order.
+    backward, weight and gradient action taken out, the rest in its order (FSDP's UNSHARD and RESHARD of a stage
+    stay: ZeRO-2/3 gather a chunk's weights for its forwards).
 
     Why: torch 2.13's ``eval`` of ScheduleZBVZeroBubble / ScheduleDualPipeV still runs their input-gradient
     actions and fails ("can't steal_bwd_input if this stage doesn't have backward"). Forwards depend only on
     earlier forwards, so the filtered order keeps every dependency of the original, which ran."""
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
-    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
+    keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.UNSHARD, Kind.RESHARD)
 
     def forwards(actions):
         for a in actions:

@@ -161,6 +161,9 @@ class ScheduleConfig:
 class ZeroConfig:
     name: str = "stage0"
     stage: int = 0
+    # ZeRO-2/3: shard over groups of this many dp ranks and replicate across the groups (HSDP); null: the whole
+    # dp group (docs/zero.md)
+    shard_size: Optional[int] = None
 
 
 @dataclass
@@ -360,6 +363,7 @@ BOUNDS: dict[str, Bound] = {
     "schedule.global_batch_size": AT_LEAST_1,
     "schedule.virtual_stages": AT_LEAST_1,
     "zero.stage": Bound(0, 3),
+    "zero.shard_size": AT_LEAST_1,
     "cluster.nodes": AT_LEAST_1,
     "cluster.gpus_per_node": AT_LEAST_1,
     "cluster.peak_tflops": POSITIVE,

@@ -64,7 +64,7 @@ DEEPSPEED_ZERO_CHECK = "deepspeed.runtime.zero.muon.muon_optimizer"
 def worker_imports(pipeline: str, zero_stage: int) -> tuple[str, ...]:
     """The modules every worker of such a run imports beyond torch's: DeepSpeed (each worker joins through
     ``deepspeed.init_distributed``) and, under DeepSpeed's engine (``1f1b``) with ZeRO, its optimizer check."""
-    return ("deepspeed", DEEPSPEED_ZERO_CHECK) if pipeline == "1f1b" and zero_stage > 0 else ("deepspeed",)
+    return ("deepspeed", DEEPSPEED_ZERO_CHECK) if pipeline == "1f1b" and zero_stage == 1 else ("deepspeed",)
 
 
 def preload(modules: tuple[str, ...] = ()) -> None:

@@ -17,7 +17,7 @@ from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, La
 from p3d.config.shipped import conf_dir
 from p3d.layout.dims import ParallelDims, resolve_dp
 from p3d.layout.geometry import PIECES_RULE, layer_names, max_pieces, padded_vocab, stage_bounds, total_params
-from p3d.layout.schedule_rules import check_schedule
+from p3d.layout.schedule_rules import IW_SPLIT, V_SHAPED, check_schedule
 
 __all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
 
@@ -262,15 +262,33 @@ def check_recompute_swiglu(cfg: Config) -> None:
         )
 
 
-def check_zero(cfg: Config, pp: int) -> None:
-    stage = cfg.zero.stage
-    if stage >= 2:
-        why = (
-            f"with mesh.pp={pp} > 1 DeepSpeed's pipeline engine cannot shard gradients or parameters"
-            if pp > 1
-            else "p3d runs every mesh through DeepSpeed's pipeline engine, which supports ZeRO 0-1 only"
+def check_zero(cfg: Config, pp: int, dp: int) -> None:
+    """ZeRO-2/3 run FSDP2 on the torch executor's chunks (p3d.parallel.zero.fsdp): what that cannot do."""
+    stage, name, shard = cfg.zero.stage, cfg.schedule.pipeline.value, cfg.zero.shard_size
+    if shard is not None and stage < 2:
+        raise P3DConfigError(
+            f"zero.shard_size={shard} with zero.stage={stage}: only ZeRO-2/3 shard over groups of dp ranks; "
+            "try zero=stage3, or zero.shard_size=null"
         )
-        raise P3DConfigError(f"zero.stage={stage} is refused: {why}; try zero=stage1")
+    if shard is not None and dp % shard:
+        raise P3DConfigError(
+            f"zero.shard_size={shard} must divide the dp degree {dp} (groups of shard_size dp ranks, replicated "
+            f"across); try zero.shard_size={max(d for d in range(1, dp + 1) if dp % d == 0 and d <= shard)}"
+        )
+    if stage < 2:
+        return
+    if name in V_SHAPED and cfg.model.tie_embeddings:
+        raise P3DConfigError(
+            f"zero.stage={stage} with schedule.pipeline={name} and model.tie_embeddings=true: the V placement puts "
+            "both ends of the tied table in one module shared by two chunks, and FSDP2 shards a module for one "
+            "chunk only; try schedule.pipeline=interleaved_1f1b, or model.tie_embeddings=false"
+        )
+    if stage >= 3 and name in IW_SPLIT:
+        raise P3DConfigError(
+            f"zero.stage={stage} with schedule.pipeline={name}: its weight pass (W) runs after the chunk's weights "
+            "were freed by a later forward, and torch 2.13 then computes the weight gradients on the shards "
+            "(measured: a wrong gradient norm at step 1); try zero=stage2, or schedule.pipeline=interleaved_1f1b"
+        )
 
 
 def check_train(cfg: Config) -> None:
@@ -313,7 +331,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     micro_batches = check_schedule(cfg, dp, pp)
     check_sequence_parallel(cfg, tp)
     check_recompute_swiglu(cfg)
-    check_zero(cfg, pp)
+    check_zero(cfg, pp, dp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
     if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:

@@ -25,6 +25,13 @@ def pipeline_name(cfg: Config) -> str:
     return str(cfg.schedule.pipeline.value)
 
 
+def runs_on_deepspeed(cfg: Config) -> bool:
+    """The executor follows from the config: DeepSpeed's engine runs ``1f1b`` with ZeRO 0-1; torch's pipelining
+    runs every other schedule, and ``1f1b`` (its Schedule1F1B) with ZeRO-2/3, which DeepSpeed's pipeline engine
+    refuses (FSDP2 shards over dp there: p3d.parallel.zero.fsdp)."""
+    return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2
+
+
 def fewest_chunks_per_rank(pipeline: str) -> int:
     """``schedule.virtual_stages`` when the config leaves it unset: the fewest chunks the schedule runs per rank."""
     return 2 if pipeline in (*INTERLEAVED, *V_SHAPED) else 1
@@ -115,11 +122,6 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"mesh.pp x chunks per rank = {chunks} chunks of schedule.pipeline={name} exceed the {pieces} pieces "
             f"schedule.partition={s.partition.value} can cut model.n_layers={n_layers} into "
             f"({PIECES_RULE[s.partition]}); try {fix}"
-        )
-    if cfg.zero.stage >= 2:
-        raise P3DConfigError(
-            f"zero.stage={cfg.zero.stage} with schedule.pipeline={name}: torch's pipelining shards gradients and "
-            "parameters only through FSDP2, which p3d does not wire; try zero=stage1"
         )
     if name in IW_SPLIT and s.recompute == Recompute.full:
         raise P3DConfigError(

@@ -7,11 +7,14 @@ Model states per rank, N = the rank's parameters (p3d.planner.shapes.stage_param
     bf16        2 N      2 N (+2 N)      4 N fp32 master + 8 N moments, / d
     torch       4 N      4 N             8 N moments, / d with ZeRO 1   (schedule.pipeline other than 1f1b,
                                          fp32 or bf16: autocast over the fp32 weights)
+    ZeRO 2, 3   4 N / d  4 N / d         8 N / d    (FSDP2 on the torch executor, any schedule) + a step's
+                                         buffers: c N gathered weights + 4 N unsharded fp32 gradients
 
-ZeRO 2 divides the gradients and ZeRO 3 also the parameters by d (Rajbhandari et al. 2020, Table 1:
-2 + 2 + K with K = 12). Two DeepSpeed facts that p3d inherits: its ZeRO optimizer keeps an fp32
-copy of the partition even when the model is fp32, and with bf16 and zero.stage=0 the pipeline
-engine uses BF16_Optimizer, which already shards master weights and moments over dp and keeps a
+ZeRO 2 divides the gradients and ZeRO 3 also the parameters by d in Rajbhandari et al. 2020, Table 1
+(2 + 2 + K with K = 12); p3d's FSDP2 stages hold both as shards between steps (docs/zero.md).
+Two DeepSpeed facts that p3d inherits: its ZeRO optimizer keeps an fp32 copy of the partition even
+when the model is fp32, and with bf16 and zero.stage=0 the pipeline engine uses BF16_Optimizer,
+which already shards master weights and moments over dp and keeps a
 second bf16 gradient buffer (the "+2 N"). Sharded optimizer partitions are DeepSpeed's: each param
 group (matrices, vectors) is flattened, padded to a multiple of 2 d elements and split in d.
 
@@ -65,7 +68,7 @@ import math
 from dataclasses import dataclass, field
 
 from p3d.config.schema import Arch, Config, DType, Recompute
-from p3d.layout.geometry import block_matmul_params, head_dims, padded_vocab
+from p3d.layout.geometry import head_dims, padded_vocab
 from p3d.planner.shapes import Layout, StageParams, stage_params
 
 GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables and of device datasheets
@@ -89,7 +92,12 @@ def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, fl
     """(params, grads, optimizer) bytes on one rank of a stage."""
     c, d, zero = dtype_bytes(cfg), layout.dp, cfg.zero.stage
     n = sp.total
-    if layout.pipeline != "1f1b":
+    if fsdp_sharded(cfg, layout):
+        # ZeRO-2/3 (p3d.parallel.zero.fsdp): FSDP2 cuts every fp32 parameter, its gradient and its moments over dp
+        # (rows / d each; / zero.shard_size under HSDP); what the step gathers on top is in step_buffer_bytes
+        s = cfg.zero.shard_size or d
+        return 4.0 * n / s, 4.0 * n / s, 8.0 * n / s
+    if layout.pipeline != "1f1b" or zero >= 2:
         # the torch executor (p3d.train.executors.torch_pipeline): fp32 weights and gradients in either precision
         # (bf16 is autocast over them: they are the master copy); ZeRO-1 is torch's ZeroRedundancyOptimizer, each
         # rank keeping the Adam moments of the parameters it owns, whole (~1/d of them)
@@ -103,6 +111,21 @@ def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, fl
     else:
         optimizer = 8.0 * n  # torch AdamW on the fp32 params: exp_avg, exp_avg_sq
     return params, grads, optimizer
+
+
+def fsdp_sharded(cfg: Config, layout: Layout) -> bool:
+    """ZeRO-2/3 with dp > 1: FSDP2 on the torch executor shards the model states."""
+    return cfg.zero.stage >= 2 and layout.dp > 1
+
+
+def step_buffer_bytes(cfg: Config, layout: Layout, sp: StageParams) -> float:
+    """ZeRO-2/3: what a step holds beside the shards, at its peak. Under torch's pipelining every unit's weights,
+    once gathered for its first backward, stay gathered until the step's one reduction
+    (``PipelineStage.backward_maybe_with_nosync``), and its gradient accumulates unsharded over the micro
+    batches, in fp32: c N + 4 N (c = 2 under bf16, whose gathered copies are bf16), under stage 2 and stage 3 alike
+    (stage 3 frees a unit's weights after each forward, which lowers the peak only while the first backward has
+    not reached it)."""
+    return (dtype_bytes(cfg) + 4.0) * sp.total if fsdp_sharded(cfg, layout) else 0.0
 
 
 def _norm_bytes(cfg: Config) -> float:
@@ -198,6 +221,7 @@ class StageMemory:
     in_flight: float
     recompute_bytes: float  # one block's full activations while it is recomputed
     loss_bytes: float
+    step_buffers: float = 0.0  # ZeRO-2/3: gathered weights and unsharded gradients during a step
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -207,7 +231,7 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_total
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.step_buffers + self.activations_total
 
 
 def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
@@ -220,8 +244,6 @@ def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
         )
     for s, sp in enumerate(stage_params(cfg, layout)):
         params, grads, opt = state_bytes(cfg, layout, sp)
-        if cfg.zero.stage >= 3:  # gathered full-size weights: the block in use and the prefetched one
-            params += 2 * block_matmul_params(cfg.model, layout.tp) * dtype_bytes(cfg)
         act = sp.blocks * per_block
         if "embed" in sp.layers:
             act += first_stage_bytes(cfg, layout)
@@ -239,6 +261,7 @@ def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
                 in_flight(layout, s),
                 working if sp.blocks else 0.0,
                 loss_buffer_bytes(cfg, layout) if last else 0.0,
+                step_buffers=step_buffer_bytes(cfg, layout, sp),
             )
         )
     return out

@@ -8,8 +8,7 @@ and the ZeRO stage. The search tries every combination of
     schedule x v    1f1b and gpipe with v = 1; interleaved_1f1b and interleaved_zero_bubble with v = 2, 4, 8, ...
                     up to blocks / pp; zbv and dualpipev with v = 2
     recompute       none, selective, full
-    zero.stage      0, 1 (p3d-train refuses 2 and 3: DeepSpeed's pipeline engine and p3d's torch executor
-                    shard neither gradients nor parameters)
+    zero.stage      0, 1, 2, 3 (2 and 3: FSDP2 on the torch executor, docs/zero.md)
 
 and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
 ``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``: the functions p3d-train calls, so the
@@ -36,7 +35,7 @@ from p3d.planner.predict import Prediction, apply_layout, check_options, evaluat
 from p3d.planner.shapes import Layout, divisors, layout_of_run_plan, world_size
 
 RECOMPUTE = ("none", "selective", "full")
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def schedules(cfg: Config, pp: int) -> list[tuple[str, int]]:
@@ -58,7 +57,7 @@ def check_layout(cfg: Config, layout: Layout) -> None:
     check_schedule(cfg, layout.dp, layout.pp)
     check_sequence_parallel(cfg, layout.tp)
     check_recompute_swiglu(cfg)
-    check_zero(cfg, layout.pp)
+    check_zero(cfg, layout.pp, layout.dp)
 
 
 def candidates(cfg: Config) -> list[Layout]:

@@ -182,13 +182,14 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
         return 0.0
     nbytes = st.total * dtype_bytes(cfg)
     span = layout.tp * layout.dp
-    if zero >= 3:
-        return layout.micro_batches * (
-            2 * ring(cfg, nbytes, d, span, "all_gather") + ring(cfg, nbytes, d, span, "reduce_scatter")
-        )
-    if zero == 2:
-        grads = layout.micro_batches * ring(cfg, nbytes, d, span, "reduce_scatter")
-    elif optimizer_sharded(cfg) and zero == 1:
+    if zero >= 2:  # FSDP2 (docs/zero.md): fp32 gradients reduce-scattered once a step, weights gathered in c bytes
+        gathers = 1 if zero == 2 else layout.micro_batches + 1  # counted: tests/workers/test_zero_fsdp.py
+        s = cfg.zero.shard_size or d  # HSDP: within shard groups, then the pieces all-reduced across the replicas
+        grads = ring(cfg, st.total * 4.0, s, layout.tp * s, "reduce_scatter")
+        if s < d:
+            grads += ring(cfg, st.total * 4.0 / s, d // s, span)
+        return grads + gathers * ring(cfg, nbytes, s, layout.tp * s, "all_gather")
+    if optimizer_sharded(cfg) and zero == 1:
         grads = ring(cfg, nbytes, d, span, "reduce_scatter")
     else:
         grads = ring(cfg, nbytes, d, span)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from p3d.compat.deepspeed_internals import GRAD_NORM_ATTR, is_pipe_replicated
 from p3d.config.schema import LRDecay, TrainConfig
 from p3d.parallel.tp.layers import owned_by_tp_rank
+from p3d.parallel.zero.fsdp import local
 
 
 def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -28,15 +29,26 @@ def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
 NORM_CHUNK = 1 << 16
 
 
+def norm_group(mesh, sharded_over_dp: bool):
+    """Over which ranks the squares of the counted gradients sum: the pp x tp ranks of a replica (dp replicas
+    hold identical gradients), or every rank when ZeRO-2/3 cut each gradient over dp (None: the world);
+    ``False`` when there is nothing to sum over."""
+    if sharded_over_dp and mesh.dp > 1:
+        return None
+    return mesh.replica_group if mesh.replica_group is not None and mesh.tp * mesh.pp > 1 else False
+
+
 @torch.no_grad()
-def global_grad_norm(params, mesh) -> torch.Tensor:
+def global_grad_norm(params, mesh, sharded_over_dp: bool = False, replicas: int = 1) -> torch.Tensor:
     """L2 norm of the whole model's gradient. Per-chunk fp32 norms (one fused kernel), their squares
-    summed in fp64 (so a sum over 10^11 elements keeps its digits), on the gradients' device."""
+    summed in fp64 (so a sum over 10^11 elements keeps its digits), on the gradients' device.
+    ``sharded_over_dp``: the gradients are FSDP2's dp pieces (ZeRO-2/3); each rank counts its own piece, and
+    under HSDP each piece is held by ``replicas`` ranks (identical after FSDP2's all-reduce across them)."""
     chunks = [
         c
         for p in params
         if p.grad is not None and counts_in_norm(p, mesh.tp_rank)
-        for c in p.grad.detach().reshape(-1).split(NORM_CHUNK)
+        for c in local(p.grad).detach().reshape(-1).split(NORM_CHUNK)
     ]
     device = chunks[0].device if chunks else torch.device("cpu")
     sq = (
@@ -44,14 +56,19 @@ def global_grad_norm(params, mesh) -> torch.Tensor:
         if chunks
         else torch.zeros((), dtype=torch.float64, device=device)
     )
-    if mesh.replica_group is not None and mesh.tp * mesh.pp > 1:
-        dist.all_reduce(sq, group=mesh.replica_group)
-    return sq.sqrt()
+    group = norm_group(mesh, sharded_over_dp)
+    if group is not False:
+        dist.all_reduce(sq, group=group)
+    return (sq / replicas).sqrt()
 
 
 @torch.no_grad()
 def norm_once_reduced(
-    grads: list[tuple[torch.nn.Parameter, torch.Tensor]], tied: list[tuple[torch.nn.Parameter, Any]], mesh
+    grads: list[tuple[torch.nn.Parameter, torch.Tensor]],
+    tied: list[tuple[torch.nn.Parameter, Any]],
+    mesh,
+    reduced_over_dp: bool = False,
+    replicas: int = 1,
 ) -> float:
     """The global norm that ``global_grad_norm`` would give once the step's reductions ran, measured on copies of
     this rank's gradients as they stand before them (``grads``: (parameter, its gradient so far, zeros where it
@@ -62,22 +79,24 @@ def norm_once_reduced(
     The copies go through the same reductions, one parameter at a time (so the extra memory is one parameter's,
     not the model's): the tied copies summed over their holders, then the mean over dp; the sum of squares
     of the parameters ``counts_in_norm`` counts, over the pp x tp ranks of the replica. Every rank of a dp
-    group holds the same parameters in the same order, so the per-parameter all-reduces pair up."""
-    copies = {id(p): g.detach().clone() for p, g in grads}  # in the gradient's dtype, as the step reduces it
+    group holds the same parameters in the same order, so the per-parameter all-reduces pair up.
+    ``reduced_over_dp``: ZeRO-2/3, whose gradients are already the dp mean, cut over dp (FSDP2's pieces)."""
+    copies = {id(p): local(g).detach().clone() for p, g in grads}  # in the gradient's dtype, as the step reduces it
     for p, group in tied:  # first, so no rank waits on a tied holder that is busy with its dp reductions
         dist.all_reduce(copies[id(p)], group=group)
     device = grads[0][1].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for p, _ in grads:
         c = copies.pop(id(p))
-        if mesh.dp > 1:
+        if mesh.dp > 1 and not reduced_over_dp:
             dist.all_reduce(c, group=mesh.dp_group)
             c.div_(mesh.dp)
         if counts_in_norm(p, mesh.tp_rank):
             sq += torch.linalg.vector_norm(c.double()) ** 2
-    if mesh.replica_group is not None and mesh.tp * mesh.pp > 1:
-        dist.all_reduce(sq, group=mesh.replica_group)
-    return float(sq.sqrt())
+    group = norm_group(mesh, reduced_over_dp)
+    if group is not False:
+        dist.all_reduce(sq, group=group)
+    return float((sq / replicas).sqrt())
 
 
 class ClippedAdamW(torch.optim.AdamW):

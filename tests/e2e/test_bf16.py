@@ -46,6 +46,8 @@ CASES = {
         "schedule.virtual_stages=2",
         "train.eval_every=0",
     ],
+    # ZeRO-3 (FSDP2): bf16 copies of the fp32 shards gathered, gradients reduced and accumulated in fp32
+    "dp2_pp2-zero3": ["mesh=dp2_pp2", "zero=stage3"],
 }
 
 

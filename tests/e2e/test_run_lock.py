@@ -199,6 +199,7 @@ def test_ctrl_c_once_saves_the_step_and_resume_continues_bitwise(tmp_path):
         assert (y["loss"], y["grad_norm"], y["lr"], y["samples"]) == (x["loss"], x["grad_norm"], x["lr"], x["samples"])
 
 
+@pytest.mark.slow  # slow tier: kept: the Ctrl-C-twice sweep at four delays, which checks what is on disk
 @pytest.mark.timeout(600)
 def test_ctrl_c_twice_stops_at_once_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """Rank 0 sleeps 0.4 s in each of its 4 forward passes (the P3D_TEST_SLOW_RANK hook), so the step in flight

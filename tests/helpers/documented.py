@@ -80,6 +80,11 @@ CASES: dict[str, Case] = {
     "p3d-train": Case("run"),
     "p3d-train mesh=tp2_pp2 train.steps=200": Case("run"),
     "p3d-train mesh=dp2_pp2_tp2 zero=stage1": Case("run"),
+    # slow tier: kept: tests/e2e/test_zero_runs.py runs ZeRO-3 through p3d-train, the worker test on dp2_pp2
+    "p3d-train mesh=dp2_pp2 zero=stage3": Case("run", slow=True),
+    # docs/zero.md; slow tier: kept: the same
+    "p3d-train mesh=dp2_pp2_tp2 zero=stage2 schedule.pipeline=interleaved_1f1b": Case("run", slow=True),
+    "p3d-train mesh=dp4 zero=stage3 zero.shard_size=2": Case("run", slow=True),
     # slow tier: kept: the full-recompute parity cases
     "p3d-train model=small mesh=pp4 schedule=recompute": Case("run", extra=SMALL_MODEL_STEP, slow=True),
     # slow tier: kept: the SP + selective parity cases

@@ -20,8 +20,10 @@ from p3d.parallel.mesh import Mesh
 
 
 def build_executor(cfg, plan, mesh: Mesh, rank: int, device: torch.device, run_dir):
-    """The executor ``schedule.pipeline`` names (validated by p3d.layout.schedule_rules before launch)."""
-    if cfg.schedule.pipeline.value == "1f1b":
+    """The executor the config implies (``schedule_rules.runs_on_deepspeed``; validated before launch)."""
+    from p3d.layout.schedule_rules import runs_on_deepspeed
+
+    if runs_on_deepspeed(cfg):
         from p3d.train.executors.ds_engine import DeepSpeedExecutor
 
         return DeepSpeedExecutor(cfg, plan, mesh, rank, device, run_dir)

@@ -35,10 +35,13 @@ from p3d.config.schema import DType, Recompute
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.parallel.pipeline.chunks import ChunkModule
 from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
+from p3d.parallel.zero.fsdp import local
 from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, norm_once_reduced, param_groups
 from p3d.train.timing import drain_seconds
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
+# schedule.pipeline=1f1b runs here (on torch's Schedule1F1B) only where DeepSpeed's engine cannot: zero.stage >= 2
+TORCH_1F1B = "1f1b"
 # Schedules that split backward into I (dx) and W (dw) passes (torch's stage_backward_input / _weight).
 IW_SPLIT = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
@@ -56,7 +59,9 @@ def check_recompute(schedule: str, recompute: Recompute) -> None:
 
 
 def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
-    """v: the chunks each pp rank holds. V schedules place exactly two (schedules.py:3249), gpipe one."""
+    """v: the chunks each pp rank holds. V schedules place exactly two (schedules.py:3249), gpipe and 1f1b one."""
+    if schedule == TORCH_1F1B:
+        return 1
     if schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"schedule.pipeline={schedule}: expected one of {', '.join(SCHEDULES)}")
     style = SCHEDULE_CLASSES[schedule][1]
@@ -90,15 +95,10 @@ def tied_holder_groups(mesh) -> object | None:
 def build_torch_optimizer(module: nn.Module, cfg, mesh):
     """AdamW and its LambdaLR schedule. ``zero.stage=1`` with dp > 1: torch's ``ZeroRedundancyOptimizer`` over
     the dp group (each dp rank keeps the Adam states of the whole parameters it owns and broadcasts them after
-    its step; the gradients are all-reduced in full before, as DeepSpeed's stage 1 does). Higher stages:
-    refused (torch's pipelining shards gradients and parameters only through FSDP2, which p3d does not wire)."""
+    its step; the gradients are all-reduced in full before, as DeepSpeed's stage 1 does). Stages 2 and 3: a plain
+    AdamW over the FSDP2-sharded parameters (p3d.parallel.zero.fsdp), whose moments are sharded with them."""
     t = cfg.train
-    if cfg.zero.stage >= 2:
-        raise ValueError(
-            f"zero.stage={cfg.zero.stage} with a torch pipeline schedule: it shards gradients/parameters only "
-            "through FSDP2, which p3d does not wire; try zero=stage1"
-        )
-    if cfg.zero.stage == 0 or mesh.dp == 1:
+    if cfg.zero.stage == 0 or cfg.zero.stage >= 2 or mesh.dp == 1:
         return build_optimizer(module, t)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -120,16 +120,26 @@ class TorchPipeline:
 
     ``cfg``: Config; ``plan``: RunPlan (``micro_batches`` per replica, ``padded_vocab_size``); ``mesh``: with
     groups. ``schedule``: a key of ``SCHEDULES``; ``virtual_stages``: v (the V schedules need 2, gpipe 1).
+    ``prepare``: called with the chunks once built, before they are sharded (``model.init_from``).
     Every rank of the world builds one (the tied-holder groups are created collectively).
     """
 
-    def __init__(self, cfg, plan, mesh, schedule: str, virtual_stages: int, device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg,
+        plan,
+        mesh,
+        schedule: str,
+        virtual_stages: int,
+        device: torch.device | None = None,
+        prepare: Callable[[list[ChunkModule]], None] | None = None,
+    ):
         import torch.distributed.pipelining as pipelining
 
         self.cfg, self.plan, self.mesh, self.schedule_name = cfg, plan, mesh, schedule
         self.v = chunks_per_rank(schedule, virtual_stages)
         check_recompute(schedule, cfg.schedule.recompute)
-        self.style = SCHEDULE_CLASSES[schedule][1]
+        self.style = "loop" if schedule == TORCH_1F1B else SCHEDULE_CLASSES[schedule][1]
         self.n_chunks = mesh.pp * self.v
         self.m = plan.micro_batches
         self.device = device or torch.device("cpu")
@@ -148,6 +158,17 @@ class TorchPipeline:
         ]
         for chunk in self.chunks:
             chunk.to(self.device)
+        if prepare is not None:  # before sharding: it writes whole tensors
+            prepare(self.chunks)
+        self.sharded = cfg.zero.stage >= 2 and mesh.dp > 1  # ZeRO-2/3: FSDP2 over dp, which reduces the grads itself
+        self.replicas = mesh.dp // (cfg.zero.shard_size or mesh.dp) if self.sharded else 1  # HSDP: copies of a piece
+        if self.sharded:
+            from p3d.model.llama import TransformerBlock
+            from p3d.parallel.zero.fsdp import dp_device_mesh, mixed_precision, shard_chunk
+
+            dp_mesh = dp_device_mesh(mesh, self.device, cfg.zero.shard_size)
+            for chunk in self.chunks:
+                shard_chunk(chunk, dp_mesh, cfg.zero.stage, TransformerBlock, mixed_precision(cfg.train.dtype))
         self.module = nn.ModuleList(self.chunks)  # parameters() lists a module shared by two chunks once
         self.first_chunk, self.last_chunk = 0, self.n_chunks - 1
         self.holds_first = self.first_chunk in self.chunk_ids
@@ -177,8 +198,8 @@ class TorchPipeline:
             pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
             for c, chunk in zip(self.chunk_ids, self.chunks)
         ]
-        cls = schedule_class(schedule)
-        stages = self.stages[0] if schedule == "gpipe" else self.stages
+        cls = pipelining.Schedule1F1B if schedule == TORCH_1F1B else schedule_class(schedule)
+        stages = self.stages[0] if schedule in ("gpipe", TORCH_1F1B) else self.stages  # one stage per rank
         self.schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
@@ -226,7 +247,7 @@ class TorchPipeline:
         if self.add_wait is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
             self.add_wait(drain_seconds(self.mesh.pp_group))
         if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
-            grads = [p.grad for p in self.params if p.grad is not None]
+            grads = [local(p.grad) for p in self.params if p.grad is not None]
             self.before_update(grads, sum(float(x.detach()) for x in losses) if self.holds_last else None)
         self.reduce_tied_grads()
         self.reduce_dp_grads()
@@ -258,7 +279,7 @@ class TorchPipeline:
         for p in self.tied_params:
             if p.grad is None:  # pragma: no cover - every chunk runs forward and backward each step
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.tied_group)
+            dist.all_reduce(local(p.grad), group=self.tied_group)  # both holders cut a table alike over dp
 
     def norm_once_reduced(self) -> float:
         """The global norm this step's gradients will have after ``reduce_tied_grads`` and ``reduce_dp_grads``,
@@ -266,11 +287,12 @@ class TorchPipeline:
         holds_tied = self.tied_group is not None and (self.holds_first or self.holds_last)
         tied = [(p, self.tied_group) for p in self.tied_params] if holds_tied else []
         grads = [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
-        return norm_once_reduced(grads, tied, self.mesh)
+        return norm_once_reduced(grads, tied, self.mesh, reduced_over_dp=self.sharded, replicas=self.replicas)
 
     def reduce_dp_grads(self) -> None:
-        """Mean of the replicas' grads: one flat fp32 buffer, all-reduced (SUM) over dp, divided by dp."""
-        if self.mesh.dp == 1:
+        """Mean of the replicas' grads: one flat fp32 buffer, all-reduced (SUM) over dp, divided by dp. ZeRO-2/3:
+        FSDP2 has reduce-scattered them already (the mean, in the schedule's last backward of each chunk)."""
+        if self.mesh.dp == 1 or self.sharded:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -284,7 +306,7 @@ class TorchPipeline:
     @torch.no_grad()
     def clip_and_step(self) -> float:
         """Exact global norm, clip (``clip_grad_norm_``'s rule), AdamW and the LR step; skip on a non-finite norm."""
-        norm = float(global_grad_norm(self.params, self.mesh))
+        norm = float(global_grad_norm(self.params, self.mesh, sharded_over_dp=self.sharded, replicas=self.replicas))
         self.overflow = not math.isfinite(norm)
         if not self.overflow:
             max_norm = self.cfg.train.grad_clip

@@ -34,14 +34,11 @@ class TorchExecutor:
     def __init__(self, cfg, plan, mesh: Mesh, rank: int, device: torch.device, run_dir):
         self.cfg, self.plan, self.mesh = cfg, plan, mesh
         s = cfg.schedule
-        self.pipe = TorchPipeline(cfg, plan, mesh, s.pipeline.value, s.virtual_stages, device=device)
+        self.pipe = TorchPipeline(
+            cfg, plan, mesh, s.pipeline.value, s.virtual_stages, device=device, prepare=self.init_from
+        )
         self.module, self.scheduler = self.pipe.module, self.pipe.lr_scheduler
         add_block_seconds(self.module)  # the P3D_TEST_BLOCK_SECONDS test hook (off unless set)
-        if cfg.model.init_from and cfg.train.resume == "none":
-            from p3d.hf.load import load_into
-
-            for chunk in self.pipe.chunks:  # a V placement's shared tied table is set twice, to the same values
-                load_into(chunk, cfg.model.init_from, cfg.model.n_layers, mesh)
         self.timer = TorchStageTimer(self.pipe.stages, rank)
         self.pipe.add_wait, self.pipe.add_compute = self.timer.add_wait, self.timer.add_compute
         self.gate = StepGate(None, self.module, mesh, plan, cfg.train, device)
@@ -54,6 +51,15 @@ class TorchExecutor:
         self.checkpointer = Checkpointer(
             cfg, plan, mesh, run_dir, self.module, states, self.scheduler, device, self.chunks
         )
+
+    def init_from(self, chunks) -> None:
+        """``model.init_from``: the HF weights into the chunks, whole (before ZeRO-2/3 shard them)."""
+        cfg = self.cfg
+        if cfg.model.init_from and cfg.train.resume == "none":
+            from p3d.hf.load import load_into
+
+            for chunk in chunks:  # a V placement's shared tied table is set twice, to the same values
+                load_into(chunk, cfg.model.init_from, cfg.model.n_layers, self.mesh)
 
     @property
     def chunks(self) -> tuple[list[int], list]:

@@ -105,7 +105,12 @@ PIPELINE_RULES = [  # p3d/layout/schedule_rules.py, docs/schedules.md, Refusals
         "gives 5 micro batches per replica: interleaved_1f1b runs them in rounds of max(1, m // mesh.pp) = 2",
         "schedule.global_batch_size=24",
     ),
-    ([*I2, "zero.stage=2"], "zero.stage=2 with schedule.pipeline=interleaved_1f1b", "zero=stage1"),
+    ([*ZBV, "zero.stage=3"], "zero.stage=3 with schedule.pipeline=zbv: its weight pass", "try zero=stage2"),
+    (
+        [*ZBV, "zero.stage=2", "model.tie_embeddings=true"],
+        "zero.stage=2 with schedule.pipeline=zbv and model.tie_embeddings=true",
+        "schedule.pipeline=interleaved_1f1b",
+    ),
     ([*ZBV, "schedule.recompute=full"], "schedule.recompute=full with schedule.pipeline=zbv", "recompute=selective"),
     ([*ZBV, "model.compile=true"], "model.compile=true with schedule.pipeline=zbv", "model.compile=false"),
 ]
@@ -122,9 +127,9 @@ RULES = [
         "gives 1 micro batches per replica, fewer than mesh.pp=2",
         "schedule.global_batch_size=8",
     ),
-    (["zero.stage=2"], "zero.stage=2 is refused: with mesh.pp=2 > 1", "zero=stage1"),
-    (["mesh=dp2", "zero.stage=3"], "zero.stage=3 is refused", "zero=stage1"),
     (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 257", "model.vocab_size=257"),
+    (["zero=stage1", "zero.shard_size=2"], "zero.shard_size=2 with zero.stage=1: only ZeRO-2/3", "zero=stage3"),
+    (["mesh=dp4", "zero=stage3", "zero.shard_size=3"], "zero.shard_size=3 must divide the dp degree 4", "shard_size=2"),
     (["mesh.dp=two"], "mesh.dp='two' must be a positive integer or auto", "mesh.dp=auto"),
     (["cluster.gpus_per_node=4"], "must equal the world size 4", "mesh.dp=auto"),
     (

@@ -96,13 +96,24 @@ def test_auto_on_cpu_needs_a_gpu_count(make_cfg):
 
 
 def test_refused_configs_are_modelled_and_flagged(make_cfg):
-    """ZeRO-3 with tp only: p3d-train refuses it; the planner divides the parameters by dp and says so."""
+    """ZeRO-3 under zbv: p3d-train refuses it; the planner still models FSDP2's shards over dp and says so."""
     r = predict(
-        make_cfg("model=small", "mesh.tp=2", "mesh.pp=1", "mesh.dp=4", "zero.stage=3", "schedule.global_batch_size=16")
+        make_cfg(
+            "model=small",
+            "mesh.tp=1",
+            "mesh.pp=2",
+            "mesh.dp=4",
+            "zero.stage=3",
+            "schedule.pipeline=zbv",
+            "schedule.virtual_stages=2",
+            "schedule.global_batch_size=16",
+        )
     )
     assert any("p3d-train would refuse" in w and "zero.stage=3" in w for w in r.warnings)
     sp = r.stages[0].params.total
     assert r.stages[0].grads_bytes == pytest.approx(sp * 4 / 4)  # fp32, sharded over dp=4
+    assert r.stages[0].params_bytes == pytest.approx(sp * 4 / 4)
+    assert r.stages[0].step_buffers == pytest.approx(sp * 8)  # gathered weights and unsharded grads in a step
     gpt = predict(
         make_cfg(
             "model=gpt_175b",

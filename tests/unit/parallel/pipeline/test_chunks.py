@@ -104,7 +104,8 @@ def test_torch_pipe_refusals():
     for name in ("interleaved_zero_bubble", "zbv", "dualpipev"):
         with pytest.raises(ValueError, match=f"schedule.recompute=full with schedule.pipeline={name}: .* try "):
             check_recompute(name, Recompute.full)
-    cfg, _ = typed("mesh=dp2", "zero=stage1")
-    cfg.zero.stage = 2  # no conf/zero group: validate.py refuses it for every run; torch_pipe says why here too
-    with pytest.raises(ValueError, match="zero.stage=2 with a torch pipeline schedule: .* try zero=stage1"):
-        build_torch_optimizer(torch.nn.Linear(2, 2), cfg, Mesh(tp=1, pp=1, dp=2))
+    assert chunks_per_rank("1f1b", 1) == 1  # torch's Schedule1F1B, which ZeRO-2/3 run on
+    for stage in (2, 3):  # a plain AdamW over FSDP2's shards, whose moments are sharded with them
+        cfg, _ = typed("mesh=dp2", f"zero=stage{stage}")
+        opt, _ = build_torch_optimizer(torch.nn.Linear(2, 2), cfg, Mesh(tp=1, pp=1, dp=2))
+        assert type(opt) is torch.optim.AdamW, stage
