@@ -96,6 +96,16 @@ class ParallelDims:
     def dp_ranks(self) -> list[list[int]]:
         return [[self.rank_of(d, p, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
 
+    def shard_ranks(self, shard_size: int) -> list[list[int]]:
+        """HSDP's shard groups (``zero.shard_size``): runs of ``shard_size`` consecutive dp ranks of each dp group,
+        so with tp fastest ``shard_size`` x tp consecutive ranks, inside one node whenever that divides the
+        processes per node (Slurm's block placement: consecutive ranks share a node)."""
+        return [ranks[lo : lo + shard_size] for ranks in self.dp_ranks() for lo in range(0, self.dp, shard_size)]
+
+    def shard_replica_ranks(self, shard_size: int) -> list[list[int]]:
+        """HSDP's replica groups: the dp ranks of each dp group that hold the same piece (one per shard group)."""
+        return [ranks[j::shard_size] for ranks in self.dp_ranks() for j in range(shard_size)]
+
     def replica_ranks(self) -> list[list[int]]:
         """The pp x tp ranks of each dp replica (all ranks with one dp coordinate)."""
         return [[self.rank_of(d, p, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]

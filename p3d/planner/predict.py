@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from p3d.config.schema import Config, DType, Pipeline, Recompute
+from p3d.layout.dims import ParallelDims
 from p3d.layout.geometry import model_flops_per_token, recompute_flops_per_token, schedule_bubble, total_params
 from p3d.layout.run_plan import P3DConfigError, build_plan
 from p3d.planner import memory, step_time
@@ -235,6 +236,14 @@ def _verdict(r: Prediction, accepted: bool) -> tuple[list[str], list[str]]:
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and lay.tp > gpn:
         warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
+    crossing = shard_groups_across_nodes(cfg.zero.shard_size, lay, gpn)
+    if crossing:
+        s = cast(int, cfg.zero.shard_size)
+        warnings.append(
+            f"zero.shard_size={s}: {crossing} of the shard groups ({s} dp ranks x tp {lay.tp} = {s * lay.tp} "
+            f"consecutive ranks) cross nodes of {gpn}, so FSDP2's gathers and reduce-scatters take the inter-node "
+            f"link; try a zero.shard_size whose product with mesh.tp divides {gpn}"
+        )
     if r.bubble > 0.1:
         warnings.append(
             f"pipeline bubble {r.bubble:.0%} of the step ({lay.schedule_name} with m={lay.micro_batches}): raise "
@@ -287,3 +296,12 @@ def check_options(cfg: Config) -> None:
     for name in ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps"):
         if getattr(c, name) is None:
             raise P3DConfigError(f"cluster.{name}=null has no value from cluster.device={c.device}; set cluster.{name}")
+
+
+def shard_groups_across_nodes(shard_size: int | None, lay: Layout, gpus_per_node: int | None) -> int:
+    """How many HSDP shard groups (``ParallelDims.shard_ranks``) span more than one node of ``gpus_per_node``
+    consecutive ranks (Slurm's block placement); 0 without HSDP or nodes."""
+    if not shard_size or not gpus_per_node or shard_size >= lay.dp or lay.zero < 2:
+        return 0
+    dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp, procs_per_node=gpus_per_node)
+    return sum(len({dims.node_of(r) for r in group}) > 1 for group in dims.shard_ranks(shard_size))

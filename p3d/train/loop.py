@@ -25,6 +25,7 @@ from p3d.train.metrics import MetricsLogger, peak_memory_gb
 from p3d.train.timing import StragglerWatch
 
 KILL_ENV = "P3D_TEST_KILL_AT"
+SKIPS = 5  # step_stats: the column of the data counts
 
 
 class Stopper:
@@ -44,10 +45,10 @@ class Stopper:
 
 
 def step_stats(
-    stopper: Stopper, wait_share: float, compute_s: float, device, stats: DataStats | None
-) -> tuple[bool, float, float, list[float]]:
-    """(stop, mean bubble, max peak memory, every rank's compute seconds) over all ranks: one small all-gather
-    per step.
+    stopper: Stopper, wait_share: float, compute_s: float, dp_comm_s: float, device, stats: DataStats | None
+) -> tuple[bool, float, float, list[float], float]:
+    """(stop, mean bubble, max peak memory, every rank's compute seconds, mean seconds blocked in dp collectives)
+    over all ranks: one small all-gather per step.
 
     Every rank that reads data (``stats`` given: first and last stages) reads the same stream, so its
     skipped records, failed files and empty records agree with every other reader's. If they do not (a
@@ -55,21 +56,24 @@ def step_stats(
     loudly."""
     skips = stats.counts() if stats is not None else [-1, -1, -1]  # -1: reads no data
     mine = torch.tensor(
-        [float(stopper.signum), wait_share, peak_memory_gb(), compute_s, *skips], dtype=torch.float64, device=device
+        [float(stopper.signum), wait_share, peak_memory_gb(), compute_s, dp_comm_s, *skips],
+        dtype=torch.float64,
+        device=device,
     )
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     every = torch.stack(parts).cpu()
-    readers = every[every[:, 4] >= 0, 4:]
+    readers = every[every[:, SKIPS] >= 0, SKIPS:]
     if len(readers) and not bool((readers == readers[0]).all()):
-        per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, 4:].tolist()) if row[0] >= 0}
+        per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, SKIPS:].tolist()) if row[0] >= 0}
         raise RuntimeError(
             "the data-reading ranks skipped different records or files of the same stream (rank: "
             f"(unreadable records, failed files, empty records) = {per_rank}; see the 'p3d data' "
             "warnings in the rank logs), so their batches no longer match; fix the input and resume "
             "from the last checkpoint"
         )
-    return bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max()), every[:, 3].tolist()
+    stop, bubble, mem = bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max())
+    return stop, bubble, mem, every[:, 3].tolist(), float(every[:, 4].mean())
 
 
 def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
@@ -147,8 +151,13 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             loss = ex.train_batch(data)
         step_time = time.perf_counter() - t0
         with hang.phase("the per-step all-gather", step):
-            stop, bubble, mem, compute = step_stats(
-                stopper, timer.take() / step_time, timer.take_compute(), device, stats if reads_data else None
+            stop, bubble, mem, compute, dp_comm = step_stats(
+                stopper,
+                timer.take() / step_time,
+                timer.take_compute(),
+                timer.take_dp_comm(),
+                device,
+                stats if reads_data else None,
             )
         assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
         failed, fault_line, extra = policy.apply(gate.verdict)
@@ -172,6 +181,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 samples=samples,
                 bubble=bubble,
                 bubble_theory=bubble_theory,
+                dp_comm_s=dp_comm,
                 peak_mem_gb=mem,
                 **extra,
             )

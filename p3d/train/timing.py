@@ -14,6 +14,11 @@ activations and gradients, reduce, optimizer step): the send/recv ones are timed
 at ``ReduceTiedGrads``, the first instruction after the last backward. The torch schedules: their runtime's
 p2p waits (``torch_compat.timed_p2p_waits``) and the same barrier after ``schedule.step``.
 
+Exposed dp communication (``dp_comm_s``): seconds of the step this rank was blocked in data-parallel
+collectives. DeepSpeed: its ReduceGrads instruction (the gradients' dp reduction, after the last backward) and
+its optimizers' dp all-gather of the updated pieces; the torch schedules: every collective over a dp group
+(FSDP2's gathers and reduce-scatters, the flat all-reduce, ZeRO-1's broadcasts), ``p3d.compat.dp_collectives``.
+
 Stragglers: the same wrappers time the ForwardPass and BackwardPass instructions, this rank's compute per step
 (p3d.train.loop gathers it from every rank). Test hooks: ``P3D_TEST_SLOW_RANK=<rank>:<seconds>`` makes that
 rank sleep that long in each forward pass, a real straggler; ``P3D_TEST_BLOCK_SECONDS`` gives every block a fixed
@@ -34,6 +39,7 @@ from p3d.compat.deepspeed_internals import pipeline_instruction_map, set_pipelin
 
 PIPE_WAITS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
 DRAIN = "ReduceTiedGrads"  # the first instruction after the step's last backward
+DP_REDUCE = "ReduceGrads"  # the gradients' dp all-reduce (or ZeRO-1's reduction), after the step's last backward
 COMPUTE = ("ForwardPass", "BackwardPass")
 SLOW_ENV = "P3D_TEST_SLOW_RANK"
 
@@ -53,12 +59,39 @@ def _test_delay(rank: int) -> float:
     return float(seconds) if who and int(who) == rank else 0.0
 
 
-class StageTimer:
-    """Wraps this engine's instructions (build it after the step gate, so that the drain barrier runs before
-    the gate's all-gather). ``pp_group``: this rank's pipeline group, for the drain barrier."""
+class StepClocks:
+    """Seconds of a step blocked on pipeline neighbours (``wait_s``), of compute (``compute_s``) and blocked in dp
+    collectives (``dp_comm_s``), each taken (and reset) once a step by the loop."""
 
-    def __init__(self, engine, rank: int = -1, pp_group=None):
-        self.wait_s = self.compute_s = 0.0
+    def __init__(self):
+        self.wait_s = self.compute_s = self.dp_comm_s = 0.0
+
+    def take_compute(self) -> float:
+        """Seconds in forward and backward passes since the last call."""
+        compute, self.compute_s = self.compute_s, 0.0
+        return compute
+
+    def take(self) -> float:
+        """Seconds blocked on pipeline neighbours since the last call."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
+    def add_dp_comm(self, seconds: float) -> None:
+        self.dp_comm_s += seconds
+
+    def take_dp_comm(self) -> float:
+        """Seconds blocked in data-parallel collectives since the last call (``dp_comm_s``)."""
+        dp_comm, self.dp_comm_s = self.dp_comm_s, 0.0
+        return dp_comm
+
+
+class StageTimer(StepClocks):
+    """Wraps this engine's instructions (build it after the step gate, so that the drain barrier runs before
+    the gate's all-gather). ``pp_group``: this rank's pipeline group, for the drain barrier; ``dp``: the replicas
+    (one: no dp collective, dp_comm_s stays 0)."""
+
+    def __init__(self, engine, rank: int = -1, pp_group=None, dp: int = 1):
+        super().__init__()
         self.delay_s = _test_delay(rank)
         timed = {}
         for instr, fn in pipeline_instruction_map(engine).items():
@@ -66,11 +99,17 @@ class StageTimer:
                 timed[instr] = self._wrap(fn, "wait_s")
             elif instr.__name__ == DRAIN:
                 timed[instr] = self._after_drain(fn, pp_group)
+            elif instr.__name__ == DP_REDUCE and dp > 1:
+                timed[instr] = self._wrap(fn, "dp_comm_s")
             elif instr.__name__ in COMPUTE:
                 timed[instr] = self._wrap(fn, "compute_s", self.delay_s if instr.__name__ == "ForwardPass" else 0.0)
             else:
                 timed[instr] = fn
         set_pipeline_instruction_map(engine, timed)  # this engine instance only
+        if dp > 1:
+            from p3d.compat.dp_collectives import timed_deepspeed_allgathers
+
+            timed_deepspeed_allgathers(self.add_dp_comm)  # ZeRO-1 / bf16: the updated pieces' dp all-gather in the step
 
     def _wrap(self, fn: FunctionType, total: str, delay_s: float = 0.0):
         def timed(engine, *args, **kwargs):
@@ -90,16 +129,6 @@ class StageTimer:
             return fn(engine, *args, **kwargs)
 
         return drained
-
-    def take_compute(self) -> float:
-        """Seconds in forward and backward passes since the last call."""
-        compute, self.compute_s = self.compute_s, 0.0
-        return compute
-
-    def take(self) -> float:
-        """Seconds blocked on pipeline neighbours since the last call."""
-        wait, self.wait_s = self.wait_s, 0.0
-        return wait
 
 
 class StragglerWatch:
@@ -139,7 +168,7 @@ class StragglerWatch:
         return [total / (self.plan.tp * self.plan.dp) for total in sums]
 
 
-class TorchStageTimer:
+class TorchStageTimer(StepClocks):
     """The same two figures for a torch pipeline schedule (docs/schedules.md, Metrics): seconds blocked
     on pipeline neighbours (every wait of the schedule's runtime on a p2p exchange, ``torch_compat.timed_p2p_waits``
     around each step) and seconds of compute (each stage's forward, backward and weight-backward of one micro batch,
@@ -147,7 +176,7 @@ class TorchStageTimer:
     ``P3D_TEST_SLOW_RANK`` delays every training forward of this rank's stages, as for DeepSpeed."""
 
     def __init__(self, stages, rank: int = -1):
-        self.wait_s = self.compute_s = 0.0
+        super().__init__()
         self.delay_s = _test_delay(rank)
         self.training = False
         for stage in stages:  # wrapped on each instance: the schedule calls them as methods of the stage
@@ -173,6 +202,3 @@ class TorchStageTimer:
         """Compute the stages' methods do not cover: the loss, which torch's runtime runs after the last chunk's
         forward (DeepSpeed's is inside the last stage's forward)."""
         self.compute_s += seconds
-
-    take_compute = StageTimer.take_compute
-    take = StageTimer.take

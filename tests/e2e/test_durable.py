@@ -39,6 +39,7 @@ def _assert_same_curve(a: list[dict], b: list[dict]) -> None:
         pytest.param(("mesh=dp2_pp2_tp2", "zero=stage0"), id="stage0", marks=pytest.mark.slow),
         pytest.param(("mesh=dp2_pp2_tp2", "zero=stage1"), id="stage1", marks=pytest.mark.slow),
         pytest.param(("mesh=pp2", "schedule.pipeline=zbv", "schedule.virtual_stages=2"), id="zbv"),  # a torch schedule
+        pytest.param(("mesh=dp2_pp2", "zero=stage3"), id="stage3", marks=pytest.mark.slow),  # FSDP2's dp pieces
     ],
 )
 def test_sigterm_then_resume_reproduces_the_uninterrupted_run(layout, tmp_path):

@@ -348,16 +348,19 @@ def test_a_stopped_worker_is_named_and_the_others_dump_their_stacks(tmp_path, mo
 
 
 RESTART_RUN = ("mesh=pp2", "train.steps=12", "train.warmup_steps=3", "train.save_every=5")
+RESTART_LAYOUTS = {"deepspeed": (), "zero3": ("mesh=dp2", "zero=stage3")}  # zero3: FSDP2's pieces, restarted
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_worker_is_restarted_from_the_checkpoint_and_ends_bitwise_equal(tmp_path):
+@pytest.mark.parametrize("layout", with_slow(RESTART_LAYOUTS, ["zero3"]))
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_ends_bitwise_equal(tmp_path, layout):
     """SIGKILL one worker after step 7 with save_every=5, max_restarts=2: every worker restarts from step 5,
     the run finishes, the restart is printed with its cause, and the final loss equals an uninterrupted run's."""
-    straight = p3d_train(f"run.dir={tmp_path / 'a'}", *RESTART_RUN, timeout=400)
+    overrides = (*RESTART_RUN, *RESTART_LAYOUTS[layout])
+    straight = p3d_train(f"run.dir={tmp_path / 'a'}", *overrides, timeout=400)
     assert straight.returncode == 0, _out(straight)
     run = tmp_path / "b"
-    proc = start_p3d_train(run, *RESTART_RUN, "train.max_restarts=2")
+    proc = start_p3d_train(run, *overrides, "train.max_restarts=2")
     try:
         wait_for_steps(run, 7, proc)
         os.kill(worker_pids(run)[0], signal.SIGKILL)

@@ -365,8 +365,12 @@ def exported(work, tmp_path_factory):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "layout",
-    [("mesh=single",), ("mesh=pp2", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2")],
-    ids=["single", "interleaved_1f1b"],  # the torch executor loads HF weights into each of its chunks
+    [
+        pytest.param(("mesh=single",), id="single"),
+        # the torch executor loads HF weights into each of its chunks; ZeRO-3 into them before FSDP2 shards them
+        pytest.param(("mesh=pp2", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2"), id="interleaved"),
+        pytest.param(("mesh=dp2_pp2", "zero=stage3"), id="zero3", marks=pytest.mark.slow),
+    ],
 )
 def test_init_from_trains_with_the_checkpoint_tokenizer(work, exported, tmp_path, layout):
     cfg, _ = typed(f"model.init_from={exported}")

@@ -9,6 +9,7 @@ import pytest
 
 from p3d.train.metrics import read_metrics
 from tests.helpers.runs import p3d_train
+from tests.helpers.tiers import with_slow
 from tests.helpers.wandb_log import history, run_config
 
 
@@ -49,6 +50,7 @@ def test_logger_none_writes_no_wandb_files_and_bubble_is_measured(tmp_path):
     # measured: time blocked on the neighbour stage, at least the fill/drain share (imbalance only adds)
     assert all(0.5 / 9 <= r["bubble"] < 0.9 for r in rows), [r["bubble"] for r in rows]
     assert all(r["peak_mem_gb"] > 0.1 for r in rows)
+    assert all(r["dp_comm_s"] == 0.0 for r in rows)  # one replica: no dp collective to wait on
     assert "train: 100%" in result.stdout and "3/3" in result.stdout  # the progress bar reached its end
 
 
@@ -57,6 +59,38 @@ def test_no_pipeline_means_no_bubble(tmp_path):
     result = p3d_train(f"run.dir={tmp_path}", "train.steps=2", "mesh=dp2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert all(r["bubble"] == 0.0 and r["bubble_theory"] == 0.0 for r in read_metrics(tmp_path))
+
+
+# case -> overrides: every executor's dp collectives (DeepSpeed's ReduceGrads and ZeRO-1 all-gather; torch's flat
+# all-reduce and ZeRO-1 broadcasts; FSDP2's gathers and reduce-scatters under ZeRO-2/3)
+DP_COMM_CASES = {
+    "zero3-fsdp": ("mesh=dp2", "zero=stage3"),
+    "zero2-fsdp": ("mesh=dp2", "zero=stage2"),
+    "zero0-deepspeed": ("mesh=dp2",),
+    "zero1-deepspeed": ("mesh=dp2", "zero=stage1"),
+    "zero1-torch": ("mesh=dp2_pp2", "zero=stage1", "schedule.pipeline=gpipe"),
+}
+DP_COMM_DELAY = 0.1
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", with_slow(DP_COMM_CASES, [c for c in DP_COMM_CASES if c != "zero3-fsdp"]))
+def test_time_blocked_in_dp_collectives_is_measured(tmp_path, case):
+    """dp2, rank 1 sleeps DP_COMM_DELAY in each of its m = 4 forwards (P3D_TEST_SLOW_RANK). Under FSDP2 the first
+    collective after each forward is a dp all-gather (the next unit's weights), so rank 0 waits there, about
+    m x the delay a step, and dp_comm_s (the mean over the two ranks) is at least 0.4 m x the delay. Under the
+    others the step gate's all-gather absorbs the wait before the step's dp reduction, which then blocks for its
+    own traffic only: more than 0, less than the step (the clocks themselves: tests/workers/test_dp_collectives.py)."""
+    from p3d.train.timing import SLOW_ENV
+
+    slowed = {SLOW_ENV: f"1:{DP_COMM_DELAY}"}
+    result = p3d_train(f"run.dir={tmp_path}", "train.steps=3", "logger=none", *DP_COMM_CASES[case], env=slowed)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "4 micro batches" in result.stdout
+    rows = read_metrics(tmp_path)
+    waited = [r["dp_comm_s"] for r in rows]
+    least = 0.4 * 4 * DP_COMM_DELAY if "fsdp" in case else 1e-5
+    assert all(least <= w < r["step_time_s"] for w, r in zip(waited, rows)), waited
 
 
 @pytest.mark.timeout(240)

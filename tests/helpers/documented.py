@@ -198,6 +198,7 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/executor_overhead.py",
             ".venv/bin/python bench/partition.py --rounds 2",
             ".venv/bin/python bench/sp_recompute.py --rounds 6",
+            ".venv/bin/python bench/zero.py --passes 1",
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
     ),

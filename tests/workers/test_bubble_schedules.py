@@ -77,7 +77,9 @@ def _measure(rank, world, run_dir, out_path):
             t0 = time.perf_counter()
             ex.train_batch(data)
             step_time = time.perf_counter() - t0
-            _, bubble, _, _ = step_stats(stopper, ex.timer.take() / step_time, ex.timer.take_compute(), device, None)
+            _, bubble, _, _, _ = step_stats(
+                stopper, ex.timer.take() / step_time, ex.timer.take_compute(), ex.timer.take_dp_comm(), device, None
+            )
             shares.append(bubble)
         measured[name] = shares
     if rank == 0:

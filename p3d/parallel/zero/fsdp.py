@@ -40,9 +40,8 @@ MARKERS = ("model_parallel", "tensor_model_parallel", PIPE_REPLICATED_ATTR)
 def dp_device_mesh(mesh, device: torch.device, shard_size: int | None = None):
     """The DeviceMesh FSDP2 shards over. The whole dp group: one dimension over the existing dp group. HSDP
     (``shard_size`` < dp): two, (dp / shard_size replicas) x (shard_size ranks), from groups created here, on every
-    rank in the same order: shard groups are runs of shard_size consecutive dp ranks (with tp fastest in the rank
-    order, shard_size x tp consecutive ranks: inside a node whenever that divides the ranks per node), replica
-    groups the ranks of one shard index."""
+    rank in the same order: ``ParallelDims.shard_ranks`` (runs of shard_size consecutive dp ranks: inside a node
+    whenever shard_size x tp divides the ranks per node) and ``shard_replica_ranks``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -50,17 +49,16 @@ def dp_device_mesh(mesh, device: torch.device, shard_size: int | None = None):
     if s == mesh.dp:
         return DeviceMesh.from_group(mesh.dp_group, device.type, mesh_dim_names=("dp",))
     shard_group = replicate_group = None
-    mine: list[int] = []
-    for ranks in mesh.dims.dp_ranks():
-        for lo in range(0, mesh.dp, s):
-            group = dist.new_group(ranks=ranks[lo : lo + s])
-            if mesh.rank in ranks[lo : lo + s]:
-                shard_group, mine = group, ranks
-        for j in range(s):
-            group = dist.new_group(ranks=ranks[j::s])
-            if mesh.rank in ranks[j::s]:
-                replicate_group = group
+    for ranks in mesh.dims.shard_ranks(s):
+        group = dist.new_group(ranks=ranks)
+        if mesh.rank in ranks:
+            shard_group = group
+    for ranks in mesh.dims.shard_replica_ranks(s):
+        group = dist.new_group(ranks=ranks)
+        if mesh.rank in ranks:
+            replicate_group = group
     assert shard_group is not None and replicate_group is not None  # every rank is in one of each
+    mine = next(ranks for ranks in mesh.dims.dp_ranks() if mesh.rank in ranks)
     layout = torch.tensor(mine).view(mesh.dp // s, s)
     return DeviceMesh.from_group(
         [replicate_group, shard_group], device.type, mesh=layout, mesh_dim_names=("replicate", "shard")

@@ -85,7 +85,8 @@ class DeepSpeedExecutor:
         self.gate.measure_norm = lambda: norm_once_reduced(
             param_gradients(self.engine, self.module), tied_weights(self.module), mesh
         )
-        self.timer = StageTimer(self.engine, rank, mesh.pp_group)  # after the gate: its drain barrier runs first
+        # after the gate: its drain barrier runs first
+        self.timer = StageTimer(self.engine, rank, mesh.pp_group, mesh.dp)
         self.hang = HangWatch(self.engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir))  # last: wraps the others
         self.reads_data = mesh.is_first_stage or mesh.is_last_stage
         states = OptimizerStates(self.engine.optimizer)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from p3d.compat.deepspeed_internals import mark_pipe_replicated
+from p3d.compat.dp_collectives import timed_dp_collectives
 from p3d.compat.pipelining_internals import SCHEDULE_CLASSES, forward_only_order, schedule_class, timed_p2p_waits
 from p3d.config.schema import DType, Recompute
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
@@ -162,11 +163,13 @@ class TorchPipeline:
             prepare(self.chunks)
         self.sharded = cfg.zero.stage >= 2 and mesh.dp > 1  # ZeRO-2/3: FSDP2 over dp, which reduces the grads itself
         self.replicas = mesh.dp // (cfg.zero.shard_size or mesh.dp) if self.sharded else 1  # HSDP: copies of a piece
+        self.dp_groups = [mesh.dp_group]  # the groups whose collectives dp_comm_s counts (and FSDP2's, below)
         if self.sharded:
             from p3d.model.llama import TransformerBlock
             from p3d.parallel.zero.fsdp import dp_device_mesh, mixed_precision, shard_chunk
 
             dp_mesh = dp_device_mesh(mesh, self.device, cfg.zero.shard_size)
+            self.dp_groups += [dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim)]
             for chunk in self.chunks:
                 shard_chunk(chunk, dp_mesh, cfg.zero.stage, TransformerBlock, mixed_precision(cfg.train.dtype))
         self.module = nn.ModuleList(self.chunks)  # parameters() lists a module shared by two chunks once
@@ -204,14 +207,22 @@ class TorchPipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
-        # set by p3d.train.executors: the step gate (grads, replica loss or None), the p2p wait and compute timers
+        # set by p3d.train.executors: the step gate (grads, replica loss or None), the p2p wait, compute and dp
+        # collective timers
         self.before_update: Callable[[list[torch.Tensor], float | None], None] | None = None
         self.add_wait: Callable[[float], None] | None = None
         self.add_compute: Callable[[float], None] | None = None
+        self.add_dp_comm: Callable[[float], None] | None = None
 
     def waits(self):
         """A context that times the schedule's waits on pipeline neighbours (when ``add_wait`` is set)."""
         return timed_p2p_waits(self.add_wait) if self.add_wait is not None else contextlib.nullcontext()
+
+    def dp_collectives(self):
+        """A context that times every collective over a dp group (when ``add_dp_comm`` is set)."""
+        if self.add_dp_comm is None or self.mesh.dp == 1:
+            return contextlib.nullcontext()
+        return timed_dp_collectives(self.dp_groups, self.add_dp_comm)
 
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -242,16 +253,17 @@ class TorchPipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
-        with self.waits():
-            self.schedule.step(*args, return_outputs=False, **kwargs)
-        if self.add_wait is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
-            self.add_wait(drain_seconds(self.mesh.pp_group))
-        if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
-            grads = [local(p.grad) for p in self.params if p.grad is not None]
-            self.before_update(grads, sum(float(x.detach()) for x in losses) if self.holds_last else None)
-        self.reduce_tied_grads()
-        self.reduce_dp_grads()
-        norm = self.clip_and_step()
+        with self.dp_collectives():  # FSDP2's inside the schedule, then the dp reduction and ZeRO-1's broadcasts
+            with self.waits():
+                self.schedule.step(*args, return_outputs=False, **kwargs)
+            if self.add_wait is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
+                self.add_wait(drain_seconds(self.mesh.pp_group))
+            if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
+                grads = [local(p.grad) for p in self.params if p.grad is not None]
+                self.before_update(grads, sum(float(x.detach()) for x in losses) if self.holds_last else None)
+            self.reduce_tied_grads()
+            self.reduce_dp_grads()
+            norm = self.clip_and_step()
         return self.step_loss(losses), norm
 
     @torch.no_grad()

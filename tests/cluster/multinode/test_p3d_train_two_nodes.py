@@ -78,3 +78,35 @@ def test_sweep_runs_a_two_node_point_with_the_one_node_points_losses(two_nodes, 
     assert two_node == one_node  # exact
     assert {p[0] for p in placements(sweep / "1").values()} == {"n1", "n2"}
     assert {p[0] for p in placements(sweep / "0").values()} == {"n1"}
+
+
+# slow tier (about 60 s): kept: the ZeRO-3 HSDP checkpoint in tests/e2e/test_zero_runs.py, the two-node job above
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hsdp_sweep_on_two_nodes_keeps_each_shard_group_on_a_node_and_the_losses(two_nodes, tmp_path):
+    """``-m zero=stage2,stage3 zero.shard_size=2 mesh=dp4 cluster.nodes=2``: each point is a two-node job of 2 tasks
+    a node; the shard groups (dp 0-1, dp 2-3) sit on one node each and only the replica all-reduce crosses; both
+    points continue the single-process losses within 1e-5."""
+    from p3d.train.reference import reference_run
+    from tests.helpers.runs import typed
+
+    sweep = tmp_path / "sweep"
+    result = p3d_train(
+        "-m", "cluster=slurm", "cluster.nodes=2", "mesh=dp4", "zero=stage2,stage3", "zero.shard_size=2",
+        "model=tiny", f"train.steps={STEPS}", "cluster.time=30", "cluster.signal_s=60", f"hydra.sweep.dir={sweep}",
+        timeout=580, env=client_env(),
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    jobs = re.findall(r"point #(\d) \(.*\): Slurm job (\d+), (\d) node\(s\) x (\d) tasks", result.stdout)
+    assert [(p, n, t) for p, _, n, t in jobs] == [("0", "2", "2"), ("1", "2", "2")], out[-4000:]
+    cfg, _ = typed("mesh=single", "model=tiny", f"train.steps={STEPS}")
+    want = {row["step"]: row["loss"] for row in reference_run(cfg)}
+    dims = ParallelDims(tp=1, pp=1, dp=4, procs_per_node=2)
+    for point in ("0", "1"):
+        got = losses(sweep / point)
+        assert sorted(got) == sorted(want) and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), point
+        host = {rank: p[0] for rank, p in placements(sweep / point).items()}
+        assert host == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}, host
+        assert all(len(h) == 1 for h in hosts_of(dims.shard_ranks(2), host)), host
+        assert all(len(h) == 2 for h in hosts_of(dims.shard_replica_ranks(2), host)), host

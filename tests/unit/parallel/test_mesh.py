@@ -106,3 +106,27 @@ def test_dp_auto_is_resolved_once_for_validation_and_planner():
         resolve_dp(2, 2, 0, nodes=1, gpus_per_node=None)
     cfg, plan = typed("mesh=tp2_pp2", "cluster=slurm", "cluster.gpus_per_node=4", "cluster.nodes=2")
     assert plan.dp == layout_of(cfg).dp == 2 and plan.world_size == 8
+
+
+@pytest.mark.parametrize("tp,pp,dp,s,per_node", [(1, 1, 4, 2, 2), (2, 2, 4, 2, 4), (2, 1, 8, 4, 8), (8, 2, 4, 1, 8)])
+def test_hsdp_shard_groups_sit_inside_a_node_when_their_ranks_divide_it(tp, pp, dp, s, per_node):
+    """zero.shard_size=s: each shard group is s dp ranks of one (pp, tp), s x tp consecutive ranks with tp fastest,
+    so Slurm's block placement (per_node consecutive ranks a node) keeps it on one node when s x tp divides
+    per_node; its replica groups hold one rank of every shard group and so cross the nodes."""
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, procs_per_node=per_node)
+    shards, replicas = dims.shard_ranks(s), dims.shard_replica_ranks(s)
+    assert (
+        sorted(r for g in shards for r in g) == sorted(r for g in replicas for r in g) == list(range(dims.world_size))
+    )
+    assert all(len(g) == s for g in shards) and all(len(g) == dp // s for g in replicas)
+    for g in shards:
+        assert {dims.coords_of(r)[1:] for r in g} == {dims.coords_of(g[0])[1:]}  # one (pp, tp): dp ranks only
+        assert len({dims.node_of(r) for r in g}) == 1, g
+    for g in replicas:  # one rank of each shard group of its dp group
+        assert all(sum(r in shard for r in g) <= 1 for shard in shards)
+
+
+def test_hsdp_shard_groups_cross_nodes_when_their_ranks_do_not_divide_one():
+    dims = ParallelDims(tp=1, pp=1, dp=6, procs_per_node=4)
+    assert dims.shard_ranks(3) == [[0, 1, 2], [3, 4, 5]]
+    assert [len({dims.node_of(r) for r in g}) for g in dims.shard_ranks(3)] == [1, 2]

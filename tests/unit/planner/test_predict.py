@@ -129,6 +129,17 @@ def test_refused_configs_are_modelled_and_flagged(make_cfg):
     assert gpt.to_json()["model"]["arch"] == "gpt"
 
 
+def test_hsdp_shard_groups_across_nodes_are_flagged(make_cfg):
+    """zero.shard_size=3 on dp6 with 4 ranks a node: each shard group (ranks 0, 2, 4 for tp 0) crosses nodes; 2 keeps
+    each inside one."""
+    common = ("model=small", "cluster.device=h100_sxm", "cluster.launcher=slurm", "cluster.nodes=3",
+              "cluster.gpus_per_node=4", "mesh.tp=2", "mesh.pp=1", "mesh.dp=6", "zero.stage=3")  # fmt: skip
+    crossed = predict(make_cfg(*common, "zero.shard_size=3"))
+    assert [w for w in crossed.warnings if "zero.shard_size=3: 4 of the shard groups" in w], crossed.warnings
+    kept = predict(make_cfg(*common, "zero.shard_size=2"))
+    assert not [w for w in kept.warnings if "shard groups" in w], kept.warnings
+
+
 def test_layout_that_does_not_divide_the_cluster_is_an_error(make_cfg):
     with pytest.raises(
         P3DConfigError,

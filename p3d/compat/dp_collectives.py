@@ -1,0 +1,154 @@
+"""Timing the data-parallel collectives a step waits on (``dp_comm_s``, docs/zero.md "Exposed dp communication").
+
+Two touchpoints, each checked by ``TOUCHPOINTS`` (tests/unit/compat/test_dp_collectives.py):
+- ``timed_dp_collectives``: while inside, the ``torch.distributed`` collectives that FSDP2, torch's
+  ``ZeroRedundancyOptimizer`` and p3d's own dp reduction call (looked up on the module at call time) report the
+  seconds their caller was blocked in them, when their group is one of the dp groups given. A synchronous call
+  blocks for the whole collective; an asynchronous one (``async_op=True``) for its launch and then for its
+  ``wait()``, which is timed on the returned work. Nested calls (one collective implemented by another) count once.
+- ``timed_deepspeed_allgathers``: DeepSpeed's ZeRO-1 and bf16 optimizers gather the updated parameter pieces over
+  dp in their ``step`` (``deepspeed.runtime.utils.all_gather_dp_groups``, imported by name into each optimizer's
+  module and looked up there at call time).
+
+On CPU with gloo every one of these blocks its caller (FSDP2 issues its all-gathers and reduce-scatters with
+``async_op=False`` off CUDA), so the figure is all of the step's dp traffic time. On CUDA FSDP2 orders its
+collectives on side streams and the host is not blocked: this counts the host's waits only (not yet measured on a
+GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+
+from p3d.compat.pipelining_internals import Touchpoint
+
+# The collectives p3d's dp paths reach: FSDP2 (all_gather_single, reduce_scatter_single; all_reduce under HSDP),
+# ZeroRedundancyOptimizer (broadcast), p3d's flat dp all-reduce; the rest for the ones these are built on.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "reduce",
+)
+DEEPSPEED_GATHER_MODULES = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.bf16_optimizer")
+DEEPSPEED_GATHER = "all_gather_dp_groups"
+
+
+class _TimedWork:
+    """An asynchronous collective's work whose ``wait()`` reports the seconds it blocked."""
+
+    def __init__(self, work, add: Callable[[float], None]):
+        self._work, self._add = work, add
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._add(time.perf_counter() - t0)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _group_of(args: tuple, kwargs: dict, fn) -> object:
+    if "group" in kwargs:
+        return kwargs["group"]
+    import inspect
+
+    try:
+        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
+    except TypeError:
+        return None
+
+
+@contextlib.contextmanager
+def timed_dp_collectives(groups: Iterable[object], add: Callable[[float], None]) -> Iterator[None]:
+    """While inside, the seconds blocked in collectives over any of ``groups`` go to ``add``."""
+    import torch.distributed as dist
+
+    mine = {id(g) for g in groups if g is not None}
+    depth = [0]  # a collective built on another one (all_gather_single on all_gather_into_tensor) counts once
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            if depth[0] or id(_group_of(args, kwargs, fn)) not in mine:
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                add(time.perf_counter() - t0)
+            return _TimedWork(work, add) if work is not None and kwargs.get("async_op") else work
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, timed(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def timed_deepspeed_allgathers(add: Callable[[float], None]) -> None:
+    """From now on in this process, DeepSpeed's optimizers' dp all-gathers of the updated pieces report their
+    seconds to ``add`` (one DeepSpeed engine per worker process)."""
+    for module_name in DEEPSPEED_GATHER_MODULES:
+        module = importlib.import_module(module_name)
+        original = getattr(module, DEEPSPEED_GATHER)
+        original = getattr(original, "__wrapped__", original)
+
+        def timed(*args, _original=original, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                add(time.perf_counter() - t0)
+
+        timed.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(module, DEEPSPEED_GATHER, timed)
+
+
+def _fsdp_calls(name: str) -> bool:
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return f"dist.{name}(" in inspect.getsource(_fsdp_collectives)
+
+
+def _has_gather(module: str) -> bool:
+    return hasattr(importlib.import_module(module), DEEPSPEED_GATHER)
+
+
+TOUCHPOINTS: tuple[Touchpoint, ...] = (
+    *(
+        Touchpoint(
+            f"torch.distributed.fsdp._fully_shard._fsdp_collectives calls dist.{name}",
+            "p3d.compat.dp_collectives.timed_dp_collectives",
+            partial(_fsdp_calls, name),
+        )
+        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")
+    ),
+    *(
+        Touchpoint(
+            f"{module}.{DEEPSPEED_GATHER}",
+            "p3d.compat.dp_collectives.timed_deepspeed_allgathers",
+            partial(_has_gather, module),
+        )
+        for module in DEEPSPEED_GATHER_MODULES
+    ),
+)
