@@ -61,6 +61,8 @@ def test_zero3_checkpoint_resumes_on_deepspeed_zero1_and_zero2_zbv(tmp_path):
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), f"step {r['step']} lr"
 
 
+# slow tier (20-29 s): kept: the cross-stage chain above (FSDP2's pieces saved and loaded)
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hsdp_checkpoint_resumes_on_zero2_and_exports_the_single_process_weights(tmp_path):
     """HSDP: ZeRO-3 on dp4 with zero.shard_size=2 (shard groups dp 0-1 and 2-3, each piece held twice) for 3 steps.
