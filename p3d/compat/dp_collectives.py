@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
@@ -59,13 +60,11 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _group_of(args: tuple, kwargs: dict, fn) -> object:
+def _group_of(args: tuple, kwargs: dict, signature) -> object:
     if "group" in kwargs:
         return kwargs["group"]
-    import inspect
-
     try:
-        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
+        return signature.bind_partial(*args, **kwargs).arguments.get("group")
     except TypeError:
         return None
 
@@ -80,8 +79,10 @@ def timed_dp_collectives(groups: Iterable[object], add: Callable[[float], None])
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def timed(fn):
+        signature = inspect.signature(fn)  # once: TP's all-reduces pass through here every layer
+
         def call(*args, **kwargs):
-            if depth[0] or id(_group_of(args, kwargs, fn)) not in mine:
+            if depth[0] or id(_group_of(args, kwargs, signature)) not in mine:
                 return fn(*args, **kwargs)
             depth[0] += 1
             t0 = time.perf_counter()
@@ -123,8 +124,6 @@ def timed_deepspeed_allgathers(add: Callable[[float], None]) -> None:
 
 
 def _fsdp_calls(name: str) -> bool:
-    import inspect
-
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     return f"dist.{name}(" in inspect.getsource(_fsdp_collectives)
