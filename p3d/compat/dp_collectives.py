@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
+import torch.distributed as dist
+
 from p3d.compat.pipelining_internals import Touchpoint
 
 # The collectives p3d's dp paths reach: FSDP2 (all_gather_single, reduce_scatter_single; all_reduce under HSDP),
@@ -43,10 +45,15 @@ DEEPSPEED_GATHER_MODULES = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.r
 DEEPSPEED_GATHER = "all_gather_dp_groups"
 
 
-class _TimedWork:
-    """An asynchronous collective's work whose ``wait()`` reports the seconds it blocked."""
+class _TimedWork(dist.Work):
+    """An asynchronous collective's work whose ``wait()`` reports the seconds it blocked.
+
+    A ``dist.Work`` itself, because its callers test for one: FSDP2 waits on an all-gather only when
+    ``isinstance(work, dist.distributed_c10d.Work)`` (``_fsdp_collectives.foreach_all_gather_copy_out``), and read a
+    proxy's buffers unwaited, which gave nan losses under the prefetching runtime schedules (interleaved, V)."""
 
     def __init__(self, work, add: Callable[[float], None]):
+        super().__init__()
         self._work, self._add = work, add
 
     def wait(self, *args, **kwargs):
@@ -55,6 +62,33 @@ class _TimedWork:
             return self._work.wait(*args, **kwargs)
         finally:
             self._add(time.perf_counter() - t0)
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def is_success(self):
+        return self._work.is_success()
+
+    def exception(self):
+        return self._work.exception()
+
+    def source_rank(self):
+        return self._work.source_rank()
+
+    def result(self):
+        return self._work.result()
+
+    def synchronize(self):
+        return self._work.synchronize()
+
+    def get_future(self):
+        return self._work.get_future()
+
+    def get_future_result(self):
+        return self._work.get_future_result()
+
+    def block_current_stream(self):
+        return self._work.block_current_stream()
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -72,7 +106,6 @@ def _group_of(args: tuple, kwargs: dict, signature) -> object:
 @contextlib.contextmanager
 def timed_dp_collectives(groups: Iterable[object], add: Callable[[float], None]) -> Iterator[None]:
     """While inside, the seconds blocked in collectives over any of ``groups`` go to ``add``."""
-    import torch.distributed as dist
 
     mine = {id(g) for g in groups if g is not None}
     depth = [0]  # a collective built on another one (all_gather_single on all_gather_into_tensor) counts once

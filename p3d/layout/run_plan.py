@@ -17,7 +17,7 @@ from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, La
 from p3d.config.shipped import conf_dir
 from p3d.layout.dims import ParallelDims, resolve_dp
 from p3d.layout.geometry import PIECES_RULE, layer_names, max_pieces, padded_vocab, stage_bounds, total_params
-from p3d.layout.schedule_rules import IW_SPLIT, V_SHAPED, check_schedule
+from p3d.layout.schedule_rules import V_SHAPED, check_schedule
 
 __all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
 
@@ -282,12 +282,6 @@ def check_zero(cfg: Config, pp: int, dp: int) -> None:
             f"zero.stage={stage} with schedule.pipeline={name} and model.tie_embeddings=true: the V placement puts "
             "both ends of the tied table in one module shared by two chunks, and FSDP2 shards a module for one "
             "chunk only; try schedule.pipeline=interleaved_1f1b, or model.tie_embeddings=false"
-        )
-    if stage >= 3 and name in IW_SPLIT:
-        raise P3DConfigError(
-            f"zero.stage={stage} with schedule.pipeline={name}: its weight pass (W) runs after the chunk's weights "
-            "were freed by a later forward, and torch 2.13 then computes the weight gradients on the shards "
-            "(measured: a wrong gradient norm at step 1); try zero=stage2, or schedule.pipeline=interleaved_1f1b"
         )
 
 

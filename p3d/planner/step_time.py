@@ -24,8 +24,9 @@ fill = p - 1; interleaved: (p - 1) / v; the I/W-split schedules: (p - 1) / (3 v)
 three passes), so the bubble, the idle share of the step, is B.
 
 DP: ZeRO 0 all-reduces the gradients once per step; a sharded optimizer reduce-scatters them and
-all-gathers the updated parameters; ZeRO 2 reduce-scatters every micro batch, ZeRO 3 also gathers
-the parameters forward and backward every micro batch. DeepSpeed's pipeline engine runs them after
+all-gathers the updated parameters; ZeRO 2 and 3 (FSDP2, docs/zero.md) reduce-scatter once a step and gather
+the weights once a step (ZeRO 2) or for every micro batch's forward and once for the backward (ZeRO 3, m + 1
+gathers, under every schedule: counted in tests/workers/test_zero_fsdp.py). DeepSpeed's pipeline engine runs them after
 the last backward (exposed); ``plan.overlap_dp`` hides them behind one micro batch's forward and
 backward (ZeRO 3: behind all compute of the step). Tied embeddings add one all-reduce of the table's
 gradient between the first and last stage. The optimizer step streams ~32 bytes per local

@@ -31,7 +31,13 @@ import torch.nn as nn
 
 from p3d.compat.deepspeed_internals import mark_pipe_replicated
 from p3d.compat.dp_collectives import timed_dp_collectives
-from p3d.compat.pipelining_internals import SCHEDULE_CLASSES, forward_only_order, schedule_class, timed_p2p_waits
+from p3d.compat.pipelining_internals import (
+    SCHEDULE_CLASSES,
+    forward_only_order,
+    schedule_class,
+    split_backward_on_gathered_weights,
+    timed_p2p_waits,
+)
 from p3d.config.schema import DType, Recompute
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.parallel.pipeline.chunks import ChunkModule
@@ -201,6 +207,9 @@ class TorchPipeline:
             pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
             for c, chunk in zip(self.chunk_ids, self.chunks)
         ]
+        if self.sharded and cfg.zero.stage >= 3 and schedule in IW_SPLIT:
+            for stage in self.stages:
+                split_backward_on_gathered_weights(stage)
         cls = pipelining.Schedule1F1B if schedule == TORCH_1F1B else schedule_class(schedule)
         stages = self.stages[0] if schedule in ("gpipe", TORCH_1F1B) else self.stages  # one stage per rank
         self.schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)

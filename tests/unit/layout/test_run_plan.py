@@ -105,7 +105,6 @@ PIPELINE_RULES = [  # p3d/layout/schedule_rules.py, docs/schedules.md, Refusals
         "gives 5 micro batches per replica: interleaved_1f1b runs them in rounds of max(1, m // mesh.pp) = 2",
         "schedule.global_batch_size=24",
     ),
-    ([*ZBV, "zero.stage=3"], "zero.stage=3 with schedule.pipeline=zbv: its weight pass", "try zero=stage2"),
     (
         [*ZBV, "zero.stage=2", "model.tie_embeddings=true"],
         "zero.stage=2 with schedule.pipeline=zbv and model.tie_embeddings=true",

@@ -96,20 +96,22 @@ def test_auto_on_cpu_needs_a_gpu_count(make_cfg):
 
 
 def test_refused_configs_are_modelled_and_flagged(make_cfg):
-    """ZeRO-3 under zbv: p3d-train refuses it; the planner still models FSDP2's shards over dp and says so."""
-    r = predict(
-        make_cfg(
-            "model=small",
-            "mesh.tp=1",
-            "mesh.pp=2",
-            "mesh.dp=4",
-            "zero.stage=3",
-            "schedule.pipeline=zbv",
-            "schedule.virtual_stages=2",
-            "schedule.global_batch_size=16",
-        )
+    """ZeRO-3 under zbv with tied embeddings: p3d-train refuses it (FSDP2 shards the V's shared table for one
+    chunk only); the planner still models FSDP2's shards over dp and says so. Untied, it runs and nothing warns."""
+    zbv3 = (
+        "model=small",
+        "mesh.tp=1",
+        "mesh.pp=2",
+        "mesh.dp=4",
+        "zero.stage=3",
+        "schedule.pipeline=zbv",
+        "schedule.virtual_stages=2",
+        "schedule.global_batch_size=16",
     )
-    assert any("p3d-train would refuse" in w and "zero.stage=3" in w for w in r.warnings)
+    untied = predict(make_cfg(*zbv3, "model.tie_embeddings=false"))
+    assert not any("would refuse" in w for w in untied.warnings), untied.warnings
+    r = predict(make_cfg(*zbv3, "model.tie_embeddings=true"))
+    assert any("p3d-train would refuse" in w and "model.tie_embeddings=true" in w for w in r.warnings)
     sp = r.stages[0].params.total
     assert r.stages[0].grads_bytes == pytest.approx(sp * 4 / 4)  # fp32, sharded over dp=4
     assert r.stages[0].params_bytes == pytest.approx(sp * 4 / 4)
