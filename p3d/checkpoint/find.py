@@ -41,7 +41,7 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
 def model_identity(cfg) -> dict:
     """The fields that make two runs the same model (the preset name does not count)."""
     m = cfg.model
-    return {
+    identity = {
         k: getattr(m, k)
         for k in (
             "n_layers",
@@ -55,6 +55,12 @@ def model_identity(cfg) -> dict:
             "norm_eps",
         )
     }
+    if getattr(m, "moe", None) is not None:  # the experts' tensors: a dense checkpoint has none (key absent)
+        e = m.moe
+        identity["moe"] = {
+            k: getattr(e, k) for k in ("n_experts", "expert_ffn_size", "n_shared_experts", "first_dense_layers")
+        }
+    return identity
 
 
 def find(run_dir: str | Path, resume: str) -> Path | None:
@@ -161,9 +167,14 @@ def verify(path: Path) -> dict:
 def check_compatible(meta: dict, cfg, path: Path) -> None:
     """Refuse a checkpoint of another model or tokenizer; any mesh and ZeRO stage may resume it."""
     want = model_identity(cfg)
-    diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
+    keys = [*want, *(["moe"] if "moe" in meta["model"] and "moe" not in want else [])]  # MoE vs dense either way
+    diff = {k: (meta["model"].get(k), want.get(k)) for k in keys if meta["model"].get(k) != want.get(k)}
     if diff:
         k, (was, now) = next(iter(diff.items()))
+        if k == "moe":  # {field: value} or null: name the first field that differs
+            was, now = was or {}, now or {}
+            sub = next(f for f in (*was, *now) if was.get(f) != now.get(f))
+            k, was, now = f"moe.{sub}", was.get(sub, "null (dense)"), now.get(sub, "null (dense)")
         raise CheckpointError(
             f"checkpoint {path} holds another model: model.{k}={was} there, {now} here; "
             f"resume with model.{k}={was} or start a new run.dir"

@@ -26,6 +26,11 @@ class Recompute(Enum):
     full = "full"
 
 
+class RouterScore(Enum):
+    softmax = "softmax"  # Mixtral, Qwen-MoE, DeepSeekMoE: a softmax over the experts' logits
+    sigmoid = "sigmoid"  # DeepSeek-V3: an independent sigmoid per expert (weights normalised over the top-k)
+
+
 class Partition(Enum):
     blocks = "blocks"  # balance transformer blocks over stages (embedding/head ride along)
     uniform = "uniform"  # balance all pipeline layers, embedding and head counted as layers
@@ -116,6 +121,28 @@ class TextUnit(Enum):
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts feed-forward in every block from ``first_dense_layers`` on (p3d/model/moe.py,
+    docs/moe.md). ``model.moe: null`` is a dense model."""
+
+    n_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is routed to
+    expert_ffn_size: Optional[int] = None  # each expert's SwiGLU inner size; null: model.ffn_hidden_size
+    n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of n_shared x expert_ffn_size)
+    first_dense_layers: int = 0  # the first blocks keep a dense SwiGLU of model.ffn_hidden_size
+    score: RouterScore = RouterScore.softmax
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral: true; DeepSeekMoE: false)
+    route_scale: float = 1.0  # the routed experts' output scaled by this (DeepSeek-V3: 2.5)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight, per MoE layer (0: off)
+    # aux-loss-free balancing (DeepSeek-V3): after each step, each expert's selection bias moves by this much
+    # toward the mean load (up when underloaded); 0: off
+    bias_update_rate: float = 0.0
+    # null: dropless (every routed token is computed); a number: each expert takes at most
+    # ceil(capacity_factor x tokens x top_k / n_experts) tokens of a micro batch, the rest of its tokens dropped
+    capacity_factor: Optional[float] = None
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     arch: Arch = Arch.llama
@@ -132,6 +159,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of every weight matrix at init; output projections scaled by 1/sqrt(2 L)
     init_from: Optional[str] = None  # a HF Llama checkpoint dir: its config.json sets the shape, its weights the init
     compile: bool = False  # torch.compile each transformer block (inductor; GPU and CPU)
+    moe: Optional[MoEConfig] = None  # null: dense; else a mixture-of-experts feed-forward (MoEConfig)
 
 
 @dataclass
@@ -140,6 +168,7 @@ class MeshConfig:
     tp: int = 1
     pp: int = 1
     dp: Any = "auto"  # an int, or "auto": world size / (tp * pp)
+    ep: int = 1  # expert parallelism: the experts of each MoE layer split over ep ranks carved from dp (divides dp)
 
 
 @dataclass
@@ -357,7 +386,17 @@ BOUNDS: dict[str, Bound] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": POSITIVE,
     "model.init_std": POSITIVE,
+    "model.moe.n_experts": AT_LEAST_1,
+    "model.moe.top_k": AT_LEAST_1,
+    "model.moe.expert_ffn_size": AT_LEAST_1,
+    "model.moe.n_shared_experts": NON_NEGATIVE,
+    "model.moe.first_dense_layers": NON_NEGATIVE,
+    "model.moe.route_scale": POSITIVE,
+    "model.moe.aux_loss_coef": NON_NEGATIVE,
+    "model.moe.bias_update_rate": NON_NEGATIVE,
+    "model.moe.capacity_factor": POSITIVE,
     "mesh.tp": AT_LEAST_1,
+    "mesh.ep": AT_LEAST_1,
     "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.layout.run_plan._world_size
     "schedule.micro_batch_size": AT_LEAST_1,
     "schedule.global_batch_size": AT_LEAST_1,

@@ -7,6 +7,9 @@ torch, no processes.
 Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = h / a, q = a * hd,
 kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded to a multiple of tp), s sequence,
 t = tp, p = pp, m micro batches per replica per step, v virtual stages per device.
+Mixture of experts (``model.moe``): E routed experts of inner size f_e, k of them per token, S shared experts;
+blocks i >= first_dense_layers are MoE blocks, the others dense. "Total" counts every expert, "active" the
+k routed and S shared experts a token goes through (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ def layer_names(n_layers: int) -> list[str]:
 
 def layer_costs(m: ModelConfig) -> list[float]:
     """Forward + backward FLOPs per token of each pipeline layer (``layer_names``), the terms of
-    ``model_flops_per_token``: a block 6 * block_matmul_params + 12 s q, the head 6 h V; the embedding
+    ``model_flops_per_token``: a block 6 * (its active) matmul params + 12 s q, the head 6 h V; the embedding
     (a lookup) and the final norm count 0. The head of a large vocabulary weighs several blocks: 5.5 for
     model=small (V = 50,304, h = 768)."""
     q, _ = head_dims(m)
-    block = 6.0 * block_matmul_params(m) + 12.0 * m.seq_len * q
-    return [0.0] + [block] * m.n_layers + [0.0, 6.0 * m.hidden_size * m.vocab_size]
+    blocks = [6.0 * block_matmul_params(m, layer=i, active=True) + 12.0 * m.seq_len * q for i in range(m.n_layers)]
+    return [0.0, *blocks, 0.0, 6.0 * m.hidden_size * m.vocab_size]
 
 
 def max_pieces(n_layers: int, partition: Partition) -> int:
@@ -140,13 +143,55 @@ def head_dims(m: ModelConfig) -> tuple[int, int]:
     return m.n_heads * hd, m.n_kv_heads * hd
 
 
-def block_matmul_params(m: ModelConfig, tp: int = 1) -> int:
+def is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    """Whether block ``layer`` has a mixture-of-experts feed-forward (the first ``first_dense_layers`` stay dense)."""
+    return m.moe is not None and layer >= m.moe.first_dense_layers
+
+
+def moe_layers(m: ModelConfig) -> list[int]:
+    """The block indices of the MoE layers, in order (their metrics are reported in this order)."""
+    return [i for i in range(m.n_layers) if is_moe_layer(m, i)]
+
+
+def expert_ffn_size(m: ModelConfig) -> int:
+    """f_e: one routed expert's SwiGLU inner size (``model.moe.expert_ffn_size``, else ``model.ffn_hidden_size``)."""
+    assert m.moe is not None
+    return m.moe.expert_ffn_size or m.ffn_hidden_size
+
+
+def expert_params(m: ModelConfig, tp: int = 1) -> int:
+    """One routed expert's weights on one tp rank: gate|up and down, 3 h f_e / t."""
+    return 3 * m.hidden_size * expert_ffn_size(m) // tp
+
+
+def attention_params(m: ModelConfig, tp: int = 1) -> int:
+    """q|k|v and o of one block on one tp rank: h (q + 2 kv) + h q, over t."""
+    q, kv = head_dims(m)
+    return (m.hidden_size * (q + 2 * kv) + m.hidden_size * q) // tp
+
+
+def mlp_params(m: ModelConfig, layer: int | None = None, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+    """The feed-forward matrices of block ``layer`` on one tp rank. Dense: 3 h f (llama), 2 h f (gpt). MoE: the
+    router h E (replicated over tp: not divided), the shared experts S x 3 h f_e / t, and the routed experts: all
+    E (``active=False``; E / ep of them on one ep rank) or the k a token goes through (``active=True``).
+    ``layer=None``: an MoE block when the model has experts."""
+    h = m.hidden_size
+    if layer is None:
+        layer = m.moe.first_dense_layers if m.moe is not None else 0
+    if not is_moe_layer(m, layer):
+        return (3 if m.arch == Arch.llama else 2) * h * m.ffn_hidden_size // tp
+    assert m.moe is not None
+    routed = m.moe.top_k if active else m.moe.n_experts // ep
+    return h * m.moe.n_experts + (m.moe.n_shared_experts + routed) * expert_params(m, tp)
+
+
+def block_matmul_params(m: ModelConfig, tp: int = 1, layer: int | None = None, active: bool = False) -> int:
     """Weights of one block's matrices on one tp rank (the ones that do 2 FLOPs per token each).
 
-    llama: h (q + 2 kv) (q|k|v) + h q (o) + 3 h f (gate|up, down); gpt: 2 h f for the MLP."""
-    q, kv = head_dims(m)
-    mlp = (3 if m.arch == Arch.llama else 2) * m.hidden_size * m.ffn_hidden_size
-    return (m.hidden_size * (q + 2 * kv) + m.hidden_size * q + mlp) // tp
+    llama: h (q + 2 kv) (q|k|v) + h q (o) + 3 h f (gate|up, down); gpt: 2 h f for the MLP. An MoE block
+    (``layer`` one, or None on a model with experts): its feed-forward is ``mlp_params``, every expert or
+    (``active``) the ones a token uses."""
+    return attention_params(m, tp) + mlp_params(m, layer, tp, active)
 
 
 def block_vector_params(m: ModelConfig, tp: int = 1) -> int:
@@ -158,29 +203,40 @@ def block_vector_params(m: ModelConfig, tp: int = 1) -> int:
     return (q + 2 * kv) // tp + m.ffn_hidden_size // tp + 2 * h + 4 * h
 
 
-def total_params(m: ModelConfig) -> int:
-    """Closed form of the whole model, unpadded vocab, a tied table counted once."""
+def _embedding_params(m: ModelConfig) -> int:
     h = m.hidden_size
     embed = m.vocab_size * h * (1 if m.tie_embeddings else 2) + (m.seq_len * h if m.arch == Arch.gpt else 0)
-    final = h if m.arch == Arch.llama else 2 * h
-    return m.n_layers * (block_matmul_params(m) + block_vector_params(m)) + embed + final
+    return embed + (h if m.arch == Arch.llama else 2 * h)  # and the final norm
+
+
+def total_params(m: ModelConfig) -> int:
+    """Closed form of the whole model, unpadded vocab, a tied table counted once; every expert."""
+    blocks = sum(block_matmul_params(m, layer=i) + block_vector_params(m) for i in range(m.n_layers))
+    return blocks + _embedding_params(m)
+
+
+def active_params(m: ModelConfig) -> int:
+    """The parameters one token goes through: ``total_params`` with each MoE block's routed experts cut to the
+    top-k (the figure MoE models publish as "active"; equal to ``total_params`` for a dense model)."""
+    blocks = sum(block_matmul_params(m, layer=i, active=True) + block_vector_params(m) for i in range(m.n_layers))
+    return blocks + _embedding_params(m)
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Model FLOPs per token, forward + backward (the MFU numerator; recompute not counted).
 
-        6 * (L * block_matmul_params + h * V)  +  12 * L * s * q
+        6 * (sum over blocks of their active matmul params + h * V)  +  12 * L * s * q
 
     6 = 2 FLOPs per multiply-add x 3 (forward, and backward's two matmuls). The attention scores
     and the weighted sum cost 2 * 2 * s * q per token forward, the full s x s square (the
     Megatron / PaLM convention: causality not discounted). Embedding lookups, norms, activations
     and the softmax are not counted. For a GPT with f = 4h it is Narayanan et al. (2021) Eq. 3
-    without the recompute term: 72 L h^2 (1 + s / 6h + V / 12 L h) per token.
+    without the recompute term: 72 L h^2 (1 + s / 6h + V / 12 L h) per token. An MoE block counts the
+    router and the experts a token goes through (k routed, S shared), not the others.
     """
     q, _ = head_dims(m)
-    return (
-        6.0 * (m.n_layers * block_matmul_params(m) + m.hidden_size * m.vocab_size) + 12.0 * m.n_layers * m.seq_len * q
-    )
+    matmul = sum(block_matmul_params(m, layer=i, active=True) for i in range(m.n_layers))
+    return 6.0 * (matmul + m.hidden_size * m.vocab_size) + 12.0 * m.n_layers * m.seq_len * q
 
 
 def recompute_flops_per_token(m: ModelConfig, recompute: str) -> float:
@@ -192,7 +248,7 @@ def recompute_flops_per_token(m: ModelConfig, recompute: str) -> float:
     q, _ = head_dims(m)
     attn = 4.0 * m.n_layers * m.seq_len * q
     if recompute == "full":
-        return 2.0 * m.n_layers * block_matmul_params(m) + attn
+        return 2.0 * sum(block_matmul_params(m, layer=i, active=True) for i in range(m.n_layers)) + attn
     return attn if recompute == "selective" else 0.0
 
 

@@ -147,11 +147,16 @@ def _inside(b: Bound, value: float) -> bool:
 def check_fields(cfg: Config) -> None:
     """Every int and float field against its bound (``p3d.config.schema.BOUNDS``); NaN and inf are refused."""
     for key, b in BOUNDS.items():
-        group, name = key.split(".")
-        value = getattr(getattr(cfg, group), name)
+        *path, name = key.split(".")
+        owner: object = cfg
+        for part in path:  # model.moe.top_k: no owner when model.moe is null (a dense model)
+            owner = getattr(owner, part) if owner is not None else None
+        if owner is None:
+            continue
+        value = getattr(owner, name)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue  # null: the preset's or the code's default; a non-number: the field's own rule
-        default = getattr(type(getattr(cfg, group))(), name)
+        default = getattr(type(owner)(), name)
         if not math.isfinite(value):
             raise P3DConfigError(f"{key}={value} must be a finite number; try {key}={default}")
         if not _inside(b, value):
