@@ -49,7 +49,16 @@ from p3d.checkpoint.find import (
     step_dir,
     write_latest,
 )
-from p3d.checkpoint.snapshot import ADAM_KEYS, Saver, Snapshot, collect_manifests, drop, make_dirs, set_rng_state
+from p3d.checkpoint.snapshot import (
+    ADAM_KEYS,
+    Saver,
+    Snapshot,
+    collect_manifests,
+    drop,
+    make_dirs,
+    persistent_buffers,
+    set_rng_state,
+)
 from p3d.compat.deepspeed_internals import (
     has_hp_mapping,
     links_optimizer_states,
@@ -329,6 +338,12 @@ def _load(ck: Checkpointer, path: Path) -> dict:
         for st in base.state.values():
             if "step" in st:
                 st["step"] = step_t.clone() if torch.is_tensor(st["step"]) else applied
+    for m, _ in targets:  # the routers' selection biases, from the model files
+        for name, buf in persistent_buffers(m):
+            try:
+                buf.copy_(source.param(name).to(buf.device, buf.dtype))
+            except KeyError:
+                raise CheckpointError(f"checkpoint {path} has no buffer {name}") from None
     rng = path / "rng" / f"rank{dist.get_rank()}.json"
     if not legacy and rng.is_file() and meta["mesh"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
         set_rng_state(read_json(rng))

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from p3d.checkpoint.files import CheckpointSaveError, fsync_dir, save_failed, write_json, write_tensors
 from p3d.compat.deepspeed_internals import has_hp_mapping, hp_fragment
+from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.zero.fsdp import flat_range, is_sharded, local, piece_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -91,6 +92,33 @@ def dp_slices(numels: list[int], dp: int, dp_rank: int) -> list[tuple[int, int]]
     return out
 
 
+def holder_slices(named: list[tuple[str, torch.Tensor]], sharded: bool, mesh) -> list[tuple[int, int]]:
+    """(start, numel) of each parameter that this rank writes (``dp_slices``): the dense ones cut over the dp ranks,
+    which all hold them, the routed experts' over the dp / ep ranks of their edp group, the only ones that hold
+    them (p3d.layout.dims). ZeRO-2/3: none (each rank writes the piece FSDP2 gave it)."""
+    out: list[tuple[int, int]] = [(0, 0)] * len(named)
+    if sharded:
+        return out
+    for expert, (holders, rank) in ((False, (mesh.dp, mesh.dp_rank)), (True, (mesh.edp, mesh.dp_rank // mesh.ep))):
+        mine = [i for i, (_, p) in enumerate(named) if is_expert_param(p) == expert]
+        for i, cut in zip(mine, dp_slices([named[i][1].numel() for i in mine], holders, rank)):
+            out[i] = cut
+    return out
+
+
+BUFFER_ENTRY = {"start": 0, "keys": ["param"], "shard": {"kind": "replicated"}, "buffer": True}
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's buffers that its state dict keeps (the routers' ``expert_bias``), by global name."""
+    out = []
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
 def rng_state() -> dict:
     version, mt, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -123,11 +151,15 @@ class Snapshot:
         host = host or HostBuffers()
         named = list(module.named_parameters())
         sharded = bool(named) and is_sharded(named[0][1])  # ZeRO-2/3 (FSDP2): each dp rank writes the rows it holds
-        slices = dp_slices([0 if sharded else p.numel() for _, p in named], mesh.dp, mesh.dp_rank)
+        slices = holder_slices(named, sharded, mesh)
         self.params: dict[str, torch.Tensor] = {}
         self.params_index: dict[str, dict] = {}
         self.optim: dict[str, torch.Tensor] = {}
         self.optim_index: dict[str, dict] = {}
+        if mesh.dp_rank == 0:  # persistent buffers (the routers' selection biases): the same on every dp rank
+            for name, buf in persistent_buffers(module):
+                self.params[f"{name}/param"] = host.copy(f"{key}model/{name}/param", buf.reshape(-1))
+                self.params_index[name] = BUFFER_ENTRY | {"shape": list(buf.shape)}
         for (name, p), (start, numel) in zip(named, slices):
             if numel:
                 self.params[f"{name}/param"] = host.copy(

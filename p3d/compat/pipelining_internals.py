@@ -155,6 +155,22 @@ def split_backward_on_gathered_weights(stage) -> None:
     stage.backward_maybe_with_nosync = backward
 
 
+def after_metadata_inference(stage, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once torch's metadata inference of ``stage`` is over.
+
+    The first time a torch 2.13 schedule steps, it runs each stage's forward and backward on stand-in tensors
+    to learn the shapes (``_initialize_pp_stages``: ``_forward_metadata_inference``, ``_backward_metadata_inference``)
+    and then calls ``stage._post_metadata_inference_cleanup()``, which drops FSDP's side effects of that pass;
+    ``fn`` drops ours (the MoE blocks' routing figures of the stand-in tokens)."""
+    original = stage._post_metadata_inference_cleanup
+
+    def cleanup() -> None:
+        original()
+        fn()
+
+    stage._post_metadata_inference_cleanup = cleanup
+
+
 # ---- the checks
 
 
@@ -226,6 +242,16 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
         "p3d.compat.pipelining_internals.forward_only_order",
         lambda: (
             "pipeline_order_with_comms" in inspect.getsource(_schedules()._PipelineScheduleRuntime._step_microbatches)
+        ),
+    ),
+    Touchpoint(
+        f"{PIPELINING} schedules call stage._post_metadata_inference_cleanup() after metadata inference",
+        "p3d.compat.pipelining_internals.after_metadata_inference",
+        lambda: (
+            _source_has(
+                f"{PIPELINING}.schedules", "_PipelineSchedule", "_initialize_pp_stages", "_post_metadata_inference"
+            )
+            and _source_has(f"{PIPELINING}.stage", "PipelineStage", "_post_metadata_inference_cleanup", "def ")
         ),
     ),
     Touchpoint(

@@ -8,6 +8,11 @@ DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; the last 
 
 so a TP group is a run of adjacent ranks (one node, the fastest links), the dp replicas of a stage
 come next (stride tp) and pipeline stages are furthest apart (stride tp * dp).
+
+Expert parallelism (``ep``) is carved from dp, not a dimension of its own: dp rank d holds the experts of ep
+rank d % ep. An ep group is ep consecutive dp ranks (so ep x tp consecutive global ranks, one node where that
+fits: the all-to-alls stay on the fastest links), and the expert-data-parallel (edp) group of a rank is the
+dp / ep ranks of its dp group with the same ep rank: they hold the same experts and reduce their gradients.
 ``tests/unit/parallel/test_mesh.py`` checks this against DeepSpeed's topology.
 """
 
@@ -49,18 +54,22 @@ class ParallelDims:
     pp: int
     dp: int
     procs_per_node: int | None = None  # None: the whole world on one node
+    ep: int = 1  # experts split over ep ranks of each dp group (ep divides dp)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     def describe(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x tp={self.tp} ({self.world_size} ranks)"
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        return f"dp={self.dp}{ep} x pp={self.pp} x tp={self.tp} ({self.world_size} ranks)"
 
     # ---- rank <-> coordinates
     def rank_of(self, dp: int, pp: int, tp: int) -> int:
@@ -105,6 +114,19 @@ class ParallelDims:
     def shard_replica_ranks(self, shard_size: int) -> list[list[int]]:
         """HSDP's replica groups: the dp ranks of each dp group that hold the same piece (one per shard group)."""
         return [ranks[j::shard_size] for ranks in self.dp_ranks() for j in range(shard_size)]
+
+    def ep_rank_of(self, dp_rank: int) -> int:
+        """Which ep rank's experts dp rank ``dp_rank`` holds."""
+        return dp_rank % self.ep
+
+    def ep_ranks(self) -> list[list[int]]:
+        """The ep groups: runs of ep consecutive dp ranks of each dp group (the tokens' all-to-alls)."""
+        return [ranks[lo : lo + self.ep] for ranks in self.dp_ranks() for lo in range(0, self.dp, self.ep)]
+
+    def edp_ranks(self) -> list[list[int]]:
+        """The expert-data-parallel groups: the dp ranks of each dp group with the same ep rank (the experts'
+        gradient reduction and their ZeRO sharding)."""
+        return [ranks[e :: self.ep] for ranks in self.dp_ranks() for e in range(self.ep)]
 
     def replica_ranks(self) -> list[list[int]]:
         """The pp x tp ranks of each dp replica (all ranks with one dp coordinate)."""

@@ -16,7 +16,15 @@ from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher
 from p3d.config.shipped import conf_dir
 from p3d.layout.dims import ParallelDims, resolve_dp
-from p3d.layout.geometry import PIECES_RULE, layer_names, max_pieces, padded_vocab, stage_bounds, total_params
+from p3d.layout.geometry import (
+    PIECES_RULE,
+    active_params,
+    layer_names,
+    max_pieces,
+    padded_vocab,
+    stage_bounds,
+    total_params,
+)
 from p3d.layout.schedule_rules import V_SHAPED, check_schedule
 
 __all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
@@ -37,10 +45,12 @@ class RunPlan:
     logging_rank: int = 0  # last stage, dp 0, tp 0: where the loss is known (ParallelDims.logging_rank)
     backend: str = "gloo"
     n_params: int = 0  # closed form, unpadded vocab, tied embedding counted once
+    ep: int = 1  # expert parallelism, carved from dp (p3d.layout.dims)
+    n_active_params: int = 0  # what one token goes through (MoE: the top-k experts); = n_params for a dense model
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node)
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node, ep=self.ep)
 
 
 def _mesh_presets() -> dict[tuple[int, int, str], str]:
@@ -339,7 +349,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
             "machine; try cluster.nodes=1 or cluster=slurm"
         )
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
-    dims = ParallelDims(tp, pp, dp)
+    dims = ParallelDims(tp, pp, dp, ep=cfg.mesh.ep if dp % cfg.mesh.ep == 0 else 1)  # ep's own rule: check_experts
     # cpu workers on several nodes: spread evenly (p3d.jobs.slurm.submit.job_shape refuses an uneven split)
     per_node = world // cfg.cluster.nodes if world % cfg.cluster.nodes == 0 else world
     return RunPlan(
@@ -356,4 +366,6 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
         logging_rank=dims.logging_rank,
         backend=backend,
         n_params=total_params(cfg.model),
+        ep=cfg.mesh.ep,
+        n_active_params=active_params(cfg.model),
     )

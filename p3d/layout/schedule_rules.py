@@ -28,8 +28,10 @@ def pipeline_name(cfg: Config) -> str:
 def runs_on_deepspeed(cfg: Config) -> bool:
     """The executor follows from the config: DeepSpeed's engine runs ``1f1b`` with ZeRO 0-1; torch's pipelining
     runs every other schedule, and ``1f1b`` (its Schedule1F1B) with ZeRO-2/3, which DeepSpeed's pipeline engine
-    refuses (FSDP2 shards over dp there: p3d.parallel.zero.fsdp)."""
-    return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2
+    refuses (FSDP2 shards over dp there: p3d.parallel.zero.fsdp), and with expert parallelism (mesh.ep > 1):
+    DeepSpeed's engine reduces every gradient over the whole dp group and shards ZeRO-1 over it, and does it
+    over expert groups only for its own MoE layer class and group registry (docs/moe.md)."""
+    return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1
 
 
 def fewest_chunks_per_rank(pipeline: str) -> int:

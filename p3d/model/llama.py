@@ -23,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from p3d.layout.geometry import is_moe_layer
+from p3d.model.moe import MoEFeedForward
 from p3d.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, on_meta
 from p3d.parallel.tp.mappings import copy_to_tp
 
@@ -184,7 +186,11 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
         self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
-        self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed, sequence_parallel, recompute_swiglu)
+        self.mlp: nn.Module
+        if is_moe_layer(cfg, layer_idx):
+            self.mlp = MoEFeedForward(cfg, mesh, layer_idx, seed, sequence_parallel, recompute_swiglu)
+        else:
+            self.mlp = SwiGLU(cfg, mesh, f"{prefix}.mlp", seed, sequence_parallel, recompute_swiglu)
         if cfg.compile:  # torch.compile of this block's forward (inductor: fused kernels on GPU and CPU alike)
             self.compile()
 

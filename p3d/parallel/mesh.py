@@ -26,6 +26,11 @@ class Mesh:
     pp_group: Any = field(default=None, compare=False, repr=False)
     dp_group: Any = field(default=None, compare=False, repr=False)
     replica_group: Any = field(default=None, compare=False, repr=False)  # pp x tp ranks of one dp replica
+    ep: int = 1  # expert parallelism, carved from dp (p3d.layout.dims)
+    ep_group: Any = field(
+        default=None, compare=False, repr=False
+    )  # the ep dp ranks whose experts this rank's tokens reach
+    edp_group: Any = field(default=None, compare=False, repr=False)  # the dp ranks holding this rank's experts
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -33,7 +38,7 @@ class Mesh:
 
     @classmethod
     def from_plan(cls, plan, rank: int) -> Mesh:
-        return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, rank=rank, procs_per_node=plan.procs_per_node)
+        return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, rank=rank, procs_per_node=plan.procs_per_node, ep=plan.ep)
 
     @property
     def world_size(self) -> int:
@@ -48,7 +53,7 @@ class Mesh:
 
     @cached_property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node)
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node, ep=self.ep)
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -65,6 +70,16 @@ class Mesh:
     @property
     def tp_rank(self) -> int:
         return self.coords[2]
+
+    @property
+    def ep_rank(self) -> int:
+        """Which of the ep shares of each MoE layer's experts this rank holds."""
+        return self.dims.ep_rank_of(self.dp_rank)
+
+    @property
+    def edp(self) -> int:
+        """The ranks that hold the same experts (and reduce their gradients): dp / ep."""
+        return self.dp // self.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -86,11 +101,14 @@ class Mesh:
             ("pp_group", d.pp_ranks()),
             ("dp_group", d.dp_ranks()),
             ("replica_group", d.replica_ranks()),
+            *((("ep_group", d.ep_ranks()), ("edp_group", d.edp_ranks())) if self.ep > 1 else ()),
         ):
             for ranks in lists:
                 g = dist.new_group(ranks=ranks)
                 if self.rank in ranks:
                     groups[name] = g
+        if self.ep == 1:  # every expert on every dp rank: their gradients reduce over dp like the rest
+            groups["edp_group"] = groups["dp_group"]
         return dataclasses.replace(self, **groups)
 
     def describe(self) -> str:

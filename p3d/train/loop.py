@@ -21,7 +21,7 @@ from p3d.layout.geometry import schedule_bubble
 from p3d.parallel.mesh import Mesh
 from p3d.train.executors import build_executor
 from p3d.train.faults import StepPolicy, fault_state, restore_fault_state
-from p3d.train.metrics import MetricsLogger, peak_memory_gb
+from p3d.train.metrics import ExpertFigures, MetricsLogger, peak_memory_gb
 from p3d.train.timing import StragglerWatch
 
 KILL_ENV = "P3D_TEST_KILL_AT"
@@ -118,6 +118,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             else [None] * cfg.train.eval_batches
         )
     stopper = Stopper()
+    experts = ExpertFigures(cfg.model, ex.module) if cfg.model.moe is not None else None
     metrics = None
     if rank == plan.logging_rank:
         from p3d.rundir.spec import spec_dict
@@ -161,6 +162,9 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             )
         assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
         failed, fault_line, extra = policy.apply(gate.verdict)
+        if experts is not None:  # every rank: the step's routing figures, and aux-loss-free balancing
+            with hang.phase("the routing figures' all-reduce", step):
+                extra.update(experts.after_step(device))
         slow_fields, slow_lines = stragglers.update(compute)
         extra.update(slow_fields)
         for line in slow_lines if metrics else []:

@@ -15,6 +15,8 @@ Written by one rank only (last stage, dp 0, tp 0), where the loss is known. Figu
   ranks, p3d.train.timing): the dp reduction, and ZeRO's gathers and reduce-scatters.
 - stage_compute_s: forward + backward seconds of the step per pipeline stage (mean over its ranks): a
   measured bubble above theory with unequal stage figures is imbalance, not fill and drain.
+- MoE models: moe_aux_loss, moe_aux_loss_layers, moe_load_imbalance, moe_dropped (p3d.parallel.experts.balance);
+  loss stays the language-model loss. tflops_per_device and mfu count the active parameters.
 """
 
 from __future__ import annotations
@@ -100,6 +102,25 @@ def _netrc_has_wandb() -> bool:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+class ExpertFigures:
+    """A run's MoE routing figures: each step, on every rank, the figures of every MoE layer summed over the world
+    (one all-reduce), the selection biases moved (aux-loss-free balancing), and the metrics they give."""
+
+    def __init__(self, model_cfg, module):
+        from p3d.layout.geometry import moe_layers
+        from p3d.model.moe import moe_blocks
+
+        self.moe = model_cfg.moe
+        self.blocks, self.n_layers = moe_blocks(module), len(moe_layers(model_cfg))
+
+    def after_step(self, device) -> dict:
+        from p3d.parallel.experts.balance import metrics, step_figures, update_expert_bias
+
+        figures = step_figures(self.blocks, self.n_layers, self.moe.n_experts, device)
+        update_expert_bias(self.blocks, figures, self.moe.bias_update_rate)
+        return metrics(figures)
 
 
 class MetricsLogger:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from p3d.compat.deepspeed_internals import GRAD_NORM_ATTR, is_pipe_replicated
 from p3d.config.schema import LRDecay, TrainConfig
+from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.tp.layers import owned_by_tp_rank
 from p3d.parallel.zero.fsdp import local
 
@@ -44,22 +45,37 @@ def global_grad_norm(params, mesh, sharded_over_dp: bool = False, replicas: int 
     summed in fp64 (so a sum over 10^11 elements keeps its digits), on the gradients' device.
     ``sharded_over_dp``: the gradients are FSDP2's dp pieces (ZeRO-2/3); each rank counts its own piece, and
     under HSDP each piece is held by ``replicas`` ranks (identical after FSDP2's all-reduce across them)."""
-    chunks = [
-        c
-        for p in params
-        if p.grad is not None and counts_in_norm(p, mesh.tp_rank)
-        for c in local(p.grad).detach().reshape(-1).split(NORM_CHUNK)
-    ]
-    device = chunks[0].device if chunks else torch.device("cpu")
-    sq = (
-        torch.stack(torch._foreach_norm(chunks, 2.0)).double().pow(2).sum()
-        if chunks
-        else torch.zeros((), dtype=torch.float64, device=device)
-    )
+    counted = [p for p in params if p.grad is not None and counts_in_norm(p, mesh.tp_rank)]
+    device = counted[0].grad.device if counted else torch.device("cpu")
+    dense, experts = (_squares([p for p in counted if is_expert_param(p) == e], device) for e in (False, True))
+    if experts_apart(mesh, sharded_over_dp):
+        return (_experts_weighed(dense, experts, mesh) / replicas).sqrt()
+    sq = dense + experts
     group = norm_group(mesh, sharded_over_dp)
     if group is not False:
         dist.all_reduce(sq, group=group)
     return (sq / replicas).sqrt()
+
+
+def _squares(params: list[torch.nn.Parameter], device) -> torch.Tensor:
+    chunks = [c for p in params for c in local(p.grad).detach().reshape(-1).split(NORM_CHUNK)]  # type: ignore[union-attr]
+    if not chunks:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(chunks, 2.0)).double().pow(2).sum()
+
+
+def experts_apart(mesh, sharded_over_dp: bool) -> bool:
+    """Whether routed experts' squares need their own weight in the norm: with ep > 1 and whole (unsharded)
+    gradients, dense ones are the same on all dp ranks but an expert's only on its dp / ep edp ranks."""
+    return mesh.ep > 1 and not sharded_over_dp
+
+
+def _experts_weighed(dense: torch.Tensor, experts: torch.Tensor, mesh) -> torch.Tensor:
+    """The sum of squares over the whole model from this rank's (dense, experts) squares, each copy counted once:
+    summed over the world, dense / dp (dp copies) and experts / edp (edp copies)."""
+    sq = dense / mesh.dp + experts / mesh.edp
+    dist.all_reduce(sq)
+    return sq
 
 
 @torch.no_grad()
@@ -85,18 +101,23 @@ def norm_once_reduced(
     for p, group in tied:  # first, so no rank waits on a tied holder that is busy with its dp reductions
         dist.all_reduce(copies[id(p)], group=group)
     device = grads[0][1].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
+    sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]  # dense, experts
     for p, _ in grads:
-        c = copies.pop(id(p))
+        c, expert = copies.pop(id(p)), is_expert_param(p)
         if mesh.dp > 1 and not reduced_over_dp:
-            dist.all_reduce(c, group=mesh.dp_group)
+            dist.all_reduce(c, group=mesh.edp_group if expert else mesh.dp_group)  # experts: over their holders
             c.div_(mesh.dp)
+        elif expert and mesh.ep > 1:  # ZeRO-2/3: FSDP2's mean over edp, which the step divides by ep
+            c.div_(mesh.ep)
         if counts_in_norm(p, mesh.tp_rank):
-            sq += torch.linalg.vector_norm(c.double()) ** 2
+            sq[expert] += torch.linalg.vector_norm(c.double()) ** 2
+    if experts_apart(mesh, reduced_over_dp):
+        return float((_experts_weighed(sq[0], sq[1], mesh) / replicas).sqrt())
+    total = sq[0] + sq[1]
     group = norm_group(mesh, reduced_over_dp)
     if group is not False:
-        dist.all_reduce(sq, group=group)
-    return float((sq / replicas).sqrt())
+        dist.all_reduce(total, group=group)
+    return float((total / replicas).sqrt())
 
 
 class ClippedAdamW(torch.optim.AdamW):

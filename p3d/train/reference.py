@@ -13,7 +13,10 @@ import time
 import torch
 
 from p3d.data.loader import global_batches, validation_batches
-from p3d.layout.geometry import padded_vocab
+from p3d.layout.geometry import moe_layers, padded_vocab
+from p3d.model.moe import moe_blocks, set_micro_batches
+from p3d.parallel.experts.balance import metrics as moe_metrics
+from p3d.parallel.experts.balance import step_figures, update_expert_bias
 from p3d.parallel.pipeline.specs import to_sequential
 from p3d.train.optim import build_optimizer
 
@@ -53,8 +56,10 @@ def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
     opt, sched = build_optimizer(model, cfg.train)
     batches = batches or global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.seed)
     mbs = cfg.schedule.micro_batch_size
-    every = cfg.train.eval_every
     gbs = cfg.schedule.global_batch_size
+    blocks = moe_blocks(model)
+    set_micro_batches(model, gbs // mbs)
+    every = cfg.train.eval_every
     val = validation_batches(cfg.data, cfg.model.seq_len, gbs, cfg.train.eval_batches) if every > 0 else []
     out = []
     for step in range(1, (steps or cfg.train.steps) + 1):
@@ -80,6 +85,11 @@ def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
                 "step_time_s": time.perf_counter() - t0,
             }
         )
+        if blocks:  # the step's routing figures; aux-loss-free balancing moves the selection biases
+            assert cfg.model.moe is not None
+            figures = step_figures(blocks, len(moe_layers(cfg.model)), cfg.model.moe.n_experts)
+            update_expert_bias(blocks, figures, cfg.model.moe.bias_update_rate)
+            out[-1].update(moe_metrics(figures))
         if val and (step % every == 0 or step == cfg.train.steps):
             out[-1]["val_loss"] = val_loss(model, val, mbs)
     return out

@@ -190,6 +190,12 @@ def scatter_to_sp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _ScatterToSP.apply(x, group)
 
 
+@torch.no_grad()
+def gather_seq_values(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/tp, ...) -> (b, s, ...) with no gradient (values such as routing decisions)."""
+    return x if _size(group) == 1 else _gather_seq(x, group)
+
+
 class _GatheredLinear(torch.autograd.Function):
     """y = gather_seq(x) W^T for a column-parallel layer under sequence parallelism.
 

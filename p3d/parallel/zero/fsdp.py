@@ -26,15 +26,17 @@ unsharded gradient (tests/workers/test_zero_collectives.py counts the reduce-sca
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from p3d.compat.deepspeed_internals import PIPE_REPLICATED_ATTR
+from p3d.parallel.experts.params import EXPERT_PARALLEL
 
 # The markers p3d reads on parameters (p3d.parallel.tp.layers, p3d.compat.deepspeed_internals); FSDP2 replaces
 # each parameter by a new DTensor parameter, so they are copied over by name.
-MARKERS = ("model_parallel", "tensor_model_parallel", PIPE_REPLICATED_ATTR)
+MARKERS = ("model_parallel", "tensor_model_parallel", PIPE_REPLICATED_ATTR, EXPERT_PARALLEL)
 
 
 def dp_device_mesh(mesh, device: torch.device, shard_size: int | None = None):
@@ -65,9 +67,28 @@ def dp_device_mesh(mesh, device: torch.device, shard_size: int | None = None):
     )
 
 
-def shard_chunk(chunk: nn.Module, dp_mesh, stage: int, unit: type[nn.Module], mp_policy=None) -> None:
+def expert_device_mesh(mesh, device: torch.device):
+    """The DeviceMesh of the routed experts' FSDP2 units: the edp group (the dp / ep ranks holding the same
+    experts; one rank when ep = dp)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(mesh.edp_group, device.type, mesh_dim_names=("edp",))
+
+
+def shard_chunk(
+    chunk: nn.Module,
+    dp_mesh,
+    stage: int,
+    unit: type[nn.Module],
+    mp_policy=None,
+    experts_of: Callable[[nn.Module], nn.Module | None] | None = None,
+    experts_mesh=None,
+) -> None:
     """Wrap ``chunk`` in place: each child of type ``unit`` (the transformer block) an FSDP unit, then the chunk
-    as the root of the rest."""
+    as the root of the rest. ``experts_of(block)``: its routed experts, made a unit of their own over
+    ``experts_mesh`` (the edp group) first: they differ between the ep ranks of dp, so they are sharded only over
+    the ranks that hold them, and FSDP2 reduces their gradients over those (to their mean over edp, which the
+    executor divides by ep: FSDP2's own divide factor is applied twice on a one-rank group in torch 2.13)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     markers = {
@@ -76,6 +97,9 @@ def shard_chunk(chunk: nn.Module, dp_mesh, stage: int, unit: type[nn.Module], mp
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=stage >= 3, mp_policy=mp_policy or MixedPrecisionPolicy())
     for module in chunk.children():
         if isinstance(module, unit):
+            experts = experts_of(module) if experts_of is not None else None
+            if experts is not None:
+                fully_shard(experts, **{**kwargs, "mesh": experts_mesh})
             fully_shard(module, **kwargs)
     fully_shard(chunk, **kwargs)
     for name, p in chunk.named_parameters():

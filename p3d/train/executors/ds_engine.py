@@ -15,6 +15,7 @@ from p3d.compat.deepspeed_internals import (
 )
 from p3d.config.schema import DType, Recompute
 from p3d.data.loader import rank_slice
+from p3d.model.moe import set_micro_batches
 from p3d.parallel.hang import HangWatch
 from p3d.parallel.mesh import Mesh
 from p3d.parallel.pipeline.specs import P3DPipelineModule, VocabParallelLoss, layer_specs_of
@@ -57,6 +58,7 @@ def build_engine(cfg, plan, mesh: Mesh):
     torch.manual_seed(cfg.train.seed)
     with quiet_stdout():
         module = build_pipeline(cfg, plan, mesh)  # fp32; DeepSpeed casts to bf16 when the config asks
+    set_micro_batches(module, plan.micro_batches)  # a balancing loss weighs 1 / m, as DeepSpeed scales the LM loss
     if cfg.model.init_from and cfg.train.resume == "none":
         from p3d.hf.load import load_into
 

@@ -33,6 +33,7 @@ from p3d.compat.deepspeed_internals import mark_pipe_replicated
 from p3d.compat.dp_collectives import timed_dp_collectives
 from p3d.compat.pipelining_internals import (
     SCHEDULE_CLASSES,
+    after_metadata_inference,
     forward_only_order,
     schedule_class,
     split_backward_on_gathered_weights,
@@ -40,10 +41,13 @@ from p3d.compat.pipelining_internals import (
 )
 from p3d.config.schema import DType, Recompute
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
+from p3d.model.moe import moe_blocks, set_micro_batches
+from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.pipeline.chunks import ChunkModule
 from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
 from p3d.parallel.zero.fsdp import local
-from p3d.train.optim import build_optimizer, global_grad_norm, lr_factor, norm_once_reduced, param_groups
+from p3d.train.executors.torch_optim import build_torch_optimizer, reduce_replica_grads
+from p3d.train.optim import global_grad_norm, norm_once_reduced
 from p3d.train.timing import drain_seconds
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
@@ -99,29 +103,6 @@ def tied_holder_groups(mesh) -> object | None:
     return mine
 
 
-def build_torch_optimizer(module: nn.Module, cfg, mesh):
-    """AdamW and its LambdaLR schedule. ``zero.stage=1`` with dp > 1: torch's ``ZeroRedundancyOptimizer`` over
-    the dp group (each dp rank keeps the Adam states of the whole parameters it owns and broadcasts them after
-    its step; the gradients are all-reduced in full before, as DeepSpeed's stage 1 does). Stages 2 and 3: a plain
-    AdamW over the FSDP2-sharded parameters (p3d.parallel.zero.fsdp), whose moments are sharded with them."""
-    t = cfg.train
-    if cfg.zero.stage == 0 or cfg.zero.stage >= 2 or mesh.dp == 1:
-        return build_optimizer(module, t)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    kwargs = {} if t.adamw_impl.value == "default" else {t.adamw_impl.value: True}
-    opt = ZeroRedundancyOptimizer(
-        param_groups(module, t.weight_decay),
-        optimizer_class=torch.optim.AdamW,
-        process_group=mesh.dp_group,
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-        **kwargs,
-    )
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, t))
-
-
 class TorchPipeline:
     """This rank's chunks, their ``PipelineStage``s, the torch schedule and the optimizer.
 
@@ -165,6 +146,7 @@ class TorchPipeline:
         ]
         for chunk in self.chunks:
             chunk.to(self.device)
+            set_micro_batches(chunk, self.m)  # each micro batch's balancing loss weighs 1 / m, as its LM loss
         if prepare is not None:  # before sharding: it writes whole tensors
             prepare(self.chunks)
         self.sharded = cfg.zero.stage >= 2 and mesh.dp > 1  # ZeRO-2/3: FSDP2 over dp, which reduces the grads itself
@@ -172,12 +154,24 @@ class TorchPipeline:
         self.dp_groups = [mesh.dp_group]  # the groups whose collectives dp_comm_s counts (and FSDP2's, below)
         if self.sharded:
             from p3d.model.llama import TransformerBlock
-            from p3d.parallel.zero.fsdp import dp_device_mesh, mixed_precision, shard_chunk
+            from p3d.model.moe import routed_experts
+            from p3d.parallel.zero.fsdp import dp_device_mesh, expert_device_mesh, mixed_precision, shard_chunk
 
             dp_mesh = dp_device_mesh(mesh, self.device, cfg.zero.shard_size)
             self.dp_groups += [dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim)]
+            experts_mesh = expert_device_mesh(mesh, self.device) if mesh.ep > 1 else None
+            if experts_mesh is not None:
+                self.dp_groups.append(mesh.edp_group)
             for chunk in self.chunks:
-                shard_chunk(chunk, dp_mesh, cfg.zero.stage, TransformerBlock, mixed_precision(cfg.train.dtype))
+                shard_chunk(
+                    chunk,
+                    dp_mesh,
+                    cfg.zero.stage,
+                    TransformerBlock,
+                    mixed_precision(cfg.train.dtype),
+                    experts_of=routed_experts if experts_mesh is not None else None,
+                    experts_mesh=experts_mesh,
+                )
         self.module = nn.ModuleList(self.chunks)  # parameters() lists a module shared by two chunks once
         self.first_chunk, self.last_chunk = 0, self.n_chunks - 1
         self.holds_first = self.first_chunk in self.chunk_ids
@@ -207,6 +201,8 @@ class TorchPipeline:
             pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
             for c, chunk in zip(self.chunk_ids, self.chunks)
         ]
+        for stage, chunk in zip(self.stages, self.chunks):  # the routing figures of torch's shape pass are no step's
+            after_metadata_inference(stage, lambda chunk=chunk: [b.take_stats() for b in moe_blocks(chunk)])
         if self.sharded and cfg.zero.stage >= 3 and schedule in IW_SPLIT:
             for stage in self.stages:
                 split_backward_on_gathered_weights(stage)
@@ -311,18 +307,16 @@ class TorchPipeline:
         return norm_once_reduced(grads, tied, self.mesh, reduced_over_dp=self.sharded, replicas=self.replicas)
 
     def reduce_dp_grads(self) -> None:
-        """Mean of the replicas' grads: one flat fp32 buffer, all-reduced (SUM) over dp, divided by dp. ZeRO-2/3:
-        FSDP2 has reduce-scattered them already (the mean, in the schedule's last backward of each chunk)."""
-        if self.mesh.dp == 1 or self.sharded:
+        """Mean of the replicas' grads (``torch_optim.reduce_replica_grads``: dense over dp, experts over edp).
+        ZeRO-2/3: FSDP2 has reduce-scattered them already in the schedule's last backward of each chunk, the dense
+        ones to their mean over dp and the experts' to their mean over edp, which is ep times their mean over dp."""
+        if not self.sharded:
+            reduce_replica_grads(self.params, self.mesh)
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, group=self.mesh.dp_group)
-        flat.div_(self.mesh.dp)
-        offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
-            offset += g.numel()
+        if self.mesh.ep > 1:
+            for p in self.params:
+                if p.grad is not None and is_expert_param(p):
+                    local(p.grad).div_(self.mesh.ep)
 
     @torch.no_grad()
     def clip_and_step(self) -> float:

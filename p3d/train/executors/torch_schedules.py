@@ -11,6 +11,7 @@ from p3d.parallel.hang import HangWatch
 from p3d.parallel.mesh import Mesh
 from p3d.rundir.files import logs as run_logs
 from p3d.train.block_seconds import add_block_seconds
+from p3d.train.executors.torch_optim import ExpertZero1
 from p3d.train.executors.torch_pipeline import TorchPipeline
 from p3d.train.faults import StepGate
 from p3d.train.optim import resume_schedule
@@ -22,7 +23,7 @@ def optimizer_states(optimizer) -> OptimizerStates:
     ``ZeroRedundancyOptimizer``) those of the parameters its local optimizer ``optim`` steps, whole."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if isinstance(optimizer, (ZeroRedundancyOptimizer, ExpertZero1)):
         owns = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
         return OptimizerStates(optimizer.optim, owns)
     return OptimizerStates(optimizer)

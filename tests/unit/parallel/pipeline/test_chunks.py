@@ -89,7 +89,8 @@ def test_full_recompute_reruns_each_block_and_changes_nothing():
 
 
 def test_torch_pipe_refusals():
-    from p3d.train.executors.torch_pipeline import build_torch_optimizer, check_recompute, chunks_per_rank
+    from p3d.train.executors.torch_optim import build_torch_optimizer
+    from p3d.train.executors.torch_pipeline import check_recompute, chunks_per_rank
 
     assert chunks_per_rank("interleaved_1f1b", 3) == 3
     assert chunks_per_rank("gpipe", 1) == 1
