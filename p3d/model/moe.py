@@ -60,6 +60,17 @@ class Expert(nn.Module):
         return F.linear(_swiglu(gate, up), self.w_down.weight)  # (rows, h), partial over tp
 
 
+class RoutedExperts(nn.ModuleDict):
+    """This rank's routed experts, keyed by their global index (checkpoints and HF files name expert j alike on
+    every mesh). A module with a forward of its own, so that ZeRO-2/3 can make it an FSDP2 unit (over edp)."""
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows grouped by local expert, ``counts[j]`` for the j-th; every expert runs, on zero rows if none came
+        (its weights then get a zero gradient, and the reductions over edp pair up on every rank)."""
+        outs = [expert(part) for expert, part in zip(self.values(), rows.split(counts))]
+        return torch.cat(outs) if outs else rows
+
+
 class Router(nn.Module):
     """logits = x W_r^T, W_r (E, h) replicated; fp32 scores, the top-k and their weights (module doc).
     ``expert_bias`` (E,): added to the scores for the choice only (aux-loss-free balancing), a persistent
@@ -130,8 +141,7 @@ class MoEFeedForward(nn.Module):
         make = functools.partial(Expert, std=cfg.init_std, out_std=out_std, seed=seed, recompute=recompute)
         local = e.n_experts // mesh.ep
         first = mesh.ep_rank * local
-        # keyed by the global expert index: checkpoints and HF files name expert j the same on every mesh
-        self.experts = nn.ModuleDict(
+        self.experts = RoutedExperts(
             {str(j): make(h, f, mesh, f"{prefix}.experts.{j}") for j in range(first, first + local)}
         )
         for p in self.experts.parameters():
@@ -141,11 +151,6 @@ class MoEFeedForward(nn.Module):
         # expert (E)], each divided by tp where every tp rank holds the same (the world's sum is the step's)
         self.stats: torch.Tensor | None = None
         self.sent_rows = None  # a test's counter of the rows this rank sends to other ranks
-
-    def run_local(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """This rank's experts on ``rows`` grouped by local expert (``counts[j]`` rows for the j-th)."""
-        outs = [expert(part) for expert, part in zip(self.experts.values(), rows.split(counts))]
-        return torch.cat(outs) if outs else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_here, h = x.shape
@@ -161,7 +166,7 @@ class MoEFeedForward(nn.Module):
         n = x2.shape[0]
         capacity = math.ceil(self.capacity_factor * n * k / self.n_experts) if self.capacity_factor else None
         y = dispatch_combine(
-            x2, Routed(idx, weight), self.n_experts, self.run_local, self.ep_group, capacity, self.sent_rows
+            x2, Routed(idx, weight), self.n_experts, self.experts, self.ep_group, capacity, self.sent_rows
         )
         if self.shared is not None:
             y = y + self.shared(x2)
