@@ -1,0 +1,88 @@
+"""The MoE feed-forward sharded over ep (and tp, with and without sequence parallelism) against its unsharded twin.
+
+The twin is the same class built on one rank (every expert local, no group) from the same seeded master weights.
+Each dp rank feeds its own tokens (the ep group's ranks are dp replicas); the twin runs each replica's tokens in
+turn. Checked on every rank: the output and input gradient of its tokens, its experts' weight gradients (summed
+over the replicas whose tokens reached them, which the all-to-all's backward does), the router's and the shared
+expert's gradients summed over dp, and the rows the dispatch all-to-all sent: exactly the (token, slot) pairs
+routed to experts of other ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.tp import SEED, TOL, column_shard
+
+LAYER = 1  # moe_tiny's first MoE block (block 0 is dense)
+
+
+def _tokens(dp_rank: int, b: int, s: int, h: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    return torch.randn(b, s, h, generator=g)
+
+
+def _check_moe(rank, world, tp, sp):
+    from p3d.model.moe import MoEFeedForward
+    from p3d.parallel.mesh import Mesh
+    from tests.helpers.runs import compose_config
+
+    cfg = compose_config("model=moe_tiny").model
+    ep = world // tp
+    mesh = Mesh(tp=tp, pp=1, dp=ep, ep=ep, rank=rank).with_groups()
+    full = MoEFeedForward(cfg, Mesh(tp=1, pp=1, dp=1), LAYER, SEED)
+    shard = MoEFeedForward(cfg, mesh, LAYER, SEED, sequence_parallel=sp)
+    sent: list[int] = []
+    shard.sent_rows = sent.append
+    b, s, h = 2, 8, cfg.hidden_size
+    k, n_experts = cfg.moe.top_k, cfg.moe.n_experts
+    local = n_experts // ep
+
+    # the twin: every replica's tokens in turn, gradients summed over them
+    remote = None
+    for d in range(ep):
+        x_full = _tokens(d, b, s, h).requires_grad_()
+        y_full = full(x_full)
+        (y_full * _tokens(50 + d, b, s, h)).sum().backward()
+        if d == mesh.dp_rank:
+            mine_x, mine_y, mine_grad = x_full.detach(), y_full.detach(), x_full.grad
+            with torch.no_grad():
+                idx = full.router(mine_x.reshape(-1, h))[0]
+            remote = int((idx // local != mesh.ep_rank).sum())
+
+    x = _tokens(mesh.dp_rank, b, s, h)
+    g = _tokens(50 + mesh.dp_rank, b, s, h)
+    if sp:
+        x, g = (t.chunk(tp, dim=1)[mesh.tp_rank].contiguous() for t in (x, g))
+        mine_y, mine_grad = (t.chunk(tp, dim=1)[mesh.tp_rank] for t in (mine_y, mine_grad))
+    x.requires_grad_()
+    y = shard(x)
+    torch.testing.assert_close(y, mine_y, **TOL)
+    (y * g).sum().backward()
+    torch.testing.assert_close(x.grad, mine_grad, **TOL)
+    assert sent == [remote], (sent, remote)  # only the rows for other ranks' experts leave this rank
+
+    f = full.experts["0"].w_gate_up.weight.shape[0] // 2
+    for j, expert in shard.experts.items():
+        twin = full.experts[j]
+        want = column_shard(twin.w_gate_up.weight.grad, [f, f], mesh.tp_rank, tp)
+        torch.testing.assert_close(expert.w_gate_up.weight.grad, want, **TOL)
+        want = twin.w_down.weight.grad.chunk(tp, dim=1)[mesh.tp_rank]
+        torch.testing.assert_close(expert.w_down.weight.grad, want, **TOL)
+    assert sorted(int(j) for j in shard.experts) == list(range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local))
+    for name, twin_grad in (("router.weight", full.router.weight.grad), ("shared.w_down.weight", None)):
+        got = dict(shard.named_parameters())[name].grad.clone()
+        dist.all_reduce(got, group=mesh.dp_group)  # each replica's share
+        if twin_grad is None:
+            twin_grad = full.shared.w_down.weight.grad.chunk(tp, dim=1)[mesh.tp_rank]
+        torch.testing.assert_close(got, twin_grad, **TOL)
+    assert k == 2
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp, ep, sp", [(1, 2, False), (2, 2, True), (2, 2, False)], ids=["ep2", "tp2-ep2-sp", "tp2-ep2"])
+def test_moe_feed_forward_matches_unsharded(tp, ep, sp):
+    run_distributed(_check_moe, tp * ep, tp, sp)
