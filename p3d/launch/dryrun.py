@@ -3,7 +3,8 @@
 No worker, no process group, no memory: it shows the mesh map (rank -> dp, pp, tp -> node, local
 device; inside a Slurm allocation with the run's node count, each node's hostname too), the layers
 of each stage and the exact parameter count of each rank, and checks that the shards add up to the
-closed-form count of the model.
+closed-form count of the model. An MoE model's ranks also show their routed experts' share (E / ep experts of
+each MoE block; the ep ranks of dp hold the others, as many) beside the dense parameters.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 
 from p3d.config.schema import Launcher
 from p3d.console import human_count
-from p3d.layout.geometry import rank_chunks, stage_bounds, total_params
+from p3d.layout.geometry import active_params, rank_chunks, stage_bounds, total_params
+from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.mesh import Mesh
 from p3d.parallel.pipeline.specs import layer_specs_of
 from p3d.parallel.tp.layers import owned_by_tp_rank
@@ -39,6 +41,7 @@ class DryRunReport:
     params: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> parameters on that rank
     padding: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> vocab padding entries
     owned: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> its share of the model
+    experts: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> routed experts' parameters
     node_names: list[str] = field(default_factory=list)  # node index -> hostname, inside a Slurm allocation
 
     @property
@@ -53,8 +56,9 @@ class DryRunReport:
 
     def render(self) -> str:
         plan, cfg = self.plan, self.cfg
+        ep = f" (ep={plan.ep})" if plan.ep > 1 else ""
         out = [
-            f"dry run: {cfg.model.name} on dp={plan.dp} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks, "
+            f"dry run: {cfg.model.name} on dp={plan.dp}{ep} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks, "
             f"{plan.procs_per_node} per node",
             "",
             "mesh map (rank: dp pp tp -> node/local device)",
@@ -78,15 +82,31 @@ class DryRunReport:
             out += ["", "stages (layers of the flat pipeline list)"]
             for s, names in enumerate(self.stage_layers):
                 out.append(f"  stage {s:>3}: {_compact(names)}")
-        out += ["", "parameters per rank (same on every dp replica)"]
+        moe = cfg.model.moe
+        if moe is None:
+            out += ["", "parameters per rank (same on every dp replica)"]
+        else:
+            out += [
+                "",
+                f"parameters per rank (dense: the same on every dp replica; experts: {moe.n_experts // plan.ep} of the "
+                f"{moe.n_experts} routed experts of each MoE block, the other ep ranks of dp holding the rest)",
+            ]
         for (pp, tp), n in sorted(self.params.items()):
             note = f" (incl. {self.padding[(pp, tp)]:,} vocab padding)" if self.padding.get((pp, tp)) else ""
+            if moe is not None:
+                e = self.experts[(pp, tp)]
+                note = f" = dense {n - e:,} + experts {e:,}" + note
             out.append(f"  pp {pp:>3} tp {tp:>2}: {n:>15,}{note}")
         out += [
             "",
             f"total from shards: {self.total:,} ({human_count(self.total)}); closed form: {self.closed_form:,}; "
             f"{'match' if self.total == self.closed_form else 'MISMATCH'}",
         ]
+        if cfg.model.moe is not None:
+            active = active_params(cfg.model)
+            out.append(
+                f"active per token (top-{cfg.model.moe.top_k} routed experts): {active:,} ({human_count(active)})"
+            )
         return "\n".join(out)
 
 
@@ -141,7 +161,7 @@ def dry_run(cfg, plan) -> DryRunReport:
         for tp in range(plan.tp):
             mesh = Mesh.from_plan(plan, dims.rank_of(0, pp, tp))
             specs = layer_specs_of(cfg, plan, mesh)
-            n = pad = owned = 0
+            n = pad = owned = experts = 0
             built_tied: set[str] = set()
             with torch.device("meta"):
                 for idx in (i for c in chunks_of[pp] for i in range(bounds[c], bounds[c + 1])):
@@ -154,11 +174,16 @@ def dry_run(cfg, plan) -> DryRunReport:
                         built_tied.add(key)
                     padding = getattr(module, "padding_numel", 0)
                     n += sum(p.numel() for p in module.parameters())
+                    routed = sum(p.numel() for p in module.parameters() if is_expert_param(p))
+                    experts += routed
                     pad += padding
                     if key is not None and _first_stage_of(specs, bounds, key) not in chunks_of[pp]:
                         continue  # the tied copy on the last stage is owned by the first
+                    # every ep rank holds its own share of the routed experts, as large as this one's
                     owned += sum(p.numel() for p in module.parameters() if owned_by_tp_rank(p, tp)) - padding
+                    owned += routed * (plan.ep - 1)
             report.params[(pp, tp)], report.padding[(pp, tp)], report.owned[(pp, tp)] = n, pad, owned
+            report.experts[(pp, tp)] = experts
     return report
 
 

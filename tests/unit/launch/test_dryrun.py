@@ -145,3 +145,25 @@ def test_workers_are_forked_only_where_it_is_safe(monkeypatch):
     assert not forked.can_fork("gloo")
     monkeypatch.setattr(forked, "native_threads", lambda: 40)
     assert not forked.can_fork("gloo")
+
+
+def test_dry_run_mixtral_on_64_ranks_with_ep_counts_dense_and_expert_parameters_per_rank():
+    """Issue 34: mixtral_8x7b on dp4 (ep4) x pp4 x tp4: each rank holds 2 of the 8 experts of its 8 blocks, cut
+    over tp; the shards (each ep rank's experts counted once) add up to the published 46.7B."""
+    from p3d.launch.dryrun import dry_run
+
+    cfg, plan = typed(
+        "model=mixtral_8x7b", "mesh.tp=4", "mesh.pp=4", "mesh.dp=4", "mesh.ep=4", "schedule.global_batch_size=64"
+    )
+    report = dry_run(cfg, plan)
+    m = cfg.model
+    per_expert = 3 * m.hidden_size * m.moe.expert_ffn_size // 4  # one expert's slice on one tp rank
+    assert len(report.mesh_map) == 64 and len(report.params) == 16
+    for (pp, tp), experts in report.experts.items():
+        blocks = sum(name.startswith("block") for name in report.stage_layers[pp])
+        assert experts == blocks * 2 * per_expert, (pp, tp)
+    assert report.total == total_params(m) == 46_702_792_704
+    text = report.render()
+    assert "dp=4 (ep=4) x pp=4 x tp=4" in text and "2 of the 8 routed experts" in text
+    assert "pp   0 tp  0:     821,624,832 = dense 116,981,760 + experts 704,643,072" in text
+    assert "active per token (top-2 routed experts): 12,879,925,248 (12.88B)" in text
