@@ -83,6 +83,8 @@ def _check_moe(rank, world, tp, sp):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp, ep, sp", [(1, 2, False), (2, 2, True), (2, 2, False)], ids=["ep2", "tp2-ep2-sp", "tp2-ep2"])
+@pytest.mark.parametrize(
+    "tp, ep, sp", [(1, 2, False), (2, 2, True), (2, 2, False)], ids=["ep2", "tp2-ep2-sp", "tp2-ep2"]
+)
 def test_moe_feed_forward_matches_unsharded(tp, ep, sp):
     run_distributed(_check_moe, tp * ep, tp, sp)
