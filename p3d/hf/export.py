@@ -1,4 +1,4 @@
-"""``p3d-export``: a p3d checkpoint as a Hugging Face Llama checkpoint.
+"""``p3d-export``: a p3d checkpoint as a Hugging Face Llama (dense) or Mixtral (MoE) checkpoint.
 
     p3d-export run.dir=outputs/run1 out=hf/run1              # the newest checkpoint
     p3d-export run.dir=outputs/run1 step=200 out=hf/run1-200 max_shard_gb=5
@@ -12,7 +12,9 @@ Tensors are the fp32 master weights, assembled from the (pp, tp) shards one at a
 the mode the umask gives (0644 under umask 022), the weights too.
 Everything is written into a new directory beside ``out`` that is renamed to ``out`` when complete:
 a failed export leaves no ``out``, and an existing ``out`` is never mixed with a new export.
-``transformers`` loads the result with ``LlamaForCausalLM.from_pretrained(out)``.
+``transformers`` loads the result with ``LlamaForCausalLM.from_pretrained(out)`` (an MoE model:
+``MixtralForCausalLM``). An MoE model exports only with Mixtral's routing and without selection biases
+(p3d.hf.names.export_problem; otherwise a one-line refusal, and nothing written).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from p3d.checkpoint import find as ckpt_find
-from p3d.hf.load import hf_config, hf_names
+from p3d.hf.names import export_problem, hf_config, hf_names, twin_name
 
 USAGE = "usage: p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]"
 KEYS = ("run.dir", "out", "step", "max_shard_gb", "overwrite")
@@ -178,6 +180,14 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
     writer = _ShardWriter(tmp, max_shard_gb * 1e9)
     L = cfg.model.n_layers
     for name in src.names():
+        if not hf_names(name, L):  # a router's selection bias (a buffer): Mixtral has none
+            if src.param(name).any():
+                raise ExportError(
+                    f"{name} holds non-zero selection biases (model.moe.bias_update_rate="
+                    f"{cfg.model.moe.bias_update_rate}), which Mixtral cannot represent (its router chooses by "
+                    "score alone); only runs with model.moe.bias_update_rate=0 export; nothing was written"
+                )
+            continue
         full = src.master(name)
         spec = src.spec(name)
         parts = full.split(spec["blocks"], dim=0) if spec["kind"] == "rows" else [full]
@@ -213,6 +223,9 @@ def export(
         cfg, _ = read_spec(ckpt / SPEC_NAME)
     except (ckpt_find.CheckpointError, FileNotFoundError) as exc:
         raise ExportError(_rephrase(exc, ckpt, run_dir)) from None
+    problem = export_problem(cfg.model)
+    if problem:
+        raise ExportError(f"{step_name} of {given_run}: {problem}; nothing was written")
     tokenizer = _run_tokenizer(ckpt, cfg.data.tokenizer)
     created = [p for p in reversed(out.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -276,8 +289,10 @@ def load_sequential(ckpt: str | Path):
     cfg, _ = read_spec(ckpt / SPEC_NAME)
     model = to_sequential(cfg.model, cfg.model.vocab_size, cfg.train.seed)
     src = ShardedCheckpoint(ckpt, meta, checkpoint.reader(ckpt, meta))
-    params = dict(model.named_parameters())
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     for name in src.names():
-        target = "tied.embed.weight" if name.startswith("tied_modules.") else f"layers.{name}"
-        params[target].copy_(src.master(name))
+        if twin_name(name) in buffers:  # the routers' selection biases
+            buffers[twin_name(name)].copy_(src.param(name))
+        else:
+            params[twin_name(name)].copy_(src.master(name))
     return model.eval()

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from p3d.data.tokenizer import AUTO, HF_CONFIG, ByteTokenizer, HFTokenizer, load_tokenizer
-from p3d.hf.load import HFImportError
+from p3d.hf.names import HFImportError
 
 ROLES = ("eos", "bos", "pad")
 UNREADABLE = ("tokenizer.model", "vocab.json")  # tokenizers p3d cannot load (sentencepiece, slow BPE)

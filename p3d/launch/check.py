@@ -62,15 +62,45 @@ def with_hf_shape(cfg):
     except HFImportError as exc:
         raise P3DConfigError(str(exc)) from None
     overrides = given_overrides()
-    for key, value in fields.items():
-        given = [o.split("=", 1)[1] for o in overrides if o.startswith(f"model.{key}=")]
-        if given and str(getattr(cfg.model, key)) != str(value):
+    for key, value in _flat(fields):
+        given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"model.{key}=")]
+        if not given:
+            continue
+        if key in MOE_TRAINING:  # how the experts are trained, not their shape: the command line's
+            assert fields["moe"] is not None and cfg.model.moe is not None
+            name = key.split(".", 1)[1]
+            fields["moe"] = dataclasses.replace(fields["moe"], **{name: getattr(cfg.model.moe, name)})
+        elif str(_get(cfg.model, key)) != str(value):
             raise P3DConfigError(
                 f"model.{key}={given[-1]} disagrees with {where}/config.json ({value}); drop the "
                 f"override or set model.{key}={value}"
             )
     name = f"hf:{Path(where).name}"
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, **fields))
+
+
+# model.moe fields a run may set beside model.init_from: how the experts are trained (config.json holds their shape
+# and routing, which must agree with it)
+MOE_TRAINING = ("moe.aux_loss_coef", "moe.bias_update_rate", "moe.capacity_factor")
+
+
+def _flat(fields: dict) -> list[tuple[str, object]]:
+    """(key, value) of the model fields, a mixture of experts' as moe.<field>."""
+    import dataclasses
+
+    out: list[tuple[str, object]] = []
+    for key, value in fields.items():
+        if dataclasses.is_dataclass(value):
+            out += [(f"{key}.{k}", v) for k, v in dataclasses.asdict(value).items()]  # type: ignore[arg-type]
+        else:
+            out.append((key, value))
+    return out
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def with_tokenizer(cfg):

@@ -85,9 +85,35 @@ def _no_hydra_outputs(argv: list[str], name: str) -> list[str]:
     return argv + [f"{k}={v}" for k, v in defaults.items() if k not in keys]
 
 
+def moe_field_of_a_dense_model(argv: list[str]) -> str | None:
+    """The one-line refusal of ``model.moe.<field>=...`` on a dense model preset (``model.moe: null``, which
+    OmegaConf cannot give fields: it would fail deep in Hydra with a traceback), or None."""
+    fields = [a.lstrip("+") for a in argv if a.lstrip("+").startswith("model.moe.")]
+    if not fields:
+        return None
+    choices = [a.split("=", 1)[1] for a in argv if a.startswith("model=")]
+    model = choices[-1].split(",")[0] if choices else _default_choice("model")
+    preset = Path(CONFIG_PATH) / "model" / f"{model}.yaml"
+    if not preset.is_file() or re.search(r"^moe:\s*$", preset.read_text(), re.MULTILINE):
+        return None  # an MoE preset (its moe: mapping), or a name Hydra refuses itself
+    return (
+        f"{fields[0]}: model={model} is a dense model (model.moe: null), with no model.moe fields to set; start "
+        f"from a mixture-of-experts preset, e.g. model=moe_tiny {fields[0]} (also mixtral_8x7b, deepseek_moe_16b; "
+        "docs/moe.md)"
+    )
+
+
+def _default_choice(group: str) -> str:
+    found = re.search(rf"^\s*- {group}: (\S+)", (Path(CONFIG_PATH) / "config.yaml").read_text(), re.MULTILINE)
+    return found.group(1) if found else ""
+
+
 def run_hydra(task: Callable[[DictConfig], int], writes_outputs: bool = True) -> int:
     """Compose with Hydra, run ``task``; its exit status (the worst of a sweep's points, or the sweep's)."""
     argv = sys.argv[1:]
+    refused = moe_field_of_a_dense_model(argv)
+    if refused:
+        return report_error(f"config error: {refused}")
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if not multirun and any(a.lower() in ("dry_run=true", "+dry_run=true") for a in argv):
         writes_outputs = False  # a dry run prints and writes nothing

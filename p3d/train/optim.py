@@ -58,7 +58,7 @@ def global_grad_norm(params, mesh, sharded_over_dp: bool = False, replicas: int 
 
 
 def _squares(params: list[torch.nn.Parameter], device) -> torch.Tensor:
-    chunks = [c for p in params for c in local(p.grad).detach().reshape(-1).split(NORM_CHUNK)]  # type: ignore[union-attr]
+    chunks = [c for p in params if p.grad is not None for c in local(p.grad).detach().reshape(-1).split(NORM_CHUNK)]
     if not chunks:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(torch._foreach_norm(chunks, 2.0)).double().pow(2).sum()

@@ -94,6 +94,14 @@ CASES: dict[str, Case] = {
         slow=True,
     ),
     "p3d-train mesh=pp2 schedule.pipeline=interleaved_1f1b schedule.virtual_stages=2": Case("run"),
+    # README and docs/moe.md
+    "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2": Case("run"),
+    # docs/moe.md; slow tier: kept: the zbv MoE parity case's variant runs in test-all, ep2 on dp2_pp2 in make test
+    "p3d-train model=moe_tiny mesh=dp2_pp2 mesh.ep=2 schedule.pipeline=zbv": Case("run", slow=True),
+    "p3d-train model=mixtral_8x7b mesh.tp=4 mesh.pp=4 mesh.dp=4 mesh.ep=4 schedule.global_batch_size=64 dry_run=true": (
+        Case("run", extra=())
+    ),
+    "p3d-plan model=mixtral_8x7b cluster=h100_64 mesh=auto": Case("run", extra=()),
     "p3d-train data=files data.path='/data/*.jsonl'": Case(
         "refused", expect=r"^p3d: (config|input) error: data.path=/data/\*.jsonl .*matches no file"
     ),

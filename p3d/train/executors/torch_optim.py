@@ -85,7 +85,7 @@ class ExpertZero1(torch.optim.Optimizer):
         self.param_groups = [*dense.param_groups, *experts.param_groups]
         self.optim = _Inner([dense.optim, experts.optim])
 
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         for part in self.parts:
             part.step()
 

@@ -24,6 +24,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,11 @@ def tied_holder_groups(mesh) -> object | None:
         if mesh.rank in (ranks[0], ranks[-1]):
             mine = group
     return mine
+
+
+def _drop_routing_figures(chunk: nn.Module) -> None:
+    for block in moe_blocks(chunk):
+        block.take_stats()
 
 
 class TorchPipeline:
@@ -202,7 +208,7 @@ class TorchPipeline:
             for c, chunk in zip(self.chunk_ids, self.chunks)
         ]
         for stage, chunk in zip(self.stages, self.chunks):  # the routing figures of torch's shape pass are no step's
-            after_metadata_inference(stage, lambda chunk=chunk: [b.take_stats() for b in moe_blocks(chunk)])
+            after_metadata_inference(stage, partial(_drop_routing_figures, chunk))
         if self.sharded and cfg.zero.stage >= 3 and schedule in IW_SPLIT:
             for stage in self.stages:
                 split_backward_on_gathered_weights(stage)

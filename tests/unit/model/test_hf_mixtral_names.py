@@ -1,0 +1,144 @@
+"""Mixtral's names and config.json fields (p3d.hf.names) and the per-rank import of an MoE block's experts, without
+transformers: an HF directory written from p3d's own twin by the name table is read back whole, and on every
+(tp, ep) rank of dp2_tp2 / ep2 as the slices of the whole (``test_*_matches_unsharded``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from p3d.config.schema import ModelConfig, MoEConfig, RouterScore
+from p3d.hf.names import HFImportError, export_problem, global_name, hf_config, hf_names, model_fields, twin_name
+from tests.helpers.runs import compose_config
+
+MOE = ModelConfig(ffn_hidden_size=32, moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_size=32, aux_loss_coef=0.02))
+
+
+def test_an_moe_blocks_tensors_have_mixtrals_names():
+    layer = "model.layers.2.block_sparse_moe"
+    assert hf_names("3.mlp.router.weight", 4) == [f"{layer}.gate.weight"]
+    assert hf_names("3.mlp.experts.7.w_gate_up.weight", 4) == [
+        f"{layer}.experts.7.w1.weight",
+        f"{layer}.experts.7.w3.weight",
+    ]
+    assert hf_names("3.mlp.experts.7.w_down.weight", 4) == [f"{layer}.experts.7.w2.weight"]
+    assert hf_names("3.mlp.router.expert_bias", 4) == []  # Mixtral has none
+    assert hf_names("3.mlp.w_down.weight", 4) == ["model.layers.2.mlp.down_proj.weight"]  # dense: unchanged
+    with pytest.raises(HFImportError, match="3.mlp.shared.w_down.weight has no Hugging Face"):
+        hf_names("3.mlp.shared.w_down.weight", 4)
+
+
+def test_twin_names_are_the_global_names_under_the_twins_prefixes():
+    for name, twin in [("tied_modules.embed.weight", "tied.embed.weight"), ("2.mlp.experts.1.w_down.weight", None)]:
+        assert global_name(twin_name(name)) == name
+        assert twin is None or twin_name(name) == twin
+    assert twin_name("2.attn.wo.weight") == "layers.2.attn.wo.weight"
+
+
+def test_mixtral_8x7b_config_round_trips_through_config_json():
+    """The preset's config.json carries mistralai/Mixtral-8x7B-v0.1's fields, and imports back to the preset."""
+    m = compose_config("model=mixtral_8x7b").model
+    config = hf_config(m, eos_id=2)
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["model_type"] == "mixtral"
+    hub = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336, "num_key_value_heads": 8}
+    hub |= {"router_aux_loss_coef": 0.02, "rope_theta": 1e6, "vocab_size": 32000, "sliding_window": None}
+    assert {k: config[k] for k in hub} == hub
+    fields = model_fields(config, "hf")
+    assert dataclasses.replace(m, **fields) == m
+
+
+def test_a_dense_import_is_a_dense_model():
+    config = hf_config(ModelConfig())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "num_local_experts" not in config
+    assert model_fields(config, "hf")["moe"] is None
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"sliding_window": 4096}, "sliding_window=4096 is not supported (p3d attends to the whole sequence)"),
+        ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "p3d imports LlamaForCausalLM and"),
+        ({"hidden_act": "gelu"}, "hidden_act=gelu is not supported"),
+    ],
+)
+def test_mixtral_configs_p3d_cannot_hold_are_refused(change, needle):
+    with pytest.raises(HFImportError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        model_fields(hf_config(MOE) | change, "hf")
+
+
+@pytest.mark.parametrize(
+    "moe,needle",
+    [
+        ({"n_shared_experts": 1}, "model.moe.n_shared_experts=1: p3d-export writes an MoE model as MixtralForCausalLM"),
+        ({"first_dense_layers": 1}, "model.moe.first_dense_layers=1: "),
+        ({"score": RouterScore.sigmoid}, "model.moe.score=sigmoid: "),
+        ({"norm_topk_prob": False}, "model.moe.norm_topk_prob=false: "),
+        ({"route_scale": 2.5}, "model.moe.route_scale=2.5: "),
+    ],
+)
+def test_export_names_what_mixtral_cannot_hold(moe, needle):
+    m = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, **moe))
+    problem = export_problem(m)
+    assert problem is not None and problem.startswith(needle) and "\n" not in problem, problem
+    assert export_problem(MOE) is None and export_problem(ModelConfig()) is None
+
+
+def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5):
+    """An HF directory written from p3d's twin by the name table (what p3d-export does from a checkpoint)."""
+    from safetensors.torch import save_file
+
+    from p3d.checkpoint.checkpointer import shard_specs
+    from p3d.parallel.pipeline.specs import to_sequential
+
+    twin = to_sequential(m, m.vocab_size, seed)
+    specs = shard_specs(twin)
+    tensors = {}
+    for name, p in twin.named_parameters():
+        parts = p.split(specs[name]["blocks"]) if specs[name]["kind"] == "rows" else [p]
+        tensors |= {hf: t.contiguous() for hf, t in zip(hf_names(global_name(name), m.n_layers), parts)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(m)))
+    return twin, tensors
+
+
+def test_the_imported_twin_is_the_written_one(tmp_path):
+    from p3d.hf.load import sequential_from_hf
+
+    twin, tensors = _hf_dir(tmp_path, MOE)
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in tensors
+    imported = sequential_from_hf(tmp_path)
+    want = dict(twin.named_parameters())
+    for name, p in imported.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=0, atol=0)
+    assert not any(b.any() for n, b in imported.named_buffers() if n.endswith("expert_bias"))
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_each_ranks_import_matches_unsharded(tmp_path, rank):
+    """dp2_tp2 with ep=2: rank r holds experts 2 (r // 2) .. +1, each cut over tp as the dense SwiGLU."""
+    from p3d.checkpoint.checkpointer import shard_specs
+    from p3d.checkpoint.reshard import shard_from_full
+    from p3d.hf.load import sequential_from_hf
+    from p3d.parallel.mesh import Mesh
+
+    twin, _ = _hf_dir(tmp_path, MOE)
+    mesh = Mesh(tp=2, pp=1, dp=2, ep=2, rank=rank)
+    local = sequential_from_hf(tmp_path, mesh=mesh)
+    specs, whole = shard_specs(local), dict(twin.named_parameters())
+    experts = {n.split(".")[4] for n, _ in local.named_parameters() if ".experts." in n}
+    assert experts == {str(2 * mesh.ep_rank), str(2 * mesh.ep_rank + 1)}
+    for name, p in local.named_parameters():
+        torch.testing.assert_close(p, shard_from_full(whole[name], specs[name], 2, mesh.tp_rank), rtol=0, atol=0)
+
+
+def test_fused_experts_are_refused_with_the_conversion(tmp_path):
+    from safetensors.torch import save_file
+
+    from p3d.hf.load import SafetensorsDir
+
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 32)}, tmp_path / "model.safetensors")
+    with pytest.raises(HFImportError, match=r"fused \(model.layers.0.mlp.experts.gate_up_proj\).*save_pretrained"):
+        SafetensorsDir(tmp_path)
