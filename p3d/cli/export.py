@@ -1,5 +1,5 @@
 """``p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]``: a checkpoint as a Hugging
-Face Llama directory (p3d.hf.export)."""
+Face Llama or Mixtral directory (p3d.hf.export)."""
 
 from __future__ import annotations
 

@@ -88,6 +88,7 @@ def test_init_from_sets_the_moe_shape(hf_mixtral):
     assert plan.ep == 2 and cfg.data.tokenizer == "byte"  # no tokenizer.json in the directory
 
 
+@pytest.mark.slow  # slow tier (2 runs of mixtral's import, 30-55 s): kept: the import and export tests
 def test_init_from_keeps_the_command_lines_training_settings_and_refuses_another_shape(hf_mixtral, tmp_path):
     """Beside model.init_from, model.moe's training settings (balancing, capacity) are the command line's; its
     shape and routing come from config.json, and a command line that disagrees is refused in one line."""

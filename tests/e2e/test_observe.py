@@ -39,6 +39,33 @@ def test_wandb_offline_run_holds_every_metric(tmp_path):
     assert config["mesh"]["name"] == "pp2" and config["run_plan"]["pp"] == 2 and config["train"]["steps"] == 3
 
 
+# slow tier (10 s): kept: the MoE figures in metrics.jsonl (tests/e2e/test_moe_parity.py) and W&B's lists as charts
+# (the test above)
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_wandb_holds_the_moe_balancing_loss_and_load_imbalance(tmp_path):
+    result = p3d_train(
+        f"run.dir={tmp_path / 'run'}",
+        "logger=wandb",
+        "train.steps=2",
+        "model=moe_tiny",
+        "mesh=dp2",
+        "mesh.ep=2",
+        env={"HOME": str(tmp_path)},
+        drop_env="WANDB_",
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = history(next((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")))
+    metrics = read_metrics(tmp_path / "run")
+    assert [r["_step"] for r in rows] == [1, 2]
+    for row, m in zip(rows, metrics):
+        assert row["moe_aux_loss"] == pytest.approx(m["moe_aux_loss"]) and 2.9 < m["moe_aux_loss"] < 3.3
+        assert row["moe_dropped"] == 0
+        for layer in range(3):  # moe_tiny's MoE blocks 1-3: one chart each
+            assert row[f"moe_load_imbalance/{layer}"] == pytest.approx(m["moe_load_imbalance"][layer])
+            assert row[f"moe_aux_loss_layers/{layer}"] == pytest.approx(m["moe_aux_loss_layers"][layer])
+
+
 @pytest.mark.timeout(240)
 def test_logger_none_writes_no_wandb_files_and_bubble_is_measured(tmp_path):
     result = p3d_train(f"run.dir={tmp_path}", "logger=none", "train.steps=3", "mesh=pp2", "logger.progress=bar")
