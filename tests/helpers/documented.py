@@ -207,6 +207,7 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/partition.py --rounds 2",
             ".venv/bin/python bench/sp_recompute.py --rounds 6",
             ".venv/bin/python bench/zero.py --passes 1",
+            ".venv/bin/python bench/moe.py --deepspeed",
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
     ),
