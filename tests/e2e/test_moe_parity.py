@@ -1,9 +1,9 @@
 """Mixture-of-experts parity: every layout of model=moe_tiny trains the single-process run's model.
 
 Each case runs ``p3d-train`` for 10 fp32 steps (dropless top-2 routing, clipping on) and compares, step by step,
-the loss, the global gradient norm and the balancing loss with the ``to_sequential`` twin (every expert local)
-trained by a plain PyTorch loop on the same data from the same init (p3d.train.reference). Tolerance: 1e-5
-relative. A routing decision is discrete: a layout that computed a router score differently would send a token
+the loss, the global gradient norm, the balancing loss and the load imbalance, and the held-out loss after the
+last step, with the ``to_sequential`` twin (every expert local) trained by a plain PyTorch loop on the same data
+from the same init (p3d.train.reference). Tolerance: 1e-5 relative. A routing decision is discrete: a layout that computed a router score differently would send a token
 to another expert and its loss would leave the reference's at once, which this tolerance catches.
 """
 
@@ -20,7 +20,7 @@ from tests.helpers.tiers import with_slow
 
 STEPS = 10
 RTOL = 1e-5
-COMMON = ("model=moe_tiny", f"train.steps={STEPS}", "train.warmup_steps=2")
+COMMON = ("model=moe_tiny", f"train.steps={STEPS}", "train.warmup_steps=2", f"train.eval_every={STEPS}")
 
 CASES = {
     # the issue's cases
@@ -87,4 +87,5 @@ def test_moe_layout_matches_single_process(case, tmp_path):
         assert g["moe_aux_loss"] == pytest.approx(r["moe_aux_loss"], rel=RTOL), f"step {step} balancing loss"
         assert g["moe_load_imbalance"] == pytest.approx(r["moe_load_imbalance"], rel=RTOL), f"step {step} load"
         assert g["moe_dropped"] == pytest.approx(r["moe_dropped"], abs=1e-12), f"step {step} dropped"
+    assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=RTOL), "held-out loss after the last step"
     assert got[-1]["loss"] < got[0]["loss"] - 0.5  # it learns
