@@ -48,6 +48,11 @@ def resolve_dp(tp: int, pp: int, dp: object, nodes: int, gpus_per_node: int | No
     return dp  # type: ignore[return-value]  # checked just above
 
 
+def largest_divisor_at_most(n: int, limit: int, *also: int) -> int:
+    """The largest d <= limit dividing n and every one of ``also`` (a degree a refusal can suggest)."""
+    return max(d for d in range(1, limit + 1) if n % d == 0 and all(a % d == 0 for a in also))
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     tp: int

@@ -15,7 +15,8 @@ from typing import cast
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher
 from p3d.config.shipped import conf_dir
-from p3d.layout.dims import ParallelDims, resolve_dp
+from p3d.layout.dims import ParallelDims, largest_divisor_at_most, resolve_dp
+from p3d.layout.expert_rules import check_experts
 from p3d.layout.geometry import (
     PIECES_RULE,
     active_params,
@@ -75,10 +76,6 @@ def suggest_mesh(tp: int, pp: int, dp: int | str = "auto") -> str:
         if key in presets:
             return f"mesh={presets[key]}"
     return f"mesh.tp={tp} mesh.pp={pp}" + (f" mesh.dp={dp}" if dp != "auto" else "")
-
-
-def _largest_divisor_at_most(n: int, limit: int, *also: int) -> int:
-    return max(d for d in range(1, limit + 1) if n % d == 0 and all(a % d == 0 for a in also))
 
 
 def fill_derived(cfg: Config) -> Config:
@@ -225,13 +222,13 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
         if not isinstance(v, int) or v < 1:
             raise P3DConfigError(f"mesh.{name}={v!r} must be a positive integer")
     if m.n_heads % tp or m.n_kv_heads % tp:
-        ok = _largest_divisor_at_most(m.n_kv_heads, tp, m.n_heads)
+        ok = largest_divisor_at_most(m.n_kv_heads, tp, m.n_heads)
         raise P3DConfigError(
             f"mesh.tp={tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads} "
             f"(attention is split by heads); try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
         )
     if m.ffn_hidden_size % tp:
-        ok = _largest_divisor_at_most(m.ffn_hidden_size, tp, m.n_kv_heads, m.n_heads)
+        ok = largest_divisor_at_most(m.ffn_hidden_size, tp, m.n_kv_heads, m.n_heads)
         raise P3DConfigError(
             f"mesh.tp={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}; "
             f"try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
@@ -240,7 +237,7 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
         raise P3DConfigError(
             f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: schedule.partition={s.partition.value} cuts it into at "
             f"most {max_pieces(m.n_layers, s.partition)} stages ({PIECES_RULE[s.partition]}); "
-            f"try {suggest_mesh(tp, _largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
+            f"try {suggest_mesh(tp, largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
         )
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and tp > gpn:
@@ -341,6 +338,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     check_sequence_parallel(cfg, tp)
     check_recompute_swiglu(cfg)
     check_zero(cfg, pp, dp)
+    check_experts(cfg, dp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
     if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
@@ -349,7 +347,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
             "machine; try cluster.nodes=1 or cluster=slurm"
         )
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
-    dims = ParallelDims(tp, pp, dp, ep=cfg.mesh.ep if dp % cfg.mesh.ep == 0 else 1)  # ep's own rule: check_experts
+    dims = ParallelDims(tp, pp, dp, ep=cfg.mesh.ep)
     # cpu workers on several nodes: spread evenly (p3d.jobs.slurm.submit.job_shape refuses an uneven split)
     per_node = world // cfg.cluster.nodes if world % cfg.cluster.nodes == 0 else world
     return RunPlan(

@@ -8,8 +8,9 @@ and step time of a config, no GPU needed.
     best_layout(cfg)                     # mesh=auto: Layout(tp, pp, dp, micro_batch_size, ..., pipeline, ...)
 
 Modules, each importing only those before it: shapes (layout, parameters per rank; the model's
-closed forms are p3d.layout.geometry's), memory (model states, activations), step_time (compute,
-communication, bubble), render (text), predict (Prediction, evaluate), search (mesh=auto, predict).
+closed forms are p3d.layout.geometry's), experts (what a mixture of experts adds: its activations, the
+all-to-all's rows), memory (model states, activations), step_time (compute, communication, bubble), render
+(text), verdict (warnings and notes), predict (Prediction, evaluate), search (mesh=auto, predict).
 Formulas and sources: docs/planner.md. Nothing here imports torch or deepspeed.
 """
 

@@ -10,6 +10,11 @@ Model states per rank, N = the rank's parameters (p3d.planner.shapes.stage_param
     ZeRO 2, 3   4 N / d  4 N / d         8 N / d    (FSDP2 on the torch executor, any schedule) + a step's
                                          buffers: c N gathered weights + 4 N unsharded fp32 gradients
 
+A mixture of experts splits N into the routed experts N_e (E / ep per MoE block) and the rest N_d: wherever the
+table divides by d, N_e divides by edp = d / ep instead (their gradients reduce over edp, ZeRO-1's second optimizer
+and FSDP2's expert units shard over it), so the divisions read N_d / d + N_e / edp. With ep > 1 the torch executor
+runs every schedule (DeepSpeed's engine reduces every gradient over all of dp), so its rows apply.
+
 ZeRO 2 divides the gradients and ZeRO 3 also the parameters by d in Rajbhandari et al. 2020, Table 1
 (2 + 2 + K with K = 12); p3d's FSDP2 stages hold both as shards between steps (docs/zero.md).
 Two DeepSpeed facts that p3d inherits: its ZeRO optimizer keeps an fp32 copy of the partition even
@@ -43,7 +48,8 @@ block's input (c h, / t with sequence parallelism) plus one block's full set whi
 First stage: token ids (8 bytes/token, + a 1-byte mask with tp > 1). Last stage: the final norm,
 the saved fp32 softmax of the vocab-parallel cross entropy (4 V_pad / t) and its int64 / bool
 targets, and the loss buffer: the logits DeepSpeed holds until backward (c V_pad / t) plus the
-backward's fp32 gradient (and its cast to c bytes when c < 4).
+backward's fp32 gradient (and its cast to c bytes when c < 4). An MoE block keeps its feed-forward's inventory
+(p3d.planner.experts) in place of the SwiGLU's 4 c f / t.
 
 In flight: the micro batches whose activations a rank holds at its peak, per schedule (p stages, m micro
 batches, v chunks per rank, rank s 0-based; counted in chunks, each 1/v of the rank's layers; docs/planner.md):
@@ -69,13 +75,11 @@ from dataclasses import dataclass, field
 
 from p3d.config.schema import Arch, Config, DType, Recompute
 from p3d.layout.geometry import head_dims, padded_vocab
-from p3d.planner.shapes import Layout, StageParams, stage_params
+from p3d.planner import experts
+from p3d.planner.shapes import Layout, StageParams, dtype_bytes, stage_params
 
 GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables and of device datasheets
-
-
-def dtype_bytes(cfg: Config) -> int:
-    return 4 if cfg.train.dtype == DType.fp32 else 2
+__all__ = ["GB", "dtype_bytes", "stage_memory", "state_bytes"]
 
 
 def optimizer_sharded(cfg: Config) -> bool:
@@ -94,14 +98,16 @@ def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, fl
     n = sp.total
     if fsdp_sharded(cfg, layout):
         # ZeRO-2/3 (p3d.parallel.zero.fsdp): FSDP2 cuts every fp32 parameter, its gradient and its moments over dp
-        # (rows / d each; / zero.shard_size under HSDP); what the step gathers on top is in step_buffer_bytes
+        # (rows / d each; / zero.shard_size under HSDP), the routed experts over edp (a unit of their own); what the
+        # step gathers on top is in step_buffer_bytes
         s = cfg.zero.shard_size or d
-        return 4.0 * n / s, 4.0 * n / s, 8.0 * n / s
-    if layout.pipeline != "1f1b" or zero >= 2:
+        shard = sp.dense / s + sp.experts / (s if layout.ep == 1 else layout.edp)
+        return 4.0 * shard, 4.0 * shard, 8.0 * shard
+    if layout.torch_executor:
         # the torch executor (p3d.train.executors.torch_pipeline): fp32 weights and gradients in either precision
         # (bf16 is autocast over them: they are the master copy); ZeRO-1 is torch's ZeroRedundancyOptimizer, each
-        # rank keeping the Adam moments of the parameters it owns, whole (~1/d of them)
-        return 4.0 * n, 4.0 * n, 8.0 * n / (d if zero >= 1 else 1)
+        # rank keeping the Adam moments of the parameters it owns, whole (~1/d of them; the experts' ~1/edp)
+        return 4.0 * n, 4.0 * n, 8.0 * (sp.dense / d + sp.experts / layout.edp if zero >= 1 else n)
     params = n * c / (d if zero >= 3 else 1)
     grads = n * c / (d if zero >= 2 else 1)
     if cfg.train.dtype == DType.bf16 and zero == 0:
@@ -134,8 +140,9 @@ def _norm_bytes(cfg: Config) -> float:
     return 4 * h + 4 + 2 * c * h if cfg.model.arch == Arch.llama else c * h
 
 
-def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None) -> float:
-    """Activation bytes one block keeps for backward, per micro batch, on one tp rank."""
+def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None, moe: bool = False) -> float:
+    """Activation bytes one block keeps for backward, per micro batch, on one tp rank (``moe``: an MoE block,
+    whose feed-forward keeps ``experts.ffn_activation_bytes`` in place of the SwiGLU's)."""
     m, sched = cfg.model, cfg.schedule
     recompute = sched.recompute if recompute is None else recompute
     c, t, b, s = dtype_bytes(cfg), layout.tp, layout.micro_batch_size, m.seq_len
@@ -146,16 +153,17 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None)
     if recompute == Recompute.full:
         return b * s * c * h / sp
     if m.arch == Arch.llama:
-        per_token = 2 * _norm_bytes(cfg) / sp + c * 4 * f / t
+        ffn = experts.ffn_activation_bytes(cfg, layout, recompute) if moe else 0.0
+        per_token = 2 * _norm_bytes(cfg) / sp + (0 if moe else c * 4 * f / t)
         if recompute == Recompute.selective:  # RoPE + attention core recomputed: q|k|v and the output stay
-            if sched.recompute_swiglu:  # silu(gate) recomputed too: gate|up and the product stay
+            if sched.recompute_swiglu and not moe:  # silu(gate) recomputed too: gate|up and the product stay
                 per_token -= c * f / t
-            return b * s * (per_token + c * (2 * q + 2 * kv) / t)
+            return b * s * (per_token + c * (2 * q + 2 * kv) / t) + ffn
         if flash:
             per_token += c * (3 * q + 3 * kv) / t + 4 * a / t
         else:  # math attention: no log-sum-exp, a contiguous output copy, and the probabilities
             per_token += c * (4 * q + 3 * kv) / t + c * a * s / t
-        return b * s * per_token + 2 * s * (h // a) * c
+        return b * s * per_token + 2 * s * (h // a) * c + ffn
     per_token = (4 * c + 2) * h / sp + c * (2 * q + 2 * kv + 2 * f) / t
     if recompute != Recompute.selective:
         per_token += 4 * a / t if flash else (2 * c + 1) * a * s / t
@@ -236,20 +244,24 @@ class StageMemory:
 
 def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
     out = []
-    per_block = block_bytes(cfg, layout)
-    working = 0.0
-    if cfg.schedule.recompute != Recompute.none:
-        working = block_bytes(cfg, layout, Recompute.none) - (
-            0.0 if cfg.schedule.recompute == Recompute.full else per_block
-        )
+    recompute = cfg.schedule.recompute
+    kinds = (False, True) if cfg.model.moe is not None else (False,)  # dense blocks, MoE blocks
+    per_block = {moe: block_bytes(cfg, layout, moe=moe) for moe in kinds}
+    working = dict.fromkeys(kinds, 0.0)
+    if recompute != Recompute.none:  # one block's full set while it is rebuilt, less what it keeps anyway
+        for moe in kinds:
+            kept = 0.0 if recompute == Recompute.full else per_block[moe]
+            working[moe] = block_bytes(cfg, layout, Recompute.none, moe) - kept
     for s, sp in enumerate(stage_params(cfg, layout)):
         params, grads, opt = state_bytes(cfg, layout, sp)
-        act = sp.blocks * per_block
+        dense = sp.blocks - sp.moe_blocks
+        act = dense * per_block[False] + (sp.moe_blocks * per_block[True] if sp.moe_blocks else 0.0)
         if "embed" in sp.layers:
             act += first_stage_bytes(cfg, layout)
         last = "head" in sp.layers
         if last:
             act += last_stage_bytes(cfg, layout)
+        rebuilt = max([working[False]] * (dense > 0) + [working.get(True, 0.0)] * (sp.moe_blocks > 0), default=0.0)
         out.append(
             StageMemory(
                 s,
@@ -259,7 +271,7 @@ def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
                 opt,
                 act,
                 in_flight(layout, s),
-                working if sp.blocks else 0.0,
+                rebuilt,
                 loss_buffer_bytes(cfg, layout) if last else 0.0,
                 step_buffers=step_buffer_bytes(cfg, layout, sp),
             )

@@ -11,14 +11,19 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from p3d.config.schema import Config, DType, Pipeline, Recompute
-from p3d.layout.dims import ParallelDims
-from p3d.layout.geometry import model_flops_per_token, recompute_flops_per_token, schedule_bubble, total_params
-from p3d.layout.run_plan import P3DConfigError, build_plan
-from p3d.planner import memory, step_time
+from p3d.config.schema import Config, Pipeline, Recompute
+from p3d.layout.geometry import (
+    active_params,
+    model_flops_per_token,
+    recompute_flops_per_token,
+    schedule_bubble,
+    total_params,
+)
+from p3d.planner import experts, memory, step_time
 from p3d.planner.render import render
 from p3d.planner.shapes import Layout, layout_of
 from p3d.planner.step_time import assumptions
+from p3d.planner.verdict import verdict
 
 GB = memory.GB
 
@@ -140,20 +145,30 @@ class Prediction:
             "recompute": lay.recompute,
             "zero": lay.zero,
             "world_size": lay.world_size,
+            "ep": lay.ep,
         }
         m = self.cfg.model
         out["model"] = {
             "name": m.name,
             "arch": m.arch.value,
             "params": total_params(m),
+            "active_params": active_params(m),
             "flops_per_token": model_flops_per_token(m),
         }
+        out["experts"] = experts.summary(
+            self.cfg,
+            lay,
+            [s.params for s in self.stages],
+            step_time.a2a_seconds(self.cfg, lay),
+            step_time.a2a_link(self.cfg, lay),
+        )
         out["time_s"] = dict(self.breakdown)
         out["stages"] = [
             {
                 "stage": s.stage,
                 "blocks": s.params.blocks,
                 "params": s.params.total,
+                "expert_params": s.params.experts,
                 "in_flight": s.in_flight,
                 "time_per_micro_batch_s": t.total,
                 "memory_gb": {
@@ -202,6 +217,7 @@ def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True, acce
         "recompute": m * times[slow].recompute,
         "tp_comm": m * times[slow].tp_comm,
         "pp_comm": m * times[slow].pp_comm,
+        "a2a_comm": m * times[slow].a2a,
         "pipeline_idle": fill * t_mb,
         "dp_comm": dp_exposed,
         "optimizer": tail - dp_exposed,
@@ -210,72 +226,15 @@ def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True, acce
     }
     report = Prediction(cfg, layout, stages, times, step, breakdown)
     if check:
-        report.warnings, report.notes = _verdict(report, accepted)
+        report.warnings, report.notes = verdict(report, accepted)
     return report
 
 
-def _verdict(r: Prediction, accepted: bool) -> tuple[list[str], list[str]]:
-    cfg, lay, warnings, notes = r.cfg, r.layout, [], []
-    try:
-        if not accepted:
-            build_plan(cfg, None, for_training=True)
-    except P3DConfigError as exc:
-        warnings.append(f"p3d-train would refuse this config: {exc}")
-    w = r.worst
-    if not r.fits and r.shared_host:
-        warnings.append(
-            f"does not fit: the {lay.world_size} cpu workers need {r.all_ranks_bytes / GB:.1f} GB "
-            f"together, cluster.memory_gb={cfg.cluster.memory_gb:g}"
-        )
-    elif not r.fits:
-        warnings.append(
-            f"does not fit: stage {w.stage} needs {w.total / GB:.1f} GB of {cfg.cluster.memory_gb:g} GB "
-            f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
-            f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})"
-        )
-    gpn = cfg.cluster.gpus_per_node
-    if gpn is not None and lay.tp > gpn:
-        warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
-    crossing = shard_groups_across_nodes(cfg.zero.shard_size, lay, gpn)
-    if crossing:
-        s = cast(int, cfg.zero.shard_size)
-        warnings.append(
-            f"zero.shard_size={s}: {crossing} of the shard groups ({s} dp ranks x tp {lay.tp} = {s * lay.tp} "
-            f"consecutive ranks) cross nodes of {gpn}, so FSDP2's gathers and reduce-scatters take the inter-node "
-            f"link; try a zero.shard_size whose product with mesh.tp divides {gpn}"
-        )
-    if r.bubble > 0.1:
-        warnings.append(
-            f"pipeline bubble {r.bubble:.0%} of the step ({lay.schedule_name} with m={lay.micro_batches}): raise "
-            "schedule.global_batch_size or lower schedule.micro_batch_size"
-        )
-    asked = cfg.schedule.pipeline.value
-    if asked != lay.pipeline:
-        notes.append(
-            f"schedule.pipeline={asked} with schedule.virtual_stages={cfg.schedule.virtual_stages}: planned as "
-            f"{lay.pipeline} (v chunks per rank); p3d-train runs that as schedule.pipeline={lay.pipeline}"
-        )
-    if cfg.cluster.device == "cpu":
-        notes.append(
-            f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
-            f"(together {r.all_ranks_bytes / GB:.2f} GB); times use a nominal CPU peak"
-        )
-    if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 0:
-        notes.append(
-            "bf16 with zero.stage=0: DeepSpeed's BF16_Optimizer shards master weights and Adam moments "
-            "over dp anyway and keeps a second bf16 gradient buffer"
-        )
-    if cfg.schedule.recompute == Recompute.full:
-        notes.append("full recompute: each block keeps its input; one block's activations are rebuilt at a time")
-    return warnings, notes
-
-
 def apply_layout(cfg: Config, layout: Layout) -> Config:
-    """``cfg`` with the mesh, micro batch, pipeline schedule and chunks, recompute and ZeRO stage of ``layout``
-    (what p3d-train runs for mesh=auto)."""
-    mesh = dataclasses.replace(
-        cfg.mesh, name=f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}", tp=layout.tp, pp=layout.pp, dp=layout.dp
-    )
+    """``cfg`` with the mesh (ep too), micro batch, pipeline schedule and chunks, recompute and ZeRO stage of
+    ``layout`` (what p3d-train runs for mesh=auto)."""
+    name = f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}" + (f"_ep{layout.ep}" if layout.ep > 1 else "")
+    mesh = dataclasses.replace(cfg.mesh, name=name, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
     sched = dataclasses.replace(
         cfg.schedule,
         micro_batch_size=layout.micro_batch_size,
@@ -287,21 +246,3 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
     if zero.stage != layout.zero:
         zero = dataclasses.replace(zero, name=f"stage{layout.zero}", stage=layout.zero)
     return dataclasses.replace(cfg, mesh=mesh, schedule=sched, zero=zero)
-
-
-def check_options(cfg: Config) -> None:
-    """The cluster numbers the model divides by must be set (the fields' bounds are checked before, by
-    p3d.launch.check.typed_config, for p3d-train and p3d-plan alike)."""
-    c = cfg.cluster
-    for name in ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps"):
-        if getattr(c, name) is None:
-            raise P3DConfigError(f"cluster.{name}=null has no value from cluster.device={c.device}; set cluster.{name}")
-
-
-def shard_groups_across_nodes(shard_size: int | None, lay: Layout, gpus_per_node: int | None) -> int:
-    """How many HSDP shard groups (``ParallelDims.shard_ranks``) span more than one node of ``gpus_per_node``
-    consecutive ranks (Slurm's block placement); 0 without HSDP or nodes."""
-    if not shard_size or not gpus_per_node or shard_size >= lay.dp or lay.zero < 2:
-        return 0
-    dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp, procs_per_node=gpus_per_node)
-    return sum(len({dims.node_of(r) for r in group}) > 1 for group in dims.shard_ranks(shard_size))

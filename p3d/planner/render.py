@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from p3d.layout.geometry import active_params, moe_layers, total_params
 from p3d.planner.memory import GB
-from p3d.planner.step_time import assumptions
+from p3d.planner.step_time import a2a_link, assumptions
 
 MAX_STAGE_ROWS = 12
 
@@ -26,21 +27,55 @@ def _layers(names: tuple[str, ...]) -> str:
     return "+".join(parts) or "-"
 
 
+def _billions(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def _experts(report) -> list[str]:
+    """An MoE model's lines: its experts, total and active parameters, ep, and each stage's dense and expert
+    parameters per GPU."""
+    cfg, lay = report.cfg, report.layout
+    m = cfg.model
+    moe = m.moe
+    if moe is None:
+        return []
+    shared = f" + {moe.n_shared_experts} shared" if moe.n_shared_experts else ""
+    out = [
+        f"  mixture of experts: {moe.n_experts} routed experts (top-{moe.top_k}){shared} in {len(moe_layers(m))} of "
+        f"{m.n_layers} blocks; {_billions(total_params(m))} parameters, {_billions(active_params(m))} active per token",
+        f"  ep={lay.ep}: each GPU holds {moe.n_experts // lay.ep} of the {moe.n_experts} routed experts of each MoE "
+        f"block; their gradients reduce (and ZeRO shards) over edp={lay.edp} dp ranks"
+        + (f"; all-to-alls over {lay.ep * lay.tp} consecutive ranks ({a2a_link(cfg, lay)}-node)" if lay.ep > 1 else ""),
+    ]
+    per_stage = [
+        f"stage {s.stage}: {_billions(s.params.dense)} dense + {_billions(s.params.experts)} experts"
+        for s in _stage_rows(report)
+    ]
+    if len(per_stage) == 1:
+        return [*out, f"  parameters per GPU: {per_stage[0].split(': ', 1)[1]}"]
+    return [*out, "  parameters per GPU:", *(f"    {line}" for line in per_stage)]
+
+
 def render(report) -> str:
     cfg, lay = report.cfg, report.layout
     unit, scale = ("GB", GB) if report.worst.total >= 0.1 * GB else ("MB", 1e6)
     m = cfg.model
-    out = []
+    out: list[str] = []
     if report.ranking:
+        ep = m.moe is not None  # an ep column for a mixture of experts
         out += [
             f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x {cfg.cluster.device}",
-            f"  {'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>4} {'m':>5} {'mem GB':>7} {'step s':>9} {'tokens/s':>12} "
+            f"  {'tp':>3} {'pp':>3} {'dp':>5}"
+            + (f" {'ep':>3}" if ep else "")
+            + f" {'mbs':>4} {'m':>5} {'mem GB':>7} {'step s':>9} {'tokens/s':>12} "
             f"{'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  {'schedule':<26} {'recompute':<9} zero",
         ]
         for r in report.ranking:
             lo = r.layout
             out.append(
-                f"  {lo.tp:>3} {lo.pp:>3} {lo.dp:>5} {lo.micro_batch_size:>4} {lo.micro_batches:>5} "
+                f"  {lo.tp:>3} {lo.pp:>3} {lo.dp:>5}"
+                + (f" {lo.ep:>3}" if ep else "")
+                + f" {lo.micro_batch_size:>4} {lo.micro_batches:>5} "
                 f"{r.worst.total / GB:>7.1f} {r.step_time_s:>9.3f} {r.tokens_per_s:>12,.0f} "
                 f"{r.tflops_per_gpu:>8.1f} {r.mfu:>6.1%} {r.bubble:>7.1%}  {lo.schedule_name:<26} {lo.recompute:<9} "
                 f"{lo.zero}"
@@ -55,6 +90,7 @@ def render(report) -> str:
         f"sequence_parallel={cfg.schedule.sequence_parallel}, global batch {cfg.schedule.global_batch_size} "
         f"x {m.seq_len} tokens"
     )
+    out += _experts(report)
     out += [
         "",
         f"memory per GPU ({unit}; capacity {cfg.cluster.memory_gb:g} GB)",
@@ -87,13 +123,15 @@ def render(report) -> str:
         "recompute",
         "tp_comm",
         "pp_comm",
+        "a2a_comm",
         "pipeline_idle",
         "dp_comm",
         "optimizer",
         "tied_embedding",
     ):
         if b[key] > 0 or key in ("compute", "pipeline_idle"):
-            out.append(f"  {key:<15} {b[key]:>10.4f}")
+            link = f"  (ep={lay.ep} all-to-alls, {a2a_link(cfg, lay)}-node link)" if key == "a2a_comm" else ""
+            out.append(f"  {key:<15} {b[key]:>10.4f}{link}")
     out.append(f"  {'step':<15} {report.step_time_s:>10.4f}")
     out += [
         "",

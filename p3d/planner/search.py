@@ -1,9 +1,11 @@
 """``mesh=auto``: every layout of the cluster p3d-train accepts, ranked by predicted throughput.
 
-A layout is tp x pp x dp, the micro batch size, the pipeline schedule with its chunks per rank v, recompute
-and the ZeRO stage. The search tries every combination of
+A layout is tp x pp x dp, the expert-parallel degree ep, the micro batch size, the pipeline schedule with its
+chunks per rank v, recompute and the ZeRO stage. The search tries every combination of
 
     tp, pp, dp      divisors of the GPUs, tp inside a node and dividing the heads, kv heads and FFN width
+    ep              a mixture of experts: every divisor of dp that divides the experts (and tp the experts' width);
+                    a dense model: 1
     micro batch     every divisor of global_batch_size / dp
     schedule x v    1f1b and gpipe with v = 1; interleaved_1f1b and interleaved_zero_bubble with v = 2, 4, 8, ...
                     up to blocks / pp; zbv and dualpipev with v = 2
@@ -11,9 +13,9 @@ and the ZeRO stage. The search tries every combination of
     zero.stage      0, 1, 2, 3 (2 and 3: FSDP2 on the torch executor, docs/zero.md)
 
 and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
-``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``: the functions p3d-train calls, so the
-two cannot drift). Layouts predicted not to fit device memory are dropped; the rest are sorted by predicted
-tokens/s (ties: less memory first).
+``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``, ``check_experts``: the functions p3d-train
+calls, so the two cannot drift). Layouts predicted not to fit device memory are dropped; the rest are sorted by
+predicted tokens/s (ties: less memory first).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 from typing import cast
 
 from p3d.config.schema import Config
+from p3d.layout.expert_rules import check_experts
 from p3d.layout.geometry import max_pieces
 from p3d.layout.run_plan import (
     P3DConfigError,
@@ -31,8 +34,9 @@ from p3d.layout.run_plan import (
     check_zero,
 )
 from p3d.layout.schedule_rules import check_schedule
-from p3d.planner.predict import Prediction, apply_layout, check_options, evaluate
+from p3d.planner.predict import Prediction, apply_layout, evaluate
 from p3d.planner.shapes import Layout, divisors, layout_of_run_plan, world_size
+from p3d.planner.verdict import check_options
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -58,6 +62,13 @@ def check_layout(cfg: Config, layout: Layout) -> None:
     check_sequence_parallel(cfg, layout.tp)
     check_recompute_swiglu(cfg)
     check_zero(cfg, layout.pp, layout.dp)
+    check_experts(cfg, layout.dp)
+
+
+def expert_degrees(cfg: Config, dp: int) -> list[int]:
+    """The ep worth trying on dp replicas: the divisors of dp that divide the experts; 1 for a dense model."""
+    moe = cfg.model.moe
+    return [1] if moe is None else [ep for ep in divisors(dp) if moe.n_experts % ep == 0]
 
 
 def candidates(cfg: Config) -> list[Layout]:
@@ -87,12 +98,13 @@ def candidates(cfg: Config) -> list[Layout]:
                 for pipeline, v in schedules(cfg, pp):
                     for recompute in RECOMPUTE:
                         for zero in ZERO_STAGES:
-                            layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero)
-                            try:
-                                check_layout(apply_layout(cfg, layout), layout)
-                            except P3DConfigError:
-                                continue
-                            out.append(layout)
+                            for ep in expert_degrees(cfg, dp):
+                                layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero, ep)
+                                try:
+                                    check_layout(apply_layout(cfg, layout), layout)
+                                except P3DConfigError:
+                                    continue
+                                out.append(layout)
     return out
 
 

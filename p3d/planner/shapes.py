@@ -25,6 +25,11 @@ schedule of v chunks per rank the layer list is cut into p v chunks and rank r h
 ``geometry.rank_chunks`` gives it (loop placement for the interleaved schedules, V placement for zbv and
 dualpipev, where rank 0 holds both the embedding and the head), as p3d/train/executors/torch_pipeline.py builds them.
 The per-block counts and FLOPs per token are ``p3d.layout.geometry``'s too.
+
+Mixture of experts (``model.moe``): a block i >= first_dense_layers holds, besides its attention and norms, the
+router h E (replicated over tp), S shared experts and E / ep routed experts, each expert 3 h f_e / t
+(``geometry.mlp_params``); a layout's ep (``mesh.ep``, carved from dp) is 1 for a dense model. ``StageParams``
+keeps the routed experts' share apart: they reduce and shard over edp = dp / ep ranks, the rest over dp.
 """
 
 from __future__ import annotations
@@ -32,13 +37,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from p3d.config.schema import Arch, Config, ModelConfig
+from p3d.config.schema import Arch, Config, DType, ModelConfig
 from p3d.layout.dims import resolve_dp
+from p3d.layout.expert_rules import check_expert_degree
 from p3d.layout.geometry import (
-    block_matmul_params,
+    attention_params,
     block_vector_params,
+    expert_params,
+    is_moe_layer,
     layer_names,
     max_pieces,
+    mlp_params,
     padded_vocab,
     rank_chunks,
     stage_bounds,
@@ -50,8 +59,8 @@ from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, virtual_stages
 @dataclass(frozen=True)
 class Layout:
     """One parallel layout: degrees, micro batch, the derived micro batches per replica, the pipeline schedule
-    with its chunks per rank, recompute and the ZeRO stage (the values of ``schedule.pipeline``,
-    ``schedule.recompute``, ``zero.stage``)."""
+    with its chunks per rank, recompute, the ZeRO stage (the values of ``schedule.pipeline``,
+    ``schedule.recompute``, ``zero.stage``) and the expert-parallel degree ep (``mesh.ep``, carved from dp)."""
 
     tp: int
     pp: int
@@ -62,16 +71,29 @@ class Layout:
     pipeline: str = "1f1b"
     recompute: str = "none"
     zero: int = 0
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel degree: the dp / ep ranks of a dp group that hold the same experts."""
+        return max(1, self.dp // self.ep)
+
+    @property
+    def torch_executor(self) -> bool:
+        """Whether torch's pipelining runs it (``schedule_rules.runs_on_deepspeed`` for a layout): every schedule
+        but 1f1b, ZeRO-2/3, and expert parallelism (DeepSpeed's engine reduces every gradient over all of dp)."""
+        return self.pipeline != "1f1b" or self.zero >= 2 or self.ep > 1
+
     def describe(self, seq_len: int) -> str:
         """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
-        counted, then batch x sequence length, as ``p3d-train`` prints them at start."""
+        counted, then batch x sequence length, as ``p3d-train`` prints them at start (``ep=8`` after dp when > 1)."""
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} ranks), {self.micro_batches} micro "
+            f"tp={self.tp} pp={self.pp} dp={self.dp}{f' ep={self.ep}' if self.ep > 1 else ''} ({self.world_size} "
+            f"ranks), {self.micro_batches} micro "
             f"batches of {self.micro_batch_size} x {seq_len} per replica, {self.schedule_name}"
         )
 
@@ -79,6 +101,11 @@ class Layout:
     def schedule_name(self) -> str:
         """The pipeline schedule with its chunks per rank: ``1f1b``, ``interleaved_1f1b v=4``, ``zbv v=2``."""
         return self.pipeline + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+
+
+def dtype_bytes(cfg: Config) -> int:
+    """c: bytes of an activation (and of a weight on DeepSpeed's engine): 4 in fp32, 2 in bf16."""
+    return 4 if cfg.train.dtype == DType.fp32 else 2
 
 
 def world_size(cfg: Config) -> int | None:
@@ -94,7 +121,9 @@ def layout_of(cfg: Config) -> Layout:
     given (tp pp dp GPUs). Micro batches m = global_batch / (micro_batch dp), at least 1. The schedule is
     ``schedule.pipeline``; v is ``schedule.virtual_stages``, 2 for zbv and dualpipev. v > 1 with 1f1b or gpipe
     (which p3d-train refuses: they run one chunk per rank) is planned as interleaved_1f1b, and the report's
-    notes say so (PlanReport._verdict), as a published Megatron run with virtual stages is.
+    notes say so (PlanReport._verdict), as a published Megatron run with virtual stages is. ep is ``mesh.ep`` for
+    an MoE model (P3DConfigError where it does not divide dp and the experts: no rank's experts are defined) and 1
+    for a dense one (``mesh.ep`` > 1 there is refused by p3d-train, which the report's warnings say).
     """
     tp, pp, s = cfg.mesh.tp, cfg.mesh.pp, cfg.schedule
     for name, val in (
@@ -113,7 +142,11 @@ def layout_of(cfg: Config) -> Layout:
         v = 2
     elif pipeline in ("1f1b", "gpipe") and v > 1:
         pipeline = "interleaved_1f1b"
-    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage)
+    ep = 1
+    if cfg.model.moe is not None:
+        check_expert_degree(cfg, dp)
+        ep = cfg.mesh.ep
+    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep)
 
 
 def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
@@ -132,6 +165,7 @@ def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
         pipeline,
         s.recompute.value,
         cfg.zero.stage,
+        run_plan.ep if cfg.model.moe is not None else 1,
     )
 
 
@@ -157,43 +191,70 @@ def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:
 class StageParams:
     """Parameters on one rank of a stage, split as p3d's optimizer groups them."""
 
-    matrices: int  # ndim >= 2: weight-decayed group
+    matrices: int  # ndim >= 2: weight-decayed group (the routed experts among them)
     vectors: int  # norms, biases: no-decay group
     blocks: int  # transformer blocks on this stage
     layers: tuple[str, ...] = ()
+    experts: int = 0  # the routed experts' weights (E / ep per MoE block): reduced and sharded over edp
+    moe_blocks: int = 0  # MoE blocks among ``blocks``
 
     @property
     def total(self) -> int:
         return self.matrices + self.vectors
 
+    @property
+    def dense(self) -> int:
+        """Every parameter but the routed experts' (attention, norms, router, shared experts, embeddings): over dp."""
+        return self.total - self.experts
 
-def _layer_params(m: ModelConfig, name: str, tp: int, vpad: int) -> tuple[int, int]:
+
+def block_index(name: str) -> int | None:
+    """``block7`` -> 7; None for the embedding, the final norm and the head."""
+    return int(name[5:]) if name.startswith("block") else None
+
+
+def _layer_params(m: ModelConfig, name: str, tp: int, vpad: int) -> tuple[int, int, int]:
+    """(matrices, vectors, routed experts among them) of the embedding, the final norm or the head on one tp rank."""
     h = m.hidden_size
     if name == "embed":
-        return vpad * h // tp + (m.seq_len * h if m.arch == Arch.gpt else 0), 0
+        return vpad * h // tp + (m.seq_len * h if m.arch == Arch.gpt else 0), 0, 0
     if name == "head":
-        return vpad * h // tp, 0
-    if name == "final_norm":
-        return 0, (h if m.arch == Arch.llama else 2 * h)
-    return block_matmul_params(m, tp), block_vector_params(m, tp)
+        return vpad * h // tp, 0, 0
+    assert name == "final_norm", name
+    return 0, (h if m.arch == Arch.llama else 2 * h), 0
+
+
+def _block_params(m: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int, int]:
+    """(matrices, vectors, routed experts among the matrices) of block ``layer`` on one tp rank of ep rank."""
+    routed = m.moe.n_experts // ep * expert_params(m, tp) if m.moe is not None and is_moe_layer(m, layer) else 0
+    return attention_params(m, tp) + mlp_params(m, layer, tp, ep=ep), block_vector_params(m, tp), routed
 
 
 def stage_params(cfg: Config, layout: Layout) -> list[StageParams]:
-    """Per stage, the parameters of one tp rank (identical on every tp rank and dp replica)."""
+    """Per stage, the parameters of one tp rank (identical on every tp rank and dp replica; the routed experts of
+    each ep rank are others, as many)."""
     m = cfg.model
     vpad = padded_vocab(m.vocab_size, layout.tp)
+    kinds: dict[bool, tuple[int, int, int]] = {}  # dense and MoE blocks: each kind counted once
     out = []
     for here in rank_layers(cfg, layout):
-        mat = vec = 0
+        mat = vec = routed = moe = blocks = 0
         for name in here:
-            if name == "head" and m.tie_embeddings and "embed" in here:
+            i = block_index(name)
+            if i is not None:
+                kind = is_moe_layer(m, i)
+                if kind not in kinds:
+                    kinds[kind] = _block_params(m, i, layout.tp, layout.ep)
+                dm, dv, de = kinds[kind]
+                blocks, moe = blocks + 1, moe + kind
+            elif name == "head" and m.tie_embeddings and "embed" in here:
                 continue  # pp=1 (or embed and head on one stage): one tied table
-            if name == "head" and m.tie_embeddings:
-                mat += vpad * m.hidden_size // layout.tp  # DeepSpeed's tied copy: the embedding table only
-                continue
-            dm, dv = _layer_params(m, name, layout.tp, vpad)
-            mat, vec = mat + dm, vec + dv
-        out.append(StageParams(mat, vec, sum(n.startswith("block") for n in here), tuple(here)))
+            elif name == "head" and m.tie_embeddings:
+                dm, dv, de = vpad * m.hidden_size // layout.tp, 0, 0  # DeepSpeed's tied copy: the embedding table only
+            else:
+                dm, dv, de = _layer_params(m, name, layout.tp, vpad)
+            mat, vec, routed = mat + dm, vec + dv, routed + de
+        out.append(StageParams(mat, vec, blocks, tuple(here), routed, moe))
     return out
 
 

@@ -31,6 +31,13 @@ the last backward (exposed); ``plan.overlap_dp`` hides them behind one micro bat
 backward (ZeRO 3: behind all compute of the step). Tied embeddings add one all-reduce of the table's
 gradient between the first and last stage. The optimizer step streams ~32 bytes per local
 optimizer element through HBM.
+
+Mixture of experts (p3d.planner.experts): an MoE block's matmuls are its active weights (attention, router, the k
+routed and S shared experts a token goes through: ``geometry.mlp_params(active=True)``; under balanced routing
+every rank computes the same rows). Its token dispatch adds 4 all-to-alls per micro batch (6 with full recompute)
+of b s r h c bytes, (ep - 1)/ep of them leaving each rank (the "others" ring time, (n - 1)/n x bytes / link +
+latency), over the link of its ep group's ep x t consecutive ranks; they are never hidden (``a2a``). Dense
+gradients reduce over dp, the routed experts' over edp = dp / ep (their Adam step over 1/edp of them).
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ from typing import Any, cast
 
 from p3d.config.devices import DEVICES
 from p3d.config.schema import Arch, Config, Recompute
-from p3d.layout.geometry import block_matmul_params, chunk_to_rank, head_dims, padded_vocab
+from p3d.layout.geometry import attention_params, chunk_to_rank, head_dims, mlp_params, moe_layers, padded_vocab
 from p3d.layout.schedule_rules import V_SHAPED
+from p3d.planner import experts
 from p3d.planner.memory import dtype_bytes, optimizer_sharded
 from p3d.planner.shapes import Layout, StageParams
 
@@ -59,16 +67,23 @@ def hbm_bytes_per_s(cfg: Config) -> float:
     return (cfg.plan.hbm_gbps or DEVICES[cfg.cluster.device].hbm_gbps) * 1e9 * HBM_EFFICIENCY
 
 
+def intra_node(cfg: Config, span: int) -> bool:
+    """Whether a group of ``span`` consecutive ranks fits in a node (always on cpu)."""
+    gpn = cfg.cluster.gpus_per_node
+    return gpn is None or span <= gpn
+
+
 def _link(cfg: Config, span: int) -> tuple[float, float]:
     """(bytes/s, latency) of a group whose ranks span ``span`` consecutive ranks (tp fastest, then dp, then pp)."""
     c = cfg.cluster
-    intra = c.gpus_per_node is None or span <= c.gpus_per_node
+    intra = intra_node(cfg, span)
     gbps = cast(float, c.intra_node_gbps if intra else c.inter_node_gbps)
     return gbps * 1e9 * COMM_EFFICIENCY, LATENCY_S["intra" if intra else "inter"]
 
 
 def ring(cfg: Config, nbytes: float, n: int, span: int, op: str = "all_reduce") -> float:
-    """Seconds of one ring collective over n ranks: all_reduce moves 2 (n-1)/n of the bytes, others (n-1)/n."""
+    """Seconds of one ring collective over n ranks: all_reduce moves 2 (n-1)/n of the bytes, others (n-1)/n (an
+    all_to_all too: each rank sends the (n-1)/n of its bytes meant for the others, and receives as much)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw, lat = _link(cfg, span)
@@ -85,24 +100,28 @@ class StageTime:
     pp_comm: float
     backward_compute: float  # one micro batch's backward, what DP traffic may hide behind
     forward_compute: float
+    a2a: float = 0.0  # the MoE blocks' all-to-alls (token dispatch), never hidden
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp_comm + self.pp_comm
+        return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.a2a
 
 
-def _block_costs(cfg: Config, layout: Layout) -> dict[str, float]:
-    """FLOPs and memory-bound bytes of one block's forward, and its TP collectives, per micro batch."""
+def _block_costs(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, float]:
+    """FLOPs and memory-bound bytes of one block's forward, and its TP collectives, per micro batch (``moe``: an
+    MoE block, its active weights and its feed-forward's kernels)."""
     m, sched = cfg.model, cfg.schedule
     b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)
     h, a, f = m.hidden_size, m.n_heads, m.ffn_hidden_size
     q, kv = head_dims(m)
     sp = t if sched.sequence_parallel else 1
     flash = cfg.plan.flash_attention
+    layer = moe_layers(m)[0] if moe else 0  # a block of the kind (block 0: dense, unless the model has no dense one)
     attn_flops = 4.0 * b * s * s * q / t * (0.5 if flash else 1.0)
     core = (2 * q + 2 * kv) / t + (0 if flash else (2 if m.arch == Arch.llama else 4.5) * a * s / t)
-    if m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up
-        side = 10 * h / sp + (4 * (q + kv) + 5 * f) / t
+    if m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up (MoE: the experts', the permutation)
+        ffn = experts.ffn_side_elements(cfg, layout) if moe else 5 * f / t
+        side = 10 * h / sp + 4 * (q + kv) / t + ffn
     else:  # 2 layer norms + 2 bias-dropout-adds; qkv bias; bias-gelu
         side = 13 * h / sp + (2 * (q + 2 * kv) + 2 * f) / t
     act_bytes = b * s * h * c
@@ -112,7 +131,7 @@ def _block_costs(cfg: Config, layout: Layout) -> dict[str, float]:
     else:
         tp_dir = 2 * ring(cfg, act_bytes, t, t)
     return {
-        "gemm": 2.0 * b * s * block_matmul_params(m, t),
+        "gemm": 2.0 * b * s * (attention_params(m, t) + mlp_params(m, layer, t, active=True)),
         "attn": attn_flops,
         "attn_bwd": 2.5 if flash else 2.0,
         "side_bytes": b * s * side * c,
@@ -121,12 +140,8 @@ def _block_costs(cfg: Config, layout: Layout) -> dict[str, float]:
     }
 
 
-def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
-    m = cfg.model
-    flops_s = cast(float, cfg.cluster.peak_tflops) * 1e12 * efficiency(cfg)
-    mem_s = hbm_bytes_per_s(cfg)
-    k = _block_costs(cfg, layout)
-    b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)
+def _per_block(cfg: Config, k: dict[str, float], flops_s: float, mem_s: float) -> dict[str, float]:
+    """Seconds of one block per micro batch: forward, backward, recompute, exposed TP collectives."""
     gemm_f = k["gemm"] / flops_s
     attn_f = k["attn"] / flops_s + k["core_bytes"] / mem_s
     side_f = k["side_bytes"] / mem_s
@@ -136,6 +151,33 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     tp_layer = 2 * k["tp"] + (k["tp"] if cfg.schedule.recompute == Recompute.full else 0.0)
     if cfg.plan.overlap_tp:
         tp_layer = max(0.0, tp_layer - 3 * gemm_f)
+    return {"fwd": fwd, "bwd": bwd, "both": fwd + bwd, "rec": rec, "tp": tp_layer}
+
+
+def a2a_seconds(cfg: Config, layout: Layout) -> float:
+    """Seconds of one MoE block's all-to-alls per micro batch on one rank (0 with ep = 1: every expert is local):
+    ``experts.all_to_alls`` of the rows and of the row counts, over the ep group's link."""
+    if cfg.model.moe is None or layout.ep == 1 or not moe_layers(cfg.model):
+        return 0.0
+    rows, counts = experts.all_to_alls(cfg.schedule.recompute)
+    ep, span = layout.ep, experts.a2a_span(layout)
+    one = ring(cfg, experts.dispatch_bytes(cfg, layout), ep, span, "all_to_all")
+    return rows * one + counts * ring(cfg, 8.0 * cfg.model.moe.n_experts, ep, span, "all_to_all")
+
+
+def a2a_link(cfg: Config, layout: Layout) -> str:
+    """``intra`` when an ep group (ep x tp consecutive ranks) fits in a node, else ``inter``."""
+    return "intra" if intra_node(cfg, experts.a2a_span(layout)) else "inter"
+
+
+def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
+    m = cfg.model
+    flops_s = cast(float, cfg.cluster.peak_tflops) * 1e12 * efficiency(cfg)
+    mem_s = hbm_bytes_per_s(cfg)
+    dense = _per_block(cfg, _block_costs(cfg, layout), flops_s, mem_s)
+    moe = _per_block(cfg, _block_costs(cfg, layout, moe=True), flops_s, mem_s) if moe_layers(m) else dense
+    a2a = a2a_seconds(cfg, layout)
+    b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)
     vpad = padded_vocab(m.vocab_size, t)
     act_bytes = b * s * m.hidden_size * c
     head_gemm = 2.0 * b * s * m.hidden_size * vpad / t / flops_s
@@ -145,9 +187,13 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     p2p = act_bytes / bw + lat
     out = []
     for rank, st in enumerate(stages):
-        n = st.blocks
-        comp, back, forw = n * (fwd + bwd), n * bwd, n * fwd
-        tp = n * tp_layer
+        n, e = st.blocks - st.moe_blocks, st.moe_blocks  # dense and MoE blocks
+
+        def blocks(key: str) -> float:
+            return n * dense[key] + (e * moe[key] if e else 0.0)  # noqa: B023 - called within this iteration
+
+        comp, back, forw = blocks("both"), blocks("bwd"), blocks("fwd")
+        tp = blocks("tp")
         if "embed" in st.layers:
             tp += ring(cfg, act_bytes, t, t)  # the vocab-parallel lookup's all-reduce
         if "head" in st.layers:
@@ -159,7 +205,7 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
             pp = p2p * p2p_hops(layout, rank)
             if cfg.plan.overlap_pp:
                 pp = max(0.0, pp - comp)
-        out.append(StageTime(comp, n * rec, tp, pp, back, forw))
+        out.append(StageTime(comp, blocks("rec"), tp, pp, back, forw, e * a2a))
     return out
 
 
@@ -176,26 +222,39 @@ def p2p_hops(layout: Layout, rank: int) -> int:
     return hops
 
 
+def _reduced_groups(layout: Layout, st: StageParams) -> list[tuple[int, int]]:
+    """(parameters, ranks) of each reduction: all of them over dp, or with ep > 1 the dense ones over dp and the
+    routed experts over their edp group (whose dp / ep ranks, ep apart, span the dp group's tp d ranks too)."""
+    if layout.ep == 1:
+        return [(st.total, layout.dp)]
+    return [(st.dense, layout.dp), (st.experts, layout.edp)]
+
+
 def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     """Per-step seconds of one rank's data-parallel traffic (all of it, before any overlap)."""
     d, zero = layout.dp, cfg.zero.stage
     if d <= 1:
         return 0.0
-    nbytes = st.total * dtype_bytes(cfg)
     span = layout.tp * layout.dp
-    if zero >= 2:  # FSDP2 (docs/zero.md): fp32 gradients reduce-scattered once a step, weights gathered in c bytes
-        gathers = 1 if zero == 2 else layout.micro_batches + 1  # counted: tests/workers/test_zero_fsdp.py
-        s = cfg.zero.shard_size or d  # HSDP: within shard groups, then the pieces all-reduced across the replicas
-        grads = ring(cfg, st.total * 4.0, s, layout.tp * s, "reduce_scatter")
-        if s < d:
-            grads += ring(cfg, st.total * 4.0 / s, d // s, span)
-        return grads + gathers * ring(cfg, nbytes, s, layout.tp * s, "all_gather")
-    if optimizer_sharded(cfg) and zero == 1:
-        grads = ring(cfg, nbytes, d, span, "reduce_scatter")
-    else:
-        grads = ring(cfg, nbytes, d, span)
-    params = ring(cfg, nbytes, d, span, "all_gather") if optimizer_sharded(cfg) else 0.0
-    return grads + params
+    total = 0.0
+    for n, g in _reduced_groups(layout, st):
+        nbytes = n * dtype_bytes(cfg)
+        if zero >= 2:  # FSDP2 (docs/zero.md): fp32 gradients reduce-scattered once a step, weights gathered in c bytes
+            gathers = 1 if zero == 2 else layout.micro_batches + 1  # counted: tests/workers/test_zero_fsdp.py
+            s = cfg.zero.shard_size or g  # HSDP: within shard groups, then the pieces all-reduced across the replicas
+            shard_span = layout.tp * s if g == d else span  # a shard group is s adjacent dp ranks; edp's are ep apart
+            grads = ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
+            if s < g:
+                grads += ring(cfg, n * 4.0 / s, g // s, span)
+            total += grads + gathers * ring(cfg, nbytes, s, shard_span, "all_gather")
+            continue
+        if optimizer_sharded(cfg) and zero == 1:
+            grads = ring(cfg, nbytes, g, span, "reduce_scatter")
+        else:
+            grads = ring(cfg, nbytes, g, span)
+        params = ring(cfg, nbytes, g, span, "all_gather") if optimizer_sharded(cfg) else 0.0
+        total += grads + params
+    return total
 
 
 def tied_seconds(cfg: Config, layout: Layout) -> float:
@@ -209,7 +268,7 @@ def tied_seconds(cfg: Config, layout: Layout) -> float:
 
 
 def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
-    n = st.total / (layout.dp if optimizer_sharded(cfg) else 1)
+    n = sum(p / (g if optimizer_sharded(cfg) else 1) for p, g in _reduced_groups(layout, st))
     return n * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(cfg)
 
 

@@ -3,8 +3,9 @@
 Each case runs ``p3d-train`` for 10 fp32 steps (dropless top-2 routing, clipping on) and compares, step by step,
 the loss, the global gradient norm, the balancing loss and the load imbalance, and the held-out loss after the
 last step, with the ``to_sequential`` twin (every expert local) trained by a plain PyTorch loop on the same data
-from the same init (p3d.train.reference). Tolerance: 1e-5 relative. A routing decision is discrete: a layout that computed a router score differently would send a token
-to another expert and its loss would leave the reference's at once, which this tolerance catches.
+from the same init (p3d.train.reference). Tolerance: 1e-5 relative. A routing decision is discrete: a layout that
+computed a router score differently would send a token to another expert and its loss would leave the reference's
+at once, which this tolerance catches.
 """
 
 from __future__ import annotations

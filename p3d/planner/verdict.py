@@ -1,0 +1,102 @@
+"""What p3d-plan says beside its numbers: whether p3d-train would refuse the config, whether it fits, and the
+warnings and notes about the layout (a report of p3d.planner.predict; nothing here computes a prediction)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from p3d.config.schema import Config, DType, Recompute
+from p3d.layout.dims import ParallelDims
+from p3d.layout.run_plan import P3DConfigError, build_plan
+from p3d.planner.memory import GB
+from p3d.planner.shapes import Layout
+from p3d.planner.step_time import a2a_link
+
+
+def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
+    """(warnings, notes) of prediction ``r``; ``accepted``: p3d-train has built its run plan (no refusal to check)."""
+    cfg, lay, warnings, notes = r.cfg, r.layout, [], []
+    try:
+        if not accepted:
+            build_plan(cfg, None, for_training=True)
+    except P3DConfigError as exc:
+        warnings.append(f"p3d-train would refuse this config: {exc}")
+    w = r.worst
+    if not r.fits and r.shared_host:
+        warnings.append(
+            f"does not fit: the {lay.world_size} cpu workers need {r.all_ranks_bytes / GB:.1f} GB "
+            f"together, cluster.memory_gb={cfg.cluster.memory_gb:g}"
+        )
+    elif not r.fits:
+        warnings.append(
+            f"does not fit: stage {w.stage} needs {w.total / GB:.1f} GB of {cfg.cluster.memory_gb:g} GB "
+            f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
+            f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})"
+        )
+    gpn = cfg.cluster.gpus_per_node
+    if gpn is not None and lay.tp > gpn:
+        warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
+    crossing = shard_groups_across_nodes(cfg.zero.shard_size, lay, gpn)
+    if crossing:
+        s = cast(int, cfg.zero.shard_size)
+        warnings.append(
+            f"zero.shard_size={s}: {crossing} of the shard groups ({s} dp ranks x tp {lay.tp} = {s * lay.tp} "
+            f"consecutive ranks) cross nodes of {gpn}, so FSDP2's gathers and reduce-scatters take the inter-node "
+            f"link; try a zero.shard_size whose product with mesh.tp divides {gpn}"
+        )
+    if r.bubble > 0.1:
+        warnings.append(
+            f"pipeline bubble {r.bubble:.0%} of the step ({lay.schedule_name} with m={lay.micro_batches}): raise "
+            "schedule.global_batch_size or lower schedule.micro_batch_size"
+        )
+    asked = cfg.schedule.pipeline.value
+    if asked != lay.pipeline:
+        notes.append(
+            f"schedule.pipeline={asked} with schedule.virtual_stages={cfg.schedule.virtual_stages}: planned as "
+            f"{lay.pipeline} (v chunks per rank); p3d-train runs that as schedule.pipeline={lay.pipeline}"
+        )
+    if cfg.cluster.device == "cpu":
+        notes.append(
+            f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
+            f"(together {r.all_ranks_bytes / GB:.2f} GB); times use a nominal CPU peak"
+        )
+    if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 0 and not lay.torch_executor:
+        notes.append(
+            "bf16 with zero.stage=0: DeepSpeed's BF16_Optimizer shards master weights and Adam moments "
+            "over dp anyway and keeps a second bf16 gradient buffer"
+        )
+    notes += _expert_notes(r)
+    if cfg.schedule.recompute == Recompute.full:
+        notes.append("full recompute: each block keeps its input; one block's activations are rebuilt at a time")
+    return warnings, notes
+
+
+def _expert_notes(r) -> list[str]:
+    """An MoE layout's all-to-alls when they leave the node: their share of the step and how to keep them in."""
+    cfg, lay = r.cfg, r.layout
+    if cfg.model.moe is None or lay.ep == 1 or a2a_link(cfg, lay) == "intra":
+        return []
+    a2a = r.breakdown["a2a_comm"]
+    return [
+        f"the all-to-alls of mesh.ep={lay.ep} span ep x tp = {lay.ep * lay.tp} consecutive ranks, more than a node of "
+        f"{cfg.cluster.gpus_per_node}: they take the inter-node link ({a2a:.2f} s, {a2a / r.step_time_s:.0%} of the "
+        "step); a smaller mesh.ep or mesh.tp keeps them on the intra-node link"
+    ]
+
+
+def check_options(cfg: Config) -> None:
+    """The cluster numbers the model divides by must be set (the fields' bounds are checked before, by
+    p3d.launch.check.typed_config, for p3d-train and p3d-plan alike)."""
+    c = cfg.cluster
+    for name in ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps"):
+        if getattr(c, name) is None:
+            raise P3DConfigError(f"cluster.{name}=null has no value from cluster.device={c.device}; set cluster.{name}")
+
+
+def shard_groups_across_nodes(shard_size: int | None, lay: Layout, gpus_per_node: int | None) -> int:
+    """How many HSDP shard groups (``ParallelDims.shard_ranks``) span more than one node of ``gpus_per_node``
+    consecutive ranks (Slurm's block placement); 0 without HSDP or nodes."""
+    if not shard_size or not gpus_per_node or shard_size >= lay.dp or lay.zero < 2:
+        return 0
+    dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp, procs_per_node=gpus_per_node)
+    return sum(len({dims.node_of(r) for r in group}) > 1 for group in dims.shard_ranks(shard_size))
