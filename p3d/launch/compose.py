@@ -42,7 +42,7 @@ def with_source(message: str) -> str:
     colon = ":" if head.endswith(":") else ""  # 'model.init_from=/x: no config.json there'
     head = head.removesuffix(":")
     field = head.split("=", 1)[0]
-    if "=" not in head or not re.fullmatch(r"[a-z_]+\.[a-z0-9_]+", field) or not HydraConfig.initialized():
+    if "=" not in head or not re.fullmatch(r"[a-z_]+(\.[a-z0-9_]+)+", field) or not HydraConfig.initialized():
         return message  # not one field (e.g. tp*pp*dp), or no Hydra to ask
     hc = HydraConfig.get()
     if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):
