@@ -55,6 +55,8 @@ def check_ran(command: str, cwd: Path, started: float, result: subprocess.Comple
         if "format=json" in command:
             layout = json.loads(out)["layout"]
             assert layout["tp"] * layout["pp"] * layout["dp"] == 1024 * 8 and json.loads(out)["fits"]
+        elif "mesh=auto" in command:  # a ranking, then the best layout's plan; an MoE's with its experts
+            assert "mesh=auto: 5 best" in out and " ep " in out and "active per token" in out, out[-2000:]
         else:
             assert "tp=8 pp=8" in out and "bubble" in out
         assert not any(cwd.iterdir()), "p3d-plan wrote files"
