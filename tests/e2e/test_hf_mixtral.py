@@ -104,7 +104,7 @@ def test_init_from_keeps_the_command_lines_training_settings_and_refuses_another
     proc = p3d_train(*base, f"run.dir={tmp_path / 'b'}", "model.moe.top_k=1")
     assert proc.returncode == exit_codes.CONFIG_ERROR
     line = proc.stderr.strip().splitlines()[-1]
-    assert "model.moe.top_k=1 disagrees with" in line and "config.json (2)" in line, line
+    assert "model.moe.top_k=1 (command line) disagrees with" in line and "config.json (2)" in line, line
 
 
 def test_imported_twin_gives_transformers_logits(hf_mixtral):
