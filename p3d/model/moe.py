@@ -130,7 +130,7 @@ class MoEFeedForward(nn.Module):
         e = cfg.moe
         prefix, h = f"block{layer}.mlp", cfg.hidden_size
         f = e.expert_ffn_size or cfg.ffn_hidden_size
-        self.layer, self.moe_index = layer, layer - e.first_dense_layers  # the MoE layers' metrics are in this order
+        self.moe_index = layer - e.first_dense_layers  # the MoE layers' metrics are in this order
         self.n_experts, self.top_k, self.capacity_factor = e.n_experts, e.top_k, e.capacity_factor
         self.aux_coef = e.aux_loss_coef
         self.tp_group, self.sp = mesh.tp_group, sequence_parallel and mesh.tp > 1
@@ -178,9 +178,11 @@ class MoEFeedForward(nn.Module):
         # SP: probs are this rank's tokens' (its share of the sum over tp); else every tp rank has the whole
         aux = self.n_experts * (counts.float() / (n * k) * probs.sum(0) / n).sum()
         dropped = (counts - capacity).clamp(min=0).sum() if capacity else counts.new_zeros(())
-        share = torch.tensor([1.0 if self.sp else 1.0 / self.tp], dtype=torch.float64, device=x.device)
-        figures = torch.cat([aux.detach().double().view(1) * share, share.new_ones(1), dropped.double().view(1)])
-        figures = torch.cat([figures[:1], torch.cat([figures[1:], counts.double()]) / self.tp])
+        # [aux, one micro batch, dropped, counts]: each tp rank's share of the sum over tp (under SP aux is already
+        # this rank's part; the rest is the same on every tp rank)
+        same_on_tp = torch.cat([counts.new_ones(1), dropped.view(1), counts]).double() / self.tp
+        aux_share = aux.detach().double().view(1) / (1 if self.sp else self.tp)
+        figures = torch.cat([aux_share, same_on_tp])
         return _AuxLoss.apply(out, aux, self.aux_coef * self.loss_scale, functools.partial(self.add_stats, figures))
 
     def add_stats(self, figures: torch.Tensor) -> None:

@@ -101,7 +101,7 @@ def dispatch_combine(
     runs this rank's E_l experts on rows grouped by local expert (``counts[j]`` rows for expert j, in order) and
     returns their outputs (same shape as rows, partial over tp). ``sent_rows``: told how many rows this rank sends
     to other ranks of the ep group (a test's count)."""
-    n, k = routed.idx.shape
+    k = routed.idx.shape[1]
     order, counts = slot_order(routed.idx, n_experts, capacity)
     token = order // k  # the token of each kept (token, slot) pair, in expert order
     rows = x.index_select(0, token)  # (kept, h), grouped by expert
