@@ -169,6 +169,7 @@ class MeshConfig:
     pp: int = 1
     dp: Any = "auto"  # an int, or "auto": world size / (tp * pp)
     ep: int = 1  # expert parallelism: the experts of each MoE layer split over ep ranks carved from dp (divides dp)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (2 cp chunks, head-tail), docs/context.md
 
 
 @dataclass
@@ -397,6 +398,7 @@ BOUNDS: dict[str, Bound] = {
     "model.moe.capacity_factor": POSITIVE,
     "mesh.tp": AT_LEAST_1,
     "mesh.ep": AT_LEAST_1,
+    "mesh.cp": AT_LEAST_1,
     "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.layout.run_plan._world_size
     "schedule.micro_batch_size": AT_LEAST_1,
     "schedule.global_batch_size": AT_LEAST_1,

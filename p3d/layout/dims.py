@@ -1,13 +1,20 @@
-"""The degrees of one run (tp x pp x dp), the ``dp=auto`` rule, and rank <-> coordinates.
+"""The degrees of one run (tp x cp x dp x pp), the ``dp=auto`` rule, and rank <-> coordinates.
 
 Pure arithmetic, no processes and no torch, so that validation, the planner, the dry run, Slurm
 sizing and the worker's :class:`p3d.parallel.mesh.Mesh` all read one definition. Ranks follow
-DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; the last varies fastest):
+DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; the last varies fastest), with context
+parallelism (``cp``) between data and model:
 
-    rank = (pp * dp_size + dp) * tp_size + tp
+    rank = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp
 
-so a TP group is a run of adjacent ranks (one node, the fastest links), the dp replicas of a stage
-come next (stride tp) and pipeline stages are furthest apart (stride tp * dp).
+so a TP group is a run of adjacent ranks (one node, the fastest links), the cp ranks of a sequence come next
+(stride tp: their keys and values cross every layer, docs/context.md says why this order), the dp replicas of a
+stage next (stride tp cp) and pipeline stages are furthest apart (stride tp cp dp). With cp = 1 this is
+DeepSpeed's formula, which its engine (cp = 1 only) uses too.
+
+The cp ranks of one dp coordinate read the same sequences (each its 2 of the 2 cp chunks of every one) and hold
+the same parameters: gradients reduce over the dp x cp ranks of a (pp, tp) coordinate (``dp_cp_ranks``), ZeRO
+shards over them, and each writes 1/(dp cp) of a checkpoint.
 
 Expert parallelism (``ep``) is carved from dp, not a dimension of its own: dp rank d holds the experts of ep
 rank d % ep. An ep group is ep consecutive dp ranks (so ep x tp consecutive global ranks, one node where that
@@ -28,21 +35,22 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def resolve_dp(tp: int, pp: int, dp: object, nodes: int, gpus_per_node: int | None) -> int:
-    """``mesh.dp`` as a number. ``auto`` takes the cluster's GPUs (nodes x gpus_per_node) / (tp pp), or
+def resolve_dp(tp: int, pp: int, dp: object, nodes: int, gpus_per_node: int | None, cp: int = 1) -> int:
+    """``mesh.dp`` as a number. ``auto`` takes the cluster's GPUs (nodes x gpus_per_node) / (tp cp pp), or
     1 where the mesh decides the world (cpu workers: gpus_per_node is None). An explicit dp is returned
     as given: whether it fills the cluster is a rule of validation; the planner models it as asked."""
     if dp == "auto":
         if gpus_per_node is None:
             return 1
-        world = nodes * gpus_per_node
-        if world % (tp * pp):
-            fit = math.ceil(world / (tp * pp)) * tp * pp // gpus_per_node or 1
+        world, per_replica = nodes * gpus_per_node, tp * cp * pp
+        if world % per_replica:
+            fit = math.ceil(world / per_replica) * per_replica // gpus_per_node or 1
+            names = "mesh.tp*mesh.cp*mesh.pp" if cp > 1 else "mesh.tp*mesh.pp"
             raise P3DConfigError(
-                f"mesh.tp*mesh.pp={tp * pp} must divide the world size {world} (cluster.nodes={nodes} x "
+                f"{names}={per_replica} must divide the world size {world} (cluster.nodes={nodes} x "
                 f"cluster.gpus_per_node={gpus_per_node}); try cluster.nodes={fit} or set mesh.dp"
             )
-        return world // (tp * pp)
+        return world // per_replica
     if not _positive_int(dp):
         raise P3DConfigError(f"mesh.dp={dp!r} must be a positive integer or auto; try mesh.dp=auto")
     return dp  # type: ignore[return-value]  # checked just above
@@ -60,9 +68,10 @@ class ParallelDims:
     dp: int
     procs_per_node: int | None = None  # None: the whole world on one node
     ep: int = 1  # experts split over ep ranks of each dp group (ep divides dp)
+    cp: int = 1  # each sequence split over cp ranks (context parallelism)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "ep"):
+        for name in ("tp", "pp", "dp", "ep", "cp"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
         if self.dp % self.ep:
@@ -70,23 +79,32 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
         ep = f" (ep={self.ep})" if self.ep > 1 else ""
-        return f"dp={self.dp}{ep} x pp={self.pp} x tp={self.tp} ({self.world_size} ranks)"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp}{ep} x pp={self.pp}{cp} x tp={self.tp} ({self.world_size} ranks)"
 
     # ---- rank <-> coordinates
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
-    def coords_of(self, rank: int) -> tuple[int, int, int]:
-        """(dp, pp, tp) of a global rank."""
+    def _split(self, rank: int) -> tuple[int, int, int, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
         rest, tp = divmod(rank, self.tp)
+        rest, cp = divmod(rest, self.cp)
         pp, dp = divmod(rest, self.dp)
-        return dp, pp, tp
+        return dp, pp, tp, cp
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) of a global rank (its cp coordinate: ``cp_of``)."""
+        return self._split(rank)[:3]
+
+    def cp_of(self, rank: int) -> int:
+        """Which of the cp ranks of its sequences ``rank`` is."""
+        return self._split(rank)[3]
 
     @property
     def logging_rank(self) -> int:
@@ -101,24 +119,59 @@ class ParallelDims:
 
     # ---- groups: lists of ranks, in the order every rank must create them
     def tp_ranks(self) -> list[list[int]]:
-        """All TP groups (ranks sharing dp and pp)."""
-        return [[self.rank_of(d, p, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        """All TP groups (ranks sharing dp, cp and pp)."""
+        return [
+            [self.rank_of(d, p, t, c) for t in range(self.tp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+            for c in range(self.cp)
+        ]
 
     def pp_ranks(self) -> list[list[int]]:
-        return [[self.rank_of(d, p, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [
+            [self.rank_of(d, p, t, c) for p in range(self.pp)]
+            for d in range(self.dp)
+            for c in range(self.cp)
+            for t in range(self.tp)
+        ]
 
     def dp_ranks(self) -> list[list[int]]:
-        return [[self.rank_of(d, p, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        """The dp groups: ranks sharing pp, cp and tp (the replicas of one piece of the model and of a sequence)."""
+        return [
+            [self.rank_of(d, p, t, c) for d in range(self.dp)]
+            for p in range(self.pp)
+            for c in range(self.cp)
+            for t in range(self.tp)
+        ]
+
+    def cp_ranks(self) -> list[list[int]]:
+        """The cp groups: ranks sharing dp, pp and tp, which split the same sequences (keys and values pass here)."""
+        return [
+            [self.rank_of(d, p, t, c) for c in range(self.cp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
+
+    def dp_cp_ranks(self) -> list[list[int]]:
+        """The ranks sharing pp and tp: every holder of the same parameters (gradients reduce, ZeRO shards here);
+        the dp groups when cp = 1. In rank order (dp major, cp minor)."""
+        return [
+            [self.rank_of(d, p, t, c) for d in range(self.dp) for c in range(self.cp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
 
     def shard_ranks(self, shard_size: int) -> list[list[int]]:
-        """HSDP's shard groups (``zero.shard_size``): runs of ``shard_size`` consecutive dp ranks of each dp group,
+        """HSDP's shard groups (``zero.shard_size``): runs of ``shard_size`` consecutive ranks of each dp x cp group,
         so with tp fastest ``shard_size`` x tp consecutive ranks, inside one node whenever that divides the
         processes per node (Slurm's block placement: consecutive ranks share a node)."""
-        return [ranks[lo : lo + shard_size] for ranks in self.dp_ranks() for lo in range(0, self.dp, shard_size)]
+        n = self.dp * self.cp
+        return [ranks[lo : lo + shard_size] for ranks in self.dp_cp_ranks() for lo in range(0, n, shard_size)]
 
     def shard_replica_ranks(self, shard_size: int) -> list[list[int]]:
-        """HSDP's replica groups: the dp ranks of each dp group that hold the same piece (one per shard group)."""
-        return [ranks[j::shard_size] for ranks in self.dp_ranks() for j in range(shard_size)]
+        """HSDP's replica groups: the ranks of each dp x cp group that hold the same piece (one per shard group)."""
+        return [ranks[j::shard_size] for ranks in self.dp_cp_ranks() for j in range(shard_size)]
 
     def ep_rank_of(self, dp_rank: int) -> int:
         """Which ep rank's experts dp rank ``dp_rank`` holds."""
@@ -134,5 +187,9 @@ class ParallelDims:
         return [ranks[e :: self.ep] for ranks in self.dp_ranks() for e in range(self.ep)]
 
     def replica_ranks(self) -> list[list[int]]:
-        """The pp x tp ranks of each dp replica (all ranks with one dp coordinate)."""
-        return [[self.rank_of(d, p, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+        """The pp x tp ranks of one whole copy of the model: all ranks with one (dp, cp) coordinate."""
+        return [
+            [self.rank_of(d, p, t, c) for p in range(self.pp) for t in range(self.tp)]
+            for d in range(self.dp)
+            for c in range(self.cp)
+        ]

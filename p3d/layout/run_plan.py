@@ -16,6 +16,7 @@ from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher
 from p3d.config.shipped import conf_dir
 from p3d.layout.dims import ParallelDims, largest_divisor_at_most, resolve_dp
+from p3d.layout.context_rules import check_context
 from p3d.layout.expert_rules import check_experts
 from p3d.layout.geometry import (
     PIECES_RULE,
@@ -48,10 +49,13 @@ class RunPlan:
     n_params: int = 0  # closed form, unpadded vocab, tied embedding counted once
     ep: int = 1  # expert parallelism, carved from dp (p3d.layout.dims)
     n_active_params: int = 0  # what one token goes through (MoE: the top-k experts); = n_params for a dense model
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (p3d.parallel.context)
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node, ep=self.ep)
+        return ParallelDims(
+            tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node, ep=self.ep, cp=self.cp
+        )
 
 
 def _mesh_presets() -> dict[tuple[int, int, str], str]:
@@ -114,17 +118,21 @@ def fill_cluster(cfg: Config) -> Config:
 
 
 def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
-    """(world size, dp) from the cluster and mesh: the cluster's GPUs must be exactly tp pp dp."""
-    cluster = cfg.cluster
+    """(world size, dp) from the cluster and mesh: the cluster's GPUs must be exactly tp cp pp dp."""
+    cluster, cp = cfg.cluster, cfg.mesh.cp
     gpn = cluster.gpus_per_node
     world = None if gpn is None else cluster.nodes * gpn  # None on cpu: the mesh decides the world
-    dp = resolve_dp(tp, pp, cfg.mesh.dp, cluster.nodes, gpn)
-    if world is not None and tp * pp * dp != world:
+    dp = resolve_dp(tp, pp, cfg.mesh.dp, cluster.nodes, gpn, cp)
+    if world is not None and tp * cp * pp * dp != world:
+        names, values = ("mesh.tp*mesh.cp*mesh.pp*mesh.dp", f"{tp}*{cp}*{pp}*{dp}") if cp > 1 else (
+            "mesh.tp*mesh.pp*mesh.dp",
+            f"{tp}*{pp}*{dp}",
+        )
         raise P3DConfigError(
-            f"mesh.tp*mesh.pp*mesh.dp={tp}*{pp}*{dp}={tp * pp * dp} must equal the world size {world} "
+            f"{names}={values}={tp * cp * pp * dp} must equal the world size {world} "
             f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={gpn}); try mesh.dp=auto"
         )
-    return tp * pp * dp, dp
+    return tp * cp * pp * dp, dp
 
 
 def _describe(b: Bound) -> str:
@@ -275,8 +283,11 @@ def check_recompute_swiglu(cfg: Config) -> None:
 
 
 def check_zero(cfg: Config, pp: int, dp: int) -> None:
-    """ZeRO-2/3 run FSDP2 on the torch executor's chunks (p3d.parallel.zero.fsdp): what that cannot do."""
+    """ZeRO-2/3 run FSDP2 on the torch executor's chunks (p3d.parallel.zero.fsdp): what that cannot do. They shard
+    over every holder of the parameters, the dp x cp ranks."""
     stage, name, shard = cfg.zero.stage, cfg.schedule.pipeline.value, cfg.zero.shard_size
+    degree = "the dp degree" if cfg.mesh.cp == 1 else "the dp x cp degree"
+    dp *= cfg.mesh.cp
     if shard is not None and stage < 2:
         raise P3DConfigError(
             f"zero.shard_size={shard} with zero.stage={stage}: only ZeRO-2/3 shard over groups of dp ranks; "
@@ -284,7 +295,7 @@ def check_zero(cfg: Config, pp: int, dp: int) -> None:
         )
     if shard is not None and dp % shard:
         raise P3DConfigError(
-            f"zero.shard_size={shard} must divide the dp degree {dp} (groups of shard_size dp ranks, replicated "
+            f"zero.shard_size={shard} must divide {degree} {dp} (groups of shard_size dp ranks, replicated "
             f"across); try zero.shard_size={max(d for d in range(1, dp + 1) if dp % d == 0 and d <= shard)}"
         )
     if stage < 2:
@@ -339,6 +350,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     check_recompute_swiglu(cfg)
     check_zero(cfg, pp, dp)
     check_experts(cfg, dp)
+    check_context(cfg, tp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
     if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
@@ -347,7 +359,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
             "machine; try cluster.nodes=1 or cluster=slurm"
         )
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
-    dims = ParallelDims(tp, pp, dp, ep=cfg.mesh.ep)
+    dims = ParallelDims(tp, pp, dp, ep=cfg.mesh.ep, cp=cfg.mesh.cp)
     # cpu workers on several nodes: spread evenly (p3d.jobs.slurm.submit.job_shape refuses an uneven split)
     per_node = world // cfg.cluster.nodes if world % cfg.cluster.nodes == 0 else world
     return RunPlan(
@@ -366,4 +378,5 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
         n_params=total_params(cfg.model),
         ep=cfg.mesh.ep,
         n_active_params=active_params(cfg.model),
+        cp=cfg.mesh.cp,
     )

@@ -30,8 +30,9 @@ def runs_on_deepspeed(cfg: Config) -> bool:
     runs every other schedule, and ``1f1b`` (its Schedule1F1B) with ZeRO-2/3, which DeepSpeed's pipeline engine
     refuses (FSDP2 shards over dp there: p3d.parallel.zero.fsdp), and with expert parallelism (mesh.ep > 1):
     DeepSpeed's engine reduces every gradient over the whole dp group and shards ZeRO-1 over it, and does it
-    over expert groups only for its own MoE layer class and group registry (docs/moe.md)."""
-    return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1
+    over expert groups only for its own MoE layer class and group registry (docs/moe.md); and with context
+    parallelism (mesh.cp > 1), whose gradients reduce over dp x cp ranks that its topology has no axis for."""
+    return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1 and cfg.mesh.cp == 1
 
 
 def fewest_chunks_per_rank(pipeline: str) -> int:

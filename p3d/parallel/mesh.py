@@ -1,6 +1,6 @@
 """The device mesh of one worker: its rank in a :class:`ParallelDims` and the process groups.
 
-The rank arithmetic (tp fastest, then dp, then pp; DeepSpeed's pipe/data/model axes) lives in
+The rank arithmetic (tp fastest, then cp, dp, pp; DeepSpeed's pipe/data/model axes with cp inside) lives in
 :mod:`p3d.layout.dims`, shared with validation, the planner and the dry run; ``with_groups``
 creates the process groups in the same order on every rank.
 """
@@ -31,6 +31,9 @@ class Mesh:
         default=None, compare=False, repr=False
     )  # the ep dp ranks whose experts this rank's tokens reach
     edp_group: Any = field(default=None, compare=False, repr=False)  # the dp ranks holding this rank's experts
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (p3d.parallel.context)
+    cp_group: Any = field(default=None, compare=False, repr=False)  # the cp ranks splitting this rank's sequences
+    dp_cp_group: Any = field(default=None, compare=False, repr=False)  # every holder of this rank's parameters
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -38,7 +41,9 @@ class Mesh:
 
     @classmethod
     def from_plan(cls, plan, rank: int) -> Mesh:
-        return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, rank=rank, procs_per_node=plan.procs_per_node, ep=plan.ep)
+        return cls(
+            tp=plan.tp, pp=plan.pp, dp=plan.dp, rank=rank, procs_per_node=plan.procs_per_node, ep=plan.ep, cp=plan.cp
+        )
 
     @property
     def world_size(self) -> int:
@@ -53,7 +58,9 @@ class Mesh:
 
     @cached_property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node, ep=self.ep)
+        return ParallelDims(
+            tp=self.tp, pp=self.pp, dp=self.dp, procs_per_node=self.procs_per_node, ep=self.ep, cp=self.cp
+        )
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -70,6 +77,21 @@ class Mesh:
     @property
     def tp_rank(self) -> int:
         return self.coords[2]
+
+    @property
+    def cp_rank(self) -> int:
+        """Which cp rank of its sequences this rank is: it holds chunks cp_rank and 2 cp - 1 - cp_rank of each."""
+        return self.dims.cp_of(self.rank)
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks holding the same parameters (and reducing their gradients): dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place among them (the order of ``ParallelDims.dp_cp_ranks``)."""
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def ep_rank(self) -> int:
@@ -102,6 +124,7 @@ class Mesh:
             ("dp_group", d.dp_ranks()),
             ("replica_group", d.replica_ranks()),
             *((("ep_group", d.ep_ranks()), ("edp_group", d.edp_ranks())) if self.ep > 1 else ()),
+            *((("cp_group", d.cp_ranks()), ("dp_cp_group", d.dp_cp_ranks())) if self.cp > 1 else ()),
         ):
             for ranks in lists:
                 g = dist.new_group(ranks=ranks)
@@ -109,6 +132,8 @@ class Mesh:
                     groups[name] = g
         if self.ep == 1:  # every expert on every dp rank: their gradients reduce over dp like the rest
             groups["edp_group"] = groups["dp_group"]
+        if self.cp == 1:  # the dp ranks are every holder of the parameters
+            groups["dp_cp_group"] = groups["dp_group"]
         return dataclasses.replace(self, **groups)
 
     def describe(self) -> str:

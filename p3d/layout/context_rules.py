@@ -1,0 +1,47 @@
+"""The rules of context parallelism (``mesh.cp``): docs/context.md.
+
+Each raises :class:`P3DConfigError` with one line: field, value, fix. ``build_plan`` runs ``check_context``, so
+p3d-train, the dry run and p3d-plan refuse alike, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from p3d.config.errors import P3DConfigError
+from p3d.config.schema import Config
+
+
+def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """What ``model.seq_len`` must be a multiple of: 2 cp head-tail chunks, and under sequence parallelism a
+    rank's s / cp tokens split again over tp."""
+    return math.lcm(2 * cp, cp * tp) if sequence_parallel and tp > 1 else 2 * cp
+
+
+def check_context(cfg: Config, tp: int) -> None:
+    cp, m, s = cfg.mesh.cp, cfg.model, cfg.schedule
+    if cp == 1:
+        return
+    multiple = sequence_multiple(cp, tp, s.sequence_parallel)
+    if m.seq_len % multiple:
+        fix = max(multiple, m.seq_len // multiple * multiple)
+        why = (
+            f"2 x mesh.cp={2 * cp} head-tail chunks, each rank's {m.seq_len}/cp tokens split over mesh.tp={tp} "
+            "by sequence parallelism"
+            if multiple != 2 * cp
+            else f"each sequence is cut into 2 x mesh.cp={2 * cp} equal chunks, two per cp rank"
+        )
+        raise P3DConfigError(
+            f"model.seq_len={m.seq_len} must be a multiple of {multiple} with mesh.cp={cp} ({why}); "
+            f"try model.seq_len={fix}"
+        )
+    if m.moe is not None:
+        raise P3DConfigError(
+            f"mesh.cp={cp} with model={m.name}, a mixture of experts: the balancing loss and the routing figures "
+            "are computed per sequence, which p3d does not split over cp ranks; try mesh.cp=1"
+        )
+    if m.compile:
+        raise P3DConfigError(
+            f"model.compile=true with mesh.cp={cp}: the cp attention's key/value collectives run eagerly, "
+            "p3d does not compile them; try model.compile=false"
+        )
