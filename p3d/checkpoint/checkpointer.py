@@ -168,7 +168,7 @@ def _save(ck: Checkpointer, step: int, samples: int, extra: dict) -> Path:
     bounds, parts = ck.chunks
     snaps = [
         (
-            f"pp{c}_tp{mesh.tp_rank}_dp{mesh.dp_rank}",
+            f"pp{c}_tp{mesh.tp_rank}_dp{mesh.dp_rank}" + (f"_cp{mesh.cp_rank}" if mesh.cp > 1 else ""),
             Snapshot(ck.states, m, mesh, shard_specs(m), saver.host, f"pp{c}/"),
         )
         for c, m in parts
@@ -209,13 +209,18 @@ def _save(ck: Checkpointer, step: int, samples: int, extra: dict) -> Path:
     return final
 
 
+def mesh_record(mesh) -> dict:
+    """The layout a checkpoint was written under (for information, and to restore each rank's RNG on the same one)."""
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, **({"cp": mesh.cp} if mesh.cp > 1 else {})}
+
+
 def _meta(cfg, mesh, bounds: list[int], step: int, samples: int, scheduler, extra: dict) -> dict:
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     return {
         "format": FORMAT,
         "step": step,
         "samples": samples,
-        "mesh": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp},
+        "mesh": mesh_record(mesh),
         "zero": cfg.zero.stage,
         "dtype": cfg.train.dtype.value,
         "model": model_identity(cfg),
@@ -345,6 +350,6 @@ def _load(ck: Checkpointer, path: Path) -> dict:
             except KeyError:
                 raise CheckpointError(f"checkpoint {path} has no buffer {name}") from None
     rng = path / "rng" / f"rank{dist.get_rank()}.json"
-    if not legacy and rng.is_file() and meta["mesh"] == {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}:
+    if not legacy and rng.is_file() and meta["mesh"] == mesh_record(mesh):
         set_rng_state(read_json(rng))
     return meta

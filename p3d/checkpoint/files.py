@@ -201,13 +201,14 @@ def _joined(path: Path, files: list[Path]) -> tuple[dict[str, dict[str, torch.Te
 def coordinate_reader(path: Path, meta: dict):
     """``read(kind, pp, tp)`` of a checkpoint: kind ``model`` -> {"params": {name: tensor}, "shard":
     {name: spec}}; ``optim`` -> {name: {master, exp_avg, exp_avg_sq}}, whole over dp (joined from
-    every dp rank's fragments)."""
+    every dp (and cp) rank's fragments)."""
     if meta.get("format") == LEGACY_FORMAT:
         return lambda kind, pp, tp: read_legacy(path / kind / f"pp{pp}_tp{tp}.pt")
-    dp = meta["mesh"]["dp"]
+    dp, cp = meta["mesh"]["dp"], meta["mesh"].get("cp", 1)
+    holders = [f"dp{d}" + (f"_cp{c}" if cp > 1 else "") for d in range(dp) for c in range(cp)]  # the writers' names
 
     def read(kind: str, pp: int, tp: int) -> dict:
-        joined, entries = _joined(path, [path / kind / f"pp{pp}_tp{tp}_dp{d}.safetensors" for d in range(dp)])
+        joined, entries = _joined(path, [path / kind / f"pp{pp}_tp{tp}_{h}.safetensors" for h in holders])
         if kind == "model":
             return {
                 "params": {name: t["param"] for name, t in joined.items()},

@@ -99,7 +99,8 @@ def holder_slices(named: list[tuple[str, torch.Tensor]], sharded: bool, mesh) ->
     out: list[tuple[int, int]] = [(0, 0)] * len(named)
     if sharded:
         return out
-    for expert, (holders, rank) in ((False, (mesh.dp, mesh.dp_rank)), (True, (mesh.edp, mesh.dp_rank // mesh.ep))):
+    dense, experts = (mesh.dp_cp, mesh.dp_cp_rank), (mesh.edp, mesh.dp_rank // mesh.ep)  # cp ranks hold dense ones
+    for expert, (holders, rank) in ((False, dense), (True, experts)):
         mine = [i for i, (_, p) in enumerate(named) if is_expert_param(p) == expert]
         for i, cut in zip(mine, dp_slices([named[i][1].numel() for i in mine], holders, rank)):
             out[i] = cut
@@ -156,7 +157,7 @@ class Snapshot:
         self.params_index: dict[str, dict] = {}
         self.optim: dict[str, torch.Tensor] = {}
         self.optim_index: dict[str, dict] = {}
-        if mesh.dp_rank == 0:  # persistent buffers (the routers' selection biases): the same on every dp rank
+        if mesh.dp_cp_rank == 0:  # persistent buffers (the routers' selection biases): the same on every dp rank
             for name, buf in persistent_buffers(module):
                 self.params[f"{name}/param"] = host.copy(f"{key}model/{name}/param", buf.reshape(-1))
                 self.params_index[name] = BUFFER_ENTRY | {"shape": list(buf.shape)}

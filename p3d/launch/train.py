@@ -82,7 +82,7 @@ def _launch(cfg, plan, lease) -> int:
         return dispatch(cfg, plan, spec, lease)
     say(f"run dir {spec.parent}")
     say(
-        f"{cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
+        f"{cfg.model.name} on mesh {plan.dims.degrees()}: "
         f"starting {plan.world_size} workers ({plan.backend}); logs in {run_dir.logs(spec.parent)}"
     )
     # the lease names the workers as soon as they exist: a launcher killed now leaves a lease that stays live

@@ -81,10 +81,14 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
-    def describe(self) -> str:
-        ep = f" (ep={self.ep})" if self.ep > 1 else ""
+    def degrees(self, ep: bool = False) -> str:
+        """``dp=2 x pp=2 x cp=2 x tp=2``: cp where it is > 1, and with ``ep`` the expert degree likewise."""
+        experts = f" (ep={self.ep})" if ep and self.ep > 1 else ""
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
-        return f"dp={self.dp}{ep} x pp={self.pp}{cp} x tp={self.tp} ({self.world_size} ranks)"
+        return f"dp={self.dp}{experts} x pp={self.pp}{cp} x tp={self.tp}"
+
+    def describe(self) -> str:
+        return f"{self.degrees(ep=True)} ({self.world_size} ranks)"
 
     # ---- rank <-> coordinates
     def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:

@@ -15,8 +15,8 @@ from typing import cast
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher
 from p3d.config.shipped import conf_dir
-from p3d.layout.dims import ParallelDims, largest_divisor_at_most, resolve_dp
 from p3d.layout.context_rules import check_context
+from p3d.layout.dims import ParallelDims, largest_divisor_at_most, resolve_dp
 from p3d.layout.expert_rules import check_experts
 from p3d.layout.geometry import (
     PIECES_RULE,
@@ -124,9 +124,13 @@ def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
     world = None if gpn is None else cluster.nodes * gpn  # None on cpu: the mesh decides the world
     dp = resolve_dp(tp, pp, cfg.mesh.dp, cluster.nodes, gpn, cp)
     if world is not None and tp * cp * pp * dp != world:
-        names, values = ("mesh.tp*mesh.cp*mesh.pp*mesh.dp", f"{tp}*{cp}*{pp}*{dp}") if cp > 1 else (
-            "mesh.tp*mesh.pp*mesh.dp",
-            f"{tp}*{pp}*{dp}",
+        names, values = (
+            ("mesh.tp*mesh.cp*mesh.pp*mesh.dp", f"{tp}*{cp}*{pp}*{dp}")
+            if cp > 1
+            else (
+                "mesh.tp*mesh.pp*mesh.dp",
+                f"{tp}*{pp}*{dp}",
+            )
         )
         raise P3DConfigError(
             f"{names}={values}={tp * cp * pp * dp} must equal the world size {world} "

@@ -6,6 +6,10 @@ whole heads and the GQA pairing of its query heads with its kv heads), the outpu
 row-parallel: one all-reduce forward and one backward per attention. The MLP likewise:
 gate|up column-parallel, down row-parallel.
 
+Context parallelism (``mesh.cp`` > 1): a rank holds s / cp tokens of each sequence (p3d.parallel.context.chunks),
+so every shape below reads s / cp for s; RoPE rotates each by its global position and the attention core
+all-gathers keys and values over the cp group (p3d.parallel.context.attention).
+
 Sequence parallelism (``sequence_parallel``): between the TP regions (norms, residual adds) every
 tensor is this rank's block of the sequence, (b, s/tp, h); q|k|v and gate|up all-gather it, o and
 down reduce-scatter back to it. The norm weights stay replicated; each rank sees s/tp tokens, so their
@@ -25,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 
 from p3d.layout.geometry import is_moe_layer
 from p3d.model.moe import MoEFeedForward
+from p3d.parallel.context.attention import context_parallel_attention
+from p3d.parallel.context.chunks import local_positions
 from p3d.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, on_meta
 from p3d.parallel.tp.mappings import copy_to_tp
 
@@ -74,6 +80,13 @@ def _attention_core(q, k, v, cos, sin, gqa: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (b, nh/tp, s, hd)
 
 
+def _context_parallel_core(q, k, v, cos, sin, group, cp: int, cp_rank: int) -> torch.Tensor:
+    """``_attention_core`` of a cp rank: RoPE at the tokens' global positions (``cos``, ``sin`` are this rank's
+    rows), then attention over every cp rank's keys and values. q (b, nh/tp, s/cp, hd) -> the same shape."""
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return context_parallel_attention(q, k, v, group, cp, cp_rank)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, mesh, prefix: str, seed: int, sequence_parallel: bool = False, recompute: bool = False):
         super().__init__()
@@ -82,6 +95,7 @@ class Attention(nn.Module):
         self.local_heads = cfg.n_heads // mesh.tp
         self.local_kv_heads = cfg.n_kv_heads // mesh.tp
         self.rope_theta = cfg.rope_theta
+        self.cp, self.cp_group, self.cp_rank = mesh.cp, mesh.cp_group, mesh.cp_rank
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.wqkv = ColumnParallelLinear(
             cfg.hidden_size,
@@ -98,8 +112,11 @@ class Attention(nn.Module):
         # RoPE tables for positions 0..seq_len-1, built once, not every forward. Buffers, so that they move
         # and cast with the module (bf16 runs: the fp32 table rounded once, as computing it in bf16 did);
         # not persistent: checkpoints and HF exports hold weights only. A copy per block (what p3d-plan
-        # counts); on "meta" (dry runs) none.
+        # counts); on "meta" (dry runs) none. Under context parallelism the rows of this rank's tokens.
         cos, sin = rope_table(cfg.seq_len, hd, cfg.rope_theta)
+        if self.cp > 1:
+            rows = local_positions(cfg.seq_len, self.cp, self.cp_rank)
+            cos, sin = cos[rows], sin[rows]
         on_meta_device = self.wqkv.weight.device.type == "meta"
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
@@ -113,12 +130,21 @@ class Attention(nn.Module):
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        if s <= self.rope_cos.shape[0]:
+        if self.cp > 1:  # this rank's s/cp tokens of model.seq_len, the only length the rows are for
+            if s != self.rope_cos.shape[0]:
+                raise ValueError(f"{s} tokens on a cp rank: expected model.seq_len / cp = {self.rope_cos.shape[0]}")
+            cos, sin = self.rope_cos.to(q.dtype), self.rope_sin.to(q.dtype)
+        elif s <= self.rope_cos.shape[0]:
             cos, sin = self.rope_cos[:s].to(q.dtype), self.rope_sin[:s].to(q.dtype)  # no copy when dtypes match
         else:  # longer than model.seq_len (a caller's own inputs): computed for this length
             cos, sin = rope_cos_sin(s, self.head_dim, self.rope_theta, q.device, q.dtype)
         # cos, sin are bound, not passed: checkpoint keeps what it is passed, and the tables are the module's
-        core = functools.partial(_attention_core, cos=cos, sin=sin, gqa=self.local_heads != self.local_kv_heads)
+        if self.cp > 1:
+            core = functools.partial(
+                _context_parallel_core, cos=cos, sin=sin, group=self.cp_group, cp=self.cp, cp_rank=self.cp_rank
+            )
+        else:
+            core = functools.partial(_attention_core, cos=cos, sin=sin, gqa=self.local_heads != self.local_kv_heads)
         if self.recompute and torch.is_grad_enabled():
             out = checkpoint(core, q, k, v, use_reentrant=False)
         else:

@@ -31,10 +31,10 @@ NORM_CHUNK = 1 << 16
 
 
 def norm_group(mesh, sharded_over_dp: bool):
-    """Over which ranks the squares of the counted gradients sum: the pp x tp ranks of a replica (dp replicas
-    hold identical gradients), or every rank when ZeRO-2/3 cut each gradient over dp (None: the world);
-    ``False`` when there is nothing to sum over."""
-    if sharded_over_dp and mesh.dp > 1:
+    """Over which ranks the squares of the counted gradients sum: the pp x tp ranks of a replica (dp and cp
+    replicas hold identical gradients), or every rank when ZeRO-2/3 cut each gradient over dp x cp (None: the
+    world); ``False`` when there is nothing to sum over."""
+    if sharded_over_dp and mesh.dp_cp > 1:
         return None
     return mesh.replica_group if mesh.replica_group is not None and mesh.tp * mesh.pp > 1 else False
 
@@ -104,9 +104,9 @@ def norm_once_reduced(
     sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]  # dense, experts
     for p, _ in grads:
         c, expert = copies.pop(id(p)), is_expert_param(p)
-        if mesh.dp > 1 and not reduced_over_dp:
-            dist.all_reduce(c, group=mesh.edp_group if expert else mesh.dp_group)  # experts: over their holders
-            c.div_(mesh.dp)
+        if mesh.dp_cp > 1 and not reduced_over_dp:  # dense: the mean over dp x cp; experts: over their holders
+            dist.all_reduce(c, group=mesh.edp_group if expert else mesh.dp_cp_group)
+            c.div_(mesh.dp_cp)
         elif expert and mesh.ep > 1:  # ZeRO-2/3: FSDP2's mean over edp, which the step divides by ep
             c.div_(mesh.ep)
         if counts_in_norm(p, mesh.tp_rank):

@@ -72,10 +72,13 @@ def log_placement(plan, rank: int) -> None:
 
     from p3d.parallel.mesh import Mesh
 
-    dp, pp, tp = Mesh.from_plan(plan, rank).coords
+    mesh = Mesh.from_plan(plan, rank)
+    dp, pp, tp = mesh.coords
+    cp = f" cp {mesh.cp_rank}" if mesh.cp > 1 else ""
     local = os.environ.get("LOCAL_RANK", "0")
     print(
-        f"[rank {rank}] placement: host {socket.gethostname()} dp {dp} pp {pp} tp {tp} local {local} pid {os.getpid()}",
+        f"[rank {rank}] placement: host {socket.gethostname()} dp {dp} pp {pp}{cp} tp {tp} local {local} "
+        f"pid {os.getpid()}",
         flush=True,
     )
 

@@ -127,7 +127,7 @@ def run_step(cfg, plan, spec: Path) -> int:
         f"{os.environ.get('SLURM_JOB_NODELIST', '?')}",
     )
     print(
-        f"p3d: run dir {run_dir}\np3d: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}: "
+        f"p3d: run dir {run_dir}\np3d: {cfg.model.name} on mesh {plan.dims.degrees()}: "
         f"srun {lay.world_size} tasks ({lay.nodes} node(s) x {lay.ntasks_per_node}) in job {job}, master "
         f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}; logs in {run_dir / 'logs'}",
         flush=True,

@@ -297,7 +297,7 @@ def dispatch(cfg, plan, spec: Path, lease=None) -> int:
     lay = job_shape(cfg, plan)
     gpus = f", {lay.gpus_per_node} GPUs each" if lay.gpus_per_node else ""
     print(
-        f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp}, "
+        f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh {plan.dims.degrees()}, "
         f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}\n"
         f"p3d: run dir {spec.parent}\np3d: job log {log}\n"
         f"p3d: watch it with: squeue -j {job_id}; tail -f {log}",

@@ -1,2 +1,7 @@
-"""Context parallelism (the long-context issue): each sequence split over cp ranks, attention across them by
-passing keys and values. Empty until that issue lands."""
+"""Context parallelism: each sequence split over the cp ranks of a dp replica, attention across them by
+all-gathering keys and values (docs/context.md).
+
+``chunks``: which tokens a cp rank holds (2 of the 2 cp chunks of every sequence, head and tail) and cutting a
+batch to them; ``attention``: the causal attention of a rank's queries against every rank's keys and values, an
+autograd Function over the cp group.
+"""

@@ -47,9 +47,9 @@ def dp_device_mesh(mesh, device: torch.device, shard_size: int | None = None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    s = shard_size or mesh.dp
-    if s == mesh.dp:
-        return DeviceMesh.from_group(mesh.dp_group, device.type, mesh_dim_names=("dp",))
+    s = shard_size or mesh.dp_cp
+    if s == mesh.dp_cp:  # every holder of the parameters: the dp ranks, and with context parallelism the cp ones
+        return DeviceMesh.from_group(mesh.dp_cp_group, device.type, mesh_dim_names=("dp",))
     shard_group = replicate_group = None
     for ranks in mesh.dims.shard_ranks(s):
         group = dist.new_group(ranks=ranks)
@@ -60,8 +60,8 @@ def dp_device_mesh(mesh, device: torch.device, shard_size: int | None = None):
         if mesh.rank in ranks:
             replicate_group = group
     assert shard_group is not None and replicate_group is not None  # every rank is in one of each
-    mine = next(ranks for ranks in mesh.dims.dp_ranks() if mesh.rank in ranks)
-    layout = torch.tensor(mine).view(mesh.dp // s, s)
+    mine = next(ranks for ranks in mesh.dims.dp_cp_ranks() if mesh.rank in ranks)
+    layout = torch.tensor(mine).view(mesh.dp_cp // s, s)
     return DeviceMesh.from_group(
         [replicate_group, shard_group], device.type, mesh=layout, mesh_dim_names=("replicate", "shard")
     )

@@ -1,10 +1,12 @@
 """The torch executor's optimizer and its data-parallel gradient reduction, with routed experts in mind.
 
-Dense parameters are the same on every dp rank of a (pp, tp) coordinate; a routed expert's weights only on the
-dp / ep ranks of its expert-data-parallel (edp) group (p3d.layout.dims). So:
-- gradients: the dense ones are summed over dp, the experts' over edp, and both divided by dp (the mean over
+Dense parameters are the same on every dp x cp rank of a (pp, tp) coordinate (cp: context parallelism, whose
+ranks read other tokens of the same sequences); a routed expert's weights only on the dp / ep ranks of its
+expert-data-parallel (edp) group (p3d.layout.dims; experts and cp are not combined). So:
+- gradients: the dense ones are summed over dp x cp and divided by it (each rank's is the gradient of its own
+  tokens' mean loss: their mean is the whole batch's), the experts' summed over edp and divided by dp (the mean over
   all replicas: every replica's tokens reach every expert through the all-to-all, p3d.parallel.experts.dispatch);
-- ZeRO-1: torch's ``ZeroRedundancyOptimizer`` over dp for the dense parameters, and a second one over edp for
+- ZeRO-1: torch's ``ZeroRedundancyOptimizer`` over dp x cp for the dense parameters, and a second one over edp for
   the experts' (:class:`ExpertZero1` steps both as one optimizer).
 """
 
@@ -42,11 +44,11 @@ def _all_reduce_mean(params: list[nn.Parameter], group, size: int, dp: int) -> N
 
 
 def reduce_replica_grads(params: list[nn.Parameter], mesh) -> None:
-    """The mean of the replicas' gradients (module doc): dense ones over dp, experts' over edp."""
-    if mesh.dp == 1:
+    """The mean of the replicas' gradients (module doc): dense ones over dp x cp, experts' over edp."""
+    if mesh.dp_cp == 1:
         return
     dense, experts = split_experts(params)
-    _all_reduce_mean(dense, mesh.dp_group, mesh.dp, mesh.dp)
+    _all_reduce_mean(dense, mesh.dp_cp_group, mesh.dp_cp, mesh.dp_cp)
     _all_reduce_mean(experts, mesh.edp_group, mesh.edp, mesh.dp)
 
 
@@ -124,14 +126,14 @@ def build_torch_optimizer(module: nn.Module, cfg, mesh):
     (:class:`ExpertZero1`). Stages 2 and 3: a plain AdamW over the FSDP2-sharded parameters
     (p3d.parallel.zero.fsdp), whose moments are sharded with them."""
     t = cfg.train
-    if cfg.zero.stage == 0 or cfg.zero.stage >= 2 or mesh.dp == 1:
+    if cfg.zero.stage == 0 or cfg.zero.stage >= 2 or mesh.dp_cp == 1:
         return build_optimizer(module, t)
     groups = param_groups(module, t.weight_decay)
     dense = [{**g, "params": split_experts(g["params"])[0]} for g in groups]
     experts = [{**g, "params": split_experts(g["params"])[1]} for g in groups]
     experts = [g for g in experts if g["params"]]
     opt = (
-        _zero1(groups, mesh.dp_group, t)
+        _zero1(groups, mesh.dp_cp_group, t)
         if not experts
         else ExpertZero1(
             _zero1([g for g in dense if g["params"]], mesh.dp_group, t), _zero1(experts, mesh.edp_group, t)

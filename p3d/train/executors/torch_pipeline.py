@@ -12,7 +12,8 @@ One optimizer step (``TorchPipeline.train_step``):
      afterwards every ``.grad`` holds d(mean loss of the replica)/d(param), summed over the micro batches;
   2. tied embeddings under loop placement: the two copies' grads summed over the two holders (DeepSpeed's
      ``TiedLayerSpec`` rule); under V placement one module serves both ends and autograd sums;
-  3. dp: all grads flattened into one fp32 buffer, all-reduced (SUM; gloo has no AVG) over dp, divided by dp;
+  3. dp: all grads flattened into one fp32 buffer, all-reduced (SUM; gloo has no AVG) over dp, divided by dp
+     (with context parallelism over the dp x cp holders: each cp rank's loss is its tokens' mean);
   4. the exact global norm (``optim.global_grad_norm``: tied copy once, replicated params on tp 0), clipping
      with ``clip_grad_norm_``'s rule, AdamW (ZeRO-1: torch's ZeroRedundancyOptimizer over dp), the LR
      schedule; a non-finite norm skips the update and the LR step and sets ``overflow`` (``ClippedAdamW``'s).
@@ -43,6 +44,7 @@ from p3d.compat.pipelining_internals import (
 from p3d.config.schema import DType, Recompute
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.moe import moe_blocks, set_micro_batches
+from p3d.parallel.context.chunks import take_local
 from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.pipeline.chunks import ChunkModule
 from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
@@ -155,9 +157,11 @@ class TorchPipeline:
             set_micro_batches(chunk, self.m)  # each micro batch's balancing loss weighs 1 / m, as its LM loss
         if prepare is not None:  # before sharding: it writes whole tensors
             prepare(self.chunks)
-        self.sharded = cfg.zero.stage >= 2 and mesh.dp > 1  # ZeRO-2/3: FSDP2 over dp, which reduces the grads itself
-        self.replicas = mesh.dp // (cfg.zero.shard_size or mesh.dp) if self.sharded else 1  # HSDP: copies of a piece
-        self.dp_groups = [mesh.dp_group]  # the groups whose collectives dp_comm_s counts (and FSDP2's, below)
+        # ZeRO-2/3: FSDP2 over the dp (x cp) holders of the parameters, which reduces the grads itself
+        self.sharded = cfg.zero.stage >= 2 and mesh.dp_cp > 1
+        self.replicas = mesh.dp_cp // (cfg.zero.shard_size or mesh.dp_cp) if self.sharded else 1  # HSDP's copies
+        # the groups whose collectives dp_comm_s counts (and FSDP2's, below)
+        self.dp_groups = [mesh.dp_group] + ([mesh.dp_cp_group] if mesh.cp > 1 else [])
         if self.sharded:
             from p3d.model.llama import TransformerBlock
             from p3d.model.moe import routed_experts
@@ -231,7 +235,7 @@ class TorchPipeline:
 
     def dp_collectives(self):
         """A context that times every collective over a dp group (when ``add_dp_comm`` is set)."""
-        if self.add_dp_comm is None or self.mesh.dp == 1:
+        if self.add_dp_comm is None or self.mesh.dp_cp == 1:
             return contextlib.nullcontext()
         return timed_dp_collectives(self.dp_groups, self.add_dp_comm)
 
@@ -241,6 +245,11 @@ class TorchPipeline:
         per = batch.shape[0] // self.mesh.dp
         return batch[self.mesh.dp_rank * per : (self.mesh.dp_rank + 1) * per]
 
+    def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This cp rank's tokens of inputs or labels (rows, s) -> (rows, s / cp): chunks cp_rank and
+        2 cp - 1 - cp_rank of each sequence (p3d.parallel.context.chunks); the whole rows when cp = 1."""
+        return take_local(x, self.mesh.cp, self.mesh.cp_rank)
+
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -248,7 +257,7 @@ class TorchPipeline:
         """One optimizer step on the global batch (gbs, s + 1) (every rank passes the same one): the mean
         loss over the global batch and the global gradient norm before clipping."""
         rows = self.replica_rows(batch).to(self.device)
-        return self.run_step(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+        return self.run_step(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())  # cut to cp ranks by run_step
 
     def train_batch(self, data_iter) -> tuple[float, float]:
         """``train_step`` fed as DeepSpeed's engine is: ``data_iter`` yields this replica's m micro batches as
@@ -261,6 +270,8 @@ class TorchPipeline:
 
     def run_step(self, inputs: torch.Tensor | None, labels: torch.Tensor | None) -> tuple[float, float]:
         """One optimizer step on this replica's (m mbs, s) inputs and labels (read on the end chunks' holders)."""
+        if inputs is not None and labels is not None:
+            inputs, labels = self.local_tokens(inputs), self.local_tokens(labels)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
@@ -289,8 +300,8 @@ class TorchPipeline:
         kwargs: dict = {}
         if batch is not None:  # None on ranks that hold neither end
             rows = self.replica_rows(batch).to(self.device)
-            args = (rows[:, :-1].contiguous(),) if self.holds_first else ()
-            kwargs = dict(target=rows[:, 1:].contiguous(), losses=losses) if self.holds_last else {}
+            args = (self.local_tokens(rows[:, :-1]),) if self.holds_first else ()
+            kwargs = dict(target=self.local_tokens(rows[:, 1:]), losses=losses) if self.holds_last else {}
         with forward_only:
             self.schedule.eval(*args, return_outputs=False, **kwargs)
         return self.step_loss(losses)
@@ -344,11 +355,12 @@ class TorchPipeline:
 
     def step_loss(self, losses: list[torch.Tensor]) -> float:
         """The step's mean loss over the global batch: the last chunk's holder sums its m (already / m) micro-batch
-        losses; summed over pp (only the holder is non-zero), averaged over dp."""
+        losses; summed over pp (only the holder is non-zero), averaged over dp x cp (a cp rank's loss is the mean
+        over its s / cp tokens of each sequence: equal counts, so the mean of the means is the whole mean)."""
         total = torch.tensor([sum(float(x.detach()) for x in losses)], dtype=torch.float64)
         if self.mesh.pp > 1:
             dist.all_reduce(total, group=self.mesh.pp_group)
-        if self.mesh.dp > 1:
-            dist.all_reduce(total, group=self.mesh.dp_group)
-            total /= self.mesh.dp
+        if self.mesh.dp_cp > 1:
+            dist.all_reduce(total, group=self.mesh.dp_cp_group)
+            total /= self.mesh.dp_cp
         return float(total)
