@@ -77,7 +77,10 @@ class _AllGatherKVAttention(torch.autograd.Function):
                 probs = (scores - lse.unsqueeze(-1)).exp_()
                 outs.append(torch.matmul(probs, v_all[:, :, : (chunk + 1) * c].unsqueeze(2)))
                 lses.append(lse)
-            out = torch.cat(outs, dim=3).reshape(q.shape).to(q.dtype)
+            out = torch.cat(outs, dim=3).reshape(q.shape).to(q.dtype)  # (b, nh, sl, hd)
+            # stored (b, sl, nh, hd) as flash attention stores it: the block's (b, sl, nh hd) view for the output
+            # projection is then this storage, not a copy that would be kept beside it
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
             lse = torch.cat(lses, dim=3)  # (b, nkv, g, sl)
         ctx.save_for_backward(q, k, v, out, lse)
         return out

@@ -202,6 +202,8 @@ class _GatheredLinear(torch.autograd.Function):
     Keeps only this rank's (b, s/tp, in) block for backward and all-gathers it again there, so the
     full-sequence input is never held between forward and backward (what makes sequence parallelism
     divide the norms' activations by tp). backward: dx = reduce_scatter(dy W), dW = dy^T gather_seq(x).
+    Under autocast (bf16 over fp32 weights: the torch executor) the forward's matmul runs in bf16, so the
+    backward's do too, in the gradient's dtype, and each gradient returns in its input's dtype.
     """
 
     @staticmethod
@@ -213,10 +215,10 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        total = _gather_seq(x, ctx.group)  # (b, s, in), gathered again
-        grad_x = _reduce_scatter_seq(grad.matmul(weight), ctx.group)  # (b, s/tp, in)
+        total = _gather_seq(x, ctx.group).to(grad.dtype)  # (b, s, in), gathered again
+        grad_x = _reduce_scatter_seq(grad.matmul(weight.to(grad.dtype)), ctx.group)  # (b, s/tp, in)
         grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
-        return grad_x, grad_w, None
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
