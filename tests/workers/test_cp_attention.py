@@ -47,7 +47,12 @@ def _check(rank, world, heads, kv_heads, seq):
 @pytest.mark.timeout(LIMIT_S)
 @pytest.mark.parametrize(
     "world,heads,kv_heads,seq",
-    [(2, 3, 1, 16), (2, 6, 2, 8), (4, 4, 4, 16), (4, 6, 3, 24)],
+    [
+        (2, 3, 1, 16),
+        pytest.param(2, 6, 2, 8, marks=pytest.mark.slow),
+        pytest.param(4, 4, 4, 16, marks=pytest.mark.slow),
+        (4, 6, 3, 24),
+    ],
     ids=["cp2-gqa3", "cp2-gqa3x2", "cp4-mha", "cp4-gqa2"],
 )
 def test_cp_attention_matches_unsharded(world, heads, kv_heads, seq):
