@@ -1,10 +1,12 @@
 """``dry_run=true``: build every pipeline stage of every (pp, tp) coordinate on torch's meta device.
 
-No worker, no process group, no memory: it shows the mesh map (rank -> dp, pp, tp -> node, local
+No worker, no process group, no memory: it shows the mesh map (rank -> dp, pp, cp (when > 1), tp -> node, local
 device; inside a Slurm allocation with the run's node count, each node's hostname too), the layers
 of each stage and the exact parameter count of each rank, and checks that the shards add up to the
 closed-form count of the model. An MoE model's ranks also show their routed experts' share (E / ep experts of
-each MoE block; the ep ranks of dp hold the others, as many) beside the dense parameters.
+each MoE block; the ep ranks of dp hold the others, as many) beside the dense parameters. Last, each stage's memory
+per rank as the planner models it (p3d.planner.memory.stage_memory, p3d-plan's table): the same on every dp, cp
+and tp rank of a stage, with cp > 1 for s / cp tokens of each sequence.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.mesh import Mesh
 from p3d.parallel.pipeline.specs import layer_specs_of
 from p3d.parallel.tp.layers import owned_by_tp_rank
+from p3d.planner.memory import GB, StageMemory, stage_memory
+from p3d.planner.render import memory_table, memory_unit
+from p3d.planner.shapes import layout_of_run_plan
 
 if TYPE_CHECKING:
     from p3d.config.schema import Config
@@ -35,7 +40,8 @@ MAX_MAP_ROWS = 64
 class DryRunReport:
     cfg: Config
     plan: RunPlan
-    mesh_map: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)  # rank, dp, pp, tp, node, local
+    # rank, dp, pp, cp, tp, node, local device
+    mesh_map: list[tuple[int, int, int, int, int, int, int]] = field(default_factory=list)
     stage_layers: list[list[str]] = field(default_factory=list)  # per stage, or per chunk under a torch schedule
     rank_chunks: list[list[int]] = field(default_factory=list)  # pp rank -> its chunks (torch schedules only)
     params: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> parameters on that rank
@@ -43,6 +49,7 @@ class DryRunReport:
     owned: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> its share of the model
     experts: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> routed experts' parameters
     node_names: list[str] = field(default_factory=list)  # node index -> hostname, inside a Slurm allocation
+    memory: list[StageMemory] = field(default_factory=list)  # per stage, one rank's bytes (p3d.planner.memory)
 
     @property
     def total(self) -> int:
@@ -56,22 +63,21 @@ class DryRunReport:
 
     def render(self) -> str:
         plan, cfg = self.plan, self.cfg
-        ep = f" (ep={plan.ep})" if plan.ep > 1 else ""
+        cp = plan.cp > 1
         out = [
-            f"dry run: {cfg.model.name} on dp={plan.dp}{ep} x pp={plan.pp} x tp={plan.tp} = {plan.world_size} ranks, "
-            f"{plan.procs_per_node} per node",
+            f"dry run: {cfg.model.name} on {plan.dims.describe()}, {plan.procs_per_node} per node",
             "",
-            "mesh map (rank: dp pp tp -> node/local device)",
+            f"mesh map (rank: dp pp {'cp ' if cp else ''}tp -> node/local device)",
         ]
         if self.node_names:
             out[-1] += f"; node i is host i of the allocation: {' '.join(self.node_names)}"
-        for rank, dp, pp, tp, node, local in self.mesh_map[:MAX_MAP_ROWS]:
+        for rank, dp, pp, c, tp, node, local in self.mesh_map[:MAX_MAP_ROWS]:
             host = f" ({self.node_names[node]})" if self.node_names else ""
-            out.append(f"  rank {rank:>5}: dp {dp:>3} pp {pp:>3} tp {tp:>2} -> node {node:>3}{host} device {local}")
+            where = f"dp {dp:>3} pp {pp:>3}" + (f" cp {c:>3}" if cp else "") + f" tp {tp:>2}"
+            out.append(f"  rank {rank:>5}: {where} -> node {node:>3}{host} device {local}")
         if len(self.mesh_map) > MAX_MAP_ROWS:
-            out.append(
-                f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = (pp * dp_size + dp) * tp_size + tp)"
-            )
+            rule = "((pp * dp_size + dp) * cp_size + cp) * tp_size + tp" if cp else "(pp * dp_size + dp) * tp_size + tp"
+            out.append(f"  ... {len(self.mesh_map) - MAX_MAP_ROWS} more ranks (rank = {rule})")
         if self.rank_chunks:  # a torch schedule: pp x v chunks, each rank's in the order of its stages
             pipe = f"schedule.pipeline={cfg.schedule.pipeline.value}"
             out += ["", f"chunks of {pipe} (layers of the flat pipeline list), per pp rank"]
@@ -107,7 +113,31 @@ class DryRunReport:
             out.append(
                 f"active per token (top-{cfg.model.moe.top_k} routed experts): {active:,} ({human_count(active)})"
             )
-        return "\n".join(out)
+        return "\n".join(out + self._memory_lines())
+
+    def _memory_lines(self) -> list[str]:
+        """Each stage's memory per rank, p3d-plan's table (the planner's model), and the most loaded rank's total."""
+        if not self.memory:
+            return []
+        cfg, plan = self.cfg, self.plan
+        worst = max(self.memory, key=lambda s: s.total)
+        unit, scale = memory_unit(worst.total)
+        capacity, gpus = cfg.cluster.memory_gb, cfg.cluster.gpus_per_node is not None
+        tokens = f", {cfg.model.seq_len // plan.cp:,} tokens of each sequence" if plan.cp > 1 else ""
+        if capacity is None:
+            room = ""
+        else:  # a GPU's own memory, or the host's that cpu workers share (p3d-plan compares their sum)
+            room = f"; {capacity:g} GB per GPU" if gpus else f"; the {plan.world_size} workers share {capacity:g} GB"
+        out = [
+            "",
+            f"memory per rank ({unit}; p3d.planner's model, the same on every dp{', cp' if plan.cp > 1 else ''} and tp "
+            f"rank of a stage{tokens}{room})",
+            *memory_table(self.memory, self.memory, scale),
+        ]
+        if capacity is not None and gpus:
+            verdict = "fits" if worst.total <= capacity * GB else "DOES NOT FIT"
+            out.append(f"  -> {verdict}: {worst.total / scale:.2f} {unit} of {capacity:g} GB on the most loaded rank")
+        return out
 
 
 def _compact(names: list[str]) -> str:
@@ -146,7 +176,7 @@ def dry_run(cfg, plan) -> DryRunReport:
     dims = plan.dims
     for rank in range(plan.world_size):
         dp, pp, tp = dims.coords_of(rank)
-        report.mesh_map.append((rank, dp, pp, tp, dims.node_of(rank), dims.local_rank_of(rank)))
+        report.mesh_map.append((rank, dp, pp, dims.cp_of(rank), tp, dims.node_of(rank), dims.local_rank_of(rank)))
     bounds, chunks_of = plan.stage_bounds, [[pp] for pp in range(plan.pp)]
     pipeline = cfg.schedule.pipeline.value
     if pipeline != "1f1b":  # the torch schedules' chunks (docs/schedules.md, Placement)
@@ -184,6 +214,7 @@ def dry_run(cfg, plan) -> DryRunReport:
                     owned += routed * (plan.ep - 1)
             report.params[(pp, tp)], report.padding[(pp, tp)], report.owned[(pp, tp)] = n, pad, owned
             report.experts[(pp, tp)] = experts
+    report.memory = stage_memory(cfg, layout_of_run_plan(cfg, plan))
     return report
 
 

@@ -1,6 +1,6 @@
 """Memory per GPU and per pipeline stage: model states (ZeRO, precision) and activations (1F1B).
 
-Model states per rank, N = the rank's parameters (p3d.planner.shapes.stage_params), d = dp:
+Model states per rank, N = the rank's parameters (p3d.planner.shapes.stage_params), d = dp (dp x cp: below):
 
     precision   params   grads           optimizer (Adam)
     fp32        4 N      4 N             8 N moments; with ZeRO >= 1 also a 4 N fp32 copy, all / d
@@ -9,6 +9,10 @@ Model states per rank, N = the rank's parameters (p3d.planner.shapes.stage_param
                                          fp32 or bf16: autocast over the fp32 weights)
     ZeRO 2, 3   4 N / d  4 N / d         8 N / d    (FSDP2 on the torch executor, any schedule) + a step's
                                          buffers: c N gathered weights + 4 N unsharded fp32 gradients
+
+Context parallelism (``mesh.cp``): the cp ranks of a dp replica hold the same parameters, so every "/ d" above reads
+/ (d cp): gradients reduce, ZeRO-1's moments and FSDP2's shards spread over the d cp holders (p3d.layout.dims
+``dp_cp_ranks``). cp > 1 runs on the torch executor, so its rows apply.
 
 A mixture of experts splits N into the routed experts N_e (E / ep per MoE block) and the rest N_d: wherever the
 table divides by d, N_e divides by edp = d / ep instead (their gradients reduce over edp, ZeRO-1's second optimizer
@@ -51,6 +55,11 @@ targets, and the loss buffer: the logits DeepSpeed holds until backward (c V_pad
 backward's fp32 gradient (and its cast to c bytes when c < 4). An MoE block keeps its feed-forward's inventory
 (p3d.planner.experts) in place of the SwiGLU's 4 c f / t.
 
+Context parallelism: a rank holds s / cp tokens of each sequence (p3d.planner.context), so every s above, the rope
+tables' rows, the first and last stages' and the loss buffer's tokens read s / cp, and its attention keeps what flash
+attention keeps (the local rotated q and k, v, the output and the log-sum-exp) whatever ``plan.flash_attention``
+says: a block keeps exactly 1/cp of its cp = 1 flash bytes.
+
 In flight: the micro batches whose activations a rank holds at its peak, per schedule (p stages, m micro
 batches, v chunks per rank, rank s 0-based; counted in chunks, each 1/v of the rank's layers; docs/planner.md):
 
@@ -76,6 +85,7 @@ from dataclasses import dataclass, field
 from p3d.config.schema import Arch, Config, DType, Recompute
 from p3d.layout.geometry import head_dims, padded_vocab
 from p3d.planner import experts
+from p3d.planner.context import local_tokens
 from p3d.planner.shapes import Layout, StageParams, dtype_bytes, stage_params
 
 GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables and of device datasheets
@@ -93,12 +103,12 @@ def _partition(n: int, dp: int) -> int:
 
 
 def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes on one rank of a stage."""
-    c, d, zero = dtype_bytes(cfg), layout.dp, cfg.zero.stage
+    """(params, grads, optimizer) bytes on one rank of a stage (d: the dp x cp holders of its parameters)."""
+    c, d, zero = dtype_bytes(cfg), layout.dp_cp, cfg.zero.stage
     n = sp.total
     if fsdp_sharded(cfg, layout):
-        # ZeRO-2/3 (p3d.parallel.zero.fsdp): FSDP2 cuts every fp32 parameter, its gradient and its moments over dp
-        # (rows / d each; / zero.shard_size under HSDP), the routed experts over edp (a unit of their own); what the
+        # ZeRO-2/3 (p3d.parallel.zero.fsdp): FSDP2 cuts every fp32 parameter, its gradient and its moments over dp x
+        # cp (rows / d each; / zero.shard_size under HSDP), the routed experts over edp (a unit of their own); what the
         # step gathers on top is in step_buffer_bytes
         s = cfg.zero.shard_size or d
         shard = sp.dense / s + sp.experts / (s if layout.ep == 1 else layout.edp)
@@ -106,7 +116,8 @@ def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, fl
     if layout.torch_executor:
         # the torch executor (p3d.train.executors.torch_pipeline): fp32 weights and gradients in either precision
         # (bf16 is autocast over them: they are the master copy); ZeRO-1 is torch's ZeroRedundancyOptimizer, each
-        # rank keeping the Adam moments of the parameters it owns, whole (~1/d of them; the experts' ~1/edp)
+        # rank keeping the Adam moments of the parameters it owns, whole (~1/d of them, d = dp x cp; the experts'
+        # ~1/edp)
         return 4.0 * n, 4.0 * n, 8.0 * (sp.dense / d + sp.experts / layout.edp if zero >= 1 else n)
     params = n * c / (d if zero >= 3 else 1)
     grads = n * c / (d if zero >= 2 else 1)
@@ -120,8 +131,8 @@ def state_bytes(cfg: Config, layout: Layout, sp: StageParams) -> tuple[float, fl
 
 
 def fsdp_sharded(cfg: Config, layout: Layout) -> bool:
-    """ZeRO-2/3 with dp > 1: FSDP2 on the torch executor shards the model states."""
-    return cfg.zero.stage >= 2 and layout.dp > 1
+    """ZeRO-2/3 with dp x cp > 1: FSDP2 on the torch executor shards the model states."""
+    return cfg.zero.stage >= 2 and layout.dp_cp > 1
 
 
 def step_buffer_bytes(cfg: Config, layout: Layout, sp: StageParams) -> float:
@@ -142,14 +153,15 @@ def _norm_bytes(cfg: Config) -> float:
 
 def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None, moe: bool = False) -> float:
     """Activation bytes one block keeps for backward, per micro batch, on one tp rank (``moe``: an MoE block,
-    whose feed-forward keeps ``experts.ffn_activation_bytes`` in place of the SwiGLU's)."""
+    whose feed-forward keeps ``experts.ffn_activation_bytes`` in place of the SwiGLU's). s: the rank's s / cp tokens;
+    with cp > 1 the attention keeps flash attention's inventory (the cp attention saves the log-sum-exp)."""
     m, sched = cfg.model, cfg.schedule
     recompute = sched.recompute if recompute is None else recompute
-    c, t, b, s = dtype_bytes(cfg), layout.tp, layout.micro_batch_size, m.seq_len
+    c, t, b, s = dtype_bytes(cfg), layout.tp, layout.micro_batch_size, local_tokens(cfg, layout)
     h, a, f = m.hidden_size, m.n_heads, m.ffn_hidden_size
     q, kv = head_dims(m)
     sp = t if sched.sequence_parallel else 1
-    flash = cfg.plan.flash_attention
+    flash = cfg.plan.flash_attention or layout.cp > 1
     if recompute == Recompute.full:
         return b * s * c * h / sp
     if m.arch == Arch.llama:
@@ -171,8 +183,8 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None,
 
 
 def first_stage_bytes(cfg: Config, layout: Layout) -> float:
-    """Embedding: token ids (int64), the out-of-slice mask with tp > 1; gpt: its dropout mask."""
-    b, s, t = layout.micro_batch_size, cfg.model.seq_len, layout.tp
+    """Embedding: token ids (int64), the out-of-slice mask with tp > 1; gpt: its dropout mask (s / cp tokens)."""
+    b, s, t = layout.micro_batch_size, local_tokens(cfg, layout), layout.tp
     per_token: float = 8 + (1 if t > 1 else 0)
     if cfg.model.arch == Arch.gpt:
         per_token += cfg.model.hidden_size / (t if cfg.schedule.sequence_parallel else 1)
@@ -180,8 +192,8 @@ def first_stage_bytes(cfg: Config, layout: Layout) -> float:
 
 
 def last_stage_bytes(cfg: Config, layout: Layout) -> float:
-    """Final norm, head input and what the vocab-parallel cross entropy saves (fp32 softmax, targets)."""
-    b, s, t, c = layout.micro_batch_size, cfg.model.seq_len, layout.tp, dtype_bytes(cfg)
+    """Final norm, head input and what the vocab-parallel cross entropy saves (fp32 softmax, targets), s / cp tokens."""
+    b, s, t, c = layout.micro_batch_size, local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     sp = t if cfg.schedule.sequence_parallel else 1
     vpad = padded_vocab(cfg.model.vocab_size, t)
     norm = _norm_bytes(cfg) if cfg.model.arch == Arch.llama else 2 * c * cfg.model.hidden_size
@@ -189,8 +201,8 @@ def last_stage_bytes(cfg: Config, layout: Layout) -> float:
 
 
 def loss_buffer_bytes(cfg: Config, layout: Layout) -> float:
-    """Logits held until backward, plus the loss backward's fp32 gradient (and its cast)."""
-    b, s, t, c = layout.micro_batch_size, cfg.model.seq_len, layout.tp, dtype_bytes(cfg)
+    """Logits held until backward, plus the loss backward's fp32 gradient (and its cast), s / cp tokens."""
+    b, s, t, c = layout.micro_batch_size, local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     vpad = padded_vocab(cfg.model.vocab_size, t)
     return b * s * vpad / t * (c + 4 + (c if c < 4 else 0))
 
@@ -242,7 +254,9 @@ class StageMemory:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.step_buffers + self.activations_total
 
 
-def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
+def stage_memory(cfg: Config, layout: Layout, stages: list[StageParams] | None = None) -> list[StageMemory]:
+    """Each stage's memory on one rank. ``stages``: ``stage_params(cfg, layout)`` when the caller has them (mesh=auto
+    computes them once per tp, pp, schedule placement and ep, for every micro batch, recompute, ZeRO stage and cp)."""
     out = []
     recompute = cfg.schedule.recompute
     kinds = (False, True) if cfg.model.moe is not None else (False,)  # dense blocks, MoE blocks
@@ -252,7 +266,7 @@ def stage_memory(cfg: Config, layout: Layout) -> list[StageMemory]:
         for moe in kinds:
             kept = 0.0 if recompute == Recompute.full else per_block[moe]
             working[moe] = block_bytes(cfg, layout, Recompute.none, moe) - kept
-    for s, sp in enumerate(stage_params(cfg, layout)):
+    for s, sp in enumerate(stage_params(cfg, layout) if stages is None else stages):
         params, grads, opt = state_bytes(cfg, layout, sp)
         dense = sp.blocks - sp.moe_blocks
         act = dense * per_block[False] + (sp.moe_blocks * per_block[True] if sp.moe_blocks else 0.0)

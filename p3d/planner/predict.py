@@ -19,9 +19,9 @@ from p3d.layout.geometry import (
     schedule_bubble,
     total_params,
 )
-from p3d.planner import experts, memory, step_time
+from p3d.planner import context, experts, memory, step_time
 from p3d.planner.render import render
-from p3d.planner.shapes import Layout, layout_of
+from p3d.planner.shapes import Layout, StageParams, layout_of
 from p3d.planner.step_time import assumptions
 from p3d.planner.verdict import verdict
 
@@ -58,8 +58,8 @@ class Prediction:
 
     @property
     def all_ranks_bytes(self) -> float:
-        """Memory of every rank together (each stage has tp x dp ranks)."""
-        return sum(s.total for s in self.stages) * self.layout.tp * self.layout.dp
+        """Memory of every rank together (each stage has tp x cp x dp ranks)."""
+        return sum(s.total for s in self.stages) * self.layout.tp * self.layout.dp_cp
 
     @property
     def shared_host(self) -> bool:
@@ -146,6 +146,7 @@ class Prediction:
             "zero": lay.zero,
             "world_size": lay.world_size,
             "ep": lay.ep,
+            "cp": lay.cp,
         }
         m = self.cfg.model
         out["model"] = {
@@ -161,6 +162,9 @@ class Prediction:
             [s.params for s in self.stages],
             step_time.a2a_seconds(self.cfg, lay),
             step_time.a2a_link(self.cfg, lay),
+        )
+        out["context"] = context.summary(
+            self.cfg, lay, step_time.kv_seconds(self.cfg, lay), step_time.kv_link(self.cfg, lay)
         )
         out["time_s"] = dict(self.breakdown)
         out["stages"] = [
@@ -191,11 +195,18 @@ class Prediction:
         return render(self)
 
 
-def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True, accepted: bool = False) -> Prediction:
+def evaluate(
+    cfg: Config,
+    layout: Layout | None = None,
+    check: bool = True,
+    accepted: bool = False,
+    params: list[StageParams] | None = None,
+) -> Prediction:
     """Memory and time of ``cfg`` (its layout, or ``layout``); ``check`` adds the warnings and notes, among
-    them whether p3d-train would refuse the config, unless ``accepted`` (p3d-train has built its run plan)."""
+    them whether p3d-train would refuse the config, unless ``accepted`` (p3d-train has built its run plan).
+    ``params``: the layout's ``shapes.stage_params``, where the caller has them already (mesh=auto)."""
     layout = layout or layout_of(cfg)
-    stages = memory.stage_memory(cfg, layout)
+    stages = memory.stage_memory(cfg, layout, params)
     times = step_time.stage_times(cfg, layout, [s.params for s in stages])
     slow = max(range(layout.pp), key=lambda i: times[i].total)
     t_mb = times[slow].total
@@ -218,6 +229,7 @@ def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True, acce
         "tp_comm": m * times[slow].tp_comm,
         "pp_comm": m * times[slow].pp_comm,
         "a2a_comm": m * times[slow].a2a,
+        "kv_comm": m * times[slow].kv,
         "pipeline_idle": fill * t_mb,
         "dp_comm": dp_exposed,
         "optimizer": tail - dp_exposed,
@@ -231,10 +243,16 @@ def evaluate(cfg: Config, layout: Layout | None = None, check: bool = True, acce
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:
-    """``cfg`` with the mesh (ep too), micro batch, pipeline schedule and chunks, recompute and ZeRO stage of
+    """``cfg`` with the mesh (ep and cp too), micro batch, pipeline schedule and chunks, recompute and ZeRO stage of
     ``layout`` (what p3d-train runs for mesh=auto)."""
-    name = f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}" + (f"_ep{layout.ep}" if layout.ep > 1 else "")
-    mesh = dataclasses.replace(cfg.mesh, name=name, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep)
+    name = (
+        f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}"
+        + (f"_ep{layout.ep}" if layout.ep > 1 else "")
+        + (f"_cp{layout.cp}" if layout.cp > 1 else "")
+    )
+    mesh = dataclasses.replace(
+        cfg.mesh, name=name, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp
+    )
     sched = dataclasses.replace(
         cfg.schedule,
         micro_batch_size=layout.micro_batch_size,

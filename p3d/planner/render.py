@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from p3d.config.schema import Recompute
 from p3d.layout.geometry import active_params, moe_layers, total_params
-from p3d.planner.memory import GB
-from p3d.planner.step_time import a2a_link, assumptions
+from p3d.planner import context
+from p3d.planner.memory import GB, StageMemory
+from p3d.planner.step_time import a2a_link, assumptions, kv_link, kv_seconds
 
 MAX_STAGE_ROWS = 12
 
@@ -56,16 +58,60 @@ def _experts(report) -> list[str]:
     return [*out, "  parameters per GPU:", *(f"    {line}" for line in per_stage)]
 
 
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """(unit, bytes per unit) to print memory figures up to ``nbytes``: GB from 0.1 GB on, else MB."""
+    return ("GB", GB) if nbytes >= 0.1 * GB else ("MB", 1e6)
+
+
+def memory_table(stages: list[StageMemory], shown: list[StageMemory], scale: float) -> list[str]:
+    """The header and rows of the memory table (p3d-plan's, the dry run's): ``shown`` of ``stages``, in units of
+    ``scale`` bytes, the most loaded flagged."""
+    worst = max(stages, key=lambda s: s.total)
+    out = [
+        f"  {'stage':>5} {'layers':<26} {'params':>8} {'grads':>8} {'optim':>8} {'act/mb':>8} {'in flight':>9} "
+        f"{'loss':>7} {'total':>8}"
+    ]
+    for s in shown:
+        flag = "  <- most loaded" if s.stage == worst.stage and len(stages) > 1 else ""
+        out.append(
+            f"  {s.stage:>5} {_layers(s.params.layers):<26} {s.params_bytes / scale:>8.2f} "
+            f"{s.grads_bytes / scale:>8.2f} {s.optimizer_bytes / scale:>8.2f} "
+            f"{s.activation_bytes / scale:>8.2f} "
+            f"{s.in_flight:>9.2f} {s.loss_bytes / scale:>7.2f} {s.total / scale:>8.2f}{flag}"
+        )
+    return out
+
+
+def _context(report) -> list[str]:
+    """A cp layout's line: the tokens a GPU holds, the key/value bytes it sends per layer and micro batch, on which
+    link, and how much of it hides."""
+    cfg, lay = report.cfg, report.layout
+    if lay.cp == 1:
+        return []
+    gathers, scatters = context.kv_collectives(Recompute(lay.recompute))
+    sent = context.kv_bytes_sent(cfg, lay)
+    return [
+        f"  cp={lay.cp}: each GPU holds {context.local_tokens(cfg, lay):,.0f} of the {cfg.model.seq_len:,} tokens of a "
+        f"sequence (2 of its {2 * lay.cp} chunks); keys and values: {gathers} all-gathers + {scatters} reduce-scatter "
+        f"per layer and micro batch, {sent / 1e6:,.1f} MB sent per GPU in {kv_seconds(cfg, lay) * 1e3:.2f} ms over "
+        f"{context.kv_span(lay)} consecutive ranks ({kv_link(cfg, lay)}-node), {context.HIDDEN:.0%} hidden"
+    ]
+
+
 def render(report) -> str:
     cfg, lay = report.cfg, report.layout
-    unit, scale = ("GB", GB) if report.worst.total >= 0.1 * GB else ("MB", 1e6)
+    unit, scale = memory_unit(report.worst.total)
     m = cfg.model
     out: list[str] = []
     if report.ranking:
         ep = m.moe is not None  # an ep column for a mixture of experts
+        # a cp column for a long sequence (where mesh=auto tries cp > 1) or a ranking that holds one
+        cp = m.seq_len >= context.LONG_SEQUENCE or any(r.layout.cp > 1 for r in report.ranking)
         out += [
             f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x {cfg.cluster.device}",
-            f"  {'tp':>3} {'pp':>3} {'dp':>5}"
+            f"  {'tp':>3}"
+            + (f" {'cp':>3}" if cp else "")
+            + f" {'pp':>3} {'dp':>5}"
             + (f" {'ep':>3}" if ep else "")
             + f" {'mbs':>4} {'m':>5} {'mem GB':>7} {'step s':>9} {'tokens/s':>12} "
             f"{'TFLOP/s':>8} {'MFU':>6} {'bubble':>7}  {'schedule':<26} {'recompute':<9} zero",
@@ -73,7 +119,9 @@ def render(report) -> str:
         for r in report.ranking:
             lo = r.layout
             out.append(
-                f"  {lo.tp:>3} {lo.pp:>3} {lo.dp:>5}"
+                f"  {lo.tp:>3}"
+                + (f" {lo.cp:>3}" if cp else "")
+                + f" {lo.pp:>3} {lo.dp:>5}"
                 + (f" {lo.ep:>3}" if ep else "")
                 + f" {lo.micro_batch_size:>4} {lo.micro_batches:>5} "
                 f"{r.worst.total / GB:>7.1f} {r.step_time_s:>9.3f} {r.tokens_per_s:>12,.0f} "
@@ -91,20 +139,9 @@ def render(report) -> str:
         f"x {m.seq_len} tokens"
     )
     out += _experts(report)
-    out += [
-        "",
-        f"memory per GPU ({unit}; capacity {cfg.cluster.memory_gb:g} GB)",
-        f"  {'stage':>5} {'layers':<26} {'params':>8} {'grads':>8} {'optim':>8} {'act/mb':>8} {'in flight':>9} "
-        f"{'loss':>7} {'total':>8}",
-    ]
-    for s in _stage_rows(report):
-        flag = "  <- most loaded" if s.stage == report.worst.stage and len(report.stages) > 1 else ""
-        out.append(
-            f"  {s.stage:>5} {_layers(s.params.layers):<26} {s.params_bytes / scale:>8.2f} "
-            f"{s.grads_bytes / scale:>8.2f} {s.optimizer_bytes / scale:>8.2f} "
-            f"{s.activation_bytes / scale:>8.2f} "
-            f"{s.in_flight:>9.2f} {s.loss_bytes / scale:>7.2f} {s.total / scale:>8.2f}{flag}"
-        )
+    out += _context(report)
+    out += ["", f"memory per GPU ({unit}; capacity {cfg.cluster.memory_gb:g} GB)"]
+    out += memory_table(report.stages, _stage_rows(report), scale)
     verdict = "fits" if report.fits else "DOES NOT FIT"
     if report.shared_host:
         out.append(
@@ -124,13 +161,18 @@ def render(report) -> str:
         "tp_comm",
         "pp_comm",
         "a2a_comm",
+        "kv_comm",
         "pipeline_idle",
         "dp_comm",
         "optimizer",
         "tied_embedding",
     ):
         if b[key] > 0 or key in ("compute", "pipeline_idle"):
-            link = f"  (ep={lay.ep} all-to-alls, {a2a_link(cfg, lay)}-node link)" if key == "a2a_comm" else ""
+            link = {
+                "a2a_comm": f"  (ep={lay.ep} all-to-alls, {a2a_link(cfg, lay)}-node link)",
+                "kv_comm": f"  (cp={lay.cp} key/value all-gathers, {kv_link(cfg, lay)}-node link, "
+                f"{context.HIDDEN:.0%} hidden)",
+            }.get(key, "")
             out.append(f"  {key:<15} {b[key]:>10.4f}{link}")
     out.append(f"  {'step':<15} {report.step_time_s:>10.4f}")
     out += [

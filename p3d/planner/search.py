@@ -1,9 +1,12 @@
 """``mesh=auto``: every layout of the cluster p3d-train accepts, ranked by predicted throughput.
 
-A layout is tp x pp x dp, the expert-parallel degree ep, the micro batch size, the pipeline schedule with its
+A layout is tp x cp x pp x dp, the expert-parallel degree ep, the micro batch size, the pipeline schedule with its
 chunks per rank v, recompute and the ZeRO stage. The search tries every combination of
 
     tp, pp, dp      divisors of the GPUs, tp inside a node and dividing the heads, kv heads and FFN width
+    cp              1; from model.seq_len >= 8192 (``context.LONG_SEQUENCE``) on also the powers of two whose chunks
+                    the sequence divides into (``context_rules.sequence_multiple``) and that leave each rank at least
+                    ``MIN_TOKENS_PER_RANK`` tokens of a sequence
     ep              a mixture of experts: every divisor of dp that divides the experts (and tp the experts' width);
                     a dense model: 1
     micro batch     every divisor of global_batch_size / dp
@@ -13,9 +16,9 @@ chunks per rank v, recompute and the ZeRO stage. The search tries every combinat
     zero.stage      0, 1, 2, 3 (2 and 3: FSDP2 on the torch executor, docs/zero.md)
 
 and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
-``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``, ``check_experts``: the functions p3d-train
-calls, so the two cannot drift). Layouts predicted not to fit device memory are dropped; the rest are sorted by
-predicted tokens/s (ties: less memory first).
+``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``, ``check_experts``, ``check_context``: the
+functions p3d-train calls, so the two cannot drift). Layouts predicted not to fit device memory are dropped; the rest
+are sorted by predicted tokens/s (ties: less memory first).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 from typing import cast
 
 from p3d.config.schema import Config
+from p3d.layout.context_rules import check_context, sequence_multiple
 from p3d.layout.expert_rules import check_experts
 from p3d.layout.geometry import max_pieces
 from p3d.layout.run_plan import (
@@ -34,12 +38,16 @@ from p3d.layout.run_plan import (
     check_zero,
 )
 from p3d.layout.schedule_rules import check_schedule
+from p3d.planner.context import LONG_SEQUENCE
 from p3d.planner.predict import Prediction, apply_layout, evaluate
-from p3d.planner.shapes import Layout, divisors, layout_of_run_plan, world_size
+from p3d.planner.shapes import Layout, StageParams, divisors, layout_of_run_plan, stage_params, world_size
 from p3d.planner.verdict import check_options
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+# cp > 1 is searched down to this many tokens of a sequence per rank: Llama 3 ran 131,072 tokens on cp = 16 (8,192
+# per rank); shorter local sequences make smaller matmuls, whose falling efficiency the planner does not model
+MIN_TOKENS_PER_RANK = 4096
 
 
 def schedules(cfg: Config, pp: int) -> list[tuple[str, int]]:
@@ -63,12 +71,28 @@ def check_layout(cfg: Config, layout: Layout) -> None:
     check_recompute_swiglu(cfg)
     check_zero(cfg, layout.pp, layout.dp)
     check_experts(cfg, layout.dp)
+    check_context(cfg, layout.tp)
 
 
 def expert_degrees(cfg: Config, dp: int) -> list[int]:
     """The ep worth trying on dp replicas: the divisors of dp that divide the experts; 1 for a dense model."""
     moe = cfg.model.moe
     return [1] if moe is None else [ep for ep in divisors(dp) if moe.n_experts % ep == 0]
+
+
+def context_degrees(cfg: Config, tp: int, gpus: int) -> list[int]:
+    """The cp worth trying with tp on ``gpus`` = world / tp: 1, and for a sequence of at least ``LONG_SEQUENCE``
+    tokens every power of two dividing ``gpus`` that cuts it into equal chunks (``sequence_multiple``, the rule
+    check_context applies) of at least ``MIN_TOKENS_PER_RANK`` tokens per rank. A mixture of experts: 1 (refused)."""
+    s, sched = cfg.model.seq_len, cfg.schedule
+    if s < LONG_SEQUENCE or cfg.model.moe is not None or cfg.model.compile:
+        return [1]
+    out, cp = [1], 2
+    while gpus % cp == 0 and s // cp >= MIN_TOKENS_PER_RANK:
+        if s % sequence_multiple(cp, tp, sched.sequence_parallel) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
 
 
 def candidates(cfg: Config) -> list[Layout]:
@@ -85,34 +109,50 @@ def candidates(cfg: Config) -> list[Layout]:
     for tp in divisors(world):
         if tp > gpn or m.n_heads % tp or m.n_kv_heads % tp or m.ffn_hidden_size % tp:
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > max_pp or gbs % dp:
-                continue
-            try:
-                check_mesh(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tp=tp, pp=pp, dp=dp)), tp, pp)
-            except P3DConfigError:
-                continue
-            for mbs in divisors(gbs // dp):
-                micro = gbs // (dp * mbs)
-                for pipeline, v in schedules(cfg, pp):
-                    for recompute in RECOMPUTE:
-                        for zero in ZERO_STAGES:
-                            for ep in expert_degrees(cfg, dp):
-                                layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero, ep)
-                                try:
-                                    check_layout(apply_layout(cfg, layout), layout)
-                                except P3DConfigError:
-                                    continue
-                                out.append(layout)
+        for cp in context_degrees(cfg, tp, world // tp):
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if pp > max_pp or gbs % dp:
+                    continue
+                mesh = dataclasses.replace(cfg.mesh, tp=tp, pp=pp, dp=dp, cp=cp)
+                try:
+                    check_mesh(dataclasses.replace(cfg, mesh=mesh), tp, pp)
+                except P3DConfigError:
+                    continue
+                out += _layouts(cfg, tp, pp, dp, cp)
+    return out
+
+
+def _layouts(cfg: Config, tp: int, pp: int, dp: int, cp: int) -> list[Layout]:
+    """Every micro batch, schedule, recompute, ZeRO stage and ep of the degrees tp x cp x pp x dp that p3d-train
+    accepts."""
+    gbs, out = cfg.schedule.global_batch_size, []
+    for mbs in divisors(gbs // dp):
+        micro = gbs // (dp * mbs)
+        for pipeline, v in schedules(cfg, pp):
+            for recompute in RECOMPUTE:
+                for zero in ZERO_STAGES:
+                    for ep in expert_degrees(cfg, dp):
+                        layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero, ep, cp)
+                        try:
+                            check_layout(apply_layout(cfg, layout), layout)
+                        except P3DConfigError:
+                            continue
+                        out.append(layout)
     return out
 
 
 def search(cfg: Config) -> list[Prediction]:
     """Reports of the fitting layouts, best first. Raises P3DConfigError when none fits."""
     reports, smallest = [], None
+    # a rank's parameters depend on tp, pp, the schedule's chunks and ep only: worked out once for each such placement
+    # (most of a candidate's cost), shared by its micro batches, recomputes, ZeRO stages and cp degrees
+    params: dict[tuple[int, int, int, str, int], list[StageParams]] = {}
     for layout in candidates(cfg):
-        r = evaluate(apply_layout(cfg, layout), layout, check=False)
+        key = (layout.tp, layout.pp, layout.virtual_stages, layout.pipeline, layout.ep)
+        if key not in params:
+            params[key] = stage_params(cfg, layout)
+        r = evaluate(apply_layout(cfg, layout), layout, check=False, params=params[key])
         if r.fits:
             reports.append(r)
         elif smallest is None or r.worst.total < smallest.worst.total:

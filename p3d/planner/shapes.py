@@ -3,7 +3,8 @@
 Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = h / a, q = a * hd,
 kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded to a multiple of tp, as p3d
 builds it), s sequence, b micro batch, t = tp, p = pp, d = dp, m micro batches per replica per
-step, v virtual stages (chunks per pp rank).
+step, v virtual stages (chunks per pp rank), cp the context-parallel degree (each sequence split over cp ranks, s / cp
+tokens each: p3d.planner.context).
 
 A layout also names the pipeline schedule, recompute and ZeRO stage it runs with, the knobs ``mesh=auto``
 searches (p3d.planner.search); ``layout_of`` reads them from the config and ``apply_layout`` writes them back.
@@ -60,7 +61,8 @@ from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, virtual_stages
 class Layout:
     """One parallel layout: degrees, micro batch, the derived micro batches per replica, the pipeline schedule
     with its chunks per rank, recompute, the ZeRO stage (the values of ``schedule.pipeline``,
-    ``schedule.recompute``, ``zero.stage``) and the expert-parallel degree ep (``mesh.ep``, carved from dp)."""
+    ``schedule.recompute``, ``zero.stage``), the expert-parallel degree ep (``mesh.ep``, carved from dp) and the
+    context-parallel degree cp (``mesh.cp``: the cp ranks of a dp replica split its sequences)."""
 
     tp: int
     pp: int
@@ -72,10 +74,16 @@ class Layout:
     recompute: str = "none"
     zero: int = 0
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks holding the same parameters, which reduce their gradients and share ZeRO's shards: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def edp(self) -> int:
@@ -85,15 +93,18 @@ class Layout:
     @property
     def torch_executor(self) -> bool:
         """Whether torch's pipelining runs it (``schedule_rules.runs_on_deepspeed`` for a layout): every schedule
-        but 1f1b, ZeRO-2/3, and expert parallelism (DeepSpeed's engine reduces every gradient over all of dp)."""
-        return self.pipeline != "1f1b" or self.zero >= 2 or self.ep > 1
+        but 1f1b, ZeRO-2/3, expert parallelism (DeepSpeed's engine reduces every gradient over all of dp) and
+        context parallelism (its engine knows no cp ranks)."""
+        return self.pipeline != "1f1b" or self.zero >= 2 or self.ep > 1 or self.cp > 1
 
     def describe(self, seq_len: int) -> str:
         """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
-        counted, then batch x sequence length, as ``p3d-train`` prints them at start (``ep=8`` after dp when > 1)."""
+        counted, then batch x sequence length, as ``p3d-train`` prints them at start (``cp=16`` after tp, ``ep=8``
+        after dp, when > 1)."""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp}{f' ep={self.ep}' if self.ep > 1 else ''} ({self.world_size} "
-            f"ranks), {self.micro_batches} micro "
+            f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep} ({self.world_size} ranks), {self.micro_batches} micro "
             f"batches of {self.micro_batch_size} x {seq_len} per replica, {self.schedule_name}"
         )
 
@@ -117,25 +128,27 @@ def world_size(cfg: Config) -> int | None:
 def layout_of(cfg: Config) -> Layout:
     """The layout the config asks for, modelled even where p3d-train would refuse it.
 
-    dp=auto takes world / (tp pp); an explicit dp that disagrees with the cluster is modelled as
-    given (tp pp dp GPUs). Micro batches m = global_batch / (micro_batch dp), at least 1. The schedule is
+    dp=auto takes world / (tp cp pp); an explicit dp that disagrees with the cluster is modelled as
+    given (tp cp pp dp GPUs). Micro batches m = global_batch / (micro_batch dp), at least 1. The schedule is
     ``schedule.pipeline``; v is ``schedule.virtual_stages``, 2 for zbv and dualpipev. v > 1 with 1f1b or gpipe
     (which p3d-train refuses: they run one chunk per rank) is planned as interleaved_1f1b, and the report's
     notes say so (PlanReport._verdict), as a published Megatron run with virtual stages is. ep is ``mesh.ep`` for
     an MoE model (P3DConfigError where it does not divide dp and the experts: no rank's experts are defined) and 1
-    for a dense one (``mesh.ep`` > 1 there is refused by p3d-train, which the report's warnings say).
+    for a dense one (``mesh.ep`` > 1 there is refused by p3d-train, which the report's warnings say). cp is
+    ``mesh.cp``; the cp ranks of a replica read its sequences, so m does not depend on cp.
     """
-    tp, pp, s = cfg.mesh.tp, cfg.mesh.pp, cfg.schedule
+    tp, pp, cp, s = cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp, cfg.schedule
     for name, val in (
         ("mesh.tp", tp),
         ("mesh.pp", pp),
+        ("mesh.cp", cp),
         ("schedule.micro_batch_size", s.micro_batch_size),
         ("schedule.global_batch_size", s.global_batch_size),
         ("schedule.virtual_stages", virtual_stages(cfg)),
     ):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise P3DConfigError(f"{name}={val!r} must be a positive integer")
-    dp = resolve_dp(tp, pp, cfg.mesh.dp, cfg.cluster.nodes, cfg.cluster.gpus_per_node)
+    dp = resolve_dp(tp, pp, cfg.mesh.dp, cfg.cluster.nodes, cfg.cluster.gpus_per_node, cp)
     m = max(1, s.global_batch_size // (s.micro_batch_size * dp))
     pipeline, v = str(s.pipeline.value), virtual_stages(cfg)
     if pipeline in V_SHAPED:
@@ -146,11 +159,11 @@ def layout_of(cfg: Config) -> Layout:
     if cfg.model.moe is not None:
         check_expert_degree(cfg, dp)
         ep = cfg.mesh.ep
-    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep)
+    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp)
 
 
 def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
-    """The layout of a run p3d-train has accepted: tp, pp, dp and the micro batches as its run plan derived
+    """The layout of a run p3d-train has accepted: tp, pp, dp, cp and the micro batches as its run plan derived
     them (p3d.layout.run_plan.RunPlan), the rest from the config, so that the pre-flight planner models the
     very run that will start and derives nothing again."""
     s = cfg.schedule
@@ -166,6 +179,7 @@ def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
         s.recompute.value,
         cfg.zero.stage,
         run_plan.ep if cfg.model.moe is not None else 1,
+        run_plan.cp,
     )
 
 

@@ -38,10 +38,18 @@ every rank computes the same rows). Its token dispatch adds 4 all-to-alls per mi
 of b s r h c bytes, (ep - 1)/ep of them leaving each rank (the "others" ring time, (n - 1)/n x bytes / link +
 latency), over the link of its ep group's ep x t consecutive ranks; they are never hidden (``a2a``). Dense
 gradients reduce over dp, the routed experts' over edp = dp / ep (their Adam step over 1/edp of them).
+
+Context parallelism (p3d.planner.context): a rank computes s / cp tokens of each sequence, so every b s above reads
+b s / cp, and the attention FLOPs are 1/cp of the causal total (4 b s^2 q / t x 1/2 / cp: the head-tail chunks
+balance them; the cp attention is flash-like whatever ``plan.flash_attention`` says). Each block's keys and values
+cross the cp group per micro batch: ``context.kv_collectives`` all-gathers and reduce-scatters of b s 2 kv / t c bytes,
+(cp - 1) / cp of each leaving the rank, over the link of its tp x cp consecutive ranks, none hidden (``kv``).
+Gradients reduce over the dp x cp holders of the parameters (the torch executor: cp > 1 never runs on DeepSpeed's).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -49,7 +57,7 @@ from p3d.config.devices import DEVICES
 from p3d.config.schema import Arch, Config, Recompute
 from p3d.layout.geometry import attention_params, chunk_to_rank, head_dims, mlp_params, moe_layers, padded_vocab
 from p3d.layout.schedule_rules import V_SHAPED
-from p3d.planner import experts
+from p3d.planner import context, experts
 from p3d.planner.memory import dtype_bytes, optimizer_sharded
 from p3d.planner.shapes import Layout, StageParams
 
@@ -101,23 +109,25 @@ class StageTime:
     backward_compute: float  # one micro batch's backward, what DP traffic may hide behind
     forward_compute: float
     a2a: float = 0.0  # the MoE blocks' all-to-alls (token dispatch), never hidden
+    kv: float = 0.0  # context parallelism: the blocks' key/value all-gathers and reduce-scatters, never hidden
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.a2a
+        return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.a2a + self.kv
 
 
 def _block_costs(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, float]:
     """FLOPs and memory-bound bytes of one block's forward, and its TP collectives, per micro batch (``moe``: an
-    MoE block, its active weights and its feed-forward's kernels)."""
+    MoE block, its active weights and its feed-forward's kernels). s: the rank's s / cp tokens; the attention's FLOPs
+    are 1/cp of the whole sequence's causal total (the head-tail chunks give every cp rank the same share)."""
     m, sched = cfg.model, cfg.schedule
-    b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)
+    b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     h, a, f = m.hidden_size, m.n_heads, m.ffn_hidden_size
     q, kv = head_dims(m)
     sp = t if sched.sequence_parallel else 1
-    flash = cfg.plan.flash_attention
+    flash = cfg.plan.flash_attention or layout.cp > 1
     layer = moe_layers(m)[0] if moe else 0  # a block of the kind (block 0: dense, unless the model has no dense one)
-    attn_flops = 4.0 * b * s * s * q / t * (0.5 if flash else 1.0)
+    attn_flops = 4.0 * b * m.seq_len**2 * q / t * (0.5 if flash else 1.0) / layout.cp
     core = (2 * q + 2 * kv) / t + (0 if flash else (2 if m.arch == Arch.llama else 4.5) * a * s / t)
     if m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up (MoE: the experts', the permutation)
         ffn = experts.ffn_side_elements(cfg, layout) if moe else 5 * f / t
@@ -170,14 +180,30 @@ def a2a_link(cfg: Config, layout: Layout) -> str:
     return "intra" if intra_node(cfg, experts.a2a_span(layout)) else "inter"
 
 
+def kv_seconds(cfg: Config, layout: Layout) -> float:
+    """Seconds of one block's key/value collectives per micro batch on one rank (0 with cp = 1): the all-gathers and
+    reduce-scatters of ``context.kv_collectives``, each of ``context.kv_bytes``, over the cp group's link."""
+    if layout.cp == 1:
+        return 0.0
+    gathers, scatters = context.kv_collectives(Recompute(layout.recompute))
+    nbytes, cp, span = context.kv_bytes(cfg, layout), layout.cp, context.kv_span(layout)
+    exposed = 1 - context.HIDDEN
+    return (gathers + scatters) * ring(cfg, nbytes, cp, span, "all_gather") * exposed  # a reduce-scatter: as a gather
+
+
+def kv_link(cfg: Config, layout: Layout) -> str:
+    """``intra`` when a cp group (tp x cp consecutive ranks) fits in a node, else ``inter``."""
+    return "intra" if intra_node(cfg, context.kv_span(layout)) else "inter"
+
+
 def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
     m = cfg.model
     flops_s = cast(float, cfg.cluster.peak_tflops) * 1e12 * efficiency(cfg)
     mem_s = hbm_bytes_per_s(cfg)
     dense = _per_block(cfg, _block_costs(cfg, layout), flops_s, mem_s)
     moe = _per_block(cfg, _block_costs(cfg, layout, moe=True), flops_s, mem_s) if moe_layers(m) else dense
-    a2a = a2a_seconds(cfg, layout)
-    b, s, t, c = layout.micro_batch_size, m.seq_len, layout.tp, dtype_bytes(cfg)
+    a2a, kv = a2a_seconds(cfg, layout), kv_seconds(cfg, layout)
+    b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     vpad = padded_vocab(m.vocab_size, t)
     act_bytes = b * s * m.hidden_size * c
     head_gemm = 2.0 * b * s * m.hidden_size * vpad / t / flops_s
@@ -205,16 +231,20 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
             pp = p2p * p2p_hops(layout, rank)
             if cfg.plan.overlap_pp:
                 pp = max(0.0, pp - comp)
-        out.append(StageTime(comp, blocks("rec"), tp, pp, back, forw, e * a2a))
+        out.append(StageTime(comp, blocks("rec"), tp, pp, back, forw, e * a2a, st.blocks * kv))
     return out
 
 
 def p2p_hops(layout: Layout, rank: int) -> int:
     """Point-to-point transfers per micro batch and direction on pp rank ``rank``: the boundaries between
     consecutive chunks that touch this rank and cross to another one (a V keeps chunk p-1 -> p on one rank)."""
-    p, v = layout.pp, layout.virtual_stages
+    return _hops(layout.pp, layout.virtual_stages, "v" if layout.pipeline in V_SHAPED else "loop", rank)
+
+
+@functools.lru_cache(maxsize=4096)  # mesh=auto asks for the same few placements of every candidate
+def _hops(p: int, v: int, style: str, rank: int) -> int:
     n = p * v
-    where = chunk_to_rank(p, n, "v" if layout.pipeline in V_SHAPED else "loop")
+    where = chunk_to_rank(p, n, style)
     hops = 0
     for c in range(n - 1):
         if where[c] != where[c + 1] and rank in (where[c], where[c + 1]):
@@ -223,26 +253,28 @@ def p2p_hops(layout: Layout, rank: int) -> int:
 
 
 def _reduced_groups(layout: Layout, st: StageParams) -> list[tuple[int, int]]:
-    """(parameters, ranks) of each reduction: all of them over dp, or with ep > 1 the dense ones over dp and the
-    routed experts over their edp group (whose dp / ep ranks, ep apart, span the dp group's tp d ranks too)."""
+    """(parameters, ranks) of each reduction: all of them over the dp x cp holders, or with ep > 1 the dense ones
+    over dp and the routed experts over their edp group (whose dp / ep ranks, ep apart, span the dp group's tp d
+    ranks too)."""
     if layout.ep == 1:
-        return [(st.total, layout.dp)]
-    return [(st.dense, layout.dp), (st.experts, layout.edp)]
+        return [(st.total, layout.dp_cp)]
+    return [(st.dense, layout.dp_cp), (st.experts, layout.edp)]
 
 
 def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
-    """Per-step seconds of one rank's data-parallel traffic (all of it, before any overlap)."""
-    d, zero = layout.dp, cfg.zero.stage
+    """Per-step seconds of one rank's data-parallel traffic (all of it, before any overlap), over the dp x cp ranks
+    holding its parameters (tp x cp x dp consecutive ranks)."""
+    d, zero = layout.dp_cp, cfg.zero.stage
     if d <= 1:
         return 0.0
-    span = layout.tp * layout.dp
+    span = layout.tp * d
     total = 0.0
     for n, g in _reduced_groups(layout, st):
         nbytes = n * dtype_bytes(cfg)
         if zero >= 2:  # FSDP2 (docs/zero.md): fp32 gradients reduce-scattered once a step, weights gathered in c bytes
             gathers = 1 if zero == 2 else layout.micro_batches + 1  # counted: tests/workers/test_zero_fsdp.py
             s = cfg.zero.shard_size or g  # HSDP: within shard groups, then the pieces all-reduced across the replicas
-            shard_span = layout.tp * s if g == d else span  # a shard group is s adjacent dp ranks; edp's are ep apart
+            shard_span = layout.tp * s if g == d else span  # a shard group: s adjacent dp x cp ranks; edp's: ep apart
             grads = ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
             if s < g:
                 grads += ring(cfg, n * 4.0 / s, g // s, span)

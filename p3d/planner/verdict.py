@@ -8,9 +8,10 @@ from typing import cast
 from p3d.config.schema import Config, DType, Recompute
 from p3d.layout.dims import ParallelDims
 from p3d.layout.run_plan import P3DConfigError, build_plan
+from p3d.planner.context import kv_span
 from p3d.planner.memory import GB
 from p3d.planner.shapes import Layout
-from p3d.planner.step_time import a2a_link
+from p3d.planner.step_time import a2a_link, kv_link
 
 
 def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
@@ -38,9 +39,9 @@ def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
         warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")
     crossing = shard_groups_across_nodes(cfg.zero.shard_size, lay, gpn)
     if crossing:
-        s = cast(int, cfg.zero.shard_size)
+        s, holders = cast(int, cfg.zero.shard_size), "dp x cp" if lay.cp > 1 else "dp"
         warnings.append(
-            f"zero.shard_size={s}: {crossing} of the shard groups ({s} dp ranks x tp {lay.tp} = {s * lay.tp} "
+            f"zero.shard_size={s}: {crossing} of the shard groups ({s} {holders} ranks x tp {lay.tp} = {s * lay.tp} "
             f"consecutive ranks) cross nodes of {gpn}, so FSDP2's gathers and reduce-scatters take the inter-node "
             f"link; try a zero.shard_size whose product with mesh.tp divides {gpn}"
         )
@@ -66,6 +67,7 @@ def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
             "over dp anyway and keeps a second bf16 gradient buffer"
         )
     notes += _expert_notes(r)
+    notes += _context_notes(r)
     if cfg.schedule.recompute == Recompute.full:
         notes.append("full recompute: each block keeps its input; one block's activations are rebuilt at a time")
     return warnings, notes
@@ -84,6 +86,19 @@ def _expert_notes(r) -> list[str]:
     ]
 
 
+def _context_notes(r) -> list[str]:
+    """A cp layout's key/value collectives when they leave the node: their share of the step and how to keep them in."""
+    cfg, lay = r.cfg, r.layout
+    if lay.cp == 1 or kv_link(cfg, lay) == "intra":
+        return []
+    kv = r.breakdown["kv_comm"]
+    return [
+        f"the key/value all-gathers of mesh.cp={lay.cp} span tp x cp = {kv_span(lay)} consecutive ranks, more than a "
+        f"node of {cfg.cluster.gpus_per_node}: they take the inter-node link ({kv:.2f} s, {kv / r.step_time_s:.0%} of "
+        "the step, none hidden); a smaller mesh.cp or mesh.tp keeps them on the intra-node link"
+    ]
+
+
 def check_options(cfg: Config) -> None:
     """The cluster numbers the model divides by must be set (the fields' bounds are checked before, by
     p3d.launch.check.typed_config, for p3d-train and p3d-plan alike)."""
@@ -96,7 +111,7 @@ def check_options(cfg: Config) -> None:
 def shard_groups_across_nodes(shard_size: int | None, lay: Layout, gpus_per_node: int | None) -> int:
     """How many HSDP shard groups (``ParallelDims.shard_ranks``) span more than one node of ``gpus_per_node``
     consecutive ranks (Slurm's block placement); 0 without HSDP or nodes."""
-    if not shard_size or not gpus_per_node or shard_size >= lay.dp or lay.zero < 2:
+    if not shard_size or not gpus_per_node or shard_size >= lay.dp_cp or lay.zero < 2:
         return 0
-    dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp, procs_per_node=gpus_per_node)
+    dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp, procs_per_node=gpus_per_node, cp=lay.cp)
     return sum(len({dims.node_of(r) for r in group}) > 1 for group in dims.shard_ranks(shard_size))
