@@ -4,7 +4,7 @@ A layout is tp x cp x pp x dp, the expert-parallel degree ep, the micro batch si
 chunks per rank v, recompute and the ZeRO stage. The search tries every combination of
 
     tp, pp, dp      divisors of the GPUs, tp inside a node and dividing the heads, kv heads and FFN width
-    cp              1; from model.seq_len >= 8192 (``context.LONG_SEQUENCE``) on also the powers of two whose chunks
+    cp              1; from model.seq_len >= 16384 (``context.LONG_SEQUENCE``) on also the powers of two whose chunks
                     the sequence divides into (``context_rules.sequence_multiple``) and that leave each rank at least
                     ``MIN_TOKENS_PER_RANK`` tokens of a sequence
     ep              a mixture of experts: every divisor of dp that divides the experts (and tp the experts' width);
