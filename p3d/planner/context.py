@@ -26,7 +26,7 @@ from p3d.config.schema import Config, Recompute
 from p3d.layout.geometry import head_dims
 from p3d.planner.shapes import Layout, dtype_bytes
 
-LONG_SEQUENCE = 16384  # mesh=auto tries cp > 1 from this model.seq_len on (p3d.planner.search), render shows a cp column
+LONG_SEQUENCE = 16384  # mesh=auto tries cp > 1 from this model.seq_len on (p3d.planner.search); a cp column
 HIDDEN = 0.0  # the share of the key/value collectives hidden behind compute: p3d's all-gathers block
 
 
