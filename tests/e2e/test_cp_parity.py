@@ -11,13 +11,10 @@ model=tiny has grouped-query attention (8 query heads over 4 kv heads: 4 over 2 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from p3d.train.metrics import read_metrics
-from p3d.train.reference import reference_run
-from tests.helpers.runs import p3d_train, typed
+from tests.helpers.runs import assert_follows_curve, output_tail, p3d_train, single_process_curve
 from tests.helpers.tiers import with_slow
 
 STEPS = 10
@@ -45,17 +42,11 @@ CASES = {
     "cp2-pp2-full-recompute": ["mesh=pp2", "mesh.cp=2", "schedule=recompute"],
     "cp2-pp2-tied": ["mesh=pp2", "mesh.cp=2", "model.tie_embeddings=true"],
 }
-MODEL_KEYS = ("model.",)
+SAME_IN_REFERENCE = ("model.", "schedule.global_batch_size")  # what the single process trains with too
 # make test keeps cp2 with tp2 and SP here; dp2 x cp2 (ZeRO-1) and cp2 x pp2 under interleaved_1f1b are checked against
 # the same reference by the resume chain of tests/e2e/test_cp_runs.py, and the README's `mesh=dp2 mesh.cp=2` line runs
 FAST = ("cp2-tp2-sp",)
 SLOW = tuple(c for c in CASES if c not in FAST)
-
-
-@functools.cache
-def reference(model_overrides: tuple[str, ...], batch: tuple[str, ...]) -> list[dict]:
-    cfg, _ = typed("mesh=single", *COMMON, *model_overrides, *batch)
-    return reference_run(cfg)
 
 
 @pytest.mark.timeout(300)
@@ -63,17 +54,9 @@ def reference(model_overrides: tuple[str, ...], batch: tuple[str, ...]) -> list[
 def test_cp_layout_matches_single_process(case, tmp_path):
     overrides = CASES[case]
     result = p3d_train(*COMMON, f"run.dir={tmp_path}", *overrides)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, output_tail(result)
     got = read_metrics(tmp_path)
-    ref = reference(
-        tuple(o for o in overrides if o.startswith(MODEL_KEYS)),
-        tuple(o for o in overrides if o.startswith("schedule.global_batch_size")),
-    )
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert any(r["grad_norm"] > 1.0 for r in ref), "clipping must be exercised"
-    for r, g in zip(ref, got):
-        step = r["step"]
-        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {step} loss"
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {step} grad norm"
+    ref = single_process_curve(*COMMON, *(o for o in overrides if o.startswith(SAME_IN_REFERENCE)))
+    assert_follows_curve(got, ref, RTOL)
     assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=RTOL), "held-out loss after the last step"
     assert got[-1]["loss"] < got[0]["loss"] - 0.3  # it learns

@@ -72,6 +72,30 @@ def p3d_train(
     )
 
 
+def output_tail(proc: subprocess.CompletedProcess, chars: int = 3000) -> str:
+    """The end of a finished command's stdout and stderr, for an assertion's message."""
+    return proc.stdout[-chars:] + proc.stderr[-chars:]
+
+
+@functools.cache
+def single_process_curve(*overrides: str) -> list[dict]:
+    """The metrics (loss, grad_norm, lr, val_loss per step) of the ``to_sequential`` twin trained by a plain PyTorch
+    loop on ``mesh=single`` with ``overrides``: the curve every layout must follow (p3d.train.reference)."""
+    from p3d.train.reference import reference_run
+
+    cfg, _ = typed("mesh=single", *overrides)
+    return reference_run(cfg)
+
+
+def assert_follows_curve(got: list[dict], ref: list[dict], rtol: float) -> None:
+    """Every step of ``got`` has ``ref``'s loss and gradient norm within ``rtol`` (and clipping was exercised)."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    assert any(r["grad_norm"] > 1.0 for r in ref), "clipping must be exercised"
+    for r, g in zip(ref, got):
+        assert g["loss"] == pytest.approx(r["loss"], rel=rtol), f"step {r['step']} loss"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=rtol), f"step {r['step']} grad norm"
+
+
 def start_p3d_train(run_dir, *overrides: str, cwd: Path = ROOT, new_session: bool = False) -> subprocess.Popen:
     """p3d-train in the background, output captured; ``new_session``: its own process group, as a shell
     starts a foreground job (so a test can send the group a terminal's Ctrl-C)."""
