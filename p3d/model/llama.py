@@ -113,15 +113,18 @@ class Attention(nn.Module):
         # and cast with the module (bf16 runs: the fp32 table rounded once, as computing it in bf16 did);
         # not persistent: checkpoints and HF exports hold weights only. A copy per block (what p3d-plan
         # counts); on "meta" (dry runs) none. Under context parallelism the rows of this rank's tokens.
-        cos, sin = rope_table(cfg.seq_len, hd, cfg.rope_theta)
-        if self.cp > 1:
-            rows = local_positions(cfg.seq_len, self.cp, self.cp_rank)
-            cos, sin = cos[rows], sin[rows]
-        on_meta_device = self.wqkv.weight.device.type == "meta"
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
-        self.register_buffer("rope_cos", cos.to("meta") if on_meta_device else cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", sin.to("meta") if on_meta_device else sin.clone(), persistent=False)
+        if self.wqkv.weight.device.type == "meta":  # shapes only: a 131K-token table is not built for a dry run
+            rows = cfg.seq_len // self.cp
+            cos = sin = torch.empty(rows, hd, device="meta")
+        else:
+            cos, sin = rope_table(cfg.seq_len, hd, cfg.rope_theta)
+            if self.cp > 1:
+                rows_held = local_positions(cfg.seq_len, self.cp, self.cp_rank)
+                cos, sin = cos[rows_held], sin[rows_held]
+        self.register_buffer("rope_cos", cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", sin.clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.wqkv(x)  # (b, s, (nh + 2 nkv)/tp * hd): the whole sequence, also with SP
