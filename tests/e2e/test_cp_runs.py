@@ -2,10 +2,11 @@
 
 The chain: 3 steps at dp2 x cp2 with ZeRO-1 (torch's ZeroRedundancyOptimizer over the 4 dp x cp holders), 3 more
 resumed at cp1 on DeepSpeed's 1f1b engine on tp2 (``mesh=tp2``, nothing else changed: the preset's cp is 1), then 3
-more at cp2 on another mesh, pp2 under interleaved_1f1b. Each segment loads the previous one's checkpoint; the 9 steps
-continue the single-process curve within 1e-5 (``train.decay=constant`` after a 2-step warmup, so the segments'
-``train.steps`` do not change the LR the reference runs). Steps 1-3 and 7-9 are also the parity of dp2 x cp2 and
-of cp2 x pp2 under interleaved_1f1b (tests/e2e/test_cp_parity.py runs them alone in the slow tier).
+more at cp2 on another mesh: tp2 x pp2 with sequence parallelism under interleaved_1f1b. Each segment loads the
+previous one's checkpoint; the 9 steps continue the single-process curve within 1e-5 (``train.decay=constant`` after
+a 2-step warmup, so the segments' ``train.steps`` do not change the LR the reference runs). Steps 1-3 and 7-9 are
+also make test's parity of cp with dp and ZeRO-1, and with TP, SP and an interleaved pipeline
+(tests/e2e/test_cp_parity.py runs the issue's cases one by one, for 10 steps, in the slow tier).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def test_cp2_checkpoint_resumes_at_cp1_on_deepspeed_and_at_cp2_on_another_mesh(t
     segments = (
         ("mesh=dp2", "mesh.cp=2", "zero=stage1"),
         ("mesh=tp2",),  # a resume with only what changes: the preset's cp is 1
-        ("mesh=pp2", "mesh.cp=2", "schedule.pipeline=interleaved_1f1b"),
+        ("mesh=tp2_pp2", "mesh.cp=2", "schedule.sequence_parallel=true", "schedule.pipeline=interleaved_1f1b"),
     )
     for i, layout in enumerate(segments):
         resume = ("train.resume=auto",) if i else ()

@@ -102,9 +102,9 @@ CASES: dict[str, Case] = {
         Case("run", extra=())
     ),
     "p3d-plan model=mixtral_8x7b cluster=h100_64 mesh=auto": Case("run", extra=()),
-    # README and docs/context.md
-    "p3d-train mesh=dp2 mesh.cp=2": Case("run"),
-    # docs/context.md; slow tier: kept: the cp2-tp2-sp and cp2-pp2-interleaved parity cases run in make test
+    # README and docs/context.md; slow tier: kept: e2e/test_cp_runs.py trains dp2 x cp2 through p3d-train first
+    "p3d-train mesh=dp2 mesh.cp=2": Case("run", slow=True),
+    # docs/context.md; slow tier: kept: e2e/test_cp_runs.py trains tp2 x pp2 x cp2 with SP, interleaved, in make test
     "p3d-train mesh=tp2 mesh.cp=2 schedule.sequence_parallel=true": Case("run", slow=True),
     "p3d-train mesh=pp2 mesh.cp=2 schedule.pipeline=interleaved_1f1b": Case("run", slow=True),
     "p3d-plan model=llama3_8b model.seq_len=131072 cluster=h100_sxm cluster.nodes=4 mesh=auto": Case("run", extra=()),
