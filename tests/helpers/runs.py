@@ -72,6 +72,18 @@ def p3d_train(
     )
 
 
+def assert_refused_in_one_line(overrides: tuple[str, ...], message: str, fix: str) -> None:
+    """Preparing a run with ``overrides`` raises P3DConfigError in one line that holds ``message`` and ``fix``."""
+    from p3d.config.errors import P3DConfigError
+
+    with pytest.raises(P3DConfigError) as err:
+        typed(*overrides)
+    text = str(err.value)
+    assert "\n" not in text
+    assert message in text
+    assert fix in text
+
+
 def output_tail(proc: subprocess.CompletedProcess, chars: int = 3000) -> str:
     """The end of a finished command's stdout and stderr, for an assertion's message."""
     return proc.stdout[-chars:] + proc.stderr[-chars:]
