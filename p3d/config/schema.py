@@ -357,6 +357,9 @@ class Config:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     dry_run: bool = False
     format: OutputFormat = OutputFormat.text  # p3d-plan output: text or json
+    # A file of this machine's measured rates (p3d-plan calibrate writes it; p3d-plan and mesh=auto read it);
+    # null: the device preset's nominal rates (docs/planner.md, Calibration)
+    calibration: Optional[str] = None
 
 
 @dataclass(frozen=True)

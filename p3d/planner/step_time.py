@@ -51,51 +51,33 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from p3d.config.devices import DEVICES
 from p3d.config.schema import Arch, Config, Recompute
 from p3d.layout.geometry import attention_params, chunk_to_rank, head_dims, mlp_params, moe_layers, padded_vocab
 from p3d.layout.schedule_rules import V_SHAPED
 from p3d.planner import context, experts
+from p3d.planner.machine import (  # noqa: F401 - HBM_EFFICIENCY, COMM_EFFICIENCY, ...: importers read them here
+    COMM_EFFICIENCY,
+    HBM_EFFICIENCY,
+    LATENCY_S,
+    OPTIMIZER_BYTES_PER_ELEMENT,
+    efficiency,
+    hbm_bytes_per_s,
+    intra_node,
+    machine_of,
+)
 from p3d.planner.memory import dtype_bytes, optimizer_sharded
 from p3d.planner.shapes import Layout, StageParams
-
-HBM_EFFICIENCY = 0.8  # memory-bound kernels reach about 80% of the datasheet bandwidth
-COMM_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100: ~0.8)
-LATENCY_S = {"intra": 10e-6, "inter": 25e-6}  # per collective or send
-OPTIMIZER_BYTES_PER_ELEMENT = 32.0  # Adam step: grad, fp32 master, m, v read + written, param written
-
-
-def efficiency(cfg: Config) -> float:
-    return cfg.plan.efficiency or DEVICES[cfg.cluster.device].matmul_efficiency
-
-
-def hbm_bytes_per_s(cfg: Config) -> float:
-    return (cfg.plan.hbm_gbps or DEVICES[cfg.cluster.device].hbm_gbps) * 1e9 * HBM_EFFICIENCY
-
-
-def intra_node(cfg: Config, span: int) -> bool:
-    """Whether a group of ``span`` consecutive ranks fits in a node (always on cpu)."""
-    gpn = cfg.cluster.gpus_per_node
-    return gpn is None or span <= gpn
-
-
-def _link(cfg: Config, span: int) -> tuple[float, float]:
-    """(bytes/s, latency) of a group whose ranks span ``span`` consecutive ranks (tp fastest, then dp, then pp)."""
-    c = cfg.cluster
-    intra = intra_node(cfg, span)
-    gbps = cast(float, c.intra_node_gbps if intra else c.inter_node_gbps)
-    return gbps * 1e9 * COMM_EFFICIENCY, LATENCY_S["intra" if intra else "inter"]
 
 
 def ring(cfg: Config, nbytes: float, n: int, span: int, op: str = "all_reduce") -> float:
     """Seconds of one ring collective over n ranks: all_reduce moves 2 (n-1)/n of the bytes, others (n-1)/n (an
-    all_to_all too: each rank sends the (n-1)/n of its bytes meant for the others, and receives as much)."""
+    all_to_all too: each rank sends the (n-1)/n of its bytes meant for the others, and receives as much); the
+    machine's link (p3d.planner.machine: the device table, or a calibration's fit of this op and n)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, lat = _link(cfg, span)
-    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes / bw + lat
+    return machine_of(cfg).collective(op, nbytes, n, span)
 
 
 @dataclass
@@ -164,6 +146,16 @@ def _per_block(cfg: Config, k: dict[str, float], flops_s: float, mem_s: float) -
     return {"fwd": fwd, "bwd": bwd, "both": fwd + bwd, "rec": rec, "tp": tp_layer}
 
 
+def _probed(analytic: dict[str, float], probed: dict[str, float] | None) -> dict[str, float]:
+    """A block's seconds with the probed fwd / bwd / recompute where the machine measured this shape (its tp
+    collectives stay the model's: the probe runs without them)."""
+    if probed is None:
+        return analytic
+    out = dict(analytic, **probed)
+    out["both"] = out["fwd"] + out["bwd"]
+    return out
+
+
 def a2a_seconds(cfg: Config, layout: Layout) -> float:
     """Seconds of one MoE block's all-to-alls per micro batch on one rank (0 with ep = 1: every expert is local):
     ``experts.all_to_alls`` of the rows and of the row counts, over the ep group's link."""
@@ -197,11 +189,15 @@ def kv_link(cfg: Config, layout: Layout) -> str:
 
 
 def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
-    m = cfg.model
-    flops_s = cast(float, cfg.cluster.peak_tflops) * 1e12 * efficiency(cfg)
-    mem_s = hbm_bytes_per_s(cfg)
-    dense = _per_block(cfg, _block_costs(cfg, layout), flops_s, mem_s)
-    moe = _per_block(cfg, _block_costs(cfg, layout, moe=True), flops_s, mem_s) if moe_layers(m) else dense
+    m, mach = cfg.model, machine_of(cfg)
+    flops_s, mem_s = mach.flops_s(layout), mach.mem_s(layout)
+    dense = _probed(_per_block(cfg, _block_costs(cfg, layout), flops_s, mem_s), mach.block(layout, False))
+    moe = (
+        _probed(_per_block(cfg, _block_costs(cfg, layout, moe=True), flops_s, mem_s), mach.block(layout, True))
+        if moe_layers(m)
+        else dense
+    )
+    probed_head = mach.head(layout)
     a2a, kv = a2a_seconds(cfg, layout), kv_seconds(cfg, layout)
     b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     vpad = padded_vocab(m.vocab_size, t)
@@ -209,8 +205,7 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     head_gemm = 2.0 * b * s * m.hidden_size * vpad / t / flops_s
     loss_mem = b * s * vpad / t * (c + 16) / mem_s  # logits written, fp32 copy, shift, exp, softmax
     # pipeline neighbours are tp * dp ranks apart: some boundary leaves the node unless the whole world fits in one
-    bw, lat = _link(cfg, layout.world_size)
-    p2p = act_bytes / bw + lat
+    p2p = mach.collective("send_recv", act_bytes, 2, layout.world_size)
     out = []
     for rank, st in enumerate(stages):
         n, e = st.blocks - st.moe_blocks, st.moe_blocks  # dense and MoE blocks
@@ -223,8 +218,12 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
         if "embed" in st.layers:
             tp += ring(cfg, act_bytes, t, t)  # the vocab-parallel lookup's all-reduce
         if "head" in st.layers:
-            comp += 3 * head_gemm + 2 * loss_mem
-            back += 2 * head_gemm + loss_mem
+            if probed_head is not None:  # measured: final norm, head and loss, fwd and bwd
+                comp += probed_head[0] + probed_head[1]
+                back += probed_head[1]
+            else:
+                comp += 3 * head_gemm + 2 * loss_mem
+                back += 2 * head_gemm + loss_mem
             tp += ring(cfg, act_bytes, t, t) + 3 * ring(cfg, b * s * 4, t, t)  # head input grad; loss max/sum/target
         pp = 0.0
         if layout.pp > 1:
@@ -301,7 +300,7 @@ def tied_seconds(cfg: Config, layout: Layout) -> float:
 
 def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     n = sum(p / (g if optimizer_sharded(cfg) else 1) for p, g in _reduced_groups(layout, st))
-    return n * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(cfg)
+    return machine_of(cfg).optimizer_seconds(n)
 
 
 def assumptions(cfg: Config) -> dict[str, Any]:
@@ -317,4 +316,5 @@ def assumptions(cfg: Config) -> dict[str, Any]:
         "overlap_dp": cfg.plan.overlap_dp,
         "overlap_tp": cfg.plan.overlap_tp,
         "overlap_pp": cfg.plan.overlap_pp,
+        "calibration": cfg.calibration,
     }
