@@ -125,13 +125,17 @@ class Calibrated(DeviceTable):
     def mem_s(self, layout: Layout) -> float:
         return (self.cal.loaded_memory_gbps if self.loaded(layout) else self.cal.memory_gbps) * 1e9
 
+    def _tokens(self, layout: Layout) -> int:
+        """s of the probe key: the rank's s / cp tokens of each sequence."""
+        return round(context.local_tokens(self.cfg, layout))
+
     def _dtype(self) -> str:
         return "fp32" if dtype_bytes(self.cfg) == 4 else "bf16"
 
     def block(self, layout: Layout, moe: bool) -> dict[str, float] | None:
         """Probed seconds of one block per micro batch (fwd, bwd without recompute, rec: what the layout's recompute
         adds to the backward), or None where this shape was not probed."""
-        arch, s = self.cfg.model.arch.value, context.local_tokens(self.cfg, layout)
+        arch, s = self.cfg.model.arch.value, self._tokens(layout)
         base = self.cal.blocks.get((arch, moe, layout.tp, s, "none", self._dtype()))
         mode = self.cal.blocks.get((arch, moe, layout.tp, s, layout.recompute, self._dtype()))
         if base is None or mode is None:
@@ -144,7 +148,7 @@ class Calibrated(DeviceTable):
     def head(self, layout: Layout) -> tuple[float, float] | None:
         """Probed (fwd, bwd) seconds of the final norm, the head and the loss per micro batch, or None."""
         vpad = padded_vocab(self.cfg.model.vocab_size, layout.tp)
-        probed = self.cal.heads.get((layout.tp, context.local_tokens(self.cfg, layout), vpad))
+        probed = self.cal.heads.get((layout.tp, self._tokens(layout), vpad))
         return None if probed is None else probed.times(layout.micro_batch_size, self.loaded(layout))
 
     def collective(self, op: str, nbytes: float, n: int, span: int) -> float:
