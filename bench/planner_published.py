@@ -5,7 +5,7 @@
 No torch, no process: every row's config is composed through Hydra (about 0.2 s a row) and predicted. The error
 is on step time, ``t_pred / t_pub - 1``: a source that gives TFLOP/s per GPU or an MFU is turned back into
 seconds with its own FLOP count (``t_pub = FLOPs per step / (TFLOP/s x GPUs)``). Beside it, the MFU in the
-source's terms (its FLOPs over the predicted step) and p3d's model-FLOPs MFU. The footer gives the median
+source's terms, published and predicted (its FLOPs over either step). The footer gives the median
 |error| and the worst, over the predicted rows (the two calibration rows are the fit, not predictions).
 """
 
@@ -19,39 +19,27 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p3d.layout.geometry import model_flops_per_token, recompute_flops_per_token
-from p3d.planner import evaluate
 from tests.helpers.runs import compose_config
 from tests.unit.planner import test_published as published
 
-CONVENTION = {"hfu": "eq3", "mfu": "p3d"}  # the test file's names -> the convention's name in docs/planner.md
 
-
-def source_flops_per_token(cfg: Any, convention: str) -> float:
-    extra = recompute_flops_per_token(cfg.model, cfg.schedule.recompute.value) if convention == "hfu" else 0.0
-    return model_flops_per_token(cfg.model) + extra
-
-
-def row(name: str, entry: tuple, kind: str) -> dict[str, Any]:
-    overrides, tflops, convention, source = entry
-    cfg = compose_config(*overrides)
-    pred = evaluate(cfg, check=False)
-    gpus, peak = pred.layout.world_size, float(cfg.cluster.peak_tflops)
-    flops_step = source_flops_per_token(cfg, convention) * pred.tokens_per_step
-    t_pub = flops_step / (tflops * 1e12 * gpus)
+def row(name: str, entry: published.Published, kind: str) -> dict[str, Any]:
+    got = published.compare(compose_config, entry)
+    cfg = compose_config(*entry.overrides)
+    lay = f"tp{cfg.mesh.tp} pp{cfg.mesh.pp} dp{cfg.mesh.dp}"
+    value = f"{entry.value:.2f} s" if entry.unit == "step_s" else f"{entry.value:.1f} TFLOP/s"
     return {
         "name": name,
         "kind": kind,
-        "source": source,
-        "convention": CONVENTION[convention],
-        "published": f"{tflops:.1f} TFLOP/s",
-        "t_pub": t_pub,
-        "t_pred": pred.step_time_s,
-        "error": pred.step_time_s / t_pub - 1,
-        "mfu_pub": tflops / peak,
-        "mfu_pred": flops_step / pred.step_time_s / gpus / 1e12 / peak,
-        "p3d_mfu": pred.mfu,
-        "layout": f"{gpus} x {cfg.cluster.device}, tp{pred.layout.tp} pp{pred.layout.pp} dp{pred.layout.dp}",
+        "source": entry.source,
+        "convention": entry.convention,
+        "published": value,
+        "t_pub": got.step_pub,
+        "t_pred": got.step_pred,
+        "error": got.error,
+        "mfu_pub": got.mfu(got.step_pub),
+        "mfu_pred": got.mfu(got.step_pred),
+        "layout": f"{got.gpus} x {cfg.cluster.device}, {lay}",
     }
 
 
@@ -64,15 +52,15 @@ def rows() -> list[dict[str, Any]]:
 
 def table(found: list[dict[str, Any]]) -> str:
     lines = [
-        "| run | layout | source | conv. | published | step pub. (s) | step pred. (s) | error | MFU (source's terms) "
-        "pub. / pred. | p3d MFU pred. |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| run | layout | source | conv. | published | step pub. (s) | step pred. (s) | error | MFU in the source's "
+        "terms, pub. / pred. |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in found:
         name = {"miss": f"*{r['name']}* (miss)", "calibration": f"{r['name']} (calibration)"}.get(r["kind"], r["name"])
         lines.append(
             f"| {name} | {r['layout']} | {r['source']} | {r['convention']} | {r['published']} | {r['t_pub']:.2f} | "
-            f"{r['t_pred']:.2f} | {r['error']:+.1%} | {r['mfu_pub']:.1%} / {r['mfu_pred']:.1%} | {r['p3d_mfu']:.1%} |"
+            f"{r['t_pred']:.2f} | {r['error']:+.1%} | {r['mfu_pub']:.1%} / {r['mfu_pred']:.1%} |"
         )
     predicted = [r for r in found if r["kind"] != "calibration"]
     errors = [abs(r["error"]) for r in predicted]

@@ -215,10 +215,7 @@ def evaluate(
     fill = layout.micro_batches * idle / (1 - idle)  # micro-batch times of fill and drain: idle = fill / (m + fill)
     tails = []
     for mem, t in zip(stages, times):
-        dp = step_time.dp_seconds(cfg, layout, mem.params)
-        if cfg.plan.overlap_dp:
-            hide = layout.micro_batches * t.total if cfg.zero.stage >= 3 else t.forward_compute + t.backward_compute
-            dp = max(0.0, dp - hide)
+        dp = step_time.dp_exposed(cfg, layout, mem.params, step_time.dp_seconds(cfg, layout, mem.params), t)
         tails.append((dp + step_time.optimizer_seconds(cfg, layout, mem.params), dp))
     tail, dp_exposed = max(tails)
     tied = step_time.tied_seconds(cfg, layout)

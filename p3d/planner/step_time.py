@@ -11,14 +11,15 @@ Per block and micro batch on one tp rank (b micro batch, s sequence, t tp; docs/
 TP: two all-reduces of b s h c bytes forward and two backward per block (with sequence
 parallelism the same bytes as all-gathers and reduce-scatters), ring time 2 (t-1)/t x bytes / link
 for an all-reduce and (t-1)/t for the others, plus a latency per collective; the link is NVLink
-while the group fits in a node. They are exposed (p3d's tp layers block), or hidden behind the
-matmuls up to their length with ``plan.overlap_tp``.
+while the group fits in a node. They are exposed (p3d's tp layers block), or with ``plan.overlap_tp`` each
+pipelined with its GEMM, exposing what it outlasts (``_tp_exposed``).
 
 PP: blocking sends of b s h c bytes per micro batch for every chunk boundary that crosses to another rank
 (``p2p_hops``): 1f1b / gpipe 2 per middle stage, 1 on the first and last; interleaved 2 v (2 v - 1 on the
 first and last rank): v times the traffic; V-shaped (zbv, dualpipev) 4 on middle ranks and 2 on the first and
 the last, whose chunk p - 1 hands to chunk p on the same rank. ``plan.overlap_pp`` hides them behind the stage's
-compute (asynchronous sends, as Megatron's schedules do). Step = (m + fill) x the slowest stage's micro batch
+compute (asynchronous sends, as Megatron's schedules do); ``plan.p2p_scatter`` sends 1/t of the bytes (``p2p_bytes``,
+Megatron's (s/t, b, h) tensors). Step = (m + fill) x the slowest stage's micro batch
 time, where fill = m B / (1 - B) for the schedule's bubble B = ``p3d.layout.geometry.schedule_bubble`` (1f1b:
 fill = p - 1; interleaved: (p - 1) / v; the I/W-split schedules: (p - 1) / (3 v), a chunk forward per stage in
 three passes), so the bubble, the idle share of the step, is B.
@@ -27,8 +28,9 @@ DP: ZeRO 0 all-reduces the gradients once per step; a sharded optimizer reduce-s
 all-gathers the updated parameters; ZeRO 2 and 3 (FSDP2, docs/zero.md) reduce-scatter once a step and gather
 the weights once a step (ZeRO 2) or for every micro batch's forward and once for the backward (ZeRO 3, m + 1
 gathers, under every schedule: counted in tests/workers/test_zero_fsdp.py). DeepSpeed's pipeline engine runs them after
-the last backward (exposed); ``plan.overlap_dp`` hides them behind one micro batch's forward and
-backward (ZeRO 3: behind all compute of the step). Tied embeddings add one all-reduce of the table's
+the last backward (exposed); ``plan.overlap_dp`` leaves one layer chunk exposed and hides the rest behind one
+micro batch's forward and backward (ZeRO 3: behind all compute of the step but the first block's gather;
+``dp_exposed``). Tied embeddings add one all-reduce of the table's
 gradient between the first and last stage. The optimizer step streams ~32 bytes per local
 optimizer element through HBM.
 
@@ -54,7 +56,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from p3d.config.schema import Arch, Config, Recompute
-from p3d.layout.geometry import attention_params, chunk_to_rank, head_dims, mlp_params, moe_layers, padded_vocab
+from p3d.layout.geometry import (
+    attention_params,
+    block_matmul_params,
+    block_vector_params,
+    chunk_to_rank,
+    head_dims,
+    mlp_params,
+    moe_layers,
+    padded_vocab,
+)
 from p3d.layout.schedule_rules import V_SHAPED
 from p3d.planner import context, experts
 from p3d.planner.machine import (  # noqa: F401 - HBM_EFFICIENCY, COMM_EFFICIENCY, ...: importers read them here
@@ -117,13 +128,23 @@ def _block_costs(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, fl
     else:  # 2 layer norms + 2 bias-dropout-adds; qkv bias; bias-gelu
         side = 13 * h / sp + (2 * (q + 2 * kv) + 2 * f) / t
     act_bytes = b * s * h * c
+    ag, rs = ring(cfg, act_bytes, t, t, "all_gather"), ring(cfg, act_bytes, t, t, "reduce_scatter")
     # 2 all-reduces per direction (or, with sequence parallelism, 2 all-gathers + 2 reduce-scatters)
     if sched.sequence_parallel:
-        tp_dir = 2 * (ring(cfg, act_bytes, t, t, "all_gather") + ring(cfg, act_bytes, t, t, "reduce_scatter"))
+        tp_dir = 2 * (ag + rs)
     else:
         tp_dir = 2 * ring(cfg, act_bytes, t, t)
+    mlp = mlp_params(m, layer, t, active=True)
+    fc1 = mlp * (2 / 3 if m.arch == Arch.llama else 1 / 2)  # gate|up (2 f) or fc1 (f) of the feed-forward's 3 f or 2 f
     return {
-        "gemm": 2.0 * b * s * (attention_params(m, t) + mlp_params(m, layer, t, active=True)),
+        "gemm": 2.0 * b * s * (attention_params(m, t) + mlp),
+        # each GEMM's forward FLOPs and the collective paired with it under overlap_tp (_tp_exposed)
+        "qkv": 2.0 * b * s * h * (q + 2 * kv) / t,
+        "proj": 2.0 * b * s * h * q / t,
+        "fc1": 2.0 * b * s * fc1,
+        "fc2": 2.0 * b * s * (mlp - fc1),
+        "ag": ag,
+        "rs": rs,
         "attn": attn_flops,
         "attn_bwd": 2.5 if flash else 2.0,
         "side_bytes": b * s * side * c,
@@ -142,8 +163,21 @@ def _per_block(cfg: Config, k: dict[str, float], flops_s: float, mem_s: float) -
     rec = {Recompute.full: fwd, Recompute.selective: attn_f, Recompute.none: 0.0}[cfg.schedule.recompute]
     tp_layer = 2 * k["tp"] + (k["tp"] if cfg.schedule.recompute == Recompute.full else 0.0)
     if cfg.plan.overlap_tp:
-        tp_layer = max(0.0, tp_layer - 3 * gemm_f)
+        tp_layer = _tp_exposed(cfg, k, flops_s)
     return {"fwd": fwd, "bwd": bwd, "both": fwd + bwd, "rec": rec, "tp": tp_layer}
+
+
+def _tp_exposed(cfg: Config, k: dict[str, float], flops_s: float) -> float:
+    """``plan.overlap_tp``: a block's TP collectives per micro batch left exposed when each one is pipelined with its
+    GEMM (Megatron-Core's tp_comm_overlap with TransformerEngine userbuffers; Wang et al., ASPLOS'23): forward, the
+    all-gather with the qkv GEMM, the reduce-scatter with the out-projection, the all-gather with fc1, the
+    reduce-scatter with fc2; backward the same four collectives with GEMMs of the same size (dgrad, or wgrad for the
+    bulk overlaps); a full recompute's forward once more. Each pair exposes max(0, t_collective - t_GEMM). Without
+    sequence parallelism an all-reduce is taken as its reduce-scatter and all-gather halves, paired the same way.
+    The SMs the communication kernels take from the GEMMs are not modelled."""
+    pairs = ((k["ag"], k["qkv"]), (k["rs"], k["proj"]), (k["ag"], k["fc1"]), (k["rs"], k["fc2"]))
+    one_pass = sum(max(0.0, coll - flops / flops_s) for coll, flops in pairs)
+    return (3 if cfg.schedule.recompute == Recompute.full else 2) * one_pass
 
 
 def _probed(analytic: dict[str, float], probed: dict[str, float] | None) -> dict[str, float]:
@@ -205,7 +239,9 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     head_gemm = 2.0 * b * s * m.hidden_size * vpad / t / flops_s
     loss_mem = b * s * vpad / t * (c + 16) / mem_s  # logits written, fp32 copy, shift, exp, softmax
     # pipeline neighbours are tp * dp ranks apart: some boundary leaves the node unless the whole world fits in one
-    p2p = mach.collective("send_recv", act_bytes, 2, layout.world_size)
+    p2p = mach.collective("send_recv", p2p_bytes(cfg, layout, act_bytes), 2, layout.world_size)
+    if cfg.plan.p2p_scatter and not cfg.schedule.sequence_parallel:
+        p2p += ring(cfg, act_bytes, t, t, "all_gather")  # the receiving tp group gathers the pieces (NVLink)
     out = []
     for rank, st in enumerate(stages):
         n, e = st.blocks - st.moe_blocks, st.moe_blocks  # dense and MoE blocks
@@ -232,6 +268,14 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
                 pp = max(0.0, pp - comp)
         out.append(StageTime(comp, blocks("rec"), tp, pp, back, forw, e * a2a, st.blocks * kv))
     return out
+
+
+def p2p_bytes(cfg: Config, layout: Layout, act_bytes: float) -> float:
+    """Bytes one rank sends per pipeline hop and micro batch: the whole (b, s, h) activation, as DeepSpeed's engine
+    and p3d's executors send it from every tp rank; with ``plan.p2p_scatter`` 1/tp of it, as Megatron sends under
+    sequence parallelism (its (s/t, b, h) tensors) and with its scatter-gather optimization before that (Narayanan
+    et al. 2021, Sec. 4.1, where the receivers all-gather the pieces over NVLink)."""
+    return act_bytes / layout.tp if cfg.plan.p2p_scatter else act_bytes
 
 
 def p2p_hops(layout: Layout, rank: int) -> int:
@@ -288,6 +332,25 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     return total
 
 
+def dp_exposed(cfg: Config, layout: Layout, st: StageParams, total: float, t: StageTime) -> float:
+    """Seconds of a stage's dp traffic (``dp_seconds``: ``total``) left on the critical path. Without
+    ``plan.overlap_dp`` all of it (DeepSpeed's pipeline engine reduces after the last backward). With it, as
+    Megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the traffic is chunked by
+    layers (by the layers of a virtual stage when pp > 1) and one chunk stays exposed, the last gradients' reduction
+    and the first weights' gather (Megatron-Bridge docs, "Communication Overlap"), and what exceeds one micro batch's
+    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 3 (FSDP2, prefetching) hides behind
+    the whole step's compute but the first block's gather: max(that gather, total - m x t_micro_batch)."""
+    if not cfg.plan.overlap_dp or total <= 0.0:
+        return total
+    if cfg.zero.stage >= 3:
+        m, s = cfg.model, cfg.zero.shard_size or layout.dp_cp
+        block = (block_matmul_params(m, layout.tp) + block_vector_params(m, layout.tp)) * dtype_bytes(cfg)
+        first = min(total, ring(cfg, block, s, layout.tp * s, "all_gather"))
+        return max(first, total - layout.micro_batches * t.total)
+    chunks = max(1, st.blocks if layout.pp == 1 else layout.virtual_stages)
+    return max(total / chunks, total - (t.forward_compute + t.backward_compute))
+
+
 def tied_seconds(cfg: Config, layout: Layout) -> float:
     """All-reduce of the tied embedding's gradient between the first and the last stage (none in a V: rank 0
     holds both ends, one module, as p3d/train/executors/torch_pipeline.py builds it)."""
@@ -316,5 +379,6 @@ def assumptions(cfg: Config) -> dict[str, Any]:
         "overlap_dp": cfg.plan.overlap_dp,
         "overlap_tp": cfg.plan.overlap_tp,
         "overlap_pp": cfg.plan.overlap_pp,
+        "p2p_scatter": cfg.plan.p2p_scatter,
         "calibration": cfg.calibration,
     }
