@@ -66,6 +66,7 @@ class Machine(Protocol):
     def head(self, layout: Layout) -> tuple[float, float] | None: ...
     def collective(self, op: str, nbytes: float, n: int, span: int) -> float: ...
     def optimizer_seconds(self, elements: float) -> float: ...
+    def engine_copies(self, layout: Layout, elements: float) -> float: ...
     def overhead(self, executor: str) -> tuple[float, float]: ...
     def notes(self, layout: Layout) -> list[str]: ...
 
@@ -99,6 +100,10 @@ class DeviceTable:
 
     def optimizer_seconds(self, elements: float) -> float:
         return elements * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(self.cfg)
+
+    def engine_copies(self, layout: Layout, elements: float) -> float:
+        """Seconds of DeepSpeed's gradient copies around its dp all-reduce (not in the device table's model)."""
+        return 0.0
 
     def overhead(self, executor: str) -> tuple[float, float]:
         return 0.0, 0.0
@@ -167,6 +172,14 @@ class Calibrated(DeviceTable):
 
     def optimizer_seconds(self, elements: float) -> float:
         return elements * self.cal.optimizer_s_per_param
+
+    def engine_copies(self, layout: Layout, elements: float) -> float:
+        """DeepSpeed's engine, fp32, ZeRO 0, dp > 1 (``buffered_allreduce_fallback``): the gradients flattened into
+        a bucket, scaled by 1 / dp after the all-reduce and copied back: three passes, each reading and writing
+        4 bytes per element, at the measured copy rate."""
+        if layout.torch_executor or layout.zero != 0 or layout.dp_cp == 1 or dtype_bytes(self.cfg) != 4:
+            return 0.0
+        return 3 * 2 * 4.0 * elements / self.mem_s(layout)
 
     def overhead(self, executor: str) -> tuple[float, float]:
         return self.cal.overhead.get(executor, (0.0, 0.0))

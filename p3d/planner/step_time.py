@@ -329,7 +329,7 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
             grads = ring(cfg, nbytes, g, span)
         params = ring(cfg, nbytes, g, span, "all_gather") if optimizer_sharded(cfg) else 0.0
         total += grads + params
-    return total
+    return total + machine_of(cfg).engine_copies(layout, st.total)  # a calibrated machine: DeepSpeed's copies
 
 
 def dp_exposed(cfg: Config, layout: Layout, st: StageParams, total: float, t: StageTime) -> float:

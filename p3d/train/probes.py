@@ -29,17 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from p3d.config.schema import Config
 from p3d.layout.geometry import padded_vocab
-from p3d.model.llama import TransformerBlock, is_moe_layer
 from p3d.parallel.mesh import Mesh
-from p3d.parallel.pipeline.specs import FinalNorm, HeadPipe, VocabParallelLoss
-from p3d.rundir.spec import to_config
-from p3d.train.optim import build_optimizer
 
 SEED = 1234
+# The model, DeepSpeed's layer specs and the optimizer are imported by the compute probe only: the collectives
+# probe starts up to 8 processes on the machine it measures, each as light as it can be.
 
 
 def _median(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
@@ -74,6 +71,10 @@ def _fwd_bwd(run: Callable[[], torch.Tensor], reps: int, sync: Callable[[], None
 
 def block_probe(cfg: Config, tp: int, recompute: str, reps: int, device, sync) -> dict[str, Any]:
     """One tp rank's block at (b, s): fwd and bwd seconds under ``recompute``."""
+    from torch.utils.checkpoint import checkpoint
+
+    from p3d.model.llama import TransformerBlock, is_moe_layer
+
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
     mesh = Mesh(tp=tp, pp=1, dp=1)  # no process groups: tp rank 0's slices, the collectives return early
     selective = recompute == "selective"
@@ -101,6 +102,8 @@ def block_probe(cfg: Config, tp: int, recompute: str, reps: int, device, sync) -
 
 def head_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
     """Final norm, the head's V_pad / tp columns and the vocab-parallel loss of one tp rank at (b, s)."""
+    from p3d.parallel.pipeline.specs import FinalNorm, HeadPipe, VocabParallelLoss
+
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
     mesh, vpad = Mesh(tp=tp, pp=1, dp=1), padded_vocab(m.vocab_size, tp)
     norm, head = FinalNorm(m).to(device), HeadPipe(m, vpad, mesh, SEED).to(device)
@@ -134,6 +137,8 @@ def memory_probe(mbytes: int, reps: int, device, sync) -> float:
 
 def optimizer_probe(cfg: Config, params: int, reps: int, device, sync) -> float:
     """Seconds per parameter of AdamW's step and zero_grad (p3d's build_optimizer), over block-shaped tensors."""
+    from p3d.train.optim import build_optimizer
+
     h = cfg.model.hidden_size
     rows = max(1, params // h)
     module = torch.nn.Sequential(*[torch.nn.Linear(h, h, bias=False) for _ in range(max(1, rows // h))]).to(device)
@@ -150,6 +155,8 @@ def optimizer_probe(cfg: Config, params: int, reps: int, device, sync) -> float:
 
 
 def run_compute(job: dict[str, Any]) -> dict[str, Any]:
+    from p3d.rundir.spec import to_config
+
     cfg = to_config(job["config"])
     cuda = job.get("device", "cpu") != "cpu"
     device = torch.device("cuda" if cuda else "cpu")

@@ -201,3 +201,15 @@ def test_the_file_is_read_once(tmp_path):
     assert calibration.load(path) is calibration.load(path)
     raw = json.loads(Path(path).read_text())
     assert copy.deepcopy(raw) == calibration.load(path).raw
+
+
+def test_deepspeed_copies_its_gradients_around_the_dp_all_reduce(tmp_path):
+    from p3d.planner.step_time import dp_seconds
+
+    cfg = calibrated(fake_calibration(tmp_path))  # dp2, fp32, ZeRO 0, DeepSpeed's engine
+    plain = compose_config(*TINY)
+    lay = layout_of(cfg)
+    st = predict(cfg).stages[0].params
+    copies = dp_seconds(cfg, lay, st) - ring(cfg, st.total * 4.0, 2, 2)
+    assert copies == pytest.approx(24.0 * st.total / 8e9)  # three passes, read + written, at the loaded 8 GB/s
+    assert dp_seconds(plain, lay, st) == ring(plain, st.total * 4.0, 2, 2)
