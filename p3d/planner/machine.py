@@ -190,7 +190,7 @@ class Calibrated(DeviceTable):
         missing = [name for name, got in probes if not got]
         if not missing:
             return []
-        s = context.local_tokens(self.cfg, layout)
+        s = self._tokens(layout)
         return [
             f"calibrated rates, not probes, for the {' and '.join(missing)} at tp={layout.tp} s={s} "
             f"recompute={layout.recompute} (run p3d-plan calibrate with this layout to probe them)"

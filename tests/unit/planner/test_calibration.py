@@ -213,3 +213,13 @@ def test_deepspeed_copies_its_gradients_around_the_dp_all_reduce(tmp_path):
     copies = dp_seconds(cfg, lay, st) - ring(cfg, st.total * 4.0, 2, 2)
     assert copies == pytest.approx(24.0 * st.total / 8e9)  # three passes, read + written, at the loaded 8 GB/s
     assert dp_seconds(plain, lay, st) == ring(plain, st.total * 4.0, 2, 2)
+
+
+def test_the_probes_follow_the_run_and_mesh_auto_s_candidates():
+    from p3d.launch.calibrate import fit, probe_plan
+
+    one = probe_plan(compose_config("model=small", "mesh=tp2_pp2", "schedule.recompute=full"))
+    assert one.blocks == [(2, "full"), (2, "none")] and one.heads == [2]
+    auto = probe_plan(compose_config("model=small", "mesh=auto", "cluster.gpus_per_node=8"))
+    assert auto.heads == [1, 2, 4] and len(auto.blocks) == 9 and auto.group_sizes == [2, 4, 8][: len(auto.group_sizes)]
+    assert fit([(1.0, 2.0), (3.0, 4.0)]) == (1.0, 1.0) and fit([(1.0, 1.0)]) == (1.0, 0.0)
