@@ -133,7 +133,7 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
         return statistics.median(values)
 
     ratios = []
-    for kind in ("blocks", "head"):
+    for kind in ("blocks", "head", "embedding"):
         for i, row in enumerate(alone[kind]):
             for key in ("fwd_s", "bwd_s"):
                 row[f"loaded_{key}"] = med([c[kind][i][key] for c in loaded])
@@ -146,6 +146,7 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
         "cores_effective": copies * med(ratios),
         "blocks": alone["blocks"],
         "head": alone["head"],
+        "embedding": alone["embedding"],
         "gemm": alone["gemm"],
         "gemm_tflops": gemm["tflops"],
         "loaded_gemm_tflops": loaded_gemm,

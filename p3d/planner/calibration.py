@@ -179,6 +179,7 @@ class Calibration:
     cores_effective: float
     blocks: dict[BlockKey, Probed]
     heads: dict[tuple[int, int, int], Probed]  # tp, s, vocab_padded
+    embeddings: dict[tuple[int, int, int], Probed]  # tp, s, vocab_padded
     gemm_tflops: float
     loaded_gemm_tflops: float
     memory_gbps: float
@@ -213,7 +214,10 @@ def parse(raw: dict[str, Any], path: str) -> Calibration:
             (r["arch"], bool(r["moe"]), int(r["tp"]), int(r["s"]), r["recompute"], r["dtype"]): _probed(r)
             for r in comp.get("blocks", [])
         }
-        heads = {(int(r["tp"]), int(r["s"]), int(r["vocab_padded"])): _probed(r) for r in comp.get("head", [])}
+        heads, embeddings = (
+            {(int(r["tp"]), int(r["s"]), int(r["vocab_padded"])): _probed(r) for r in comp.get(kind, [])}
+            for kind in ("head", "embedding")
+        )
         fits = {
             (f["op"], int(f["n"])): Fit(float(f["latency_s"]), float(f["s_per_byte"]))
             for f in raw.get("collectives", {}).get("fits", [])
@@ -229,6 +233,7 @@ def parse(raw: dict[str, Any], path: str) -> Calibration:
             cores_effective=float(comp["cores_effective"]),
             blocks=blocks,
             heads=heads,
+            embeddings=embeddings,
             gemm_tflops=float(comp["gemm_tflops"]),
             loaded_gemm_tflops=float(comp.get("loaded_gemm_tflops", comp["gemm_tflops"])),
             memory_gbps=float(comp["memory_gbps"]),

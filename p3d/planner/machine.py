@@ -64,6 +64,7 @@ class Machine(Protocol):
     def mem_s(self, layout: Layout) -> float: ...
     def block(self, layout: Layout, moe: bool) -> dict[str, float] | None: ...
     def head(self, layout: Layout) -> tuple[float, float] | None: ...
+    def embedding(self, layout: Layout) -> tuple[float, float] | None: ...
     def collective(self, op: str, nbytes: float, n: int, span: int) -> float: ...
     def optimizer_seconds(self, elements: float) -> float: ...
     def engine_copies(self, layout: Layout, elements: float) -> float: ...
@@ -89,6 +90,9 @@ class DeviceTable:
         return None
 
     def head(self, layout: Layout) -> tuple[float, float] | None:
+        return None
+
+    def embedding(self, layout: Layout) -> tuple[float, float] | None:
         return None
 
     def collective(self, op: str, nbytes: float, n: int, span: int) -> float:
@@ -154,6 +158,13 @@ class Calibrated(DeviceTable):
         """Probed (fwd, bwd) seconds of the final norm, the head and the loss per micro batch, or None."""
         vpad = padded_vocab(self.cfg.model.vocab_size, layout.tp)
         probed = self.cal.heads.get((layout.tp, self._tokens(layout), vpad))
+        return None if probed is None else probed.times(layout.micro_batch_size, self.loaded(layout))
+
+    def embedding(self, layout: Layout) -> tuple[float, float] | None:
+        """Probed (fwd, bwd) seconds of the vocab-parallel lookup per micro batch (its dense gradient), or None (the
+        analytic model counts no embedding time)."""
+        vpad = padded_vocab(self.cfg.model.vocab_size, layout.tp)
+        probed = self.cal.embeddings.get((layout.tp, self._tokens(layout), vpad))
         return None if probed is None else probed.times(layout.micro_batch_size, self.loaded(layout))
 
     def collective(self, op: str, nbytes: float, n: int, span: int) -> float:

@@ -231,7 +231,7 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
         if moe_layers(m)
         else dense
     )
-    probed_head = mach.head(layout)
+    probed_head, probed_embed = mach.head(layout), mach.embedding(layout)
     a2a, kv = a2a_seconds(cfg, layout), kv_seconds(cfg, layout)
     b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     vpad = padded_vocab(m.vocab_size, t)
@@ -253,6 +253,9 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
         tp = blocks("tp")
         if "embed" in st.layers:
             tp += ring(cfg, act_bytes, t, t)  # the vocab-parallel lookup's all-reduce
+            if probed_embed is not None:  # measured: the lookup and its dense gradient
+                comp += probed_embed[0] + probed_embed[1]
+                back += probed_embed[1]
         if "head" in st.layers:
             if probed_head is not None:  # measured: final norm, head and loss, fwd and bwd
                 comp += probed_head[0] + probed_head[1]

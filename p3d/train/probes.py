@@ -9,7 +9,7 @@
   slices and every tp collective returns early, so this is one tp rank's block compute, collectives left out.
   Forward and backward are timed apart, for each recompute mode asked (full: the block under
   ``torch.utils.checkpoint``, as the executors run it; selective: the attention core recomputed);
-- the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way;
+- the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way; the embedding lookup;
 - a GEMM of the block's feed-forward shape (TFLOP/s), a copy (memory GB/s), an AdamW step (s per parameter).
 
 ``collectives``: one of ``world`` gloo (nccl on GPUs) ranks through a FileStore; for each group size n it times
@@ -118,6 +118,22 @@ def head_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
     return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad, "fwd_s": fwd, "bwd_s": bwd}
 
 
+def embedding_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
+    """The vocab-parallel lookup of one tp rank at (b, s): its backward writes a dense (V_pad / tp, h) gradient."""
+    from p3d.parallel.pipeline.specs import EmbeddingPipe
+
+    m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
+    mesh, vpad = Mesh(tp=tp, pp=1, dp=1), padded_vocab(m.vocab_size, tp)
+    embed = EmbeddingPipe(m, vpad, mesh, SEED).to(device)
+    ids = torch.randint(0, m.vocab_size, (b, s), device=device)
+
+    def run() -> torch.Tensor:
+        return embed(ids)
+
+    fwd, bwd = _fwd_bwd(run, reps, sync)
+    return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad, "fwd_s": fwd, "bwd_s": bwd}
+
+
 def gemm_probe(cfg: Config, reps: int, device, sync) -> dict[str, Any]:
     """x (b s, h) @ w (h, 2 f): the block's largest GEMM at tp = 1; TFLOP/s of its forward."""
     m = cfg.model
@@ -168,6 +184,7 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     return {
         "blocks": [block_probe(cfg, tp, rec, reps, device, sync) for tp, rec in job["blocks"]],
         "head": [head_probe(cfg, tp, reps, device, sync) for tp in job["heads"]],
+        "embedding": [embedding_probe(cfg, tp, reps, device, sync) for tp in job["heads"]],
         "gemm": [gemm_probe(cfg, reps, device, sync)],
         "memory_gbps": memory_probe(int(job["memory_mb"]), reps, device, sync),
         "optimizer_s_per_param": optimizer_probe(cfg, int(job["optimizer_params"]), reps, device, sync),

@@ -23,10 +23,10 @@ TINY = ("model=tiny", "mesh=dp2")
 
 def fake_raw(*overrides: str, cores: int | None = None, scale: float = 1.0) -> dict[str, Any]:
     """A calibration of this host (identity as p3d-plan calibrate writes it) with blocks for tp 1 and 2 in every
-    recompute mode and heads at the shape of ``overrides``, every probed time times ``scale``."""
+    recompute mode, heads and embeddings at the shape of ``overrides``, every probed time times ``scale``."""
     cfg = compose_config(*overrides)
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
-    blocks, heads = [], []
+    blocks, heads, embeddings = [], [], []
     for tp in (1, 2):
         for rec, extra in (("none", 0.0), ("selective", 0.001), ("full", 0.004)):
             fwd, bwd = 0.004 / tp * scale, (0.008 / tp + extra) * scale
@@ -35,6 +35,8 @@ def fake_raw(*overrides: str, cores: int | None = None, scale: float = 1.0) -> d
         fwd, bwd = 0.002 / tp * scale, 0.003 / tp * scale
         vpad = padded_vocab(m.vocab_size, tp)
         heads.append({"tp": tp, "b": b, "s": s, "vocab_padded": vpad, "fwd_s": fwd, "bwd_s": bwd})
+        row = {"tp": tp, "b": b, "s": s, "vocab_padded": vpad}
+        embeddings.append({**row, "fwd_s": 0.0005 / tp * scale, "bwd_s": 0.001 / tp * scale})
     host = calibration.host_fingerprint("cpu")
     if cores is not None:
         host["cores"] = cores
@@ -49,6 +51,7 @@ def fake_raw(*overrides: str, cores: int | None = None, scale: float = 1.0) -> d
             "cores_effective": 0.9 * host["cores"],
             "blocks": blocks,
             "head": heads,
+            "embedding": embeddings,
             "gemm_tflops": 0.05,
             "loaded_gemm_tflops": 0.04,
             "memory_gbps": 10.0,
@@ -149,7 +152,7 @@ def test_doubling_the_probed_times_doubles_the_compute(tmp_path):
     assert two.breakdown["compute"] == pytest.approx(2 * one.breakdown["compute"], rel=1e-12)
     cfg = compose_config(*TINY)
     lay = layout_of(cfg)
-    blocks = cfg.model.n_layers * (0.004 + 0.008) + (0.002 + 0.003)  # every block and the head, tp 1
+    blocks = cfg.model.n_layers * (0.004 + 0.008) + (0.002 + 0.003) + (0.0005 + 0.001)  # blocks, head, embedding
     assert one.breakdown["compute"] == pytest.approx(lay.micro_batches * blocks, rel=1e-12)
 
 
