@@ -9,7 +9,8 @@ The probes (p3d.train.probes) run as child processes of this one:
 2. the same, ``cores`` copies at once (``loaded_*``): what a rank gets while every core is busy, and
    ``cores_effective = cores x median(alone / loaded)``;
 3. collectives: ``min(8, 4 x cores)`` gloo ranks time all_reduce / all_gather / reduce_scatter / send_recv for
-   n in {2, 4, 8} at three sizes, fitted per (op, n) as ``t = latency + s_per_byte x bytes``.
+   n in {2, 4, 8} at three sizes; the planner reads each (op, n) off its points (piecewise linear), and the file
+   also gives the least-squares line ``t = latency + s_per_byte x bytes`` (printed).
 
 ``P3D_CALIBRATE_QUICK=1`` (tests): one rep, two small sizes, n = 2, a small copy and optimizer, at most 2 loaded
 copies. The file is written atomically to ``calibration=`` (default ``p3d-calibration-<device>.json`` here).

@@ -161,14 +161,23 @@ class Probed:
 
 @dataclass(frozen=True)
 class Fit:
-    """t = latency_s + s_per_byte x bytes of one collective over n ranks (bytes as the planner's ``ring`` gets
-    them: the whole tensor of an all-reduce, the gathered one of an all-gather, the message of a send)."""
+    """Seconds of one collective over n ranks against its bytes (as the planner's ``ring`` counts them: the whole
+    tensor of an all-reduce, the gathered one of an all-gather, the message of a send): piecewise linear through
+    the measured points, extended beyond them by the end segments (gloo's time is not one line from 256 KiB to
+    32 MiB), or ``latency_s + s_per_byte x bytes`` where fewer than two points were kept."""
 
     latency_s: float
     s_per_byte: float
+    points: tuple[tuple[float, float], ...] = ()
 
     def seconds(self, nbytes: float) -> float:
-        return self.latency_s + self.s_per_byte * nbytes
+        pts = self.points
+        if len(pts) < 2:
+            return self.latency_s + self.s_per_byte * nbytes
+        i = next((k for k in range(1, len(pts) - 1) if nbytes < pts[k][0]), len(pts) - 1)
+        (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+        slope = max(0.0, (t1 - t0) / (x1 - x0)) if x1 > x0 else 0.0
+        return max(0.0, t0 + slope * (nbytes - x0))
 
 
 @dataclass(frozen=True)
@@ -219,7 +228,11 @@ def parse(raw: dict[str, Any], path: str) -> Calibration:
             for kind in ("head", "embedding")
         )
         fits = {
-            (f["op"], int(f["n"])): Fit(float(f["latency_s"]), float(f["s_per_byte"]))
+            (f["op"], int(f["n"])): Fit(
+                float(f["latency_s"]),
+                float(f["s_per_byte"]),
+                tuple(sorted((float(x), float(t)) for x, t in f.get("points", []))),
+            )
             for f in raw.get("collectives", {}).get("fits", [])
         }
         overhead = {

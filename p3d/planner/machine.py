@@ -168,7 +168,7 @@ class Calibrated(DeviceTable):
         return None if probed is None else probed.times(layout.micro_batch_size, self.loaded(layout))
 
     def collective(self, op: str, nbytes: float, n: int, span: int) -> float:
-        """The fit of (op, n); for an unprobed n the nearest probed one with its bandwidth term scaled by the ring
+        """The fit of (op, n); for an unprobed n the nearest probed one at the bytes scaled by the ring
         factor (an all-to-all as an all-gather: (n-1)/n of the bytes leave each rank); across nodes the table's."""
         fit_op = "all_gather" if op == "all_to_all" else op
         ns = [k for o, k in self.cal.fits if o == fit_op]
@@ -177,9 +177,8 @@ class Calibrated(DeviceTable):
         if op == "send_recv":
             n = 2
         near = min(ns, key=lambda k: (abs(k - n), k))
-        fit = self.cal.fits[(fit_op, near)]
         scale = 1.0 if near == n or op == "send_recv" else ring_factor(fit_op, n) / ring_factor(fit_op, near)
-        return fit.latency_s + fit.s_per_byte * nbytes * scale
+        return self.cal.fits[(fit_op, near)].seconds(nbytes * scale)  # another n: as many bytes as its ring moves
 
     def optimizer_seconds(self, elements: float) -> float:
         return elements * self.cal.optimizer_s_per_param

@@ -226,3 +226,12 @@ def test_the_probes_follow_the_run_and_mesh_auto_s_candidates():
     auto = probe_plan(compose_config("model=small", "mesh=auto", "cluster.gpus_per_node=8"))
     assert auto.heads == [1, 2, 4] and len(auto.blocks) == 9 and auto.group_sizes == [2, 4, 8][: len(auto.group_sizes)]
     assert fit([(1.0, 2.0), (3.0, 4.0)]) == (1.0, 1.0) and fit([(1.0, 1.0)]) == (1.0, 0.0)
+
+
+def test_a_collective_is_read_off_its_measured_points():
+    from p3d.planner.calibration import Fit
+
+    fit = Fit(0.0, 0.0, ((1e3, 1e-3), (1e6, 2e-3), (1e7, 3e-2)))
+    assert fit.seconds(1e6) == pytest.approx(2e-3) and fit.seconds(5.5e6) == pytest.approx(1.6e-2)
+    assert fit.seconds(2e7) == pytest.approx(3e-2 + 1e7 * 2.8e-2 / 9e6)  # beyond: the last segment's slope
+    assert fit.seconds(10.0) == pytest.approx(1e-3 - 990 * 1e-3 / 999e3)  # below: the first one's
