@@ -45,6 +45,7 @@ from p3d.rundir.spec import config_dict
 QUICK_ENV = "P3D_CALIBRATE_QUICK"
 MAX_TP = 4  # distinct tp degrees probed at most (the smallest): bounds mesh=auto's probes
 PROBE_TIMEOUT_S = 900
+DP_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default allreduce_bucket_size
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ProbePlan:
     reps: int
     memory_mb: int
     optimizer_params: int
+    dp_elements: int  # the largest dp gradient message's elements (0: no layout reduces over dp)
     world: int  # ranks of the collectives probe
     group_sizes: list[int]
     sizes: list[int]  # bytes
@@ -71,6 +73,7 @@ def probe_plan(cfg) -> ProbePlan:
     from p3d.planner.shapes import layout_of
 
     layouts = candidates(cfg) if cfg.mesh.name == "auto" else [layout_of(cfg)]
+    grads = dp_message_sizes(cfg, layouts)
     pairs = {(lay.tp, lay.recompute) for lay in layouts}
     tps = sorted({tp for tp, _ in pairs})[:MAX_TP]
     blocks = sorted({(tp, rec) for tp, rec in pairs if tp in tps} | {(tp, "none") for tp in tps})
@@ -84,10 +87,23 @@ def probe_plan(cfg) -> ProbePlan:
         reps=1 if q else 3,
         memory_mb=16 if q else 128,
         optimizer_params=1 << 18 if q else 1 << 22,
+        dp_elements=max(grads, default=0) // 4,
         world=world,
         group_sizes=[n for n in (2, 4, 8) if n <= world],
-        sizes=[1 << 16, 1 << 20] if q else [1 << 18, 1 << 22, 1 << 25],
+        sizes=[1 << 16, 1 << 20] if q else sorted({1 << 18, 1 << 22, 1 << 25, *(g for g in grads if g > 1 << 25)}),
     )
+
+
+def dp_message_sizes(cfg, layouts) -> set[int]:
+    """The largest data-parallel gradient message of these layouts, when beyond the fixed sizes: the biggest stage's
+    fp32 gradients (DeepSpeed's ZeRO 0/1 engine reduces a stage's gradients in one bucket of up to 5e8 elements).
+    On this machine's loopback gloo the rate at 32 MiB does not carry to the 0.5 GB of a 124M-parameter stage (one
+    dp2 all-reduce measured 0.87 s against 0.51 s read off the 32 MiB line), so the plan's own size is probed."""
+    from p3d.planner.shapes import stage_params
+
+    sizes = [max(st.total for st in stage_params(cfg, lay)) for lay in layouts if lay.dp_cp > 1]
+    biggest = min(DP_BUCKET_ELEMENTS, max(sizes, default=0)) * 4  # sizes between are read off the piecewise line
+    return {biggest} if biggest else set()
 
 
 def _spawn(args: list[list[str]]) -> None:
@@ -121,6 +137,7 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
                 "reps": plan.reps,
                 "memory_mb": plan.memory_mb,
                 "optimizer_params": plan.optimizer_params,
+                "dp_elements": plan.dp_elements,
             }
         )
     )
@@ -133,6 +150,7 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
     def med(values: list[float]) -> float:
         return statistics.median(values)
 
+    grouped = run_tp_blocks(cfg, plan, tmp)
     ratios = []
     for kind in ("blocks", "head", "embedding"):
         for i, row in enumerate(alone[kind]):
@@ -146,6 +164,7 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
         "loaded_ranks": copies,
         "cores_effective": copies * med(ratios),
         "blocks": alone["blocks"],
+        "tp_blocks": grouped,
         "head": alone["head"],
         "embedding": alone["embedding"],
         "gemm": alone["gemm"],
@@ -154,7 +173,28 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
         "memory_gbps": alone["memory_gbps"],
         "loaded_memory_gbps": med([c["memory_gbps"] for c in loaded]),
         "optimizer_s_per_param": alone["optimizer_s_per_param"],
+        "engine_copy_s_per_param": alone["engine_copy_s_per_param"],
+        "loaded_engine_copy_s_per_param": med([c["engine_copy_s_per_param"] for c in loaded])
+        if alone["engine_copy_s_per_param"]
+        else None,
     }
+
+
+def run_tp_blocks(cfg, plan: ProbePlan, tmp: Path) -> list[dict[str, Any]]:
+    """The blocks of each 1 < tp <= cores again on tp real ranks, their all-reduces in: on gloo a tp rank waits for
+    its slower peer at each of them, which the collectives probe (both ranks idle before it) does not see. On the
+    group-less probe plus the collective fits, tp2 with full recompute was predicted 20 % short of its measured step."""
+    rows: list[dict[str, Any]] = []
+    for tp in sorted({tp for tp, _ in plan.blocks if 1 < tp <= calibration.cores()}):
+        job = tmp / f"tp{tp}.json"
+        store = tmp / f"tp{tp}-store"
+        job.write_text(
+            json.dumps({"config": config_dict(cfg), "blocks": plan.blocks, "reps": plan.reps, "store": str(store)})
+        )
+        out = tmp / f"tp{tp}-out.json"
+        _spawn([["tp_blocks", str(job), str(out), str(r), str(tp)] for r in range(tp)])
+        rows += json.loads(out.read_text())["blocks"]
+    return rows
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:

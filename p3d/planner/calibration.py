@@ -187,6 +187,7 @@ class Calibration:
     cores: int
     cores_effective: float
     blocks: dict[BlockKey, Probed]
+    tp_blocks: dict[BlockKey, Probed]  # on tp real ranks, their all-reduces in (1 < tp <= cores)
     heads: dict[tuple[int, int, int], Probed]  # tp, s, vocab_padded
     embeddings: dict[tuple[int, int, int], Probed]  # tp, s, vocab_padded
     gemm_tflops: float
@@ -194,6 +195,7 @@ class Calibration:
     memory_gbps: float
     loaded_memory_gbps: float
     optimizer_s_per_param: float
+    engine_copy_s_per_param: tuple[float, float] | None  # (alone, loaded); None: not probed (no dp in the plan)
     fits: dict[tuple[str, int], Fit]
     overhead: dict[str, tuple[float, float]]  # executor -> (per micro batch, per step) seconds
 
@@ -219,10 +221,13 @@ def parse(raw: dict[str, Any], path: str) -> Calibration:
     """The planner's view of a checked file; P3DConfigError in one line when a section is missing or malformed."""
     try:
         comp, machine = raw["compute"], raw["machine"]
-        blocks = {
-            (r["arch"], bool(r["moe"]), int(r["tp"]), int(r["s"]), r["recompute"], r["dtype"]): _probed(r)
-            for r in comp.get("blocks", [])
-        }
+        blocks, tp_blocks = (
+            {
+                (r["arch"], bool(r["moe"]), int(r["tp"]), int(r["s"]), r["recompute"], r["dtype"]): _probed(r)
+                for r in comp.get(kind, [])
+            }
+            for kind in ("blocks", "tp_blocks")
+        )
         heads, embeddings = (
             {(int(r["tp"]), int(r["s"]), int(r["vocab_padded"])): _probed(r) for r in comp.get(kind, [])}
             for kind in ("head", "embedding")
@@ -245,6 +250,7 @@ def parse(raw: dict[str, Any], path: str) -> Calibration:
             cores=int(machine["cores"]),
             cores_effective=float(comp["cores_effective"]),
             blocks=blocks,
+            tp_blocks=tp_blocks,
             heads=heads,
             embeddings=embeddings,
             gemm_tflops=float(comp["gemm_tflops"]),
@@ -252,6 +258,11 @@ def parse(raw: dict[str, Any], path: str) -> Calibration:
             memory_gbps=float(comp["memory_gbps"]),
             loaded_memory_gbps=float(comp.get("loaded_memory_gbps", comp["memory_gbps"])),
             optimizer_s_per_param=float(comp["optimizer_s_per_param"]),
+            engine_copy_s_per_param=(
+                (float(comp["engine_copy_s_per_param"]), float(comp["loaded_engine_copy_s_per_param"]))
+                if comp.get("engine_copy_s_per_param")
+                else None
+            ),
             fits=fits,
             overhead=overhead,
         )

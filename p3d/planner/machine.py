@@ -143,16 +143,22 @@ class Calibrated(DeviceTable):
 
     def block(self, layout: Layout, moe: bool) -> dict[str, float] | None:
         """Probed seconds of one block per micro batch (fwd, bwd without recompute, rec: what the layout's recompute
-        adds to the backward), or None where this shape was not probed."""
+        adds to the backward), or None where this shape was not probed. Where the block was probed on tp real ranks
+        (``tp_blocks``) its all-reduces are in those times: ``tp`` is 0 then (the collective fits are not added)."""
         arch, s = self.cfg.model.arch.value, self._tokens(layout)
-        base = self.cal.blocks.get((arch, moe, layout.tp, s, "none", self._dtype()))
-        mode = self.cal.blocks.get((arch, moe, layout.tp, s, layout.recompute, self._dtype()))
+        key = (arch, moe, layout.tp, s)
+        grouped = self.cal.tp_blocks.get((*key, "none", self._dtype()))
+        grouped_mode = self.cal.tp_blocks.get((*key, layout.recompute, self._dtype()))
+        table = self.cal.tp_blocks if grouped and grouped_mode else self.cal.blocks
+        base = table.get((*key, "none", self._dtype()))
+        mode = table.get((*key, layout.recompute, self._dtype()))
         if base is None or mode is None:
             return None
-        loaded = self.loaded(layout)
+        loaded = self.loaded(layout) and table is self.cal.blocks  # tp real ranks: the cores busy already
         fwd, bwd = base.times(layout.micro_batch_size, loaded)
         _, bwd_mode = mode.times(layout.micro_batch_size, loaded)
-        return {"fwd": fwd, "bwd": bwd, "rec": max(0.0, bwd_mode - bwd)}
+        times = {"fwd": fwd, "bwd": bwd, "rec": max(0.0, bwd_mode - bwd)}
+        return {**times, "tp": 0.0} if table is self.cal.tp_blocks else times
 
     def head(self, layout: Layout) -> tuple[float, float] | None:
         """Probed (fwd, bwd) seconds of the final norm, the head and the loss per micro batch, or None."""
@@ -185,10 +191,13 @@ class Calibrated(DeviceTable):
 
     def engine_copies(self, layout: Layout, elements: float) -> float:
         """DeepSpeed's engine, fp32, ZeRO 0, dp > 1 (``buffered_allreduce_fallback``): the gradients flattened into
-        a bucket, scaled by 1 / dp after the all-reduce and copied back: three passes, each reading and writing
-        4 bytes per element, at the measured copy rate."""
+        a bucket, scaled by 1 / dp after the all-reduce and copied back: as probed (``engine_copy_s_per_param``), or
+        three passes, each reading and writing 4 bytes per element, at the measured copy rate."""
         if layout.torch_executor or layout.zero != 0 or layout.dp_cp == 1 or dtype_bytes(self.cfg) != 4:
             return 0.0
+        probed = self.cal.engine_copy_s_per_param
+        if probed is not None:  # measured at the plan's largest message: the new buffer's page faults in
+            return elements * probed[1 if self.loaded(layout) else 0]
         return 3 * 2 * 4.0 * elements / self.mem_s(layout)
 
     def overhead(self, executor: str) -> tuple[float, float]:

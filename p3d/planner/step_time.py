@@ -181,8 +181,9 @@ def _tp_exposed(cfg: Config, k: dict[str, float], flops_s: float) -> float:
 
 
 def _probed(analytic: dict[str, float], probed: dict[str, float] | None) -> dict[str, float]:
-    """A block's seconds with the probed fwd / bwd / recompute where the machine measured this shape (its tp
-    collectives stay the model's: the probe runs without them)."""
+    """A block's seconds with the probed fwd / bwd / recompute where the machine measured this shape. Its tp
+    collectives stay the model's when the probe ran without them, and are the probe's (``tp`` 0) when it ran on tp
+    real ranks."""
     if probed is None:
         return analytic
     out = dict(analytic, **probed)

@@ -2,6 +2,7 @@
 
     python -m p3d.train.probes compute <job.json> <out.json>
     python -m p3d.train.probes collectives <job.json> <out.json> <rank> <world>
+    python -m p3d.train.probes tp_blocks <job.json> <out.json> <rank> <tp>
 
 ``compute`` times, in one process with one thread (as a cpu worker runs):
 
@@ -11,6 +12,9 @@
   ``torch.utils.checkpoint``, as the executors run it; selective: the attention core recomputed);
 - the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way; the embedding lookup;
 - a GEMM of the block's feed-forward shape (TFLOP/s), a copy (memory GB/s), an AdamW step (s per parameter).
+
+``tp_blocks``: one of tp gloo ranks; each block of that tp on a real tp group, its all-reduces in (for tp up to the
+cores: a rank per core, as the run has them).
 
 ``collectives``: one of ``world`` gloo (nccl on GPUs) ranks through a FileStore; for each group size n it times
 all_reduce, all_gather, reduce_scatter (the list forms p3d's tp layers call) and a send/recv ping-pong (halved)
@@ -69,14 +73,15 @@ def _fwd_bwd(run: Callable[[], torch.Tensor], reps: int, sync: Callable[[], None
     return statistics.median(fwd), statistics.median(bwd)
 
 
-def block_probe(cfg: Config, tp: int, recompute: str, reps: int, device, sync) -> dict[str, Any]:
-    """One tp rank's block at (b, s): fwd and bwd seconds under ``recompute``."""
+def block_probe(cfg: Config, tp: int, recompute: str, reps: int, device, sync, mesh: Mesh | None = None) -> dict:
+    """One tp rank's block at (b, s): fwd and bwd seconds under ``recompute``. Without ``mesh``: on a Mesh without
+    process groups (tp rank 0's slices, the collectives return early); with one, on its tp group."""
     from torch.utils.checkpoint import checkpoint
 
     from p3d.model.llama import TransformerBlock, is_moe_layer
 
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
-    mesh = Mesh(tp=tp, pp=1, dp=1)  # no process groups: tp rank 0's slices, the collectives return early
+    mesh = mesh or Mesh(tp=tp, pp=1, dp=1)
     selective = recompute == "selective"
     block = TransformerBlock(
         m, mesh, 0, SEED, recompute_attention=selective, recompute_swiglu=selective and cfg.schedule.recompute_swiglu
@@ -170,6 +175,29 @@ def optimizer_probe(cfg: Config, params: int, reps: int, device, sync) -> float:
     return _median(step, max(reps, 3), sync) / n
 
 
+def engine_copy_probe(cfg: Config, elements: int, reps: int, device, sync) -> float:
+    """Seconds per gradient element of what DeepSpeed's ZeRO 0 engine does around its dp all-reduce
+    (``allreduce_and_copy``): flatten the gradients into a new buffer, scale it by 1 / dp, copy each slice back.
+    Over ``elements`` in tensors of a block's weight shapes, as many as the largest stage of the plan holds: the new
+    buffer's first touch costs page faults that a copy between warm buffers does not show."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    m = cfg.model
+    shapes = [(m.hidden_size, m.hidden_size)] * 4 + [(m.ffn_hidden_size, m.hidden_size)] * 3
+    grads: list[torch.Tensor] = []
+    while sum(g.numel() for g in grads) < elements:
+        grads.append(torch.ones(shapes[len(grads) % len(shapes)], device=device))
+
+    def copies() -> None:
+        flat = _flatten_dense_tensors(grads)
+        flat.mul_(0.5)
+        for buf, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            buf.copy_(synced)
+
+    n = sum(g.numel() for g in grads)
+    return _median(copies, max(reps, 3), sync) / n
+
+
 def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     from p3d.rundir.spec import to_config
 
@@ -188,7 +216,36 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
         "gemm": [gemm_probe(cfg, reps, device, sync)],
         "memory_gbps": memory_probe(int(job["memory_mb"]), reps, device, sync),
         "optimizer_s_per_param": optimizer_probe(cfg, int(job["optimizer_params"]), reps, device, sync),
+        "engine_copy_s_per_param": (
+            engine_copy_probe(cfg, int(job["dp_elements"]), reps, device, sync) if job.get("dp_elements") else None
+        ),
     }
+
+
+def run_tp_blocks(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """One of ``world`` = tp ranks: each (tp, recompute) block of the job on a real tp group, its collectives in (as a
+    tp rank runs it: each rank on its own core, waiting for its peer at every all-reduce). A barrier starts each
+    forward and each backward together; rank 0's medians are written."""
+    from p3d.rundir.spec import to_config
+
+    torch.set_num_threads(1)
+    cfg = to_config(job["config"])
+    dist.init_process_group("gloo", store=dist.FileStore(job["store"], world), rank=rank, world_size=world)
+    mesh = Mesh(tp=world, pp=1, dp=1, rank=rank).with_groups()
+    torch.manual_seed(SEED)
+    device, reps = torch.device("cpu"), int(job["reps"])
+
+    def sync() -> None:
+        dist.barrier(group=mesh.tp_group)
+
+    barrier = _median(sync, max(reps, 5), lambda: None)  # each timed pass ends in one: taken off again
+    rows = []
+    for tp, rec in job["blocks"]:
+        if tp == world:
+            row = block_probe(cfg, world, rec, reps, device, sync, mesh)
+            rows.append({**row, "fwd_s": max(0.0, row["fwd_s"] - barrier), "bwd_s": max(0.0, row["bwd_s"] - barrier)})
+    dist.destroy_process_group()
+    return {"blocks": rows, "barrier_s": barrier}
 
 
 def _timed(fn: Callable[[], None], reps: int, group) -> float:
@@ -217,15 +274,17 @@ def run_collectives(job: dict[str, Any], rank: int, world: int) -> dict[str, Any
                 elems = size // 4
                 x = torch.ones(elems)
                 parts = [torch.empty(elems // n) for _ in range(n)]
-                mine = torch.ones(elems // n)
+                mine = torch.ones(elems // n)  # (a 0.5 GB message allocates these needlessly: 1.1x its bytes)
                 ops: dict[str, Callable[[], None]] = {
                     "all_reduce": lambda: dist.all_reduce(x, group=group),  # noqa: B023 - run in this iteration
                     "all_gather": lambda: dist.all_gather(parts, mine, group=group),  # noqa: B023
                     "reduce_scatter": lambda: dist.reduce_scatter(mine, list(x.chunk(n)), group=group),  # noqa: B023
                 }
+                big = size > 1 << 25  # a dp gradient message: all-reduced whole (DeepSpeed's ZeRO 0/1 bucket)
                 for op, fn in ops.items():
-                    points.append({"op": op, "n": n, "bytes": size, "s": _timed(fn, reps, group)})
-                if n == 2:  # a ping-pong between ranks 0 and 1: two messages, halved
+                    if op == "all_reduce" or not big:
+                        points.append({"op": op, "n": n, "bytes": size, "s": _timed(fn, reps, group)})
+                if n == 2 and not big:  # a ping-pong between ranks 0 and 1: two messages, halved
                     points.append({"op": "send_recv", "n": 2, "bytes": size, "s": _ping_pong(x, rank, reps) / 2})
         dist.barrier()
     dist.destroy_process_group()
@@ -257,7 +316,7 @@ def main(argv: list[str]) -> int:
         result = run_compute(job)
     else:
         rank, world = int(argv[3]), int(argv[4])
-        result = run_collectives(job, rank, world)
+        result = (run_collectives if kind == "collectives" else run_tp_blocks)(job, rank, world)
         if rank:
             return 0
     tmp = out.with_name(out.name + ".tmp")

@@ -60,11 +60,14 @@ def test_summary_names_the_worst_and_the_median(bench):
 
 
 def test_every_layout_is_one_p3d_plan_accepts(bench, make_cfg):
-    """The eight layouts compose and plan (with the checks p3d-train makes), at the world sizes the bench states."""
+    """The eight layouts and the three oversubscribed ones compose and plan (with the checks p3d-train makes), at the
+    world sizes the bench states."""
     worlds = {}
-    for name, overrides in bench.LAYOUTS.items():
+    assert len(bench.LAYOUTS) == 8
+    for name, overrides in {**bench.LAYOUTS, **bench.OVERSUBSCRIBED}.items():
         report = evaluate(make_cfg(*bench.COMMON, *overrides))
         refused = [w for w in report.warnings if w.startswith("p3d-train would refuse")]
         assert refused == [], (name, refused)
         worlds[name] = report.layout.world_size
     assert sorted(set(worlds.values())) == [1, 2, 4, 8]
+    assert {worlds[n] for n in bench.LAYOUTS} == {1, 2} and {worlds[n] for n in bench.OVERSUBSCRIBED} == {4, 8}
