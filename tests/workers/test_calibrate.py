@@ -1,5 +1,5 @@
-"""``p3d-plan calibrate`` as a user runs it (issue 36): a quick calibration of model=tiny writes a file this machine
-accepts; p3d-plan and ``p3d-train mesh=auto ... dry_run=true`` use it; a copy made with another torch is refused in
+"""``p3d-plan calibrate`` as a user runs it (issue 36): a quick calibration of model=tiny dp2 x tp2 (its block alone
+and on two tp ranks, DeepSpeed's gradient copies, the collectives) writes a file this machine accepts; p3d-plan and ``p3d-train mesh=auto ... dry_run=true`` use it; a copy made with another torch is refused in
 one line (exit 2)."""
 
 from __future__ import annotations
@@ -30,15 +30,18 @@ def p3d_plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 @pytest.mark.timeout(300)
 def test_quick_calibration_is_written_accepted_and_used(tmp_path):
     out = tmp_path / "cal.json"
-    made = p3d_plan("calibrate", "model=tiny", "mesh=dp2", f"calibration={out}", env={"P3D_CALIBRATE_QUICK": "1"})
+    made = p3d_plan("calibrate", "model=tiny", "mesh=dp2_tp2", f"calibration={out}", env={"P3D_CALIBRATE_QUICK": "1"})
     assert made.returncode == 0, output_tail(made)
     raw = json.loads(out.read_text())
     calibration.check_identity(raw, "cpu", str(out))
-    assert {(b["tp"], b["recompute"]) for b in raw["compute"]["blocks"]} == {(1, "none")}
+    assert {(b["tp"], b["recompute"]) for b in raw["compute"]["blocks"]} == {(2, "none")}
+    if calibration.cores() >= 2:  # the block again on 2 real tp ranks, its all-reduces in
+        assert [(b["tp"], b["recompute"]) for b in raw["compute"]["tp_blocks"]] == [(2, "none")]
+    assert raw["compute"]["engine_copy_s_per_param"] > 0  # dp2: DeepSpeed's copies around the all-reduce
     assert any((f["op"], f["n"]) == ("all_reduce", 2) for f in raw["collectives"]["fits"])
     assert "use it: p3d-plan" in made.stdout
 
-    plan = p3d_plan("model=tiny", "mesh=dp2", f"calibration={out}", "format=json")
+    plan = p3d_plan("model=tiny", "mesh=dp2_tp2", f"calibration={out}", "format=json")
     assert plan.returncode == 0, output_tail(plan)
     assert json.loads(plan.stdout)["assumptions"]["calibration"] == str(out)
 

@@ -235,3 +235,39 @@ def test_a_collective_is_read_off_its_measured_points():
     assert fit.seconds(1e6) == pytest.approx(2e-3) and fit.seconds(5.5e6) == pytest.approx(1.6e-2)
     assert fit.seconds(2e7) == pytest.approx(3e-2 + 1e7 * 2.8e-2 / 9e6)  # beyond: the last segment's slope
     assert fit.seconds(10.0) == pytest.approx(1e-3 - 990 * 1e-3 / 999e3)  # below: the first one's
+
+
+def test_a_block_probed_on_tp_ranks_holds_its_collectives(tmp_path):
+    """tp_blocks (probed on tp real ranks) replace the group-less block and its modelled tp all-reduces; the head's
+    and the embedding's collectives stay modelled (they were not probed on ranks)."""
+    from p3d.planner.step_time import stage_times
+
+    overrides = ("model=tiny", "mesh=tp2")
+    raw = fake_raw(*overrides)
+    ranks = [{**r, "fwd_s": 3 * r["fwd_s"], "bwd_s": 3 * r["bwd_s"]} for r in raw["compute"]["blocks"] if r["tp"] == 2]
+    plain = calibrated(fake_calibration(tmp_path, raw, "plain.json"), *overrides)
+    grouped = {**raw, "compute": {**raw["compute"], "tp_blocks": ranks}}
+    with_ranks = calibrated(fake_calibration(tmp_path, grouped, "ranks.json"), *overrides)
+    lay = layout_of(plain)
+    before, after = machine_of(plain).block(lay, False), machine_of(with_ranks).block(lay, False)
+    assert before is not None and "tp" not in before
+    assert after == {"fwd": 3 * before["fwd"], "bwd": 3 * before["bwd"], "rec": 0.0, "tp": 0.0}
+
+    def times(cfg):
+        return stage_times(cfg, lay, [s.params for s in predict(cfg).stages])[0]
+
+    assert times(plain).tp_comm > times(with_ranks).tp_comm > 0  # the head's and the embedding's stay
+    assert times(with_ranks).compute > times(plain).compute
+
+
+def test_deepspeed_copies_at_the_probed_rate(tmp_path):
+    """Where the calibration probed DeepSpeed's flatten / scale / copy back, its seconds per element are used (the
+    loaded figure: dp2 takes both cores), not three passes at the copy rate."""
+    from p3d.planner.step_time import dp_seconds
+
+    raw = fake_raw(*TINY)
+    raw["compute"].update(engine_copy_s_per_param=2e-9, loaded_engine_copy_s_per_param=5e-9)
+    cfg = calibrated(fake_calibration(tmp_path, raw))
+    lay = layout_of(cfg)
+    st = predict(cfg).stages[0].params
+    assert dp_seconds(cfg, lay, st) - ring(cfg, st.total * 4.0, 2, 2) == pytest.approx(5e-9 * st.total)
