@@ -89,6 +89,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "prepare.*": (Rule.QUIET, "options of p3d-prepare"),
     "dry_run": (Rule.QUIET, "a dry run trains nothing"),
     "format": (Rule.QUIET, "p3d-plan's output format"),
+    "calibration": (Rule.QUIET, "the planner's measured machine"),
 }
 
 

@@ -338,6 +338,7 @@ class PlanConfig:
     overlap_dp: bool = False  # dp / ZeRO collectives overlap compute (DeepSpeed's pipeline engine: they do not)
     overlap_tp: bool = False  # tp collectives overlap the matmuls (p3d's tp layers: they do not)
     overlap_pp: bool = False  # pipeline sends overlap compute (DeepSpeed's pipeline engine blocks on them)
+    p2p_scatter: bool = False  # pipeline sends carry 1/tp of the activations (Megatron); p3d's send the full copy
     top: int = 5  # mesh=auto: how many ranked layouts to print
 
 
@@ -357,6 +358,9 @@ class Config:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     dry_run: bool = False
     format: OutputFormat = OutputFormat.text  # p3d-plan output: text or json
+    # A file of this machine's measured rates (p3d-plan calibrate writes it; p3d-plan and mesh=auto read it);
+    # null: the device preset's nominal rates (docs/planner.md, Calibration)
+    calibration: Optional[str] = None
 
 
 @dataclass(frozen=True)

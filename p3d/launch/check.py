@@ -41,6 +41,10 @@ def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True):
         cfg = with_hf_shape(cfg)
     cfg = with_tokenizer(cfg)
     check_config(cfg)  # field bounds and the model's shape: what p3d-plan cannot compute either
+    if cfg.calibration:  # a file of another machine or software is refused before the planner uses it
+        from p3d.planner.calibration import check_file
+
+        check_file(cfg)
     if cfg.mesh.name == "auto" and resolve_auto:
         from p3d.planner import apply_layout, best_layout
 

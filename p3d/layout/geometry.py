@@ -252,6 +252,38 @@ def recompute_flops_per_token(m: ModelConfig, recompute: str) -> float:
     return attn if recompute == "selective" else 0.0
 
 
+# How published runs count FLOPs (docs/planner.md, "FLOP conventions"): what a source's TFLOP/s or MFU means
+FLOP_CONVENTIONS = {
+    "p3d": "model FLOPs: the full s^2 attention square, K and V at their own width, recompute not counted "
+    "(model_flops_per_token; Korthikanti et al. 2022, llm-foundry, Megatron-LM before 2025)",
+    "eq3": "Narayanan et al. 2021 Eq. 3: p3d's count plus the forward that recompute repeats (HFU; Megatron-LM "
+    "2021, Megatron-DeepSpeed, GPT-NeoX)",
+    "nemo_mha": "NeMo's formula with query_groups = heads: p3d's count with the K and V projections at the query "
+    "width (NVIDIA DGX Cloud benchmark cards)",
+    "causal": "p3d's count with the attention square halved for the causal mask (Megatron-LM after 2025)",
+}
+
+
+def flops_per_token(m: ModelConfig, convention: str = "p3d", recompute: str = "none") -> float:
+    """FLOPs per token, forward + backward, as ``convention`` (a key of ``FLOP_CONVENTIONS``) counts them.
+
+    p3d: ``model_flops_per_token``. eq3: that + ``recompute_flops_per_token(recompute)`` (for a GPT with f = 4h
+    and full recompute exactly Eq. 3's 96 L h^2 (1 + s/6h + V/16Lh)). nemo_mha: the K and V projections counted
+    at the query width, + 12 L h (q - kv) (NeMo's 12 g/a term with g = a; nothing changes without GQA).
+    causal: the attention's 12 L s q halved. Only eq3 depends on ``recompute``."""
+    if convention not in FLOP_CONVENTIONS:
+        raise ValueError(f"FLOP convention {convention!r}: expected one of {', '.join(FLOP_CONVENTIONS)}")
+    base = model_flops_per_token(m)
+    q, kv = head_dims(m)
+    if convention == "eq3":
+        return base + recompute_flops_per_token(m, recompute)
+    if convention == "nemo_mha":
+        return base + 12.0 * m.n_layers * m.hidden_size * (q - kv)
+    if convention == "causal":
+        return base - 6.0 * m.n_layers * m.seq_len * q
+    return base
+
+
 def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """The pipeline bubble: the idle share of a step, (p - 1) / (v m + p - 1).
 

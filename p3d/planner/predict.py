@@ -20,6 +20,7 @@ from p3d.layout.geometry import (
     total_params,
 )
 from p3d.planner import context, experts, memory, step_time
+from p3d.planner.machine import executor_of, machine_of
 from p3d.planner.render import render
 from p3d.planner.shapes import Layout, StageParams, layout_of
 from p3d.planner.step_time import assumptions
@@ -214,15 +215,19 @@ def evaluate(
     fill = layout.micro_batches * idle / (1 - idle)  # micro-batch times of fill and drain: idle = fill / (m + fill)
     tails = []
     for mem, t in zip(stages, times):
-        dp = step_time.dp_seconds(cfg, layout, mem.params)
-        if cfg.plan.overlap_dp:
-            hide = layout.micro_batches * t.total if cfg.zero.stage >= 3 else t.forward_compute + t.backward_compute
-            dp = max(0.0, dp - hide)
+        dp = step_time.dp_exposed(cfg, layout, mem.params, step_time.dp_seconds(cfg, layout, mem.params), t)
         tails.append((dp + step_time.optimizer_seconds(cfg, layout, mem.params), dp))
     tail, dp_exposed = max(tails)
     tied = step_time.tied_seconds(cfg, layout)
     m = layout.micro_batches
-    step = (m + fill) * t_mb + tail + tied
+    mach = machine_of(cfg)
+    per_mb, per_step = mach.overhead(executor_of(layout))
+    overhead = m * per_mb + per_step
+    step = (m + fill) * t_mb + tail + tied + overhead
+    contention = 0.0
+    if mach.cores is not None and layout.world_size > mach.cores:  # more ranks than cores: the work over the cores
+        contention = max(0.0, busy_seconds(layout, times, tails, tied, overhead) / mach.cores - step)
+        step += contention
     breakdown = {
         "compute": m * times[slow].compute,
         "recompute": m * times[slow].recompute,
@@ -236,10 +241,30 @@ def evaluate(
         "tied_embedding": tied,
         "step": step,
     }
+    for key, value in (("overhead", overhead), ("contention", contention)):
+        if value > 0:  # a calibrated machine's executor overhead, and the cores' time-sharing on cpu
+            breakdown[key] = value
     report = Prediction(cfg, layout, stages, times, step, breakdown)
     if check:
         report.warnings, report.notes = verdict(report, accepted)
+        report.notes += mach.notes(layout)
     return report
+
+
+def busy_seconds(
+    layout: Layout,
+    times: list[step_time.StageTime],
+    tails: list[tuple[float, float]],
+    tied: float,
+    overhead: float,
+) -> float:
+    """Seconds of work of all ranks together in one step: each stage's tp x cp x dp ranks run its m micro batches
+    and its tail (dp traffic, optimizer), both ends the tied all-reduce, every rank the executor's overhead. A rank
+    blocked in a gloo receive or collective sleeps and gives its core away, so with more ranks than cores the step
+    takes at least this over the cores (the work bound of list scheduling: Brent, 1974; docs/planner.md)."""
+    ranks = layout.tp * layout.dp_cp
+    work = sum(layout.micro_batches * t.total + tail for t, (tail, _) in zip(times, tails))
+    return ranks * work + (2 * tied if tied else 0.0) + layout.world_size * overhead
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:

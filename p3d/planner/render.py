@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from p3d.config.schema import Recompute
 from p3d.layout.geometry import active_params, moe_layers, total_params
-from p3d.planner import context
+from p3d.planner import calibration, context
+from p3d.planner.machine import machine_of
 from p3d.planner.memory import GB, StageMemory
 from p3d.planner.step_time import a2a_link, assumptions, kv_link, kv_seconds
 
@@ -166,12 +167,15 @@ def render(report) -> str:
         "dp_comm",
         "optimizer",
         "tied_embedding",
+        "overhead",
+        "contention",
     ):
-        if b[key] > 0 or key in ("compute", "pipeline_idle"):
+        if b.get(key, 0.0) > 0 or key in ("compute", "pipeline_idle"):
             link = {
                 "a2a_comm": f"  (ep={lay.ep} all-to-alls, {a2a_link(cfg, lay)}-node link)",
                 "kv_comm": f"  (cp={lay.cp} key/value all-gathers, {kv_link(cfg, lay)}-node link, "
                 f"{context.HIDDEN:.0%} hidden)",
+                "contention": f"  ({lay.world_size} ranks' work over {machine_of(cfg).cores} cores)",
             }.get(key, "")
             out.append(f"  {key:<15} {b[key]:>10.4f}{link}")
     out.append(f"  {'step':<15} {report.step_time_s:>10.4f}")
@@ -189,6 +193,8 @@ def render(report) -> str:
         f"flash_attention={a['flash_attention']}, overlap tp/pp/dp={a['overlap_tp']}/{a['overlap_pp']}/"
         f"{a['overlap_dp']}"
     )
+    if cfg.calibration:
+        out.append(f"calibrated: {cfg.calibration} ({calibration.load(cfg.calibration).describe()})")
     for n in report.notes:
         out.append(f"note: {n}")
     for w in report.warnings:

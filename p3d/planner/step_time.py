@@ -11,14 +11,15 @@ Per block and micro batch on one tp rank (b micro batch, s sequence, t tp; docs/
 TP: two all-reduces of b s h c bytes forward and two backward per block (with sequence
 parallelism the same bytes as all-gathers and reduce-scatters), ring time 2 (t-1)/t x bytes / link
 for an all-reduce and (t-1)/t for the others, plus a latency per collective; the link is NVLink
-while the group fits in a node. They are exposed (p3d's tp layers block), or hidden behind the
-matmuls up to their length with ``plan.overlap_tp``.
+while the group fits in a node. They are exposed (p3d's tp layers block), or with ``plan.overlap_tp`` each
+pipelined with its GEMM, exposing what it outlasts (``_tp_exposed``).
 
 PP: blocking sends of b s h c bytes per micro batch for every chunk boundary that crosses to another rank
 (``p2p_hops``): 1f1b / gpipe 2 per middle stage, 1 on the first and last; interleaved 2 v (2 v - 1 on the
 first and last rank): v times the traffic; V-shaped (zbv, dualpipev) 4 on middle ranks and 2 on the first and
 the last, whose chunk p - 1 hands to chunk p on the same rank. ``plan.overlap_pp`` hides them behind the stage's
-compute (asynchronous sends, as Megatron's schedules do). Step = (m + fill) x the slowest stage's micro batch
+compute (asynchronous sends, as Megatron's schedules do); ``plan.p2p_scatter`` sends 1/t of the bytes (``p2p_bytes``,
+Megatron's (s/t, b, h) tensors). Step = (m + fill) x the slowest stage's micro batch
 time, where fill = m B / (1 - B) for the schedule's bubble B = ``p3d.layout.geometry.schedule_bubble`` (1f1b:
 fill = p - 1; interleaved: (p - 1) / v; the I/W-split schedules: (p - 1) / (3 v), a chunk forward per stage in
 three passes), so the bubble, the idle share of the step, is B.
@@ -27,8 +28,9 @@ DP: ZeRO 0 all-reduces the gradients once per step; a sharded optimizer reduce-s
 all-gathers the updated parameters; ZeRO 2 and 3 (FSDP2, docs/zero.md) reduce-scatter once a step and gather
 the weights once a step (ZeRO 2) or for every micro batch's forward and once for the backward (ZeRO 3, m + 1
 gathers, under every schedule: counted in tests/workers/test_zero_fsdp.py). DeepSpeed's pipeline engine runs them after
-the last backward (exposed); ``plan.overlap_dp`` hides them behind one micro batch's forward and
-backward (ZeRO 3: behind all compute of the step). Tied embeddings add one all-reduce of the table's
+the last backward (exposed); ``plan.overlap_dp`` leaves one layer chunk exposed and hides the rest behind one
+micro batch's forward and backward (ZeRO 3: behind all compute of the step but the first block's gather;
+``dp_exposed``). Tied embeddings add one all-reduce of the table's
 gradient between the first and last stage. The optimizer step streams ~32 bytes per local
 optimizer element through HBM.
 
@@ -51,51 +53,42 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from p3d.config.devices import DEVICES
 from p3d.config.schema import Arch, Config, Recompute
-from p3d.layout.geometry import attention_params, chunk_to_rank, head_dims, mlp_params, moe_layers, padded_vocab
+from p3d.layout.geometry import (
+    attention_params,
+    block_matmul_params,
+    block_vector_params,
+    chunk_to_rank,
+    head_dims,
+    mlp_params,
+    moe_layers,
+    padded_vocab,
+)
 from p3d.layout.schedule_rules import V_SHAPED
 from p3d.planner import context, experts
+from p3d.planner.machine import (  # noqa: F401 - HBM_EFFICIENCY, COMM_EFFICIENCY, ...: importers read them here
+    COMM_EFFICIENCY,
+    HBM_EFFICIENCY,
+    LATENCY_S,
+    OPTIMIZER_BYTES_PER_ELEMENT,
+    efficiency,
+    hbm_bytes_per_s,
+    intra_node,
+    machine_of,
+)
 from p3d.planner.memory import dtype_bytes, optimizer_sharded
 from p3d.planner.shapes import Layout, StageParams
-
-HBM_EFFICIENCY = 0.8  # memory-bound kernels reach about 80% of the datasheet bandwidth
-COMM_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100: ~0.8)
-LATENCY_S = {"intra": 10e-6, "inter": 25e-6}  # per collective or send
-OPTIMIZER_BYTES_PER_ELEMENT = 32.0  # Adam step: grad, fp32 master, m, v read + written, param written
-
-
-def efficiency(cfg: Config) -> float:
-    return cfg.plan.efficiency or DEVICES[cfg.cluster.device].matmul_efficiency
-
-
-def hbm_bytes_per_s(cfg: Config) -> float:
-    return (cfg.plan.hbm_gbps or DEVICES[cfg.cluster.device].hbm_gbps) * 1e9 * HBM_EFFICIENCY
-
-
-def intra_node(cfg: Config, span: int) -> bool:
-    """Whether a group of ``span`` consecutive ranks fits in a node (always on cpu)."""
-    gpn = cfg.cluster.gpus_per_node
-    return gpn is None or span <= gpn
-
-
-def _link(cfg: Config, span: int) -> tuple[float, float]:
-    """(bytes/s, latency) of a group whose ranks span ``span`` consecutive ranks (tp fastest, then dp, then pp)."""
-    c = cfg.cluster
-    intra = intra_node(cfg, span)
-    gbps = cast(float, c.intra_node_gbps if intra else c.inter_node_gbps)
-    return gbps * 1e9 * COMM_EFFICIENCY, LATENCY_S["intra" if intra else "inter"]
 
 
 def ring(cfg: Config, nbytes: float, n: int, span: int, op: str = "all_reduce") -> float:
     """Seconds of one ring collective over n ranks: all_reduce moves 2 (n-1)/n of the bytes, others (n-1)/n (an
-    all_to_all too: each rank sends the (n-1)/n of its bytes meant for the others, and receives as much)."""
+    all_to_all too: each rank sends the (n-1)/n of its bytes meant for the others, and receives as much); the
+    machine's link (p3d.planner.machine: the device table, or a calibration's fit of this op and n)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, lat = _link(cfg, span)
-    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes / bw + lat
+    return machine_of(cfg).collective(op, nbytes, n, span)
 
 
 @dataclass
@@ -135,13 +128,23 @@ def _block_costs(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, fl
     else:  # 2 layer norms + 2 bias-dropout-adds; qkv bias; bias-gelu
         side = 13 * h / sp + (2 * (q + 2 * kv) + 2 * f) / t
     act_bytes = b * s * h * c
+    ag, rs = ring(cfg, act_bytes, t, t, "all_gather"), ring(cfg, act_bytes, t, t, "reduce_scatter")
     # 2 all-reduces per direction (or, with sequence parallelism, 2 all-gathers + 2 reduce-scatters)
     if sched.sequence_parallel:
-        tp_dir = 2 * (ring(cfg, act_bytes, t, t, "all_gather") + ring(cfg, act_bytes, t, t, "reduce_scatter"))
+        tp_dir = 2 * (ag + rs)
     else:
         tp_dir = 2 * ring(cfg, act_bytes, t, t)
+    mlp = mlp_params(m, layer, t, active=True)
+    fc1 = mlp * (2 / 3 if m.arch == Arch.llama else 1 / 2)  # gate|up (2 f) or fc1 (f) of the feed-forward's 3 f or 2 f
     return {
-        "gemm": 2.0 * b * s * (attention_params(m, t) + mlp_params(m, layer, t, active=True)),
+        "gemm": 2.0 * b * s * (attention_params(m, t) + mlp),
+        # each GEMM's forward FLOPs and the collective paired with it under overlap_tp (_tp_exposed)
+        "qkv": 2.0 * b * s * h * (q + 2 * kv) / t,
+        "proj": 2.0 * b * s * h * q / t,
+        "fc1": 2.0 * b * s * fc1,
+        "fc2": 2.0 * b * s * (mlp - fc1),
+        "ag": ag,
+        "rs": rs,
         "attn": attn_flops,
         "attn_bwd": 2.5 if flash else 2.0,
         "side_bytes": b * s * side * c,
@@ -160,8 +163,32 @@ def _per_block(cfg: Config, k: dict[str, float], flops_s: float, mem_s: float) -
     rec = {Recompute.full: fwd, Recompute.selective: attn_f, Recompute.none: 0.0}[cfg.schedule.recompute]
     tp_layer = 2 * k["tp"] + (k["tp"] if cfg.schedule.recompute == Recompute.full else 0.0)
     if cfg.plan.overlap_tp:
-        tp_layer = max(0.0, tp_layer - 3 * gemm_f)
+        tp_layer = _tp_exposed(cfg, k, flops_s)
     return {"fwd": fwd, "bwd": bwd, "both": fwd + bwd, "rec": rec, "tp": tp_layer}
+
+
+def _tp_exposed(cfg: Config, k: dict[str, float], flops_s: float) -> float:
+    """``plan.overlap_tp``: a block's TP collectives per micro batch left exposed when each one is pipelined with its
+    GEMM (Megatron-Core's tp_comm_overlap with TransformerEngine userbuffers; Wang et al., ASPLOS'23): forward, the
+    all-gather with the qkv GEMM, the reduce-scatter with the out-projection, the all-gather with fc1, the
+    reduce-scatter with fc2; backward the same four collectives with GEMMs of the same size (dgrad, or wgrad for the
+    bulk overlaps); a full recompute's forward once more. Each pair exposes max(0, t_collective - t_GEMM). Without
+    sequence parallelism an all-reduce is taken as its reduce-scatter and all-gather halves, paired the same way.
+    The SMs the communication kernels take from the GEMMs are not modelled."""
+    pairs = ((k["ag"], k["qkv"]), (k["rs"], k["proj"]), (k["ag"], k["fc1"]), (k["rs"], k["fc2"]))
+    one_pass = sum(max(0.0, coll - flops / flops_s) for coll, flops in pairs)
+    return (3 if cfg.schedule.recompute == Recompute.full else 2) * one_pass
+
+
+def _probed(analytic: dict[str, float], probed: dict[str, float] | None) -> dict[str, float]:
+    """A block's seconds with the probed fwd / bwd / recompute where the machine measured this shape. Its tp
+    collectives stay the model's when the probe ran without them, and are the probe's (``tp`` 0) when it ran on tp
+    real ranks."""
+    if probed is None:
+        return analytic
+    out = dict(analytic, **probed)
+    out["both"] = out["fwd"] + out["bwd"]
+    return out
 
 
 def a2a_seconds(cfg: Config, layout: Layout) -> float:
@@ -197,11 +224,15 @@ def kv_link(cfg: Config, layout: Layout) -> str:
 
 
 def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
-    m = cfg.model
-    flops_s = cast(float, cfg.cluster.peak_tflops) * 1e12 * efficiency(cfg)
-    mem_s = hbm_bytes_per_s(cfg)
-    dense = _per_block(cfg, _block_costs(cfg, layout), flops_s, mem_s)
-    moe = _per_block(cfg, _block_costs(cfg, layout, moe=True), flops_s, mem_s) if moe_layers(m) else dense
+    m, mach = cfg.model, machine_of(cfg)
+    flops_s, mem_s = mach.flops_s(layout), mach.mem_s(layout)
+    dense = _probed(_per_block(cfg, _block_costs(cfg, layout), flops_s, mem_s), mach.block(layout, False))
+    moe = (
+        _probed(_per_block(cfg, _block_costs(cfg, layout, moe=True), flops_s, mem_s), mach.block(layout, True))
+        if moe_layers(m)
+        else dense
+    )
+    probed_head, probed_embed = mach.head(layout), mach.embedding(layout)
     a2a, kv = a2a_seconds(cfg, layout), kv_seconds(cfg, layout)
     b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     vpad = padded_vocab(m.vocab_size, t)
@@ -209,8 +240,9 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     head_gemm = 2.0 * b * s * m.hidden_size * vpad / t / flops_s
     loss_mem = b * s * vpad / t * (c + 16) / mem_s  # logits written, fp32 copy, shift, exp, softmax
     # pipeline neighbours are tp * dp ranks apart: some boundary leaves the node unless the whole world fits in one
-    bw, lat = _link(cfg, layout.world_size)
-    p2p = act_bytes / bw + lat
+    p2p = mach.collective("send_recv", p2p_bytes(cfg, layout, act_bytes), 2, layout.world_size)
+    if cfg.plan.p2p_scatter and not cfg.schedule.sequence_parallel:
+        p2p += ring(cfg, act_bytes, t, t, "all_gather")  # the receiving tp group gathers the pieces (NVLink)
     out = []
     for rank, st in enumerate(stages):
         n, e = st.blocks - st.moe_blocks, st.moe_blocks  # dense and MoE blocks
@@ -222,9 +254,16 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
         tp = blocks("tp")
         if "embed" in st.layers:
             tp += ring(cfg, act_bytes, t, t)  # the vocab-parallel lookup's all-reduce
+            if probed_embed is not None:  # measured: the lookup and its dense gradient
+                comp += probed_embed[0] + probed_embed[1]
+                back += probed_embed[1]
         if "head" in st.layers:
-            comp += 3 * head_gemm + 2 * loss_mem
-            back += 2 * head_gemm + loss_mem
+            if probed_head is not None:  # measured: final norm, head and loss, fwd and bwd
+                comp += probed_head[0] + probed_head[1]
+                back += probed_head[1]
+            else:
+                comp += 3 * head_gemm + 2 * loss_mem
+                back += 2 * head_gemm + loss_mem
             tp += ring(cfg, act_bytes, t, t) + 3 * ring(cfg, b * s * 4, t, t)  # head input grad; loss max/sum/target
         pp = 0.0
         if layout.pp > 1:
@@ -233,6 +272,14 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
                 pp = max(0.0, pp - comp)
         out.append(StageTime(comp, blocks("rec"), tp, pp, back, forw, e * a2a, st.blocks * kv))
     return out
+
+
+def p2p_bytes(cfg: Config, layout: Layout, act_bytes: float) -> float:
+    """Bytes one rank sends per pipeline hop and micro batch: the whole (b, s, h) activation, as DeepSpeed's engine
+    and p3d's executors send it from every tp rank; with ``plan.p2p_scatter`` 1/tp of it, as Megatron sends under
+    sequence parallelism (its (s/t, b, h) tensors) and with its scatter-gather optimization before that (Narayanan
+    et al. 2021, Sec. 4.1, where the receivers all-gather the pieces over NVLink)."""
+    return act_bytes / layout.tp if cfg.plan.p2p_scatter else act_bytes
 
 
 def p2p_hops(layout: Layout, rank: int) -> int:
@@ -286,7 +333,26 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
             grads = ring(cfg, nbytes, g, span)
         params = ring(cfg, nbytes, g, span, "all_gather") if optimizer_sharded(cfg) else 0.0
         total += grads + params
-    return total
+    return total + machine_of(cfg).engine_copies(layout, st.total)  # a calibrated machine: DeepSpeed's copies
+
+
+def dp_exposed(cfg: Config, layout: Layout, st: StageParams, total: float, t: StageTime) -> float:
+    """Seconds of a stage's dp traffic (``dp_seconds``: ``total``) left on the critical path. Without
+    ``plan.overlap_dp`` all of it (DeepSpeed's pipeline engine reduces after the last backward). With it, as
+    Megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the traffic is chunked by
+    layers (by the layers of a virtual stage when pp > 1) and one chunk stays exposed, the last gradients' reduction
+    and the first weights' gather (Megatron-Bridge docs, "Communication Overlap"), and what exceeds one micro batch's
+    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 3 (FSDP2, prefetching) hides behind
+    the whole step's compute but the first block's gather: max(that gather, total - m x t_micro_batch)."""
+    if not cfg.plan.overlap_dp or total <= 0.0:
+        return total
+    if cfg.zero.stage >= 3:
+        m, s = cfg.model, cfg.zero.shard_size or layout.dp_cp
+        block = (block_matmul_params(m, layout.tp) + block_vector_params(m, layout.tp)) * dtype_bytes(cfg)
+        first = min(total, ring(cfg, block, s, layout.tp * s, "all_gather"))
+        return max(first, total - layout.micro_batches * t.total)
+    chunks = max(1, st.blocks if layout.pp == 1 else layout.virtual_stages)
+    return max(total / chunks, total - (t.forward_compute + t.backward_compute))
 
 
 def tied_seconds(cfg: Config, layout: Layout) -> float:
@@ -301,7 +367,7 @@ def tied_seconds(cfg: Config, layout: Layout) -> float:
 
 def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     n = sum(p / (g if optimizer_sharded(cfg) else 1) for p, g in _reduced_groups(layout, st))
-    return n * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(cfg)
+    return machine_of(cfg).optimizer_seconds(n)
 
 
 def assumptions(cfg: Config) -> dict[str, Any]:
@@ -317,4 +383,6 @@ def assumptions(cfg: Config) -> dict[str, Any]:
         "overlap_dp": cfg.plan.overlap_dp,
         "overlap_tp": cfg.plan.overlap_tp,
         "overlap_pp": cfg.plan.overlap_pp,
+        "p2p_scatter": cfg.plan.p2p_scatter,
+        "calibration": cfg.calibration,
     }

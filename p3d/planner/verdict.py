@@ -59,7 +59,8 @@ def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
     if cfg.cluster.device == "cpu":
         notes.append(
             f"cluster.device=cpu: the {lay.world_size} workers share the host's {cfg.cluster.memory_gb:g} GB "
-            f"(together {r.all_ranks_bytes / GB:.2f} GB); times use a nominal CPU peak"
+            f"(together {r.all_ranks_bytes / GB:.2f} GB); "
+            + ("times use this machine's calibration" if cfg.calibration else "times use a nominal CPU peak")
         )
     if cfg.train.dtype == DType.bf16 and cfg.zero.stage == 0 and not lay.torch_executor:
         notes.append(

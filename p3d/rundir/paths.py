@@ -43,7 +43,7 @@ def resolve_config_paths(cfg, base: Base = None):
     """The typed Config with every user-given path absolute: ``run.dir``, ``data.path`` (files; its
     globs; prepared: the store, and each ``data.mix`` store), ``data.tokenizer`` (unless ``byte`` or
     ``auto``), ``train.resume`` (unless ``none``/``auto``),
-    ``model.init_from`` and ``tokenizer.out``."""
+    ``model.init_from``, ``tokenizer.out`` and ``calibration``."""
     from p3d.config.schema import DataSource
 
     base = base if base is not None else user_cwd()
@@ -61,8 +61,10 @@ def resolve_config_paths(cfg, base: Base = None):
         train = rep(train, resume=str(absolute(train.resume, base)))
     if model.init_from:
         model = rep(model, init_from=str(absolute(model.init_from, base)))
+    calibration = str(absolute(cfg.calibration, base)) if cfg.calibration else cfg.calibration
     return rep(
         cfg,
+        calibration=calibration,
         data=data,
         train=train,
         model=model,

@@ -221,6 +221,19 @@ CASES: dict[str, Case] = {
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
     ),
+    # docs/planner.md, docs/benchmarks.md (issue 36)
+    ".venv/bin/python bench/planner_published.py": Case(
+        "not_here", expect="the table of tests/unit/planner/test_published.py, whose tests check every row"
+    ),
+    **dict.fromkeys(
+        (
+            ".venv/bin/python bench/planner_accuracy.py",
+            ".venv/bin/python bench/planner_accuracy.py --calibration cal.json --json accuracy.json",
+        ),
+        Case(
+            "not_here", expect="a benchmark (minutes of timing), never a test; its arithmetic: test_accuracy_bench.py"
+        ),
+    ),
     "make gpu-check": Case("not_here", expect="needs a CUDA GPU; its dry mode is tests/e2e/test_gpu_check.py"),
     # docs/clusters.md: multi-node, on the two-node cluster of tests/cluster/multinode (the same lines, a few steps)
     "sbatch --nodes=2 --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=dp2_pp2_tp2 model=tiny": Case(

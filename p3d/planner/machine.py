@@ -1,0 +1,228 @@
+"""The machine the planner times a step on: its rates, as the device table gives them or as a calibration measured.
+
+``machine_of(cfg)`` is the one place the step-time model gets a rate from:
+
+- ``DeviceTable``: the device preset's nominal figures (``cluster.peak_tflops`` x the matmul efficiency, the HBM
+  datasheet x 0.8, the links x 0.8 plus a latency, 32 bytes per optimizer element through HBM). Without
+  ``calibration=`` every prediction is this arithmetic, unchanged.
+- ``Calibrated``: a file of ``p3d-plan calibrate`` (p3d.planner.calibration). A block or head probed at the layout's
+  shape gives its measured fwd / bwd seconds; any other shape is FLOPs and bytes at the measured GEMM and memory
+  rates. Collectives inside a node use the fit of their (op, n); the optimizer its seconds per parameter. On a cpu
+  file ``cores`` is set: the step cannot be shorter than all ranks' work over the cores (p3d.planner.predict).
+  When the layout has at least as many ranks as cores, the times measured with ``cores`` copies at once are used.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, cast
+
+from p3d.config.devices import DEVICES
+from p3d.config.schema import Config
+from p3d.layout.geometry import padded_vocab
+from p3d.planner import calibration, context
+from p3d.planner.calibration import Calibration
+from p3d.planner.memory import dtype_bytes
+from p3d.planner.shapes import Layout
+
+HBM_EFFICIENCY = 0.8  # memory-bound kernels reach about 80% of the datasheet bandwidth
+COMM_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth (nccl-tests on DGX A100 / H100: ~0.8)
+LATENCY_S = {"intra": 10e-6, "inter": 25e-6}  # per collective or send
+OPTIMIZER_BYTES_PER_ELEMENT = 32.0  # Adam step: grad, fp32 master, m, v read + written, param written
+
+
+def efficiency(cfg: Config) -> float:
+    return cfg.plan.efficiency or DEVICES[cfg.cluster.device].matmul_efficiency
+
+
+def hbm_bytes_per_s(cfg: Config) -> float:
+    return (cfg.plan.hbm_gbps or DEVICES[cfg.cluster.device].hbm_gbps) * 1e9 * HBM_EFFICIENCY
+
+
+def intra_node(cfg: Config, span: int) -> bool:
+    """Whether a group of ``span`` consecutive ranks fits in a node (always on cpu)."""
+    gpn = cfg.cluster.gpus_per_node
+    return gpn is None or span <= gpn
+
+
+def link(cfg: Config, span: int) -> tuple[float, float]:
+    """(bytes/s, latency) of a group whose ranks span ``span`` consecutive ranks (tp fastest, then dp, then pp)."""
+    c = cfg.cluster
+    intra = intra_node(cfg, span)
+    gbps = cast(float, c.intra_node_gbps if intra else c.inter_node_gbps)
+    return gbps * 1e9 * COMM_EFFICIENCY, LATENCY_S["intra" if intra else "inter"]
+
+
+def ring_factor(op: str, n: int) -> float:
+    """The share of the bytes a ring collective moves per rank: 2 (n-1)/n for an all-reduce, (n-1)/n otherwise."""
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n
+
+
+class Machine(Protocol):
+    cores: int | None  # cpu with a calibration: the cores all ranks share; else None (no contention)
+
+    def flops_s(self, layout: Layout) -> float: ...
+    def mem_s(self, layout: Layout) -> float: ...
+    def block(self, layout: Layout, moe: bool) -> dict[str, float] | None: ...
+    def head(self, layout: Layout) -> tuple[float, float] | None: ...
+    def embedding(self, layout: Layout) -> tuple[float, float] | None: ...
+    def collective(self, op: str, nbytes: float, n: int, span: int) -> float: ...
+    def optimizer_seconds(self, elements: float) -> float: ...
+    def engine_copies(self, layout: Layout, elements: float) -> float: ...
+    def overhead(self, executor: str) -> tuple[float, float]: ...
+    def notes(self, layout: Layout) -> list[str]: ...
+
+
+class DeviceTable:
+    """The device preset's nominal rates (today's arithmetic, bit for bit)."""
+
+    cores: int | None = None
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def flops_s(self, layout: Layout) -> float:
+        return cast(float, self.cfg.cluster.peak_tflops) * 1e12 * efficiency(self.cfg)
+
+    def mem_s(self, layout: Layout) -> float:
+        return hbm_bytes_per_s(self.cfg)
+
+    def block(self, layout: Layout, moe: bool) -> dict[str, float] | None:
+        return None
+
+    def head(self, layout: Layout) -> tuple[float, float] | None:
+        return None
+
+    def embedding(self, layout: Layout) -> tuple[float, float] | None:
+        return None
+
+    def collective(self, op: str, nbytes: float, n: int, span: int) -> float:
+        """Seconds of one ring collective over n ranks (``send_recv``: one message to a neighbour)."""
+        bw, lat = link(self.cfg, span)
+        if op == "send_recv":
+            return nbytes / bw + lat
+        return ring_factor(op, n) * nbytes / bw + lat
+
+    def optimizer_seconds(self, elements: float) -> float:
+        return elements * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(self.cfg)
+
+    def engine_copies(self, layout: Layout, elements: float) -> float:
+        """Seconds of DeepSpeed's gradient copies around its dp all-reduce (not in the device table's model)."""
+        return 0.0
+
+    def overhead(self, executor: str) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def notes(self, layout: Layout) -> list[str]:
+        return []
+
+
+class Calibrated(DeviceTable):
+    """The rates a calibration file measured on this machine (inter-node links stay the device table's)."""
+
+    def __init__(self, cfg: Config, cal: Calibration):
+        super().__init__(cfg)
+        self.cal = cal
+        self.cores = cal.cores if str(cfg.cluster.device) == "cpu" else None
+
+    def loaded(self, layout: Layout) -> bool:
+        """Whether the layout's ranks take every core (then the times measured with all cores busy apply)."""
+        return layout.world_size >= self.cal.cores
+
+    def flops_s(self, layout: Layout) -> float:
+        return (self.cal.loaded_gemm_tflops if self.loaded(layout) else self.cal.gemm_tflops) * 1e12
+
+    def mem_s(self, layout: Layout) -> float:
+        return (self.cal.loaded_memory_gbps if self.loaded(layout) else self.cal.memory_gbps) * 1e9
+
+    def _tokens(self, layout: Layout) -> int:
+        """s of the probe key: the rank's s / cp tokens of each sequence."""
+        return round(context.local_tokens(self.cfg, layout))
+
+    def _dtype(self) -> str:
+        return "fp32" if dtype_bytes(self.cfg) == 4 else "bf16"
+
+    def block(self, layout: Layout, moe: bool) -> dict[str, float] | None:
+        """Probed seconds of one block per micro batch (fwd, bwd without recompute, rec: what the layout's recompute
+        adds to the backward), or None where this shape was not probed. Where the block was probed on tp real ranks
+        (``tp_blocks``) its all-reduces are in those times: ``tp`` is 0 then (the collective fits are not added)."""
+        arch, s = self.cfg.model.arch.value, self._tokens(layout)
+        key = (arch, moe, layout.tp, s)
+        grouped = self.cal.tp_blocks.get((*key, "none", self._dtype()))
+        grouped_mode = self.cal.tp_blocks.get((*key, layout.recompute, self._dtype()))
+        table = self.cal.tp_blocks if grouped and grouped_mode else self.cal.blocks
+        base = table.get((*key, "none", self._dtype()))
+        mode = table.get((*key, layout.recompute, self._dtype()))
+        if base is None or mode is None:
+            return None
+        loaded = self.loaded(layout) and table is self.cal.blocks  # tp real ranks: the cores busy already
+        fwd, bwd = base.times(layout.micro_batch_size, loaded)
+        _, bwd_mode = mode.times(layout.micro_batch_size, loaded)
+        times = {"fwd": fwd, "bwd": bwd, "rec": max(0.0, bwd_mode - bwd)}
+        return {**times, "tp": 0.0} if table is self.cal.tp_blocks else times
+
+    def head(self, layout: Layout) -> tuple[float, float] | None:
+        """Probed (fwd, bwd) seconds of the final norm, the head and the loss per micro batch, or None."""
+        vpad = padded_vocab(self.cfg.model.vocab_size, layout.tp)
+        probed = self.cal.heads.get((layout.tp, self._tokens(layout), vpad))
+        return None if probed is None else probed.times(layout.micro_batch_size, self.loaded(layout))
+
+    def embedding(self, layout: Layout) -> tuple[float, float] | None:
+        """Probed (fwd, bwd) seconds of the vocab-parallel lookup per micro batch (its dense gradient), or None (the
+        analytic model counts no embedding time)."""
+        vpad = padded_vocab(self.cfg.model.vocab_size, layout.tp)
+        probed = self.cal.embeddings.get((layout.tp, self._tokens(layout), vpad))
+        return None if probed is None else probed.times(layout.micro_batch_size, self.loaded(layout))
+
+    def collective(self, op: str, nbytes: float, n: int, span: int) -> float:
+        """The fit of (op, n); for an unprobed n the nearest probed one at the bytes scaled by the ring
+        factor (an all-to-all as an all-gather: (n-1)/n of the bytes leave each rank); across nodes the table's."""
+        fit_op = "all_gather" if op == "all_to_all" else op
+        ns = [k for o, k in self.cal.fits if o == fit_op]
+        if not intra_node(self.cfg, span) or not ns:
+            return super().collective(op, nbytes, n, span)
+        if op == "send_recv":
+            n = 2
+        near = min(ns, key=lambda k: (abs(k - n), k))
+        scale = 1.0 if near == n or op == "send_recv" else ring_factor(fit_op, n) / ring_factor(fit_op, near)
+        return self.cal.fits[(fit_op, near)].seconds(nbytes * scale)  # another n: as many bytes as its ring moves
+
+    def optimizer_seconds(self, elements: float) -> float:
+        return elements * self.cal.optimizer_s_per_param
+
+    def engine_copies(self, layout: Layout, elements: float) -> float:
+        """DeepSpeed's engine, fp32, ZeRO 0, dp > 1 (``buffered_allreduce_fallback``): the gradients flattened into
+        a bucket, scaled by 1 / dp after the all-reduce and copied back: as probed (``engine_copy_s_per_param``), or
+        three passes, each reading and writing 4 bytes per element, at the measured copy rate."""
+        if layout.torch_executor or layout.zero != 0 or layout.dp_cp == 1 or dtype_bytes(self.cfg) != 4:
+            return 0.0
+        probed = self.cal.engine_copy_s_per_param
+        if probed is not None:  # measured at the plan's largest message: the new buffer's page faults in
+            return elements * probed[1 if self.loaded(layout) else 0]
+        return 3 * 2 * 4.0 * elements / self.mem_s(layout)
+
+    def overhead(self, executor: str) -> tuple[float, float]:
+        return self.cal.overhead.get(executor, (0.0, 0.0))
+
+    def notes(self, layout: Layout) -> list[str]:
+        """What the calibration did not probe for this layout (its time comes from the measured rates)."""
+        probes = (("blocks", self.block(layout, False)), ("head", self.head(layout)))
+        missing = [name for name, got in probes if not got]
+        if not missing:
+            return []
+        s = self._tokens(layout)
+        return [
+            f"calibrated rates, not probes, for the {' and '.join(missing)} at tp={layout.tp} s={s} "
+            f"recompute={layout.recompute} (run p3d-plan calibrate with this layout to probe them)"
+        ]
+
+
+def machine_of(cfg: Config) -> Machine:
+    """The calibrated machine when ``calibration=`` names a file (read once), else the device table."""
+    if cfg.calibration:
+        return Calibrated(cfg, calibration.load(cfg.calibration))
+    return DeviceTable(cfg)
+
+
+def executor_of(layout: Layout) -> str:
+    """The executor whose overheads apply: DeepSpeed's engine, or torch's pipelining."""
+    return "torch" if layout.torch_executor else "deepspeed"

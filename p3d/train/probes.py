@@ -1,0 +1,329 @@
+"""The probes of ``p3d-plan calibrate`` (p3d.launch.calibrate spawns them; docs/planner.md, Calibration).
+
+    python -m p3d.train.probes compute <job.json> <out.json>
+    python -m p3d.train.probes collectives <job.json> <out.json> <rank> <world>
+    python -m p3d.train.probes tp_blocks <job.json> <out.json> <rank> <tp>
+
+``compute`` times, in one process with one thread (as a cpu worker runs):
+
+- p3d's own ``TransformerBlock`` on a Mesh of tp ranks without process groups: its tp layers hold tp rank 0's
+  slices and every tp collective returns early, so this is one tp rank's block compute, collectives left out.
+  Forward and backward are timed apart, for each recompute mode asked (full: the block under
+  ``torch.utils.checkpoint``, as the executors run it; selective: the attention core recomputed);
+- the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way; the embedding lookup;
+- a GEMM of the block's feed-forward shape (TFLOP/s), a copy (memory GB/s), an AdamW step (s per parameter).
+
+``tp_blocks``: one of tp gloo ranks; each block of that tp on a real tp group, its all-reduces in (for tp up to the
+cores: a rank per core, as the run has them).
+
+``collectives``: one of ``world`` gloo (nccl on GPUs) ranks through a FileStore; for each group size n it times
+all_reduce, all_gather, reduce_scatter (the list forms p3d's tp layers call) and a send/recv ping-pong (halved)
+at a few sizes; rank 0 writes the medians.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from p3d.config.schema import Config
+from p3d.layout.geometry import padded_vocab
+from p3d.parallel.mesh import Mesh
+
+SEED = 1234
+# The model, DeepSpeed's layer specs and the optimizer are imported by the compute probe only: the collectives
+# probe starts up to 8 processes on the machine it measures, each as light as it can be.
+
+
+def _median(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls after one warm-up call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fwd_bwd(run: Callable[[], torch.Tensor], reps: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """(forward, backward) median seconds: ``run`` builds the output, backward takes a ones gradient."""
+    fwd, bwd = [], []
+    for i in range(reps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        y = run()
+        sync()
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        sync()
+        t2 = time.perf_counter()
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def block_probe(cfg: Config, tp: int, recompute: str, reps: int, device, sync, mesh: Mesh | None = None) -> dict:
+    """One tp rank's block at (b, s): fwd and bwd seconds under ``recompute``. Without ``mesh``: on a Mesh without
+    process groups (tp rank 0's slices, the collectives return early); with one, on its tp group."""
+    from torch.utils.checkpoint import checkpoint
+
+    from p3d.model.llama import TransformerBlock, is_moe_layer
+
+    m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
+    mesh = mesh or Mesh(tp=tp, pp=1, dp=1)
+    selective = recompute == "selective"
+    block = TransformerBlock(
+        m, mesh, 0, SEED, recompute_attention=selective, recompute_swiglu=selective and cfg.schedule.recompute_swiglu
+    ).to(device)
+    x = torch.randn(b, s, m.hidden_size, device=device, requires_grad=True)  # (b, s, h), replicated over tp
+
+    def run() -> torch.Tensor:
+        return checkpoint(block, x, use_reentrant=False) if recompute == "full" else block(x)
+
+    fwd, bwd = _fwd_bwd(run, reps, sync)
+    return {
+        "arch": m.arch.value,
+        "moe": bool(is_moe_layer(m, 0)),
+        "tp": tp,
+        "b": b,
+        "s": s,
+        "recompute": recompute,
+        "dtype": "fp32",
+        "fwd_s": fwd,
+        "bwd_s": bwd,
+    }
+
+
+def head_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
+    """Final norm, the head's V_pad / tp columns and the vocab-parallel loss of one tp rank at (b, s)."""
+    from p3d.parallel.pipeline.specs import FinalNorm, HeadPipe, VocabParallelLoss
+
+    m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
+    mesh, vpad = Mesh(tp=tp, pp=1, dp=1), padded_vocab(m.vocab_size, tp)
+    norm, head = FinalNorm(m).to(device), HeadPipe(m, vpad, mesh, SEED).to(device)
+    loss_fn = VocabParallelLoss(m, vpad, mesh)
+    x = torch.randn(b, s, m.hidden_size, device=device, requires_grad=True)
+    labels = torch.randint(0, m.vocab_size, (b, s), device=device)
+
+    def run() -> torch.Tensor:
+        return loss_fn(head(norm(x)), labels)
+
+    fwd, bwd = _fwd_bwd(run, reps, sync)
+    return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad, "fwd_s": fwd, "bwd_s": bwd}
+
+
+def embedding_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
+    """The vocab-parallel lookup of one tp rank at (b, s): its backward writes a dense (V_pad / tp, h) gradient."""
+    from p3d.parallel.pipeline.specs import EmbeddingPipe
+
+    m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
+    mesh, vpad = Mesh(tp=tp, pp=1, dp=1), padded_vocab(m.vocab_size, tp)
+    embed = EmbeddingPipe(m, vpad, mesh, SEED).to(device)
+    ids = torch.randint(0, m.vocab_size, (b, s), device=device)
+
+    def run() -> torch.Tensor:
+        return embed(ids)
+
+    fwd, bwd = _fwd_bwd(run, reps, sync)
+    return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad, "fwd_s": fwd, "bwd_s": bwd}
+
+
+def gemm_probe(cfg: Config, reps: int, device, sync) -> dict[str, Any]:
+    """x (b s, h) @ w (h, 2 f): the block's largest GEMM at tp = 1; TFLOP/s of its forward."""
+    m = cfg.model
+    rows, k, n = cfg.schedule.micro_batch_size * m.seq_len, m.hidden_size, 2 * m.ffn_hidden_size
+    x, w = torch.randn(rows, k, device=device), torch.randn(k, n, device=device)
+    t = _median(lambda: x @ w, max(reps, 3), sync)
+    return {"m": rows, "k": k, "n": n, "fwd_s": t, "tflops": 2.0 * rows * k * n / t / 1e12}
+
+
+def memory_probe(mbytes: int, reps: int, device, sync) -> float:
+    """GB/s of a copy (bytes read + written)."""
+    src = torch.ones(mbytes * (1 << 20) // 4, device=device)
+    dst = torch.empty_like(src)
+    t = _median(lambda: dst.copy_(src), max(reps, 3), sync)
+    return 2 * src.numel() * 4 / t / 1e9
+
+
+def optimizer_probe(cfg: Config, params: int, reps: int, device, sync) -> float:
+    """Seconds per parameter of AdamW's step and zero_grad (p3d's build_optimizer), over block-shaped tensors."""
+    from p3d.train.optim import build_optimizer
+
+    h = cfg.model.hidden_size
+    rows = max(1, params // h)
+    module = torch.nn.Sequential(*[torch.nn.Linear(h, h, bias=False) for _ in range(max(1, rows // h))]).to(device)
+    n = sum(p.numel() for p in module.parameters())
+    opt, _ = build_optimizer(module, cfg.train)
+
+    def step() -> None:
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _median(step, max(reps, 3), sync) / n
+
+
+def engine_copy_probe(cfg: Config, elements: int, reps: int, device, sync) -> float:
+    """Seconds per gradient element of what DeepSpeed's ZeRO 0 engine does around its dp all-reduce
+    (``allreduce_and_copy``): flatten the gradients into a new buffer, scale it by 1 / dp, copy each slice back.
+    Over ``elements`` in tensors of a block's weight shapes, as many as the largest stage of the plan holds: the new
+    buffer's first touch costs page faults that a copy between warm buffers does not show."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    m = cfg.model
+    shapes = [(m.hidden_size, m.hidden_size)] * 4 + [(m.ffn_hidden_size, m.hidden_size)] * 3
+    grads: list[torch.Tensor] = []
+    while sum(g.numel() for g in grads) < elements:
+        grads.append(torch.ones(shapes[len(grads) % len(shapes)], device=device))
+
+    def copies() -> None:
+        flat = _flatten_dense_tensors(grads)
+        flat.mul_(0.5)
+        for buf, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            buf.copy_(synced)
+
+    n = sum(g.numel() for g in grads)
+    return _median(copies, max(reps, 3), sync) / n
+
+
+def run_compute(job: dict[str, Any]) -> dict[str, Any]:
+    from p3d.rundir.spec import to_config
+
+    cfg = to_config(job["config"])
+    cuda = job.get("device", "cpu") != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    if not cuda:
+        torch.set_num_threads(1)  # as a cpu worker runs (p3d.train.worker)
+    torch.manual_seed(SEED)
+    reps = int(job["reps"])
+    return {
+        "blocks": [block_probe(cfg, tp, rec, reps, device, sync) for tp, rec in job["blocks"]],
+        "head": [head_probe(cfg, tp, reps, device, sync) for tp in job["heads"]],
+        "embedding": [embedding_probe(cfg, tp, reps, device, sync) for tp in job["heads"]],
+        "gemm": [gemm_probe(cfg, reps, device, sync)],
+        "memory_gbps": memory_probe(int(job["memory_mb"]), reps, device, sync),
+        "optimizer_s_per_param": optimizer_probe(cfg, int(job["optimizer_params"]), reps, device, sync),
+        "engine_copy_s_per_param": (
+            engine_copy_probe(cfg, int(job["dp_elements"]), reps, device, sync) if job.get("dp_elements") else None
+        ),
+    }
+
+
+def run_tp_blocks(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """One of ``world`` = tp ranks: each (tp, recompute) block of the job on a real tp group, its collectives in (as a
+    tp rank runs it: each rank on its own core, waiting for its peer at every all-reduce). A barrier starts each
+    forward and each backward together; rank 0's medians are written."""
+    from p3d.rundir.spec import to_config
+
+    torch.set_num_threads(1)
+    cfg = to_config(job["config"])
+    dist.init_process_group("gloo", store=dist.FileStore(job["store"], world), rank=rank, world_size=world)
+    mesh = Mesh(tp=world, pp=1, dp=1, rank=rank).with_groups()
+    torch.manual_seed(SEED)
+    device, reps = torch.device("cpu"), int(job["reps"])
+
+    def sync() -> None:
+        dist.barrier(group=mesh.tp_group)
+
+    barrier = _median(sync, max(reps, 5), lambda: None)  # each timed pass ends in one: taken off again
+    rows = []
+    for tp, rec in job["blocks"]:
+        if tp == world:
+            row = block_probe(cfg, world, rec, reps, device, sync, mesh)
+            rows.append({**row, "fwd_s": max(0.0, row["fwd_s"] - barrier), "bwd_s": max(0.0, row["bwd_s"] - barrier)})
+    dist.destroy_process_group()
+    return {"blocks": rows, "barrier_s": barrier}
+
+
+def _timed(fn: Callable[[], None], reps: int, group) -> float:
+    """Median seconds of a collective over ``group``, each rep started together (a barrier before it)."""
+    times = []
+    for i in range(reps + 1):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_collectives(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Every rank makes every group (torch requires it); the ranks of a group time its ops, the others wait at the
+    next world barrier (asleep in gloo: the measurement has the cores)."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(job["store"], world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    reps, points = int(job["reps"]), []
+    for n in job["group_sizes"]:
+        group = dist.new_group(list(range(n)))
+        if rank < n:
+            for size in job["sizes"]:
+                elems = size // 4
+                x = torch.ones(elems)
+                parts = [torch.empty(elems // n) for _ in range(n)]
+                mine = torch.ones(elems // n)  # (a 0.5 GB message allocates these needlessly: 1.1x its bytes)
+                ops: dict[str, Callable[[], None]] = {
+                    "all_reduce": lambda: dist.all_reduce(x, group=group),  # noqa: B023 - run in this iteration
+                    "all_gather": lambda: dist.all_gather(parts, mine, group=group),  # noqa: B023
+                    "reduce_scatter": lambda: dist.reduce_scatter(mine, list(x.chunk(n)), group=group),  # noqa: B023
+                }
+                big = size > 1 << 25  # a dp gradient message: all-reduced whole (DeepSpeed's ZeRO 0/1 bucket)
+                for op, fn in ops.items():
+                    if op == "all_reduce" or not big:
+                        points.append({"op": op, "n": n, "bytes": size, "s": _timed(fn, reps, group)})
+                if n == 2 and not big:  # a ping-pong between ranks 0 and 1: two messages, halved
+                    points.append({"op": "send_recv", "n": 2, "bytes": size, "s": _ping_pong(x, rank, reps) / 2})
+        dist.barrier()
+    dist.destroy_process_group()
+    return {"points": points}
+
+
+def _ping_pong(x: torch.Tensor, rank: int, reps: int) -> float:
+    def once() -> None:
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        once()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str]) -> int:
+    kind, job_path, out = argv[0], Path(argv[1]), Path(argv[2])
+    job = json.loads(job_path.read_text())
+    if kind == "compute":
+        result = run_compute(job)
+    else:
+        rank, world = int(argv[3]), int(argv[4])
+        result = (run_collectives if kind == "collectives" else run_tp_blocks)(job, rank, world)
+        if rank:
+            return 0
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""The overlap formulas behind plan.overlap_tp / overlap_dp / p2p_scatter (docs/planner.md, "Overlap"): their limits.
+
+TP: each collective pipelined with its GEMM exposes what it outlasts, so free GEMMs expose every collective and
+long ones none. DP: one layer chunk stays exposed (layers per virtual stage with a pipeline), whatever the compute.
+Off (the defaults, what p3d runs), nothing changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p3d.layout.geometry import block_matmul_params, block_vector_params
+from p3d.planner import evaluate
+from p3d.planner.shapes import StageParams, layout_of
+from p3d.planner.step_time import StageTime, _block_costs, _per_block, dp_exposed, ring
+
+H100 = ("cluster.device=h100_sxm", "cluster.launcher=slurm", "train.dtype=bf16", "model=llama3_8b")
+TP8_SP = (*H100, "cluster.nodes=1", "mesh.tp=8", "mesh.pp=1", "mesh.dp=1", "schedule.sequence_parallel=true")
+
+
+def tp_exposed(cfg, flops_s: float) -> tuple[float, float]:
+    """(exposed, all) seconds of one block's TP collectives per micro batch at a GEMM rate of ``flops_s``."""
+    k = _block_costs(cfg, layout_of(cfg))
+    return _per_block(cfg, k, flops_s, 1e12)["tp"], (3 if cfg.schedule.recompute.value == "full" else 2) * k["tp"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_tp_overlap_exposes_every_collective_when_gemms_are_free_and_none_when_they_are_long(make_cfg, recompute):
+    cfg = make_cfg(*TP8_SP, "plan.overlap_tp=true", f"schedule.recompute={recompute}")
+    free, every = tp_exposed(cfg, 1e30)
+    assert every > 0 and free == pytest.approx(every, rel=1e-12)
+    assert tp_exposed(cfg, 1.0)[0] == 0.0
+
+
+def test_tp_overlap_pairs_each_collective_with_its_own_gemm(make_cfg):
+    """At a rate where only the smallest GEMM (llama3_8b: the out-projection, h q / t) is shorter than its
+    collective, exactly that pair is exposed, in the forward and the backward: 2 (t_rs - t_proj)."""
+    cfg = make_cfg(*TP8_SP, "plan.overlap_tp=true")
+    k = _block_costs(cfg, layout_of(cfg))
+    assert k["proj"] < min(k["qkv"], k["fc1"], k["fc2"])
+    assert k["rs"] == pytest.approx(k["ag"], rel=1e-12)
+    flops_s = (k["proj"] + min(k["qkv"], k["fc1"], k["fc2"])) / 2 / k["rs"]  # proj shorter than t_rs, the rest longer
+    assert _per_block(cfg, k, flops_s, 1e12)["tp"] == pytest.approx(2 * (k["rs"] - k["proj"] / flops_s), rel=1e-9)
+
+
+def test_tp_overlap_off_keeps_every_collective(make_cfg):
+    cfg = make_cfg(*TP8_SP)
+    assert tp_exposed(cfg, 1.0) == tp_exposed(cfg, 1e30)
+    assert tp_exposed(cfg, 1.0)[0] == tp_exposed(cfg, 1.0)[1]
+
+
+def stage_time(compute: float) -> StageTime:
+    return StageTime(compute, 0.0, 0.0, 0.0, compute / 2, compute / 2)
+
+
+@pytest.mark.parametrize(
+    "mesh,chunks", [(("mesh.pp=1", "mesh.dp=8"), 32), (("mesh.pp=2", "mesh.dp=4", "schedule.virtual_stages=4"), 4)]
+)
+def test_dp_overlap_leaves_one_chunk_exposed(make_cfg, mesh, chunks):
+    """Megatron's distributed optimizer: one chunk of layers exposed (pp = 1: a block of llama3_8b's 32; with a
+    pipeline: the layers of a virtual stage), however long the compute; what outlasts one micro batch on top."""
+    cfg = make_cfg(*H100, "cluster.nodes=1", "mesh.tp=1", *mesh, "plan.overlap_dp=true", "zero=stage1")
+    layout = layout_of(cfg)
+    st = StageParams(matrices=1000, vectors=10, blocks=32 // layout.pp)
+    assert dp_exposed(cfg, layout, st, 1.0, stage_time(1e6)) == pytest.approx(1 / chunks)
+    assert dp_exposed(cfg, layout, st, 1.0, stage_time(0.5)) == pytest.approx(0.5)  # 1 s over a 0.5 s window
+    off = make_cfg(*H100, "cluster.nodes=1", "mesh.tp=1", *mesh, "zero=stage1")
+    assert dp_exposed(off, layout, st, 1.0, stage_time(1e6)) == 1.0
+
+
+def test_zero3_overlap_exposes_the_first_blocks_gather(make_cfg):
+    cfg = make_cfg(
+        *H100, "cluster.nodes=2", "mesh.tp=1", "mesh.pp=1", "mesh.dp=16", "plan.overlap_dp=true", "zero=stage3"
+    )
+    layout = layout_of(cfg)
+    block = (block_matmul_params(cfg.model) + block_vector_params(cfg.model)) * 2
+    gather = ring(cfg, block, 16, 16, "all_gather")
+    st = StageParams(matrices=1000, vectors=10, blocks=32)
+    assert dp_exposed(cfg, layout, st, 10.0, stage_time(1e6)) == pytest.approx(gather)
+
+
+def test_p2p_scatter_sends_one_tp_share(make_cfg):
+    """Megatron's (s/t, b, h) sends: with sequence parallelism a hop carries 1/t of the bytes, so the exposed
+    pipeline traffic falls (blocking sends: plan.overlap_pp off)."""
+    base = (*H100, "cluster.nodes=4", "mesh.tp=8", "mesh.pp=4", "mesh.dp=1", "schedule.sequence_parallel=true")
+    full = evaluate(make_cfg(*base, "plan.overlap_pp=false"), check=False).breakdown["pp_comm"]
+    scattered = evaluate(make_cfg(*base, "plan.overlap_pp=false", "plan.p2p_scatter=true"), check=False)
+    assert 0 < scattered.breakdown["pp_comm"] < full / 4

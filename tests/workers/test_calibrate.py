@@ -1,0 +1,59 @@
+"""``p3d-plan calibrate`` as a user runs it (issue 36): a quick calibration of model=tiny dp2 x tp2 (its block alone
+and on two tp ranks, DeepSpeed's gradient copies, the collectives) writes a file this machine accepts; p3d-plan and ``p3d-train mesh=auto ... dry_run=true`` use it; a copy made with another torch is refused in
+one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p3d.planner import calibration
+from tests.helpers.runs import ROOT, output_tail, p3d_train
+
+
+def p3d_plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "p3d.cli.plan", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})},
+    )
+
+
+@pytest.mark.timeout(300)
+def test_quick_calibration_is_written_accepted_and_used(tmp_path):
+    out = tmp_path / "cal.json"
+    made = p3d_plan("calibrate", "model=tiny", "mesh=dp2_tp2", f"calibration={out}", env={"P3D_CALIBRATE_QUICK": "1"})
+    assert made.returncode == 0, output_tail(made)
+    raw = json.loads(out.read_text())
+    calibration.check_identity(raw, "cpu", str(out))
+    assert {(b["tp"], b["recompute"]) for b in raw["compute"]["blocks"]} == {(2, "none")}
+    if calibration.cores() >= 2:  # the block again on 2 real tp ranks, its all-reduces in
+        assert [(b["tp"], b["recompute"]) for b in raw["compute"]["tp_blocks"]] == [(2, "none")]
+    assert raw["compute"]["engine_copy_s_per_param"] > 0  # dp2: DeepSpeed's copies around the all-reduce
+    assert any((f["op"], f["n"]) == ("all_reduce", 2) for f in raw["collectives"]["fits"])
+    assert "use it: p3d-plan" in made.stdout
+
+    plan = p3d_plan("model=tiny", "mesh=dp2_tp2", f"calibration={out}", "format=json")
+    assert plan.returncode == 0, output_tail(plan)
+    assert json.loads(plan.stdout)["assumptions"]["calibration"] == str(out)
+
+    dry = p3d_train(
+        "model=tiny", "mesh=auto", "cluster.gpus_per_node=4", f"calibration={out}", "dry_run=true", timeout=180
+    )
+    assert dry.returncode == 0, output_tail(dry)
+
+    doctored = tmp_path / "other-torch.json"
+    raw["software"]["torch"] = "1.0.0"
+    doctored.write_text(json.dumps(raw))
+    refused = p3d_plan("model=tiny", "mesh=dp2", f"calibration={doctored}")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, output_tail(refused)
+    assert f"calibration={Path(doctored)}" in lines[0] and "p3d-plan calibrate" in lines[0]
