@@ -1,6 +1,7 @@
-"""``p3d-plan calibrate`` as a user runs it (issue 36): a quick calibration of model=tiny dp2 x tp2 (its block alone
-and on two tp ranks, DeepSpeed's gradient copies, the collectives) writes a file this machine accepts; p3d-plan and ``p3d-train mesh=auto ... dry_run=true`` use it; a copy made with another torch is refused in
-one line (exit 2)."""
+"""``p3d-plan calibrate`` as a user runs it (issue 36): a quick calibration of model=tiny dp2 x tp2 (its block
+alone and on two tp ranks, DeepSpeed's gradient copies, the collectives) writes a file this machine accepts;
+p3d-plan and ``p3d-train mesh=auto ... dry_run=true`` use it; a copy made with another torch is refused in one line
+(exit 2)."""
 
 from __future__ import annotations
 
