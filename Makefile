@@ -2,7 +2,7 @@
 #   make train   create the environment if missing, then run the default training job
 #   make test    create the environment if missing, then run the test suite (less its slow tier)
 #   make test-all    the whole suite, slow tier included
-#   make test-fast   the in-process tests only (tests/unit/: no worker, no p3d-train, no Slurm job)
+#   make test-fast   the in-process tests less the slow tier (tests/unit/: no worker, no p3d-train, no Slurm job)
 #   make lint    ruff (lint + format check) and mypy
 #   make gpu-check   the GPU path on a CUDA machine (docs/gpu.md); a dry mode anywhere else
 PYTHON ?= python3
@@ -36,7 +36,7 @@ test-all: $(STAMP)
 
 # tests/unit/: in-process; a test there that starts a process fails (tests/conftest.py).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
