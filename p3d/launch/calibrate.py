@@ -34,7 +34,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from p3d import exit_codes
+from p3d.config.schema import Launcher
 from p3d.console import say
+from p3d.jobs.slurm import calibrate as slurm_calibrate
 from p3d.launch.check import typed_config
 from p3d.launch.compose import config_error, is_multirun, report_error
 from p3d.layout.run_plan import P3DConfigError
@@ -280,6 +282,19 @@ def summary(raw: dict[str, Any]) -> list[str]:
     return lines
 
 
+def on_a_node(cfg, out: Path) -> int:
+    """``cluster=slurm`` outside an allocation: the same command as one srun step on a node of the cluster."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from p3d.planner.shapes import layout_of
+
+    world = layout_of(cfg).world_size if cfg.mesh.name != "auto" else (cfg.cluster.gpus_per_node or 1)
+    status = slurm_calibrate.calibrate_on_a_node(cfg, world, list(HydraConfig.get().overrides.task), out)
+    if status != 0:
+        return report_error(f"calibrate: the srun step on the cluster exited {status}; nothing written to {out}", 1)
+    return exit_codes.OK
+
+
 def calibrate_task(cfg_node: DictConfig) -> int:
     """Compose as p3d-plan does, probe, write ``calibration=``; the file named is the output here, not an input."""
     out_name = cfg_node.get("calibration")
@@ -292,6 +307,8 @@ def calibrate_task(cfg_node: DictConfig) -> int:
                 "run it with cluster.device=cpu, or plan without calibration="
             )
         out = absolute(out_name or f"p3d-calibration-{cfg.cluster.device}.json")
+        if cfg.cluster.launcher == Launcher.slurm and not slurm_calibrate.inside_allocation():
+            return on_a_node(cfg, out)
         raw = calibrate(cfg, out)
     except P3DConfigError as exc:
         return config_error(str(exc), is_multirun())

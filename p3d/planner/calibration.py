@@ -73,10 +73,11 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
-def check_identity(raw: Any, device: str, path: str) -> None:
+def check_identity(raw: Any, device: str, path: str, elsewhere: bool = False) -> None:
     """P3DConfigError, one line naming ``calibration=`` and the fix, unless ``raw`` was made on this kind of
     machine with this software: format, p3d's version, torch's major.minor, the device, and on cpu the cpu model and
-    the cores this process may use."""
+    the cores this process may use. ``elsewhere``: the run trains on other machines than this one (a Slurm
+    cluster, planned from its login node), whose cpu model and cores this host cannot vouch for: not compared."""
     where = f"calibration={path}"
     if not isinstance(raw, dict) or raw.get("kind") != KIND or raw.get("format") != FORMAT:
         got = raw.get("format") if isinstance(raw, dict) else None
@@ -93,7 +94,7 @@ def check_identity(raw: Any, device: str, path: str) -> None:
             f"{where} was made on cluster.device={machine.get('device')}, this config plans cluster.device={device}; "
             f"{AGAIN} with cluster.device={device}, or drop calibration="
         )
-    if device == "cpu":
+    if device == "cpu" and not elsewhere:
         here = host_fingerprint(device)
         for key in ("cpu_model", "cores"):
             if machine.get(key) != here[key]:
@@ -118,7 +119,7 @@ def read(path: str) -> dict[str, Any]:
 def check_file(cfg) -> None:
     """Read, check and parse ``cfg.calibration`` (typed_config runs this before anything starts)."""
     raw = read(cfg.calibration)
-    check_identity(raw, str(cfg.cluster.device), cfg.calibration)
+    check_identity(raw, str(cfg.cluster.device), cfg.calibration, elsewhere=cfg.cluster.launcher.value == "slurm")
     parse(raw, cfg.calibration)
 
 
