@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import ROOT
+from tests.helpers.runs import ROOT, p3d_plan
 
 FIELDS = {
     "fits": bool,
@@ -24,17 +22,6 @@ FIELDS = {
     "bubble": float,
     "warnings": list,
 }
-
-
-def p3d_plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "p3d.cli.plan", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
-    )
 
 
 def test_json_has_the_issue_fields(tmp_path):

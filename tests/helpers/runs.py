@@ -61,14 +61,25 @@ def p3d_train(
 ) -> subprocess.CompletedProcess:
     """Run p3d-train as a user would; output captured. ``env`` adds to this process's environment,
     from which the variables starting with ``drop_env`` are removed first."""
+    return _command("p3d.cli", args, ROOT, timeout, env or {}, drop_env)
+
+
+def p3d_plan(
+    *args: str, cwd: Path = ROOT, timeout: float = 180, env: dict | None = None, drop_env: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run p3d-plan as a user would (Hydra's short errors); ``env`` and ``drop_env`` as for :func:`p3d_train`."""
+    return _command("p3d.cli.plan", args, cwd, timeout, {"HYDRA_FULL_ERROR": "0", **(env or {})}, drop_env)
+
+
+def _command(module: str, args, cwd: Path, timeout: float, env: dict, drop_env: str | None):
     base = {k: v for k, v in os.environ.items() if not (drop_env and k.startswith(drop_env))}
     return subprocess.run(
-        [sys.executable, "-m", "p3d.cli", *args],
-        cwd=ROOT,
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**base, **(env or {})},
+        env={**base, **env},
     )
 
 

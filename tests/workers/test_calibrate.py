@@ -6,26 +6,12 @@ p3d-plan and ``p3d-train mesh=auto ... dry_run=true`` use it; a copy made with a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from p3d.planner import calibration
-from tests.helpers.runs import ROOT, output_tail, p3d_train
-
-
-def p3d_plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "p3d.cli.plan", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})},
-    )
+from tests.helpers.runs import output_tail, p3d_plan, p3d_train
 
 
 @pytest.mark.timeout(300)

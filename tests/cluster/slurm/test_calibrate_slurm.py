@@ -5,31 +5,27 @@ allocation (the cpu model and cores of a cluster's nodes are not compared with t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import ROOT, output_tail
+from tests.helpers.runs import output_tail, p3d_plan
 
-
-def p3d_plan(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # outside any allocation
-    return subprocess.run(
-        [sys.executable, "-m", "p3d.cli.plan", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**env, "P3D_CALIBRATE_QUICK": "1", "HYDRA_FULL_ERROR": "0"},
-    )
+QUICK = {"P3D_CALIBRATE_QUICK": "1"}  # every call outside any allocation (SLURM_* dropped)
 
 
 @pytest.mark.timeout(420)
 def test_calibrate_runs_on_a_node_and_the_plan_uses_it(slurm_cluster, tmp_path):
     out = tmp_path / "cal.json"
-    made = p3d_plan("calibrate", "cluster=slurm", "cluster.time=10", "model=tiny", "mesh=dp2", f"calibration={out}")
+    made = p3d_plan(
+        "calibrate",
+        "cluster=slurm",
+        "cluster.time=10",
+        "model=tiny",
+        "mesh=dp2",
+        f"calibration={out}",
+        env=QUICK,
+        drop_env="SLURM_",
+    )
     assert made.returncode == 0, output_tail(made)
     assert "on one node of the cluster: srun --nodes=1 --ntasks=1 --exclusive --cpus-per-task=2" in made.stdout
     raw = json.loads(out.read_text())
@@ -38,7 +34,9 @@ def test_calibrate_runs_on_a_node_and_the_plan_uses_it(slurm_cluster, tmp_path):
     moved = dict(raw, machine={**raw["machine"], "cpu_model": "the nodes' cpu", "cores": 64})  # another machine
     other = tmp_path / "nodes.json"
     other.write_text(json.dumps(moved))
-    plan = p3d_plan("cluster=slurm", "model=tiny", "mesh=dp2", f"calibration={other}", "format=json")
+    plan = p3d_plan(
+        "cluster=slurm", "model=tiny", "mesh=dp2", f"calibration={other}", "format=json", env=QUICK, drop_env="SLURM_"
+    )
     assert plan.returncode == 0, output_tail(plan)
     assert json.loads(plan.stdout)["assumptions"]["calibration"] == str(other)
     local = p3d_plan("model=tiny", "mesh=dp2", f"calibration={other}")  # a local run trains here: refused
