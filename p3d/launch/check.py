@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from p3d.console import say
 from p3d.launch.compose import given_overrides
+from p3d.layout.elastic_rules import check_launcher, is_elastic
 from p3d.layout.run_plan import P3DConfigError, build_plan, check_config, fill_derived
 from p3d.rundir.files import METRICS, holds_run
 
@@ -125,7 +126,15 @@ def prepare(cfg_node: DictConfig):
     from p3d.launch.resume_base import resume_node
 
     cfg = typed_config(resume_node(cfg_node, given_overrides(), config_groups()))
-    return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
+    vocab = tokenizer_vocab(cfg.data)
+    plan = build_plan(cfg, vocab, for_training=not cfg.dry_run)
+    if is_elastic(cfg):
+        from p3d.jobs.elastic import refit
+        from p3d.layout.elastic import check_floor
+
+        check_floor(cfg, plan, refit, vocab)  # the run must be able to continue on cluster.elastic.min_nodes
+        check_launcher(cfg)
+    return cfg, plan
 
 
 def preflight(cfg, run_plan) -> None:
