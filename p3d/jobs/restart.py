@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from p3d import exit_codes
+from p3d.jobs import elastic
 from p3d.rundir.files import logs as run_logs
 from p3d.rundir.files import read_metrics
 
@@ -47,19 +48,32 @@ def run_with_restarts(
     launch: Callable[[dict], int],
     run_dir: Path,
     max_restarts: int,
-    refreeze: Callable[[str], int],
+    refreeze: Callable[..., int],
     console=None,
     stopped=lambda: False,
 ) -> int:
     """``launch(failure)`` runs the workers once (p3d.jobs.local.launch_local); returns the last status.
-    ``refreeze(run_dir)``: the spec frozen again to resume the newest checkpoint (p3d.launch.requeue.resume_spec),
-    0 when it could; ``stopped()``: a stop signal came (never restart then)."""
+    ``refreeze(run_dir, nodes=None, event=None)``: the spec frozen again to resume the newest checkpoint
+    (p3d.launch.requeue.resume_spec; on ``nodes`` nodes for an elastic run), 0 when it could; ``stopped()``: a stop
+    signal came (never restart then). A lost node (``failure["lost_nodes"]``) of an elastic run is decided by
+    p3d.jobs.elastic first, outside train.max_restarts."""
     console = console or sys.stdout
     previous: tuple[int, str] | None = None
     restarts = 0
     while True:
         failure: dict = {}
         rc = launch(failure)
+        if failure.get("lost_nodes") and rc in RESTARTABLE and not stopped():
+            decision = elastic.after_loss(
+                run_dir, failure["lost_nodes"], failure["alive_nodes"], step_in_flight(run_dir)
+            )
+            if decision.action != "same":
+                print(decision.line, file=console, flush=True)
+                if decision.action == "stop":
+                    return exit_codes.NODES_LOST
+                if refreeze(str(run_dir), nodes=decision.nodes, event=decision.event) != 0:
+                    return rc
+                continue
         if rc not in RESTARTABLE or not failure.get("restartable") or max_restarts == 0 or stopped():
             return rc
         this = (step_in_flight(run_dir), failure["cause"])

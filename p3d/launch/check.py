@@ -161,11 +161,12 @@ def preflight(cfg, run_plan) -> None:
     )
 
 
-def check_run(cfg, multirun: bool = False):
+def check_run(cfg, multirun: bool = False, quiet: bool = False):
     """What needs the disk and the data, before any worker starts: the checkpoint to resume (``auto``
     resolved to a directory, checked complete and of this model), a run directory that already holds a
     run (never overwritten without ``train.resume``), the data (opens, has the text column, has enough
-    tokens), and the W&B group of a sweep."""
+    tokens), and the W&B group of a sweep. ``quiet``: the lines of what a resume changes are not printed (an
+    elastic re-fit's one line says it)."""
     import dataclasses
 
     from p3d.checkpoint import find as checkpoint
@@ -189,9 +190,9 @@ def check_run(cfg, multirun: bool = False):
         check_data(cfg.data, cfg.model.seq_len, need_val=cfg.train.eval_every > 0)
     except (OSError, ValueError, KeyError) as exc:
         raise P3DConfigError(str(exc).strip("'\"")) from None
-    if found is None and cfg.train.resume == "auto":
+    if found is None and cfg.train.resume == "auto" and not quiet:
         say(f"no checkpoint in {checkpoint.root(run_dir)}; starting from step 0")
-    for line in changes:
+    for line in [] if quiet else changes:
         say(line)
     train = dataclasses.replace(cfg.train, resume=str(found) if found else "none")
     logger = cfg.logger

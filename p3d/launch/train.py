@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -62,16 +61,9 @@ def _launch(cfg, plan, lease) -> int:
 
     from p3d.jobs.forked import worker_imports
     from p3d.jobs.local import launch_local
-    from p3d.layout.schedule_rules import runs_on_deepspeed
-    from p3d.rundir.spec import write_spec
-    from p3d.train.executors.deepspeed_config import DS_CONFIG_NAME, deepspeed_config
+    from p3d.launch.freeze import freeze
 
-    spec = write_spec(cfg, plan, cfg.run.dir)
-    ds_json = spec.parent / DS_CONFIG_NAME
-    if runs_on_deepspeed(cfg):  # the one executor that reads it: DeepSpeed's engine
-        ds_json.write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")
-    else:  # a torch schedule; a resumed 1f1b run's file would describe an engine this run does not use
-        ds_json.unlink(missing_ok=True)
+    spec = freeze(cfg, plan, cfg.run.dir)
     if cfg.cluster.launcher.value == "slurm":
         from p3d.jobs.slurm.submit import FREEZE_ONLY_ENV, dispatch, inside_allocation
 

@@ -1,0 +1,128 @@
+"""The decision after a lost node (p3d.jobs.elastic) on a fake run directory: a spec, a checkpoint's meta.json and the
+steps logged; the re-freeze on the nodes left (p3d.launch.requeue.resume_spec) and the restart loop around both."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from p3d import exit_codes
+from p3d.checkpoint import find as checkpoint
+from p3d.jobs import elastic
+from p3d.jobs.restart import run_with_restarts
+from p3d.launch.requeue import resume_spec
+from p3d.layout.run_plan import build_plan
+from p3d.rundir.spec import pending_layout_change, read_spec, write_spec
+from tests.helpers.runs import compose_config
+
+ELASTIC = ("model=tiny", "mesh=dp2_pp2", "cluster.nodes=2", "cluster.elastic.min_nodes=1", "train.save_every=3")
+
+
+def fake_run(run_dir: Path, *overrides: str, logged: int = 4, saved: int | None = 3) -> Path:
+    """What a run of ``overrides`` leaves after ``logged`` steps with a checkpoint at step ``saved``."""
+    from p3d.checkpoint.find import model_identity
+
+    cfg = compose_config(*overrides, f"run.dir={run_dir}")
+    write_spec(cfg, build_plan(cfg), run_dir)
+    if saved is not None:
+        ckpt = checkpoint.step_dir(run_dir, saved)
+        ckpt.mkdir(parents=True)
+        meta = {"step": saved, "samples": saved * 16, "model": model_identity(cfg), "tokenizer": cfg.data.tokenizer}
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+        shutil.copy(run_dir / "run_spec.yaml", ckpt / "run_spec.yaml")
+    records = [{"step": s, "loss": 5.0, "grad_norm": 1.0} for s in range(1, logged + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def test_a_lost_node_shrinks_dp_and_says_so_in_one_line(tmp_path):
+    run = fake_run(tmp_path, *ELASTIC)
+    d = elastic.after_loss(run, ["1"], alive=1, at_step=5)
+    assert (d.action, d.nodes) == ("resize", 1)
+    assert d.line == (
+        "p3d: elastic: node 1 lost at step 5; resumed step 3 on 1 node as dp1 x pp2 x tp1, 8 micro batches per replica"
+    )
+    assert d.event is not None
+    assert {k: d.event[k] for k in ("kind", "cause", "lost_nodes", "at_step", "resumed_step", "steps_redone")} == {
+        "kind": "shrink",
+        "cause": "node 1 lost",
+        "lost_nodes": ["1"],
+        "at_step": 5,
+        "resumed_step": 3,
+        "steps_redone": 1,
+    }
+    assert (d.event["old"]["mesh"], d.event["new"]["mesh"]) == ("dp2 x pp2 x tp1", "dp1 x pp2 x tp1")
+    assert d.event["since"] == pytest.approx((run / "metrics.jsonl").stat().st_mtime)
+
+
+def test_below_min_nodes_stops_and_keeps_the_checkpoint(tmp_path):
+    run = fake_run(tmp_path, *ELASTIC, "cluster.elastic.min_nodes=2")
+    d = elastic.after_loss(run, ["1"], alive=1, at_step=5)
+    assert (d.action, d.event) == ("stop", None)
+    assert d.line == (
+        "p3d: elastic: node 1 lost at step 5; 1 node left, below cluster.elastic.min_nodes=2: stopping; the newest "
+        "checkpoint (step 3) is kept: resume with train.resume=auto when nodes return"
+    )
+
+
+def test_a_run_that_is_not_elastic_keeps_the_restart_rule(tmp_path):
+    run = fake_run(tmp_path, "model=tiny", "mesh=dp2_pp2")
+    assert elastic.after_loss(run, ["0"], alive=0, at_step=5).action == "same"
+
+
+def test_the_refreeze_rebuilds_the_plan_and_keeps_the_change_for_the_worker(tmp_path, capsys):
+    run = fake_run(tmp_path, *ELASTIC)
+    d = elastic.after_loss(run, ["1"], alive=1, at_step=5)
+    assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
+    assert capsys.readouterr().out == ""  # the decision's line is the one line
+    cfg, plan = read_spec(run)
+    assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.mesh.dp, cfg.schedule.global_batch_size) == (1, 2, 1, 16)
+    assert (plan.world_size, plan.dp, plan.micro_batches) == (2, 1, 8)
+    assert cfg.train.resume == str(checkpoint.step_dir(run, 3))
+    ds = json.loads((run / "deepspeed_config.json").read_text())
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 8)
+    assert pending_layout_change(run, 3) == d.event  # the first launch after step 3 records it
+    assert pending_layout_change(run, 6) is None  # a later resume within the segment does not
+
+
+def _restarts(run: Path, failures: list[dict]) -> tuple[int, list[tuple], str]:
+    """(status, the refreeze calls, the console) of the restart loop whose launches fail with ``failures``, then
+    succeed."""
+    calls: list[tuple] = []
+    launched: list[dict] = []
+
+    def launch(failure: dict) -> int:
+        launched.append(failure)
+        if len(launched) <= len(failures):
+            failure.update(failures[len(launched) - 1])
+            return exit_codes.WORKER_FAILED
+        return exit_codes.OK
+
+    def refreeze(run_dir: str, nodes: int | None = None, event: dict | None = None) -> int:
+        calls.append((run_dir, nodes, event is not None))
+        return 0
+
+    console = io.StringIO()
+    rc = run_with_restarts(launch, run, 0, refreeze, console=console)  # train.max_restarts=0: not needed
+    return rc, calls, console.getvalue()
+
+
+LOST = {"restartable": True, "cause": "node 1 lost", "lost_nodes": ["1"], "alive_nodes": 1}
+
+
+def test_the_restart_loop_resizes_outside_max_restarts(tmp_path):
+    run = fake_run(tmp_path, *ELASTIC)
+    rc, calls, out = _restarts(run, [LOST])
+    assert (rc, calls) == (0, [(str(run), 1, True)])
+    assert out.startswith("p3d: elastic: node 1 lost at step 5; resumed step 3 on 1 node")
+
+
+def test_the_restart_loop_stops_below_min_nodes_with_its_exit_status(tmp_path):
+    run = fake_run(tmp_path, *ELASTIC, "cluster.elastic.min_nodes=2")
+    rc, calls, out = _restarts(run, [LOST])
+    assert (rc, calls) == (exit_codes.NODES_LOST, [])
+    assert out.count("\n") == 1
