@@ -18,8 +18,9 @@ from typing import Any
 
 from p3d.checkpoint import find as checkpoint
 from p3d.config.schema import Config, ElasticVary
-from p3d.layout.elastic import fit_dp, largest_fit, loss_line, pinned, stop_line, summary
+from p3d.layout.elastic import fit_dp, largest_fit, loss_line, pinned, resize_line, stop_line, summary
 from p3d.layout.elastic_rules import is_elastic
+from p3d.layout.run_plan import RunPlan
 from p3d.rundir.files import METRICS
 
 
@@ -83,3 +84,32 @@ def after_loss(run_dir: Path, lost: list[str], alive: int, at_step: int) -> Deci
         "since": last_logged(run_dir),
     }
     return Decision("resize", nodes, loss_line(lost, at_step, resumed, new, alive), event)
+
+
+def at_start(cfg: Config, plan: RunPlan) -> Decision | None:
+    """A launch that resumes an elastic run on another node count than its checkpoint was trained on (nodes came
+    back, grown by hand: ``p3d-train train.resume=auto cluster.nodes=2``): the line and the layout change to record;
+    None otherwise. ``cfg``: checked (``train.resume`` a checkpoint directory or none)."""
+    from p3d.rundir.files import SPEC
+    from p3d.rundir.spec import read_spec
+
+    if not is_elastic(cfg) or cfg.train.resume == "none" or not (Path(cfg.train.resume) / SPEC).is_file():
+        return None
+    was_cfg, was_plan = read_spec(Path(cfg.train.resume) / SPEC)
+    was, nodes = was_cfg.cluster.nodes, cfg.cluster.nodes
+    if was == nodes:
+        return None
+    resumed = json.loads((Path(cfg.train.resume) / "meta.json").read_text())["step"]
+    new = summary(nodes, plan)
+    event = {
+        "kind": "grow" if nodes > was else "shrink",
+        "cause": f"{nodes} {'node' if nodes == 1 else 'nodes'} at the start, was {was}",
+        "lost_nodes": [],
+        "at_step": resumed + 1,
+        "resumed_step": resumed,
+        "steps_redone": 0,
+        "old": summary(was, was_plan),
+        "new": new,
+        "since": None,  # a start by hand: the time between runs is not the run's loss
+    }
+    return Decision("resize", nodes, resize_line(nodes, was, resumed, new), event)

@@ -130,10 +130,11 @@ def prepare(cfg_node: DictConfig):
     plan = build_plan(cfg, vocab, for_training=not cfg.dry_run)
     if is_elastic(cfg):
         from p3d.jobs.elastic import refit
-        from p3d.layout.elastic import check_floor
+        from p3d.layout.elastic import check_floor, pinned
 
         check_floor(cfg, plan, refit, vocab)  # the run must be able to continue on cluster.elastic.min_nodes
         check_launcher(cfg)
+        cfg = pinned(cfg, plan)  # the node size every re-fit keeps, in the spec (on cpu: the mesh's ranks / nodes)
     return cfg, plan
 
 

@@ -59,11 +59,18 @@ def _launch(cfg, plan, lease) -> int:
     if "RANK" in os.environ:
         return _run_as_worker(cfg, plan)
 
+    from p3d.jobs.elastic import at_start
+
+    resized = at_start(cfg, plan)  # an elastic run resumed on another node count: one line, and the change recorded
+    if resized is not None:
+        print(resized.line, flush=True)
+
     from p3d.jobs.forked import worker_imports
     from p3d.jobs.local import launch_local
     from p3d.launch.freeze import freeze
+    from p3d.rundir.spec import read_spec
 
-    spec = freeze(cfg, plan, cfg.run.dir)
+    spec = freeze(cfg, plan, cfg.run.dir, layout_change=resized.event if resized is not None else None)
     if cfg.cluster.launcher.value == "slurm":
         from p3d.jobs.slurm.submit import FREEZE_ONLY_ENV, dispatch, inside_allocation
 
@@ -81,12 +88,15 @@ def _launch(cfg, plan, lease) -> int:
     from p3d.jobs.restart import run_with_restarts
     from p3d.jobs.stop import StopSignals
 
-    imports = worker_imports(cfg.schedule.pipeline.value, cfg.zero.stage)
     signals = StopSignals({}, sys.stdout, spec.parent, cfg.train.keep_last)  # one for every launch of the run
 
     def launch_once(failure: dict) -> int:
         on_started = lease.refresh if lease is not None else None
-        return launch_local(spec, plan, on_started=on_started, failure=failure, imports=imports, signals=signals)
+        now_cfg, now_plan = read_spec(spec)  # a restart re-froze it: an elastic run's world and imports may change
+        now_imports = worker_imports(now_cfg.schedule.pipeline.value, now_cfg.zero.stage)
+        return launch_local(
+            spec, now_plan, on_started=on_started, failure=failure, imports=now_imports, signals=signals
+        )
 
     from p3d.launch.requeue import resume_spec
 

@@ -61,4 +61,4 @@ def check_launcher(cfg: Config) -> None:
 
 
 # the launchers whose restarts re-plan after a lost node (p3d.jobs.elastic); the others refuse min_nodes
-WIRED = {Launcher.local: False, Launcher.slurm: False}
+WIRED = {Launcher.local: True, Launcher.slurm: False}

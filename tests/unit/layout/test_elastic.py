@@ -92,8 +92,8 @@ RULES = [
         "try cluster.elastic.min_nodes=2 or cluster.elastic.vary=any",
     ),
     (
-        (*ELASTIC, "mesh=dp2_pp2", "cluster.nodes=2"),
-        "cluster.elastic.min_nodes=1 with cluster.launcher=local: this launcher does not yet continue",
+        (*ELASTIC, "mesh=dp2_pp2", "cluster=slurm", "cluster.nodes=2"),
+        "cluster.elastic.min_nodes=1 with cluster.launcher=slurm: this launcher does not yet continue",
         "try cluster.elastic.min_nodes=null",
     ),
     (
