@@ -158,5 +158,5 @@ def record_text(change: dict[str, Any]) -> str:
     if change.get("time_lost_s") is not None:
         parts.append(f"{change['time_lost_s']:.1f} s lost")
     if change.get("steps_redone") is not None:
-        parts.append(f"{change['steps_redone']} steps redone")
+        parts.append(f"{change['steps_redone']} step{'' if change['steps_redone'] == 1 else 's'} redone")
     return ", ".join(parts)

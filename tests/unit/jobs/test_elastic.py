@@ -126,3 +126,51 @@ def test_the_restart_loop_stops_below_min_nodes_with_its_exit_status(tmp_path):
     rc, calls, out = _restarts(run, [LOST])
     assert (rc, calls) == (exit_codes.NODES_LOST, [])
     assert out.count("\n") == 1
+
+
+def test_a_resume_on_more_nodes_lets_dp_follow_unless_the_mesh_is_named():
+    from p3d.launch.resume_base import over_resumed_run
+
+    groups = {"mesh", "cluster", "train", "run"}
+    resumed = {
+        "mesh": {"name": "dp2_pp2", "tp": 1, "pp": 2, "dp": 1},
+        "cluster": {"nodes": 1, "gpus_per_node": 2, "elastic": {"min_nodes": 1, "vary": "dp"}},
+        "train": {"resume": "none"},
+        "run": {"dir": "r"},
+    }
+    composed = {
+        "mesh": {"name": "pp2", "tp": 1, "pp": 2, "dp": 1},
+        "cluster": {"nodes": 2, "gpus_per_node": None, "elastic": {"min_nodes": None, "vary": "dp"}},
+        "train": {"resume": "auto"},
+        "run": {"dir": "r"},
+    }
+    grown = over_resumed_run(composed, resumed, ["train.resume=auto", "cluster.nodes=2"], groups)
+    assert (grown["cluster"]["nodes"], grown["cluster"]["gpus_per_node"], grown["mesh"]["dp"]) == (2, 2, "auto")
+    named = over_resumed_run(composed, resumed, ["cluster.nodes=2", "mesh.dp=1"], groups)
+    assert named["mesh"]["dp"] == 1  # the command line's, refused by the world-size rule if it does not fit
+    plain = {**resumed, "cluster": {**resumed["cluster"], "elastic": {"min_nodes": None, "vary": "dp"}}}
+    assert over_resumed_run(composed, plain, ["cluster.nodes=2"], groups)["mesh"]["dp"] == 1  # not elastic: as today
+
+
+def test_at_start_records_a_grow_when_the_checkpoint_ran_on_fewer_nodes(tmp_path):
+    run = fake_run(tmp_path, *ELASTIC)
+    d = elastic.after_loss(run, ["1"], alive=1, at_step=5)
+    assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
+    ckpt = checkpoint.step_dir(run, 6)  # what the run on 1 node saves
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 6}))
+    shutil.copy(run / "run_spec.yaml", ckpt / "run_spec.yaml")
+    cfg = compose_config(*ELASTIC, f"run.dir={run}", "cluster.gpus_per_node=2", f"train.resume={ckpt}")
+    grown = elastic.at_start(cfg, build_plan(cfg))
+    assert grown is not None and grown.event is not None
+    assert grown.line == (
+        "p3d: elastic: 2 nodes now (was 1); resumed step 6 on 2 nodes as dp2 x pp2 x tp1, 4 micro batches per replica"
+    )
+    assert (grown.event["kind"], grown.event["at_step"], grown.event["old"]["dp"], grown.event["new"]["dp"]) == (
+        "grow",
+        7,
+        1,
+        2,
+    )
+    same = compose_config(*ELASTIC, f"run.dir={run}", "cluster.nodes=1", "mesh.dp=1", f"train.resume={ckpt}")
+    assert elastic.at_start(same, build_plan(same)) is None
