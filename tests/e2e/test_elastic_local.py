@@ -90,3 +90,23 @@ def test_below_min_nodes_stops_with_the_reason_and_keeps_the_checkpoint(tmp_path
         "checkpoint (step 3) is kept: resume with train.resume=auto when nodes return"
     ], output_tail(proc)
     assert checkpoint.verify(checkpoint.find(tmp_path, "auto"))["step"] == 3
+
+
+def test_vary_any_takes_the_planners_layout_on_the_node_left(tmp_path):
+    """mesh=pp2 on two nodes of one worker: one rank left is less than a pp2 replica, so vary=dp could not go on
+    (refused before the start); vary=any runs the planner's layout for one rank and keeps the curve."""
+    proc = p3d_train(
+        f"run.dir={tmp_path}",
+        "train.steps=8",
+        *COMMON,
+        *ELASTIC,
+        "mesh=pp2",
+        "cluster.elastic.vary=any",
+        env={"P3D_TEST_KILL_AT": "node1:5"},
+        timeout=200,
+    )
+    assert proc.returncode == 0, output_tail(proc)
+    assert "p3d: elastic: node 1 lost at step 5; resumed step 3 on 1 node as dp1 x pp1 x tp1" in proc.stdout
+    _, plan = read_spec(tmp_path)
+    assert plan.world_size == 1
+    assert_follows_curve(read_metrics(tmp_path), single_process_curve("train.steps=8", *COMMON), RTOL)
