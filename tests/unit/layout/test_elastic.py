@@ -167,3 +167,12 @@ def test_the_lines_read_as_the_issue_wrote_them():
         "step 46: dp2 x pp2 x tp2 on 2 nodes -> dp1 x pp2 x tp2 on 1 node (node n2 lost), resumed from step 40, "
         "8 micro batches per replica, 48.2 s lost, 5 steps redone"
     )
+
+
+def test_an_elastic_local_run_pins_its_node_size_in_the_spec():
+    from tests.helpers.runs import typed
+
+    cfg, plan = typed(*ELASTIC, "mesh=dp2_pp2", "cluster.nodes=2")
+    assert (cfg.cluster.gpus_per_node, plan.procs_per_node, plan.world_size) == (2, 2, 4)  # cpu: 4 ranks / 2 nodes
+    plain, _ = typed("model=tiny", "mesh=dp2_pp2")
+    assert plain.cluster.gpus_per_node is None  # not elastic: the mesh decides the world, as before
