@@ -51,8 +51,8 @@ def fit_or_reason(cfg: Config, nodes: int, refit: Refit, vocab: int | None) -> t
 
 def largest_fit(cfg: Config, alive: int, refit: Refit, vocab: int | None = None) -> tuple[int, Config, RunPlan] | str:
     """The most nodes, from ``alive`` down to ``cluster.elastic.min_nodes``, on which ``refit`` gives a layout that
-    runs (3 of 4 nodes with a global batch 3 does not divide: 2), as (nodes, config, plan); else the reason the
-    ``min_nodes`` layout is refused. ``cfg``: the run's config with ``cluster.gpus_per_node`` pinned."""
+    runs, as (nodes, config, plan): 3 of 4 nodes left and a global batch 3 replicas do not divide give 2. Else the
+    reason the ``min_nodes`` layout is refused. ``cfg``: the run's config with ``cluster.gpus_per_node`` pinned."""
     least = cfg.cluster.elastic.min_nodes
     assert least is not None, "largest_fit is for elastic runs"
     reason = f"{alive} {_nodes(alive)} left, below cluster.elastic.min_nodes={least}"
