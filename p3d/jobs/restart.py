@@ -131,14 +131,25 @@ def slurm_cause(run_dir: Path, srun_err: Path) -> str | None:
     return None
 
 
-def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[[str], int], console=None) -> int:
+def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[..., int], console=None) -> int:
     """After a failed srun: 0 when the workers should start again (the spec is re-frozen with
     train.resume=auto by ``refreeze`` and the restart printed), REQUEUE when a restart is warranted but
-    train.max_restarts are used up here (the recipe requeues the job), 1 when not (the reason printed)."""
+    train.max_restarts are used up here (the recipe requeues the job), 1 when not (the reason printed). An elastic
+    run that lost nodes: 0 on the nodes left (re-fitted), NODES_LOST below cluster.elastic.min_nodes."""
     from p3d.rundir.spec import read_spec
 
     console = console or sys.stdout
     cfg, _ = read_spec(run_dir)
+    if cfg.cluster.elastic.min_nodes is not None and rc not in (exit_codes.OK, exit_codes.PREEMPTED):
+        from p3d.jobs.slurm.step import allocation
+
+        lost, alive = allocation(srun_err)
+        if lost:  # an elastic run (--no-kill) goes on on the nodes left, or stops below min_nodes (p3d.jobs.elastic)
+            decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir))
+            print(decision.line, file=console, flush=True)
+            if decision.action == "stop":
+                return exit_codes.NODES_LOST
+            return 0 if refreeze(str(run_dir), nodes=decision.nodes, event=decision.event) == 0 else 1
     cause = slurm_cause(run_dir, srun_err)
     if cause is None or rc in (exit_codes.OK, exit_codes.PREEMPTED) or cfg.train.max_restarts == 0:
         return 1

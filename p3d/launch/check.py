@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from p3d.console import say
 from p3d.launch.compose import given_overrides
-from p3d.layout.elastic_rules import check_launcher, is_elastic
+from p3d.layout.elastic_rules import is_elastic
 from p3d.layout.run_plan import P3DConfigError, build_plan, check_config, fill_derived
 from p3d.rundir.files import METRICS, holds_run
 
@@ -133,7 +133,6 @@ def prepare(cfg_node: DictConfig):
         from p3d.layout.elastic import check_floor, pinned
 
         check_floor(cfg, plan, refit, vocab)  # the run must be able to continue on cluster.elastic.min_nodes
-        check_launcher(cfg)
         cfg = pinned(cfg, plan)  # the node size every re-fit keeps, in the spec (on cpu: the mesh's ranks / nodes)
     return cfg, plan
 

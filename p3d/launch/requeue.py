@@ -37,7 +37,28 @@ def resume_spec(run_dir: str, nodes: int | None = None, event: dict | None = Non
     except P3DConfigError as exc:
         print(f"p3d: cannot resume {run_dir}: {exc}", file=sys.stderr, flush=True)
         return exit_codes.CONFIG_ERROR
+    if nodes is not None and event is None:  # a (re)start on another node count than the checkpoint's: say so
+        from p3d.jobs.elastic import at_start
+
+        resized = at_start(cfg, plan)
+        if resized is not None:
+            print(resized.line, flush=True)
+            event = resized.event
     freeze(cfg, plan, run_dir, layout_change=event)
     if nodes is None:
         print(f"p3d: resuming {run_dir} from {cfg.train.resume}", flush=True)
     return 0
+
+
+def resume_in_allocation(run_dir: str) -> int:
+    """The Slurm recipe after a requeue: :func:`resume_spec`, an elastic run fitted to the nodes this start of the job
+    has (``SLURM_JOB_NUM_NODES``): dp grows back when the requeued job got more nodes than it ran on."""
+    import os
+
+    from p3d.rundir.spec import read_spec
+
+    cfg, _ = read_spec(run_dir)
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", cfg.cluster.nodes))
+    if cfg.cluster.elastic.min_nodes is None or nodes == cfg.cluster.nodes:
+        return resume_spec(run_dir)
+    return resume_spec(run_dir, nodes=nodes)

@@ -77,6 +77,13 @@ def _launch(cfg, plan, lease) -> int:
         if inside_allocation() and os.environ.get(FREEZE_ONLY_ENV) != "1":  # salloc, or a sweep's job: one srun step
             from p3d.jobs.slurm.step import run_step
 
+            if cfg.cluster.elastic.min_nodes is not None:  # one srun step never restarts
+                raise P3DConfigError(
+                    f"cluster.elastic.min_nodes={cfg.cluster.elastic.min_nodes} needs the batch recipe's restarts; "
+                    "submit with p3d-train cluster=slurm (or sbatch recipes/slurm/train.sbatch) from outside an "
+                    "allocation, or drop cluster.elastic.min_nodes"
+                )
+
             return run_step(cfg, plan, spec)
         return dispatch(cfg, plan, spec, lease)
     say(f"run dir {spec.parent}")

@@ -46,19 +46,3 @@ def check_elastic(cfg: Config, world: int) -> None:
             f"cluster.nodes={nodes} does not divide the mesh's {world} ranks, so an elastic run has no node size "
             f"to lose; try cluster.nodes=1, or set cluster.gpus_per_node"
         )
-
-
-def check_launcher(cfg: Config) -> None:
-    """The launchers that cannot yet re-plan after a lost node refuse ``cluster.elastic.min_nodes`` (p3d-train only:
-    p3d-plan and the dry run model the layout, which the rules above check)."""
-    c, least = cfg.cluster, cfg.cluster.elastic.min_nodes
-    if least is not None and not WIRED[c.launcher]:
-        raise P3DConfigError(
-            f"cluster.elastic.min_nodes={least} with cluster.launcher={c.launcher.value}: this launcher does not yet "
-            "continue on the nodes left (issue 37); try cluster.elastic.min_nodes=null (a lost node restarts or "
-            "requeues the run at its size)"
-        )
-
-
-# the launchers whose restarts re-plan after a lost node (p3d.jobs.elastic); the others refuse min_nodes
-WIRED = {Launcher.local: True, Launcher.slurm: False}

@@ -174,3 +174,49 @@ def test_at_start_records_a_grow_when_the_checkpoint_ran_on_fewer_nodes(tmp_path
     )
     same = compose_config(*ELASTIC, f"run.dir={run}", "cluster.nodes=1", "mesh.dp=1", f"train.resume={ckpt}")
     assert elastic.at_start(same, build_plan(same)) is None
+
+
+# ---- the Slurm recipe's side: the same decision after a failed srun, and the fit after a requeue
+
+
+@pytest.mark.parametrize(
+    "least,lost,status,nodes", [(1, ["n2"], 0, 1), (2, ["n2"], exit_codes.NODES_LOST, None), (1, [], 1, None)]
+)
+def test_slurm_restart_of_an_elastic_run_resizes_or_stops(tmp_path, monkeypatch, least, lost, status, nodes):
+    from p3d.jobs import restart
+    from p3d.jobs.slurm import step
+
+    run = fake_run(tmp_path, *ELASTIC, f"cluster.elastic.min_nodes={least}")
+    monkeypatch.setattr(step, "allocation", lambda srun_err: (lost, 2 - len(lost)))
+    calls: list[int | None] = []
+
+    def refreeze(run_dir: str, nodes: int | None = None, event: dict | None = None) -> int:
+        calls.append(nodes)
+        return 0
+
+    console = io.StringIO()
+    got = restart.slurm_restart(run, exit_codes.WORKER_FAILED, tmp_path / "srun.err", refreeze, console=console)
+    assert (got, calls[:1] or [None]) == (status, [nodes])
+    if lost:  # one line, the elastic decision's; no lost node: today's rule (max_restarts=0: fail)
+        assert console.getvalue().startswith("p3d: elastic: node n2 lost at step 5;")
+        assert console.getvalue().count("\n") == 1
+
+
+def test_a_requeued_elastic_job_is_fitted_to_the_nodes_it_got(tmp_path, monkeypatch, capsys):
+    from p3d.launch.requeue import resume_in_allocation
+
+    run = fake_run(tmp_path, *ELASTIC)
+    d = elastic.after_loss(run, ["1"], alive=1, at_step=5)
+    assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0  # now on 1 node, dp1
+    ckpt = checkpoint.step_dir(run, 6)
+    ckpt.mkdir(parents=True)
+    cfg, _ = read_spec(run)
+    meta = json.loads((checkpoint.step_dir(run, 3) / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "step": 6}))
+    shutil.copy(run / "run_spec.yaml", ckpt / "run_spec.yaml")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    assert resume_in_allocation(str(run)) == 0
+    assert "p3d: elastic: 2 nodes now (was 1); resumed step 6 on 2 nodes as dp2 x pp2 x tp1" in capsys.readouterr().out
+    cfg, plan = read_spec(run)
+    assert (cfg.cluster.nodes, plan.dp, plan.micro_batches) == (2, 2, 4)
+    assert pending_layout_change(run, 6)["kind"] == "grow"

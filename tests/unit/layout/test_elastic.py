@@ -92,11 +92,6 @@ RULES = [
         "try cluster.elastic.min_nodes=2 or cluster.elastic.vary=any",
     ),
     (
-        (*ELASTIC, "mesh=dp2_pp2", "cluster=slurm", "cluster.nodes=2"),
-        "cluster.elastic.min_nodes=1 with cluster.launcher=slurm: this launcher does not yet continue",
-        "try cluster.elastic.min_nodes=null",
-    ),
-    (
         (*ELASTIC, "mesh=dp4", "cluster.nodes=4", "cluster.elastic.min_nodes=3"),
         "cluster.elastic.min_nodes=3: on 3 nodes the layout is refused: schedule.global_batch_size=16 must be a "
         "multiple of schedule.micro_batch_size x dp = 2 x 3",
