@@ -115,3 +115,46 @@ def test_a_lost_node_continues_on_the_survivor_as_dp1_and_grows_back_after_a_req
         "grew_back_at_step": changes[1]["at_step"],
     }
     print("elastic node loss:", json.dumps(figures))
+
+
+# slow tier (50 s): kept in make test: the continue-and-grow test above; the decision below min_nodes is also a unit
+# test (tests/unit/jobs/test_elastic.py)
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_below_min_nodes_the_job_stops_with_status_6_and_keeps_the_checkpoint(two_nodes, tmp_path):
+    from p3d.checkpoint import find as checkpoint
+
+    run_dir = tmp_path / "run"
+    job = two_nodes.sbatch(
+        "--no-kill",
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--time=30",
+        f"--output={tmp_path}/job-%j.out",
+        RECIPE,
+        *RUN,
+        "cluster.elastic.min_nodes=2",
+        f"run.dir={run_dir}",
+    )
+    log_path = tmp_path / f"job-{job}.out"
+    deadline = time.monotonic() + 240
+    while max(steps_done(run_dir), default=0) < 6:
+        assert time.monotonic() < deadline, f"no step 6: {log_path.read_text()[-3000:] if log_path.exists() else ''}"
+        assert two_nodes.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log_path.read_text()[-3000:]
+        time.sleep(0.2)
+    on_n2 = two_nodes.pids_on("n2")
+    try:
+        two_nodes.kill_node("n2", first=on_n2)
+        state = two_nodes.wait(job, timeout=240)
+        shown = two_nodes.show(job)
+    finally:
+        two_nodes.revive_node("n2")
+    log = log_path.read_text()
+    assert (state, shown.get("ExitCode"), shown.get("Restarts")) == ("FAILED", "6:0", "0"), log[-4000:]
+    lines = [ln for ln in log.splitlines() if "p3d: elastic:" in ln]
+    assert (
+        len(lines) == 1
+        and "1 node left, below cluster.elastic.min_nodes=2: stopping; the newest checkpoint" in (lines[0])
+    ), log[-4000:]
+    newest = checkpoint.find(run_dir, "auto")
+    assert newest is not None and f"(step {checkpoint.verify(newest)['step']}) is kept" in lines[0]
