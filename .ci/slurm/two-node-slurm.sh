@@ -116,18 +116,22 @@ start_munge() {  # the shared munged (left running by stop: the single-node clus
   die "munged does not answer"
 }
 
-wait_idle() {
-  local i
+wait_idle() {  # both nodes, or the one named (revive-node: the other may run a job)
+  local i only=${1:-}
   for ((i = 0; i < WAIT * 2; i++)); do
     for n in "${NODES[@]}"; do
       case $(sinfo -h -n "$n" -o %t 2>/dev/null) in
         drain*|down*|inval*|fail*) scontrol update NodeName="$n" State=RESUME >/dev/null 2>&1 || true ;;
       esac
     done
-    [ "$(sinfo -h -o %t 2>/dev/null | sort -u | tr -d '\n')" = idle ] && [ "$(sinfo -h -o %D 2>/dev/null)" = 2 ] && return 0
+    if [ -n "$only" ]; then
+      [ "$(sinfo -h -n "$only" -o %t 2>/dev/null)" = idle ] && return 0
+    else
+      [ "$(sinfo -h -o %t 2>/dev/null | sort -u | tr -d '\n')" = idle ] && [ "$(sinfo -h -o %D 2>/dev/null)" = 2 ] && return 0
+    fi
     sleep 0.5
   done
-  die "the two nodes did not become idle in ${WAIT}s: $(sinfo 2>&1 | tr '\n' ' ')"
+  die "${only:-the two nodes} did not become idle in ${WAIT}s: $(sinfo 2>&1 | tr '\n' ' ')"
 }
 
 start() {
@@ -181,7 +185,7 @@ revive_node() {
   local n=$1; idx "$n" >/dev/null
   start_slurmd "$n"
   scontrol update NodeName="$n" State=RESUME >/dev/null 2>&1 || true
-  wait_idle
+  wait_idle "$n"
 }
 
 case ${1:-start} in

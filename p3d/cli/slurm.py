@@ -1,7 +1,8 @@
 """The Slurm recipe's steps (recipes/slurm/train.sbatch), one command each:
 
 python -m p3d.cli.slurm layout <run_dir>    world size, tasks per node, ... of the run spec, for srun
-python -m p3d.cli.slurm resume <run_dir>    after a requeue: the spec re-frozen with train.resume=auto
+python -m p3d.cli.slurm resume <run_dir>    after a requeue: the spec re-frozen with train.resume=auto (elastic:
+                                            fitted to the job's nodes)
 python -m p3d.cli.slurm hang <run_dir>      after srun failed: who waited where, who never arrived
 python -m p3d.cli.slurm restart <run_dir> <srun status> <srun stderr file>   restart within the allocation?
 """
@@ -15,7 +16,7 @@ from p3d import exit_codes
 from p3d.config.errors import P3DConfigError
 from p3d.jobs.restart import slurm_restart
 from p3d.jobs.slurm.step import hang_summary, print_layout
-from p3d.launch.requeue import resume_spec
+from p3d.launch.requeue import resume_in_allocation, resume_spec
 
 USAGE = (
     "usage: python -m p3d.cli.slurm {layout|resume|hang} <run_dir>, or python -m p3d.cli.slurm restart <run_dir> "
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE, file=sys.stderr)
             return exit_codes.CONFIG_ERROR
         return slurm_restart(Path(argv[1]), int(argv[2]), Path(argv[3]), resume_spec)
-    commands = {"layout": print_layout, "resume": resume_spec, "hang": hang_summary}
+    commands = {"layout": print_layout, "resume": resume_in_allocation, "hang": hang_summary}
     if len(argv) != 2 or argv[0] not in commands:
         print(USAGE, file=sys.stderr)
         return exit_codes.CONFIG_ERROR

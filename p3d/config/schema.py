@@ -87,6 +87,11 @@ class Launcher(Enum):
     slurm = "slurm"
 
 
+class ElasticVary(Choice):
+    dp = "dp"  # tp, pp and cp stay (each stage's memory does not change); dp follows the nodes left
+    any = "any"  # the planner picks a layout for the nodes left (p3d.planner.best_layout)
+
+
 class DataSource(Enum):
     stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
     files = "files"  # local text / json / jsonl / parquet files or globs
@@ -197,6 +202,16 @@ class ZeroConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Elastic runs (docs/clusters.md): a lost node does not stop the run; it continues on the nodes left."""
+
+    # null: a lost node restarts or requeues the run at the same size; N: continue on the nodes left (re-planned,
+    # the global batch kept) while at least N remain, below that stop (exit_codes.NODES_LOST)
+    min_nodes: Optional[int] = None
+    vary: ElasticVary = ElasticVary.dp  # dp: only dp follows the nodes; any: the planner picks the layout
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local"
     launcher: Launcher = Launcher.local
@@ -225,6 +240,7 @@ class ClusterConfig:
     requeue: bool = True  # --requeue; a job whose workers exit 75 (preempted) requeues itself
     max_requeues: int = 20  # a job requeues itself at most this many times
     recipe: str = "recipes/slurm/train.sbatch"  # the batch script p3d-train submits (relative: p3d's own, p3d/recipes/)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)  # continue on the nodes left after a lost node
 
 
 @dataclass
@@ -419,6 +435,7 @@ BOUNDS: dict[str, Bound] = {
     "cluster.cpus_per_task": AT_LEAST_1,
     "cluster.signal_s": NON_NEGATIVE,
     "cluster.max_requeues": NON_NEGATIVE,
+    "cluster.elastic.min_nodes": AT_LEAST_1,
     "data.shuffle_buffer": NON_NEGATIVE,
     "data.val_fraction": BELOW_1,
     "logger.log_every": AT_LEAST_1,

@@ -30,6 +30,7 @@ POLL_S = 0.1
 FOLLOW_S = 0.05  # how often the console shows what the logging rank wrote
 GRACE_S = 5.0
 HANG_GATHER_S = 10.0  # after the first hang report, how long the other waiting ranks have to write theirs
+NODE_SETTLE_S = 1.0  # after a worker died of a signal, how long the rest of its node has to die too (a lost node)
 
 
 def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
@@ -139,6 +140,39 @@ def _report_hang(procs: dict[int, forked.Worker], plan, logs: Path, console, sho
     return exit_codes.HUNG
 
 
+def _lost_nodes(procs: dict[int, forked.Worker], plan) -> dict[int, list[int]]:
+    """Node -> its ranks, for every (simulated) node whose workers all ended by a signal: a lost worker group, as
+    when a machine dies. Only with several nodes (an elastic run, p3d.layout.elastic_rules); the rest of a node
+    whose first worker died by a signal gets ``NODE_SETTLE_S`` to die too."""
+    nodes = plan.world_size // plan.procs_per_node
+    if nodes < 2 or not any((p.poll() or 0) < 0 for p in procs.values()):
+        return {}
+    deadline = time.monotonic() + NODE_SETTLE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+        time.sleep(POLL_S)
+    groups = {n: [r for r in procs if plan.dims.node_of(r) == n] for n in range(nodes)}
+    return {n: ranks for n, ranks in groups.items() if all((procs[r].poll() or 0) < 0 for r in ranks)}
+
+
+def _report_lost_nodes(procs, plan, lost: dict[int, list[int]], console, shown: Console, failure: dict) -> int:
+    """Stop the others and say in one line which nodes were lost (the elastic decision follows: p3d.jobs.restart)."""
+    others = sum(1 for p in procs.values() if p.poll() is None)
+    _stop(procs)
+    shown.drain()
+    names = [str(n) for n in lost]
+    killed = "; ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {'-'.join(map(str, sorted({ranks[0], ranks[-1]})))} killed by "
+        f"{signal.Signals(-procs[ranks[0]].returncode).name}"
+        for ranks in lost.values()
+    )
+    cause = f"{'node' if len(lost) == 1 else 'nodes'} {', '.join(names)} lost ({killed})"
+    alive = plan.world_size // plan.procs_per_node - len(lost)
+    failure.update(restartable=True, cause=cause, lost_nodes=names, alive_nodes=alive)
+    stopped = f"; stopped the other {others} running workers" if others else ""
+    print(f"p3d: {cause}{stopped}", file=console, flush=True)
+    return exit_codes.WORKER_FAILED
+
+
 def describe_exit(rc: int) -> str:
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
@@ -202,6 +236,9 @@ def launch_local(
             if any(rc == exit_codes.HUNG for _, rc in failed) or hang.read_reports(logs):
                 return _report_hang(procs, plan, logs, console, shown, failure)
             if failed:
+                lost = {} if received else _lost_nodes(procs, plan)
+                if lost:
+                    return _report_lost_nodes(procs, plan, lost, console, shown, failure)
                 rank, rc = _first_cause(failed, logs)
                 break
             if all(p.returncode in ok for p in procs.values()):

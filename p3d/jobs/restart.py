@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from p3d import exit_codes
+from p3d.jobs import elastic
 from p3d.rundir.files import logs as run_logs
 from p3d.rundir.files import read_metrics
 
@@ -47,19 +48,32 @@ def run_with_restarts(
     launch: Callable[[dict], int],
     run_dir: Path,
     max_restarts: int,
-    refreeze: Callable[[str], int],
+    refreeze: Callable[..., int],
     console=None,
     stopped=lambda: False,
 ) -> int:
     """``launch(failure)`` runs the workers once (p3d.jobs.local.launch_local); returns the last status.
-    ``refreeze(run_dir)``: the spec frozen again to resume the newest checkpoint (p3d.launch.requeue.resume_spec),
-    0 when it could; ``stopped()``: a stop signal came (never restart then)."""
+    ``refreeze(run_dir, nodes=None, event=None)``: the spec frozen again to resume the newest checkpoint
+    (p3d.launch.requeue.resume_spec; on ``nodes`` nodes for an elastic run), 0 when it could; ``stopped()``: a stop
+    signal came (never restart then). A lost node (``failure["lost_nodes"]``) of an elastic run is decided by
+    p3d.jobs.elastic first, outside train.max_restarts."""
     console = console or sys.stdout
     previous: tuple[int, str] | None = None
     restarts = 0
     while True:
         failure: dict = {}
         rc = launch(failure)
+        if failure.get("lost_nodes") and rc in RESTARTABLE and not stopped():
+            decision = elastic.after_loss(
+                run_dir, failure["lost_nodes"], failure["alive_nodes"], step_in_flight(run_dir)
+            )
+            if decision.action != "same":
+                print(decision.line, file=console, flush=True)
+                if decision.action == "stop":
+                    return exit_codes.NODES_LOST
+                if refreeze(str(run_dir), nodes=decision.nodes, event=decision.event) != 0:
+                    return rc
+                continue
         if rc not in RESTARTABLE or not failure.get("restartable") or max_restarts == 0 or stopped():
             return rc
         this = (step_in_flight(run_dir), failure["cause"])
@@ -117,14 +131,25 @@ def slurm_cause(run_dir: Path, srun_err: Path) -> str | None:
     return None
 
 
-def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[[str], int], console=None) -> int:
+def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[..., int], console=None) -> int:
     """After a failed srun: 0 when the workers should start again (the spec is re-frozen with
     train.resume=auto by ``refreeze`` and the restart printed), REQUEUE when a restart is warranted but
-    train.max_restarts are used up here (the recipe requeues the job), 1 when not (the reason printed)."""
+    train.max_restarts are used up here (the recipe requeues the job), 1 when not (the reason printed). An elastic
+    run that lost nodes: 0 on the nodes left (re-fitted), NODES_LOST below cluster.elastic.min_nodes."""
     from p3d.rundir.spec import read_spec
 
     console = console or sys.stdout
     cfg, _ = read_spec(run_dir)
+    if cfg.cluster.elastic.min_nodes is not None and rc not in (exit_codes.OK, exit_codes.PREEMPTED):
+        from p3d.jobs.slurm.step import allocation
+
+        lost, alive = allocation(srun_err)
+        if lost:  # an elastic run (--no-kill) goes on on the nodes left, or stops below min_nodes (p3d.jobs.elastic)
+            decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir))
+            print(decision.line, file=console, flush=True)
+            if decision.action == "stop":
+                return exit_codes.NODES_LOST
+            return 0 if refreeze(str(run_dir), nodes=decision.nodes, event=decision.event) == 0 else 1
     cause = slurm_cause(run_dir, srun_err)
     if cause is None or rc in (exit_codes.OK, exit_codes.PREEMPTED) or cfg.train.max_restarts == 0:
         return 1

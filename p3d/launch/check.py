@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from p3d.console import say
 from p3d.launch.compose import given_overrides
+from p3d.layout.elastic_rules import is_elastic
 from p3d.layout.run_plan import P3DConfigError, build_plan, check_config, fill_derived
 from p3d.rundir.files import METRICS, holds_run
 
@@ -129,7 +130,15 @@ def prepare(cfg_node: DictConfig):
     from p3d.launch.resume_base import resume_node
 
     cfg = typed_config(resume_node(cfg_node, given_overrides(), config_groups()))
-    return cfg, build_plan(cfg, tokenizer_vocab(cfg.data), for_training=not cfg.dry_run)
+    vocab = tokenizer_vocab(cfg.data)
+    plan = build_plan(cfg, vocab, for_training=not cfg.dry_run)
+    if is_elastic(cfg):
+        from p3d.jobs.elastic import refit
+        from p3d.layout.elastic import check_floor, pinned
+
+        check_floor(cfg, plan, refit, vocab)  # the run must be able to continue on cluster.elastic.min_nodes
+        cfg = pinned(cfg, plan)  # the node size every re-fit keeps, in the spec (on cpu: the mesh's ranks / nodes)
+    return cfg, plan
 
 
 def preflight(cfg, run_plan) -> None:
@@ -156,11 +165,12 @@ def preflight(cfg, run_plan) -> None:
     )
 
 
-def check_run(cfg, multirun: bool = False):
+def check_run(cfg, multirun: bool = False, quiet: bool = False):
     """What needs the disk and the data, before any worker starts: the checkpoint to resume (``auto``
     resolved to a directory, checked complete and of this model), a run directory that already holds a
     run (never overwritten without ``train.resume``), the data (opens, has the text column, has enough
-    tokens), and the W&B group of a sweep."""
+    tokens), and the W&B group of a sweep. ``quiet``: the lines of what a resume changes are not printed (an
+    elastic re-fit's one line says it)."""
     import dataclasses
 
     from p3d.checkpoint import find as checkpoint
@@ -184,9 +194,9 @@ def check_run(cfg, multirun: bool = False):
         check_data(cfg.data, cfg.model.seq_len, need_val=cfg.train.eval_every > 0)
     except (OSError, ValueError, KeyError) as exc:
         raise P3DConfigError(str(exc).strip("'\"")) from None
-    if found is None and cfg.train.resume == "auto":
+    if found is None and cfg.train.resume == "auto" and not quiet:
         say(f"no checkpoint in {checkpoint.root(run_dir)}; starting from step 0")
-    for line in changes:
+    for line in [] if quiet else changes:
         say(line)
     train = dataclasses.replace(cfg.train, resume=str(found) if found else "none")
     logger = cfg.logger

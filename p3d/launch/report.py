@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,6 +27,7 @@ from hydra.experimental.callback import Callback
 
 from p3d import exit_codes
 from p3d.console import error, say
+from p3d.layout.elastic import record_text
 from p3d.rundir.files import METRICS, SPEC, STATUS, read_json_lines, read_status, write_status
 from p3d.rundir.spec import RUN_PLAN_KEY
 
@@ -56,6 +57,9 @@ class Row:
     status: str = "?"
     reason: str = ""
     run_dir: str = ""
+    layout_changes: int = 0  # an elastic run's re-fits (p3d.jobs.elastic): the records with layout_change
+    time_lost_s: float | None = None  # their time lost together
+    changes: list[str] = field(default_factory=list)  # each as a line (p3d.layout.elastic.record_text); not in the CSV
 
 
 def mesh_label(task_cfg) -> str:
@@ -116,6 +120,10 @@ def read_point(point: Path, name: str) -> Row:
         row.peak_mem_gb = max(mems) if mems else None
         row.final_loss = records[-1].get("loss")
         row.steps = records[-1].get("step")
+        changes = [r["layout_change"] for r in records if r.get("layout_change")]
+        row.layout_changes, row.changes = len(changes), [record_text(c) for c in changes]
+        lost = [c["time_lost_s"] for c in changes if c.get("time_lost_s") is not None]
+        row.time_lost_s = sum(lost) if lost else None
     complete = bool(records) and row.total_steps is not None and row.steps == row.total_steps
     row.status, row.reason = status.get("status", ""), status.get("reason", "") or ""
     if row.status == "submitted":  # p3d-train cluster=slurm: ask Slurm how the job is doing
@@ -207,42 +215,10 @@ def table(rows: list[Row]) -> str:
 
 def write_csv(rows: list[Row], path: Path) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row)])
+        writer = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row) if fl.name != "changes"])
         writer.writeheader()
         for r in rows:
-            writer.writerow(asdict(r))
-
-
-def plot(rows: list[Row], path: Path, title: str) -> None:
-    """Horizontal bars: median tokens/s per layout; points without a throughput are named, empty."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [
-        f"#{r.point} {r.mesh}" + (f" (dp{r.dp} pp{r.pp} tp{r.tp}, {r.schedule})" if r.dp is not None else "")
-        for r in rows
-    ]
-    values = [r.tokens_per_s or 0.0 for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(rows)))
-    colors = ["tab:blue" if r.status == "done" else "tab:gray" for r in rows]
-    bars = ax.barh(range(len(rows)), values, color=colors)
-    for bar, r in zip(bars, rows):
-        note = (
-            (f" {r.tokens_per_s:,.0f}" + (f", MFU {r.mfu:.1%}" if r.mfu is not None else ""))
-            if r.tokens_per_s
-            else f" {r.status}"
-        )
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("tokens/s (median over steps after the first)")
-    ax.set_title(title, fontsize=10)
-    ax.margins(x=0.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            writer.writerow({k: v for k, v in asdict(r).items() if k != "changes"})
 
 
 def report(
@@ -256,11 +232,16 @@ def report(
     png_path = png_path or sweep_dir / "report.png"
     say(f"{sweep_dir} ({len(rows)} point{'s' if len(rows) != 1 else ''})", "p3d-report", stream=stream)
     print(table(rows), file=stream)
+    for r in rows:
+        for line in r.changes:
+            print(f"layout change of {r.point}: {line}", file=stream)
     for path in (csv_path, png_path) if make_plot else (csv_path,):
         path.parent.mkdir(parents=True, exist_ok=True)
     write_csv(rows, csv_path)
     written = [str(csv_path)]
     if make_plot:
+        from p3d.launch.report_plot import plot
+
         plot(rows, png_path, f"p3d sweep {sweep_dir}")
         written.append(str(png_path))
     say(f"wrote {', '.join(written)}", "p3d-report", stream=stream)

@@ -11,7 +11,9 @@ own copy for a checkpoint path), and only what the command line names is taken f
 - a field that follows from another (``FOLLOWS``: a preset's numbers from ``cluster.device``, the chunks per rank
   from ``schedule.pipeline``), when its source changed and the command line does not name it: re-derived, as
   a fresh launch would;
-- ``run.dir``, ``train.resume`` and ``dry_run`` always: they describe this launch.
+- ``run.dir``, ``train.resume`` and ``dry_run`` always: they describe this launch;
+- an elastic run (``cluster.elastic.min_nodes``) resumed on another ``cluster.nodes`` with no mesh named: the layout
+  follows the nodes (``mesh.dp=auto`` over the pinned node size; the planner's with ``vary=any``), as after a lost node.
 
 What then differs from the checkpoint is printed and checked by ``p3d.config.resume_rules`` as before.
 """
@@ -115,7 +117,19 @@ def over_resumed_run(composed: dict, resumed: dict, overrides: list[str], groups
             for key in derived:
                 if key not in fields:
                     _set(merged, key, _get(composed, key), present=_has(composed, key))
+    if _elastic_resize(merged, resumed) and "mesh" not in chosen and not any(f.startswith("mesh.") for f in fields):
+        # an elastic run resumed on another node count (grow back by hand): the layout follows the nodes, as after a
+        # lost node (p3d.jobs.elastic.refit): dp from the pinned node size, or the planner's choice (vary=any)
+        _set(merged, "mesh.dp", "auto")
+        if _get(merged, "cluster.elastic.vary") == "any":
+            _set(merged, "mesh.name", "auto")
     return merged
+
+
+def _elastic_resize(merged: dict, resumed: dict) -> bool:
+    return _get(merged, "cluster.elastic.min_nodes") is not None and _get(merged, "cluster.nodes") != _get(
+        resumed, "cluster.nodes"
+    )
 
 
 def resume_node(cfg_node: DictConfig, overrides: list[str], groups: set[str]) -> DictConfig | dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -60,23 +59,30 @@ def _launch(cfg, plan, lease) -> int:
     if "RANK" in os.environ:
         return _run_as_worker(cfg, plan)
 
+    from p3d.jobs.elastic import at_start
+
+    resized = at_start(cfg, plan)  # an elastic run resumed on another node count: one line, and the change recorded
+    if resized is not None:
+        print(resized.line, flush=True)
+
     from p3d.jobs.forked import worker_imports
     from p3d.jobs.local import launch_local
-    from p3d.layout.schedule_rules import runs_on_deepspeed
-    from p3d.rundir.spec import write_spec
-    from p3d.train.executors.deepspeed_config import DS_CONFIG_NAME, deepspeed_config
+    from p3d.launch.freeze import freeze
+    from p3d.rundir.spec import read_spec
 
-    spec = write_spec(cfg, plan, cfg.run.dir)
-    ds_json = spec.parent / DS_CONFIG_NAME
-    if runs_on_deepspeed(cfg):  # the one executor that reads it: DeepSpeed's engine
-        ds_json.write_text(json.dumps(deepspeed_config(cfg, plan), indent=2) + "\n")
-    else:  # a torch schedule; a resumed 1f1b run's file would describe an engine this run does not use
-        ds_json.unlink(missing_ok=True)
+    spec = freeze(cfg, plan, cfg.run.dir, layout_change=resized.event if resized is not None else None)
     if cfg.cluster.launcher.value == "slurm":
         from p3d.jobs.slurm.submit import FREEZE_ONLY_ENV, dispatch, inside_allocation
 
         if inside_allocation() and os.environ.get(FREEZE_ONLY_ENV) != "1":  # salloc, or a sweep's job: one srun step
             from p3d.jobs.slurm.step import run_step
+
+            if cfg.cluster.elastic.min_nodes is not None:  # one srun step never restarts
+                raise P3DConfigError(
+                    f"cluster.elastic.min_nodes={cfg.cluster.elastic.min_nodes} needs the batch recipe's restarts; "
+                    "submit with p3d-train cluster=slurm (or sbatch recipes/slurm/train.sbatch) from outside an "
+                    "allocation, or drop cluster.elastic.min_nodes"
+                )
 
             return run_step(cfg, plan, spec)
         return dispatch(cfg, plan, spec, lease)
@@ -89,12 +95,15 @@ def _launch(cfg, plan, lease) -> int:
     from p3d.jobs.restart import run_with_restarts
     from p3d.jobs.stop import StopSignals
 
-    imports = worker_imports(cfg.schedule.pipeline.value, cfg.zero.stage)
     signals = StopSignals({}, sys.stdout, spec.parent, cfg.train.keep_last)  # one for every launch of the run
 
     def launch_once(failure: dict) -> int:
         on_started = lease.refresh if lease is not None else None
-        return launch_local(spec, plan, on_started=on_started, failure=failure, imports=imports, signals=signals)
+        now_cfg, now_plan = read_spec(spec)  # a restart re-froze it: an elastic run's world and imports may change
+        now_imports = worker_imports(now_cfg.schedule.pipeline.value, now_cfg.zero.stage)
+        return launch_local(
+            spec, now_plan, on_started=on_started, failure=failure, imports=now_imports, signals=signals
+        )
 
     from p3d.launch.requeue import resume_spec
 

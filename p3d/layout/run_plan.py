@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType, Launcher
+from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType
 from p3d.config.shipped import conf_dir
 from p3d.layout.context_rules import check_context
 from p3d.layout.dims import ParallelDims, largest_divisor_at_most, resolve_dp
+from p3d.layout.elastic_rules import check_elastic
 from p3d.layout.expert_rules import check_experts
 from p3d.layout.geometry import (
     PIECES_RULE,
@@ -357,11 +358,7 @@ def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bo
     check_context(cfg, tp)
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
-    if cfg.cluster.launcher == Launcher.local and cfg.cluster.nodes != 1:
-        raise P3DConfigError(
-            f"cluster.nodes={cfg.cluster.nodes} with cluster.launcher=local: local runs use one "
-            "machine; try cluster.nodes=1 or cluster=slurm"
-        )
+    check_elastic(cfg, world)  # also: several (simulated) nodes on the local launcher are for elastic runs only
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
     dims = ParallelDims(tp, pp, dp, ep=cfg.mesh.ep, cp=cfg.mesh.cp)
     # cpu workers on several nodes: spread evenly (p3d.jobs.slurm.submit.job_shape refuses an uneven split)

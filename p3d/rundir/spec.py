@@ -28,6 +28,7 @@ from p3d.rundir.files import SPEC as SPEC_NAME
 
 # The derived run plan's key. Not "plan": that is the planner's options (Config.plan, ``plan.force``).
 RUN_PLAN_KEY = "run_plan"
+LAYOUT_CHANGE = "layout_change"  # a segment's key: what an elastic re-fit changed (p3d.jobs.elastic)
 SEGMENT_SPECS = "specs"  # specs/from_step_<N>.yaml: the spec each segment of the run was launched with
 
 
@@ -119,13 +120,16 @@ def segments(cfg: Config) -> tuple[list[dict], bool]:
     return history + [new], True
 
 
-def write_spec(cfg: Config, plan: RunPlan, run_dir: str | Path) -> Path:
+def write_spec(cfg: Config, plan: RunPlan, run_dir: str | Path, layout_change: dict | None = None) -> Path:
     """Write run_spec.yaml atomically (temporary name, then rename), with the run's segment history; a
-    launch that starts a segment also writes its spec to specs/from_step_<N>.yaml."""
+    launch that starts a segment also writes its spec to specs/from_step_<N>.yaml. ``layout_change``: what an
+    elastic run's re-fit changed (p3d.jobs.elastic), kept in the newest segment until the worker records it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     body = spec_dict(cfg, plan)
     body["segments"], starts = segments(cfg)
+    if layout_change is not None:
+        body["segments"][-1] = {**body["segments"][-1], LAYOUT_CHANGE: layout_change}
     header = "# p3d run spec: resolved config + derived run plan. Workers read this file, never Hydra.\n"
     text = header + OmegaConf.to_yaml(OmegaConf.create(body))
     targets = ([run_dir / body["segments"][-1]["spec"]] if starts else []) + [run_dir / SPEC_NAME]
@@ -135,6 +139,17 @@ def write_spec(cfg: Config, plan: RunPlan, run_dir: str | Path) -> Path:
         tmp.write_text(text)
         os.replace(tmp, path)
     return run_dir / SPEC_NAME
+
+
+def pending_layout_change(run_dir: str | Path, start_step: int) -> dict | None:
+    """The layout change (p3d.jobs.elastic) of the launch that starts after checkpoint ``start_step``: its segment's,
+    when that segment starts there (a later resume within the segment has none to record)."""
+    path = Path(run_dir) / SPEC_NAME
+    if not path.is_file():
+        return None
+    raw = cast(dict, OmegaConf.to_container(OmegaConf.load(path)))
+    last = (raw.get("segments") or [{}])[-1]
+    return last.get(LAYOUT_CHANGE) if last.get("from_step") == start_step else None
 
 
 def read_spec(path: str | Path) -> tuple[Config, RunPlan]:

@@ -138,12 +138,14 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         mixture = PreparedSamples(cfg.data, cfg.model.seq_len, cfg.train.seed)
     checkpoints = ex.checkpointer
     status = exit_codes.OK
-    # test hook "<rank>:<step>[:once]": that rank SIGKILLs itself as the step starts (":once": not in a resumed run)
+    # test hook "<rank>:<step>[:once]": that rank SIGKILLs itself as the step starts (":once": not in a resumed run);
+    # "node<k>:<step>[:once]": every rank of (simulated) node k does, a lost node (p3d.jobs.local)
     kill_at = os.environ.get(KILL_ENV, "")
     if kill_at.endswith(":once"):
         kill_at = kill_at.removesuffix(":once") if start_step == 0 else ""
+    mine = (f"{rank}:", f"node{plan.dims.node_of(rank)}:")
     for step in range(start_step + 1, cfg.train.steps + 1):
-        if kill_at == f"{rank}:{step}":
+        if kill_at in (f"{mine[0]}{step}", f"{mine[1]}{step}"):
             os.kill(os.getpid(), signal.SIGKILL)
         lr = ex.get_lr()
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done

@@ -17,6 +17,9 @@ Written by one rank only (last stage, dp 0, tp 0), where the loss is known. Figu
   measured bubble above theory with unequal stage figures is imbalance, not fill and drain.
 - MoE models: moe_aux_loss, moe_aux_loss_layers, moe_load_imbalance, moe_dropped (p3d.parallel.experts.balance);
   loss stays the language-model loss. tflops_per_device and mfu count the active parameters.
+- layout_change (an elastic run, on the first step after a re-fit: p3d.jobs.elastic): the old and new layout, the
+  nodes lost, the step resumed, steps_redone, and time_lost_s from the last step logged before the loss to the end
+  of this step.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import os
 import resource
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import TextIO
 
 from p3d.layout.geometry import model_flops_per_token
 from p3d.rundir.files import METRICS, read_metrics
+from p3d.rundir.spec import pending_layout_change
 
 
 def peak_memory_gb() -> float:
@@ -136,6 +141,8 @@ class MetricsLogger:
             else []
         )  # a resumed run redoes the steps after its checkpoint
         self._kept = kept
+        # an elastic run's layout change (p3d.jobs.elastic), recorded with the first step of this launch
+        self._layout_change = pending_layout_change(self.run_dir, start_step)
         self._file: TextIO | None = None  # opened at the first step: a run that never logs one leaves no metrics.jsonl
         progress = cfg.logger.progress
         self.bar = None
@@ -167,6 +174,10 @@ class MetricsLogger:
             "mfu": tflops / self.cfg.cluster.peak_tflops,
             **extra,
         }
+        if self._layout_change is not None:
+            change, self._layout_change = self._layout_change, None
+            since = change.get("since")  # the last step logged before it: the time lost runs to the end of this one
+            record["layout_change"] = {**change, "time_lost_s": time.time() - since if since is not None else None}
         if self._file is None:
             self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - open for the run, closed in close()
             for r in self._kept:

@@ -15,6 +15,7 @@ requeues itself and the next start resumes from the newest checkpoint.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -171,7 +172,7 @@ def run_step(cfg, plan, spec: Path) -> int:
 
 
 def print_layout(run_dir: str) -> int:
-    """One line for the recipe: world tasks_per_node nodes backend logging_rank requeue max_requeues gpus."""
+    """One line for the recipe: world tasks_per_node nodes backend logging_rank requeue max_requeues gpus elastic."""
     from p3d.rundir.spec import read_spec
 
     cfg, plan = read_spec(run_dir)
@@ -185,8 +186,29 @@ def print_layout(run_dir: str) -> int:
         int(cfg.cluster.requeue),
         cfg.cluster.max_requeues,
         lay.gpus_per_node or 0,
+        int(cfg.cluster.elastic.min_nodes is not None),
     )
     return 0
+
+
+NODE_FAILURE = re.compile(r"Node failure on (\S+)")
+
+
+def allocation(srun_err: Path) -> tuple[list[str], int]:
+    """(the nodes this job lost, the nodes it has left), after an srun failed: the job's first nodes
+    (``SLURM_JOB_NODELIST``, which keeps them) less the ones ``scontrol show job`` still lists (a node Slurm marked
+    down leaves the job's NodeList then); srun's ``Node failure on n2`` lines when scontrol lists them all still."""
+    first = hostnames(os.environ["SLURM_JOB_NODELIST"])
+    shown = subprocess.run(
+        ["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
+    ).stdout
+    found = re.search(r"(?<![A-Za-z])NodeList=(\S+)", shown)
+    live = hostnames(found.group(1)) if found and found.group(1) != "(null)" else first
+    lost = [n for n in first if n not in live]
+    if not lost and srun_err.is_file():
+        named = set(NODE_FAILURE.findall(srun_err.read_text(errors="replace")))
+        lost = [n for n in first if n in named]
+    return lost, len(first) - len(lost)
 
 
 def hang_summary(run_dir: str) -> int:

@@ -131,6 +131,8 @@ def sbatch_args(cfg, lay: JobShape, run_dir: str | Path) -> list[str]:
         args.append(f"--time={c.time}")
     args += placement_args(c)
     args.append("--requeue" if c.requeue else "--no-requeue")
+    if c.elastic.min_nodes is not None:  # a lost node leaves the job running on the others (p3d.jobs.elastic)
+        args.append("--no-kill")
     if c.signal_s > 0:  # to the batch shell, which forwards it to the workers (see the recipe)
         args.append(f"--signal=B:USR1@{c.signal_s}")
     args += ["--open-mode=append", f"--output={Path(run_dir).resolve()}/slurm-%j.out"]

@@ -186,3 +186,11 @@ def test_mesh_that_does_not_fit_the_partition_is_refused():
     )
     with pytest.raises(P3DConfigError, match=r"cluster.gpus_per_node=8 exceeds the 4 GPUs per node of partition gpu"):
         check_fits(job_shape(cfg, plan), parse_sinfo(SINFO, "gpu"), plan)
+
+
+def test_an_elastic_job_is_submitted_with_no_kill():
+    elastic = args_of(
+        "cluster=slurm", "mesh=dp2_pp2", "cluster.nodes=2", "cluster.elastic.min_nodes=1", "train.save_every=4"
+    )
+    assert "--no-kill" in elastic and "--nodes=2" in elastic  # a requeue still waits for the full size
+    assert "--no-kill" not in args_of("cluster=slurm", "mesh=dp2_pp2", "cluster.nodes=2")

@@ -55,3 +55,29 @@ def test_cli_writes_csv_and_png(tmp_path, capsys):
     assert main([str(tmp_path / "nothing")]) == 2
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 2
+
+
+def test_layout_changes_are_counted_in_the_csv_and_printed_one_line_each(tmp_path, capsys):
+    point = make_point(tmp_path, "0", status={"status": "done", "returncode": 0})
+    records = [json.loads(line) for line in (point / "metrics.jsonl").read_text().splitlines()]
+    layout = {"nodes": 2, "dp": 2, "pp": 2, "tp": 1, "cp": 1, "micro_batches": 4, "mesh": "dp2 x pp2 x tp1"}
+    records[1]["layout_change"] = {
+        "kind": "shrink",
+        "cause": "node 1 lost",
+        "at_step": 3,
+        "resumed_step": 1,
+        "steps_redone": 1,
+        "old": layout,
+        "new": {**layout, "nodes": 1, "dp": 1, "micro_batches": 8, "mesh": "dp1 x pp2 x tp1"},
+        "time_lost_s": 12.5,
+    }
+    (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "layout change of 0: step 3: dp2 x pp2 x tp1 on 2 nodes -> dp1 x pp2 x tp1 on 1 node (node 1 lost), resumed "
+        "from step 1, 8 micro batches per replica, 12.5 s lost, 1 step redone"
+    ) in out
+    with open(tmp_path / "report.csv") as f:
+        row = next(csv.DictReader(f))
+    assert (row["layout_changes"], row["time_lost_s"]) == ("1", "12.5") and "changes" not in row

@@ -1,0 +1,48 @@
+"""The rules of elastic runs (``cluster.elastic``, docs/clusters.md) that need no run plan.
+
+``build_plan`` runs :func:`check_elastic`; each refusal is one line: field, value, fix. The rule that needs a plan
+(the layout at ``cluster.elastic.min_nodes`` must exist) is :func:`p3d.layout.elastic.check_floor`, run by the
+launcher after the plan is built.
+"""
+
+from __future__ import annotations
+
+from p3d.config.errors import P3DConfigError
+from p3d.config.schema import Config, Launcher
+
+
+def is_elastic(cfg: Config) -> bool:
+    return cfg.cluster.elastic.min_nodes is not None
+
+
+def ranks_per_node(cfg: Config, world: int) -> int:
+    """Workers per node: ``cluster.gpus_per_node``, or on cpu (null) the mesh's ``world`` spread over the nodes."""
+    return cfg.cluster.gpus_per_node or world // cfg.cluster.nodes
+
+
+def check_elastic(cfg: Config, world: int) -> None:
+    """``world``: the ranks of the run at ``cluster.nodes`` (the mesh's)."""
+    c = cfg.cluster
+    nodes, least = c.nodes, c.elastic.min_nodes
+    if c.launcher == Launcher.local and nodes != 1 and least is None:
+        raise P3DConfigError(
+            f"cluster.nodes={nodes} with cluster.launcher=local: local runs use one machine; simulated nodes "
+            "(worker groups) are for elastic runs: add cluster.elastic.min_nodes=1, or try cluster.nodes=1"
+        )
+    if least is None:
+        return
+    if least > nodes:
+        raise P3DConfigError(
+            f"cluster.elastic.min_nodes={least} exceeds cluster.nodes={nodes}: an elastic run continues on at most "
+            f"the nodes it starts with; try cluster.elastic.min_nodes={nodes}"
+        )
+    if cfg.train.save_every == 0:
+        raise P3DConfigError(
+            f"cluster.elastic.min_nodes={least} resumes from the newest checkpoint after a lost node, but "
+            "train.save_every=0 writes none before the end; set train.save_every (e.g. train.save_every=100)"
+        )
+    if c.gpus_per_node is None and world % nodes:
+        raise P3DConfigError(
+            f"cluster.nodes={nodes} does not divide the mesh's {world} ranks, so an elastic run has no node size "
+            f"to lose; try cluster.nodes=1, or set cluster.gpus_per_node"
+        )
