@@ -110,3 +110,21 @@ def test_vary_any_takes_the_planners_layout_on_the_node_left(tmp_path):
     _, plan = read_spec(tmp_path)
     assert plan.world_size == 1
     assert_follows_curve(read_metrics(tmp_path), single_process_curve("train.steps=8", *COMMON), RTOL)
+
+
+def test_inside_an_allocation_without_the_recipe_an_elastic_run_is_refused(tmp_path):
+    """salloc or a sweep's job runs one srun step, which never restarts: min_nodes would be ignored there."""
+    proc = p3d_train(
+        f"run.dir={tmp_path}",
+        "cluster=slurm",
+        "mesh=dp2_pp2",
+        "cluster.nodes=2",
+        "cluster.elastic.min_nodes=1",
+        "train.save_every=3",
+        env={"SLURM_JOB_ID": "1"},
+        timeout=120,
+    )
+    assert proc.returncode == exit_codes.CONFIG_ERROR, output_tail(proc)
+    text = proc.stderr + proc.stdout
+    assert "cluster.elastic.min_nodes=1" in text and "needs the batch recipe's restarts; submit with p3d-train" in text
+    assert len(text.strip().splitlines()) == 1, text
