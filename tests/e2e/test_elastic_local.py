@@ -73,6 +73,7 @@ def test_a_lost_node_shrinks_to_dp1_and_a_resume_on_two_nodes_grows_back(tmp_pat
     )
 
 
+@pytest.mark.slow  # a variant: make test runs the shrink-and-grow case above and the Slurm elastic test
 def test_below_min_nodes_stops_with_the_reason_and_keeps_the_checkpoint(tmp_path):
     proc = p3d_train(
         f"run.dir={tmp_path}",
@@ -92,6 +93,7 @@ def test_below_min_nodes_stops_with_the_reason_and_keeps_the_checkpoint(tmp_path
     assert checkpoint.verify(checkpoint.find(tmp_path, "auto"))["step"] == 3
 
 
+@pytest.mark.slow  # a variant: make test runs the shrink-and-grow case above and the Slurm elastic test
 def test_vary_any_takes_the_planners_layout_on_the_node_left(tmp_path):
     """mesh=pp2 on two nodes of one worker: one rank left is less than a pp2 replica, so vary=dp could not go on
     (refused before the start); vary=any runs the planner's layout for one rank and keeps the curve."""
@@ -112,6 +114,7 @@ def test_vary_any_takes_the_planners_layout_on_the_node_left(tmp_path):
     assert_follows_curve(read_metrics(tmp_path), single_process_curve("train.steps=8", *COMMON), RTOL)
 
 
+@pytest.mark.slow  # a variant: make test runs the shrink-and-grow case above and the Slurm elastic test
 def test_inside_an_allocation_without_the_recipe_an_elastic_run_is_refused(tmp_path):
     """salloc or a sweep's job runs one srun step, which never restarts: min_nodes would be ignored there."""
     proc = p3d_train(
