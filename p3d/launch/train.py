@@ -55,10 +55,26 @@ def _refused(message: str, multirun: bool) -> int:
     return config_error(message, multirun)
 
 
+def _refuse_elastic_in_one_step(cfg) -> None:
+    """Inside an allocation without the recipe (salloc, a sweep's job) the run is one srun step, which never
+    restarts: cluster.elastic.min_nodes would be ignored there. Refused before the spec is written."""
+    if cfg.cluster.launcher.value != "slurm" or cfg.cluster.elastic.min_nodes is None:
+        return
+    from p3d.jobs.slurm.submit import FREEZE_ONLY_ENV, inside_allocation
+
+    if inside_allocation() and os.environ.get(FREEZE_ONLY_ENV) != "1":
+        raise P3DConfigError(
+            f"cluster.elastic.min_nodes={cfg.cluster.elastic.min_nodes} needs the batch recipe's restarts; "
+            "submit with p3d-train cluster=slurm (or sbatch recipes/slurm/train.sbatch) from outside an "
+            "allocation, or drop cluster.elastic.min_nodes"
+        )
+
+
 def _launch(cfg, plan, lease) -> int:
     if "RANK" in os.environ:
         return _run_as_worker(cfg, plan)
 
+    _refuse_elastic_in_one_step(cfg)
     from p3d.jobs.elastic import at_start
 
     resized = at_start(cfg, plan)  # an elastic run resumed on another node count: one line, and the change recorded
@@ -76,13 +92,6 @@ def _launch(cfg, plan, lease) -> int:
 
         if inside_allocation() and os.environ.get(FREEZE_ONLY_ENV) != "1":  # salloc, or a sweep's job: one srun step
             from p3d.jobs.slurm.step import run_step
-
-            if cfg.cluster.elastic.min_nodes is not None:  # one srun step never restarts
-                raise P3DConfigError(
-                    f"cluster.elastic.min_nodes={cfg.cluster.elastic.min_nodes} needs the batch recipe's restarts; "
-                    "submit with p3d-train cluster=slurm (or sbatch recipes/slurm/train.sbatch) from outside an "
-                    "allocation, or drop cluster.elastic.min_nodes"
-                )
 
             return run_step(cfg, plan, spec)
         return dispatch(cfg, plan, spec, lease)

@@ -131,3 +131,4 @@ def test_inside_an_allocation_without_the_recipe_an_elastic_run_is_refused(tmp_p
     text = proc.stderr + proc.stdout
     assert "cluster.elastic.min_nodes=1" in text and "needs the batch recipe's restarts; submit with p3d-train" in text
     assert len(text.strip().splitlines()) == 1, text
+    assert not (tmp_path / "run_spec.yaml").exists()  # refused before the spec is written
