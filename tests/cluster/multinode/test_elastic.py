@@ -33,6 +33,29 @@ def _changes(run_dir) -> list[dict]:
         return []
 
 
+def _submit_and_reach_step_6(two_nodes, tmp_path, run_dir, min_nodes: int):
+    """The recipe with --no-kill over 2 nodes x 4 tasks, elastic down to ``min_nodes``; returns once step 6 is logged:
+    (job id, its output file, the deadline the test keeps)."""
+    job = two_nodes.sbatch(
+        "--no-kill",
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--time=30",
+        f"--output={tmp_path}/job-%j.out",
+        RECIPE,
+        *RUN,
+        f"cluster.elastic.min_nodes={min_nodes}",
+        f"run.dir={run_dir}",
+    )
+    log_path = tmp_path / f"job-{job}.out"
+    deadline = time.monotonic() + 240
+    while max(steps_done(run_dir), default=0) < 6:
+        assert time.monotonic() < deadline, f"no step 6: {log_path.read_text()[-3000:] if log_path.exists() else ''}"
+        assert two_nodes.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log_path.read_text()[-3000:]
+        time.sleep(0.2)
+    return job, log_path, deadline
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict]:
     """The run on one machine: p3d's local launcher, 8 workers."""
@@ -49,23 +72,7 @@ def test_a_lost_node_continues_on_the_survivor_as_dp1_and_grows_back_after_a_req
     from tests.cluster.multinode.conftest import slurm
 
     run_dir = tmp_path / "run"
-    job = two_nodes.sbatch(
-        "--no-kill",
-        "--nodes=2",
-        "--ntasks-per-node=4",
-        "--time=30",
-        f"--output={tmp_path}/job-%j.out",
-        RECIPE,
-        *RUN,
-        "cluster.elastic.min_nodes=1",
-        f"run.dir={run_dir}",
-    )
-    log_path = tmp_path / f"job-{job}.out"
-    deadline = time.monotonic() + 240
-    while max(steps_done(run_dir), default=0) < 6:
-        assert time.monotonic() < deadline, f"no step 6: {log_path.read_text()[-3000:] if log_path.exists() else ''}"
-        assert two_nodes.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log_path.read_text()[-3000:]
-        time.sleep(0.2)
+    job, log_path, deadline = _submit_and_reach_step_6(two_nodes, tmp_path, run_dir, min_nodes=1)
     on_n2 = two_nodes.pids_on("n2")
     revived = False
     try:
@@ -125,23 +132,7 @@ def test_below_min_nodes_the_job_stops_with_status_6_and_keeps_the_checkpoint(tw
     from p3d.checkpoint import find as checkpoint
 
     run_dir = tmp_path / "run"
-    job = two_nodes.sbatch(
-        "--no-kill",
-        "--nodes=2",
-        "--ntasks-per-node=4",
-        "--time=30",
-        f"--output={tmp_path}/job-%j.out",
-        RECIPE,
-        *RUN,
-        "cluster.elastic.min_nodes=2",
-        f"run.dir={run_dir}",
-    )
-    log_path = tmp_path / f"job-{job}.out"
-    deadline = time.monotonic() + 240
-    while max(steps_done(run_dir), default=0) < 6:
-        assert time.monotonic() < deadline, f"no step 6: {log_path.read_text()[-3000:] if log_path.exists() else ''}"
-        assert two_nodes.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log_path.read_text()[-3000:]
-        time.sleep(0.2)
+    job, log_path, deadline = _submit_and_reach_step_6(two_nodes, tmp_path, run_dir, min_nodes=2)
     on_n2 = two_nodes.pids_on("n2")
     try:
         two_nodes.kill_node("n2", first=on_n2)
