@@ -48,6 +48,7 @@ QUICK_ENV = "P3D_CALIBRATE_QUICK"
 MAX_TP = 4  # distinct tp degrees probed at most (the smallest): bounds mesh=auto's probes
 PROBE_TIMEOUT_S = 900
 DP_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default allreduce_bucket_size
+OPTIMIZER_ELEMENTS = 1 << 27  # the optimizer probe's most: beyond it every state streams from memory, the rate holds
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class ProbePlan:
     heads: list[int]  # tp
     reps: int
     memory_mb: int
-    optimizer_params: int
+    optimizer_params: int  # the largest stage's parameters (at most OPTIMIZER_ELEMENTS): the optimizer probe's
     dp_elements: int  # the largest dp gradient message's elements (0: no layout reduces over dp)
     world: int  # ranks of the collectives probe
     group_sizes: list[int]
@@ -72,10 +73,11 @@ def probe_plan(cfg) -> ProbePlan:
     MAX_TP tp degrees). A model the trainer does not build (gpt, MoE blocks) gets no block probes: the planner uses
     the measured rates for it."""
     from p3d.planner.search import candidates
-    from p3d.planner.shapes import layout_of
+    from p3d.planner.shapes import layout_of, stage_params
 
     layouts = candidates(cfg) if cfg.mesh.name == "auto" else [layout_of(cfg)]
     grads = dp_message_sizes(cfg, layouts)
+    stage = max(max(st.total for st in stage_params(cfg, lay)) for lay in layouts)
     pairs = {(lay.tp, lay.recompute) for lay in layouts}
     tps = sorted({tp for tp, _ in pairs})[:MAX_TP]
     blocks = sorted({(tp, rec) for tp, rec in pairs if tp in tps} | {(tp, "none") for tp in tps})
@@ -88,7 +90,7 @@ def probe_plan(cfg) -> ProbePlan:
         heads=tps,
         reps=1 if q else 3,
         memory_mb=16 if q else 128,
-        optimizer_params=1 << 18 if q else 1 << 22,
+        optimizer_params=1 << 18 if q else int(min(OPTIMIZER_ELEMENTS, stage)),
         dp_elements=max(grads, default=0) // 4,
         world=world,
         group_sizes=[n for n in (2, 4, 8) if n <= world],
@@ -175,6 +177,7 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
         "memory_gbps": alone["memory_gbps"],
         "loaded_memory_gbps": med([c["memory_gbps"] for c in loaded]),
         "optimizer_s_per_param": alone["optimizer_s_per_param"],
+        "loaded_optimizer_s_per_param": med([c["optimizer_s_per_param"] for c in loaded]),
         "engine_copy_s_per_param": alone["engine_copy_s_per_param"],
         "loaded_engine_copy_s_per_param": med([c["engine_copy_s_per_param"] for c in loaded])
         if alone["engine_copy_s_per_param"]
@@ -266,7 +269,8 @@ def summary(raw: dict[str, Any]) -> list[str]:
     c = raw["compute"]
     lines = [
         f"  GEMM {c['gemm_tflops'] * 1e3:.1f} GFLOP/s alone, {c['loaded_gemm_tflops'] * 1e3:.1f} loaded; "
-        f"copy {c['memory_gbps']:.1f} GB/s; AdamW {c['optimizer_s_per_param'] * 1e9:.2f} ns/param; "
+        f"copy {c['memory_gbps']:.1f} GB/s; AdamW {c['optimizer_s_per_param'] * 1e9:.2f} ns/param alone, "
+        f"{c.get('loaded_optimizer_s_per_param', c['optimizer_s_per_param']) * 1e9:.2f} loaded; "
         f"cores_effective {c['cores_effective']:.2f} of {c['loaded_ranks']}"
     ]
     for b in c["blocks"]:

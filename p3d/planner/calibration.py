@@ -195,7 +195,7 @@ class Calibration:
     loaded_gemm_tflops: float
     memory_gbps: float
     loaded_memory_gbps: float
-    optimizer_s_per_param: float
+    optimizer_s_per_param: tuple[float, float]  # (alone, loaded)
     engine_copy_s_per_param: tuple[float, float] | None  # (alone, loaded); None: not probed (no dp in the plan)
     fits: dict[tuple[str, int], Fit]
     overhead: dict[str, tuple[float, float]]  # executor -> (per micro batch, per step) seconds
@@ -258,7 +258,10 @@ def parse(raw: dict[str, Any], path: str) -> Calibration:
             loaded_gemm_tflops=float(comp.get("loaded_gemm_tflops", comp["gemm_tflops"])),
             memory_gbps=float(comp["memory_gbps"]),
             loaded_memory_gbps=float(comp.get("loaded_memory_gbps", comp["memory_gbps"])),
-            optimizer_s_per_param=float(comp["optimizer_s_per_param"]),
+            optimizer_s_per_param=(
+                float(comp["optimizer_s_per_param"]),
+                float(comp.get("loaded_optimizer_s_per_param", comp["optimizer_s_per_param"])),
+            ),
             engine_copy_s_per_param=(
                 (float(comp["engine_copy_s_per_param"]), float(comp["loaded_engine_copy_s_per_param"]))
                 if comp.get("engine_copy_s_per_param")

@@ -66,7 +66,7 @@ class Machine(Protocol):
     def head(self, layout: Layout) -> tuple[float, float] | None: ...
     def embedding(self, layout: Layout) -> tuple[float, float] | None: ...
     def collective(self, op: str, nbytes: float, n: int, span: int) -> float: ...
-    def optimizer_seconds(self, elements: float) -> float: ...
+    def optimizer_seconds(self, layout: Layout, elements: float) -> float: ...
     def engine_copies(self, layout: Layout, elements: float) -> float: ...
     def overhead(self, executor: str) -> tuple[float, float]: ...
     def notes(self, layout: Layout) -> list[str]: ...
@@ -102,7 +102,7 @@ class DeviceTable:
             return nbytes / bw + lat
         return ring_factor(op, n) * nbytes / bw + lat
 
-    def optimizer_seconds(self, elements: float) -> float:
+    def optimizer_seconds(self, layout: Layout, elements: float) -> float:
         return elements * OPTIMIZER_BYTES_PER_ELEMENT / hbm_bytes_per_s(self.cfg)
 
     def engine_copies(self, layout: Layout, elements: float) -> float:
@@ -186,8 +186,10 @@ class Calibrated(DeviceTable):
         scale = 1.0 if near == n or op == "send_recv" else ring_factor(fit_op, n) / ring_factor(fit_op, near)
         return self.cal.fits[(fit_op, near)].seconds(nbytes * scale)  # another n: as many bytes as its ring moves
 
-    def optimizer_seconds(self, elements: float) -> float:
-        return elements * self.cal.optimizer_s_per_param
+    def optimizer_seconds(self, layout: Layout, elements: float) -> float:
+        """AdamW's step as probed; with every core busy, as probed in ``cores`` copies at once: the step streams its
+        state through memory, which the ranks stepping together share (dp2 on 2 cores: about 1.6x alone)."""
+        return elements * self.cal.optimizer_s_per_param[1 if self.loaded(layout) else 0]
 
     def engine_copies(self, layout: Layout, elements: float) -> float:
         """DeepSpeed's engine, fp32, ZeRO 0, dp > 1 (``buffered_allreduce_fallback``): the gradients flattened into

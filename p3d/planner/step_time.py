@@ -367,7 +367,7 @@ def tied_seconds(cfg: Config, layout: Layout) -> float:
 
 def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     n = sum(p / (g if optimizer_sharded(cfg) else 1) for p, g in _reduced_groups(layout, st))
-    return machine_of(cfg).optimizer_seconds(n)
+    return machine_of(cfg).optimizer_seconds(layout, n)
 
 
 def assumptions(cfg: Config) -> dict[str, Any]:

@@ -156,37 +156,53 @@ def memory_probe(mbytes: int, reps: int, device, sync) -> float:
     return 2 * src.numel() * 4 / t / 1e9
 
 
+def stage_tensors(cfg: Config, elements: int, device) -> list[torch.Tensor]:
+    """Zero tensors in the model's shapes, about ``elements`` in all: the vocab matrix first when it fits in that
+    count (a stage holding the embedding or the head holds it), then the block's weights in turn. The rates per
+    element of what streams over a stage's parameters depend on their shapes: a block's matrices and their states
+    partly stay in the last-level cache, the vocab matrix's never does."""
+    m = cfg.model
+    vocab = (padded_vocab(m.vocab_size, 1), m.hidden_size)
+    block = [(m.hidden_size, m.hidden_size)] * 4 + [(m.ffn_hidden_size, m.hidden_size)] * 3
+    shapes = [vocab] if vocab[0] * vocab[1] <= elements else []
+    total = sum(r * c for r, c in shapes)
+    while total < elements or not shapes:
+        shapes.append(block[len(shapes) % len(block)])
+        total += shapes[-1][0] * shapes[-1][1]
+    return [torch.zeros(shape, device=device) for shape in shapes]
+
+
 def optimizer_probe(cfg: Config, params: int, reps: int, device, sync) -> float:
-    """Seconds per parameter of AdamW's step and zero_grad (p3d's build_optimizer), over block-shaped tensors."""
+    """Seconds per parameter of the executors' optimizer step (p3d's ClippedAdamW: the gradient norm, the clip and
+    AdamW) over ``params`` parameters in the model's shapes (the plan's largest stage). The gradients are in place
+    before each timed step, as the step's backward leaves them; the step's zero_grad drops them (set to None)."""
     from p3d.train.optim import build_optimizer
 
-    h = cfg.model.hidden_size
-    rows = max(1, params // h)
-    module = torch.nn.Sequential(*[torch.nn.Linear(h, h, bias=False) for _ in range(max(1, rows // h))]).to(device)
-    n = sum(p.numel() for p in module.parameters())
-    opt, _ = build_optimizer(module, cfg.train)
-
-    def step() -> None:
-        for p in module.parameters():
-            p.grad = torch.ones_like(p)
+    tensors = [torch.nn.Parameter(t) for t in stage_tensors(cfg, params, device)]
+    n = sum(p.numel() for p in tensors)
+    opt, _ = build_optimizer(torch.nn.ParameterList(tensors), cfg.train, Mesh(tp=1, pp=1, dp=1), clip_here=True)
+    times = []
+    for i in range(max(reps, 3) + 1):  # the first is a warm-up (the moments' first allocation)
+        for p in tensors:
+            p.grad = torch.full_like(p, 1e-3)
+        sync()
+        t0 = time.perf_counter()
         opt.step()
+        sync()
+        if i:
+            times.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
-
-    return _median(step, max(reps, 3), sync) / n
+    return statistics.median(times) / n
 
 
 def engine_copy_probe(cfg: Config, elements: int, reps: int, device, sync) -> float:
     """Seconds per gradient element of what DeepSpeed's ZeRO 0 engine does around its dp all-reduce
     (``allreduce_and_copy``): flatten the gradients into a new buffer, scale it by 1 / dp, copy each slice back.
-    Over ``elements`` in tensors of a block's weight shapes, as many as the largest stage of the plan holds: the new
-    buffer's first touch costs page faults that a copy between warm buffers does not show."""
+    Over ``elements`` in the model's shapes, as many as the largest stage of the plan holds: the new buffer's first
+    touch costs page faults that a copy between warm buffers does not show."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    m = cfg.model
-    shapes = [(m.hidden_size, m.hidden_size)] * 4 + [(m.ffn_hidden_size, m.hidden_size)] * 3
-    grads: list[torch.Tensor] = []
-    while sum(g.numel() for g in grads) < elements:
-        grads.append(torch.ones(shapes[len(grads) % len(shapes)], device=device))
+    grads = stage_tensors(cfg, elements, device)
 
     def copies() -> None:
         flat = _flatten_dense_tensors(grads)

@@ -57,6 +57,7 @@ def fake_raw(*overrides: str, cores: int | None = None, scale: float = 1.0) -> d
             "memory_gbps": 10.0,
             "loaded_memory_gbps": 8.0,
             "optimizer_s_per_param": 3e-9,
+            "loaded_optimizer_s_per_param": 5e-9,
         },
         "collectives": {
             "fits": [
@@ -220,9 +221,12 @@ def test_deepspeed_copies_its_gradients_around_the_dp_all_reduce(tmp_path):
 
 def test_the_probes_follow_the_run_and_mesh_auto_s_candidates():
     from p3d.launch.calibrate import fit, probe_plan
+    from p3d.planner.shapes import stage_params
 
-    one = probe_plan(compose_config("model=small", "mesh=tp2_pp2", "schedule.recompute=full"))
+    cfg = compose_config("model=small", "mesh=tp2_pp2", "schedule.recompute=full")
+    one = probe_plan(cfg)
     assert one.blocks == [(2, "full"), (2, "none")] and one.heads == [2]
+    assert one.optimizer_params == max(st.total for st in stage_params(cfg, layout_of(cfg)))  # AdamW at its stage
     auto = probe_plan(compose_config("model=small", "mesh=auto", "cluster.gpus_per_node=8"))
     assert auto.heads == [1, 2, 4] and len(auto.blocks) == 9 and auto.group_sizes == [2, 4, 8][: len(auto.group_sizes)]
     assert fit([(1.0, 2.0), (3.0, 4.0)]) == (1.0, 1.0) and fit([(1.0, 1.0)]) == (1.0, 0.0)
@@ -271,3 +275,29 @@ def test_deepspeed_copies_at_the_probed_rate(tmp_path):
     lay = layout_of(cfg)
     st = predict(cfg).stages[0].params
     assert dp_seconds(cfg, lay, st) - ring(cfg, st.total * 4.0, 2, 2) == pytest.approx(5e-9 * st.total)
+
+
+def test_adamw_runs_at_the_loaded_rate_when_the_ranks_take_every_core(tmp_path):
+    """AdamW streams its state through memory: where the layout's ranks take every core they step together, at the
+    rate probed in ``cores`` copies at once (dp2 here on a host of 2 cores); fewer ranks than cores, alone."""
+    from p3d.planner.step_time import optimizer_seconds
+
+    path = fake_calibration(tmp_path, fake_raw(*TINY, cores=2))
+    busy, idle = calibrated(path), calibrated(path, "model=tiny", "mesh=single")
+    st = predict(busy).stages[0].params
+    assert optimizer_seconds(busy, layout_of(busy), st) == pytest.approx(5e-9 * st.total)
+    assert optimizer_seconds(idle, layout_of(idle), st) == pytest.approx(3e-9 * st.total)
+
+
+def test_the_optimizer_probe_steps_tensors_of_the_model_s_shapes():
+    """The vocab matrix where the stage's count holds it, then the block's weights; at least the count asked."""
+    from p3d.train.probes import stage_tensors
+
+    cfg = compose_config("model=tiny")
+    m = cfg.model
+    vocab = padded_vocab(m.vocab_size, 1) * m.hidden_size
+    with_vocab = stage_tensors(cfg, vocab + 10, "cpu")
+    assert with_vocab[0].shape == (padded_vocab(m.vocab_size, 1), m.hidden_size)
+    assert with_vocab[1].shape == (m.hidden_size, m.hidden_size) and sum(t.numel() for t in with_vocab) >= vocab + 10
+    blocks = stage_tensors(cfg, vocab - 1, "cpu")
+    assert {tuple(t.shape) for t in blocks} <= {(m.hidden_size, m.hidden_size), (m.ffn_hidden_size, m.hidden_size)}
