@@ -1,6 +1,6 @@
 """The planner with a calibration file against measured step times on this machine (issue 36).
 
-    .venv/bin/python bench/planner_accuracy.py                                # calibrate, then 8 + 3 layouts: ~15 min
+    .venv/bin/python bench/planner_accuracy.py                          # calibrate, then 8 + 3 layouts twice: ~25 min
     .venv/bin/python bench/planner_accuracy.py --calibration cal.json --only single dp2 --json out.json
 
 1. Calibrate once (unless ``--calibration`` names a file): ``p3d-plan calibrate`` with the common overrides below and
@@ -10,7 +10,10 @@
    nominal cpu rates: the "table" column, which the docs call no prediction) and once with ``calibration=``.
 3. Measure with ``p3d-train <overrides> train.steps=<steps>``: the median ``step_time_s`` of ``metrics.jsonl`` over
    the steps after ``--warmup`` (default: steps 3-5). Run directories live in a temp dir, each deleted after its
-   layout (the final checkpoint is written after the timed steps).
+   layout (the final checkpoint is written after the timed steps). Every layout is measured in ``--passes`` passes
+   (default 2; the second in the reverse order, so that a drift of the machine's speed weighs on every layout
+   alike); the measured time is the mean of the passes, and how far apart the passes measured a layout is printed
+   as the run's repeatability: the machine's own noise, which no prediction can beat.
 
 Common overrides: ``model=small model.seq_len=128 schedule.micro_batch_size=1 schedule.global_batch_size=8
 train.dtype=fp32``: 1024 tokens a step. The eight layouts of the targets cover dp, tp and pp, both executors
@@ -161,6 +164,17 @@ def summary(rows: list[dict[str, Any]], verdict: bool = True) -> list[str]:
     return lines
 
 
+def repeatability(rows: list[dict[str, Any]]) -> str:
+    """How far apart the passes measured each layout (the largest over the smallest, less 1): this machine's own
+    noise in one bench run, the closest a prediction can be expected to come."""
+    spreads = sorted((max(r["passes_s"]) / min(r["passes_s"]) - 1, r["name"]) for r in rows)
+    median = statistics.median(s for s, _ in spreads)
+    return (
+        f"repeatability: the passes measured a layout {median:.1%} apart (median), at most {spreads[-1][0]:.1%} "
+        f"({spreads[-1][1]}); this machine's noise, the floor of the error"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -168,6 +182,9 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, help="an existing calibration file (else: calibrate first)")
     parser.add_argument("--only", nargs="+", choices=[*LAYOUTS, *OVERSUBSCRIBED], help="these layouts only")
     parser.add_argument("--no-oversubscribed", action="store_true", help="the layouts within the cores only")
+    parser.add_argument(
+        "--passes", type=int, default=2, help="times each layout is measured (every other pass backwards)"
+    )
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     names = args.only or [*LAYOUTS, *([] if args.no_oversubscribed else OVERSUBSCRIBED)]
@@ -182,30 +199,34 @@ def main() -> None:
             )
             if args.json:
                 shutil.copy(cal, args.json.with_suffix(".calibration.json"))
-        rows = []
+        rows = {}
         for name in names:
             overrides = {**LAYOUTS, **OVERSUBSCRIBED}[name]
             table, cal_plan = predicted(overrides, None), predicted(overrides, cal)
-            seconds = measured(overrides, args.steps, args.warmup, Path(tmp) / name)
-            rows.append(
-                {
-                    "name": name,
-                    "overrides": list(overrides),
-                    "world": cal_plan["layout"]["world_size"],
-                    "table_s": table["step_time_s"],
-                    "calibrated_s": cal_plan["step_time_s"],
-                    "measured_s": seconds,
-                    "breakdown": cal_plan["time_s"],
-                    "notes": cal_plan.get("notes", []),
-                }
-            )
-            print(
-                f"{name}: calibrated {cal_plan['step_time_s']:.2f} s, measured {seconds:.2f} s "
-                f"(load {os.getloadavg()[0]:.2f})",
-                flush=True,
-            )
+            rows[name] = {
+                "name": name,
+                "overrides": list(overrides),
+                "world": cal_plan["layout"]["world_size"],
+                "table_s": table["step_time_s"],
+                "calibrated_s": cal_plan["step_time_s"],
+                "passes_s": [],
+                "breakdown": cal_plan["time_s"],
+                "notes": cal_plan.get("notes", []),
+            }
+        for i in range(args.passes):
+            for name in names if i % 2 == 0 else names[::-1]:  # every other pass backwards: a drift weighs alike
+                seconds = measured(rows[name]["overrides"], args.steps, args.warmup, Path(tmp) / name)
+                rows[name]["passes_s"].append(seconds)
+                print(
+                    f"pass {i + 1} {name}: calibrated {rows[name]['calibrated_s']:.2f} s, measured {seconds:.2f} s "
+                    f"(load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    rows = [{**r, "measured_s": statistics.mean(r["passes_s"])} for r in rows.values()]
     within = [r for r in rows if r["world"] <= (os.cpu_count() or 1)]
     print("\n".join(summary(within)))
+    if args.passes > 1:
+        print(repeatability(within))
     over = [r for r in rows if r not in within]
     if over:
         print("\nmore ranks than cores (outside the targets):")

@@ -71,3 +71,13 @@ def test_every_layout_is_one_p3d_plan_accepts(bench, make_cfg):
         worlds[name] = report.layout.world_size
     assert sorted(set(worlds.values())) == [1, 2, 4, 8]
     assert {worlds[n] for n in bench.LAYOUTS} == {1, 2} and {worlds[n] for n in bench.OVERSUBSCRIBED} == {4, 8}
+
+
+def test_repeatability_is_the_spread_between_passes(bench):
+    rows = [
+        {"name": "x", "passes_s": [1.0, 1.1]},
+        {"name": "y", "passes_s": [2.0, 2.0]},
+        {"name": "z", "passes_s": [3.6, 3.0]},
+    ]
+    line = bench.repeatability(rows)
+    assert "10.0% apart (median), at most 20.0% (z)" in line
