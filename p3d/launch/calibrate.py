@@ -90,12 +90,22 @@ def probe_plan(cfg) -> ProbePlan:
         heads=tps,
         reps=1 if q else 3,
         memory_mb=16 if q else 128,
-        optimizer_params=1 << 18 if q else int(min(OPTIMIZER_ELEMENTS, stage)),
+        optimizer_params=1 << 18 if q else int(min(OPTIMIZER_ELEMENTS, stage, optimizer_room(cores))),
         dp_elements=max(grads, default=0) // 4,
         world=world,
         group_sizes=[n for n in (2, 4, 8) if n <= world],
         sizes=[1 << 16, 1 << 20] if q else sorted({1 << 18, 1 << 22, 1 << 25, *(g for g in grads if g > 1 << 25)}),
     )
+
+
+def optimizer_room(copies: int) -> int:
+    """The parameters each of ``copies`` optimizer probes at once may step in a quarter of this host's memory (16
+    bytes each: the parameter, its gradient and AdamW's two moments)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: 16 GB
+        memory = 16 << 30
+    return memory // 4 // (16 * max(1, copies))
 
 
 def dp_message_sizes(cfg, layouts) -> set[int]:

@@ -37,10 +37,19 @@ import torch.distributed as dist
 from p3d.config.schema import Config
 from p3d.layout.geometry import padded_vocab
 from p3d.parallel.mesh import Mesh
+from p3d.train.host_memory import keep_freed_memory
 
 SEED = 1234
 # The model, DeepSpeed's layer specs and the optimizer are imported by the compute probe only: the collectives
 # probe starts up to 8 processes on the machine it measures, each as light as it can be.
+
+
+def as_a_cpu_worker() -> None:
+    """A cpu worker's settings (p3d.train.worker.set_up_cpu_worker): one thread, and freed memory kept by malloc,
+    without which every activation and gradient buffer above glibc's default thresholds faults its pages in again
+    at each use and the probes time page faults the run does not take."""
+    torch.set_num_threads(1)
+    keep_freed_memory()
 
 
 def _median(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
@@ -222,7 +231,7 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda" if cuda else "cpu")
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     if not cuda:
-        torch.set_num_threads(1)  # as a cpu worker runs (p3d.train.worker)
+        as_a_cpu_worker()
     torch.manual_seed(SEED)
     reps = int(job["reps"])
     return {
@@ -244,7 +253,7 @@ def run_tp_blocks(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     forward and each backward together; rank 0's medians are written."""
     from p3d.rundir.spec import to_config
 
-    torch.set_num_threads(1)
+    as_a_cpu_worker()
     cfg = to_config(job["config"])
     dist.init_process_group("gloo", store=dist.FileStore(job["store"], world), rank=rank, world_size=world)
     mesh = Mesh(tp=world, pp=1, dp=1, rank=rank).with_groups()
@@ -279,7 +288,7 @@ def _timed(fn: Callable[[], None], reps: int, group) -> float:
 def run_collectives(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """Every rank makes every group (torch requires it); the ranks of a group time its ops, the others wait at the
     next world barrier (asleep in gloo: the measurement has the cores)."""
-    torch.set_num_threads(1)
+    as_a_cpu_worker()
     store = dist.FileStore(job["store"], world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     reps, points = int(job["reps"]), []

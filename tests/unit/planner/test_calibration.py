@@ -220,13 +220,14 @@ def test_deepspeed_copies_its_gradients_around_the_dp_all_reduce(tmp_path):
 
 
 def test_the_probes_follow_the_run_and_mesh_auto_s_candidates():
-    from p3d.launch.calibrate import fit, probe_plan
+    from p3d.launch.calibrate import fit, optimizer_room, probe_plan
     from p3d.planner.shapes import stage_params
 
     cfg = compose_config("model=small", "mesh=tp2_pp2", "schedule.recompute=full")
     one = probe_plan(cfg)
     assert one.blocks == [(2, "full"), (2, "none")] and one.heads == [2]
-    assert one.optimizer_params == max(st.total for st in stage_params(cfg, layout_of(cfg)))  # AdamW at its stage
+    stage = max(st.total for st in stage_params(cfg, layout_of(cfg)))
+    assert one.optimizer_params == min(stage, optimizer_room(calibration.cores()))  # AdamW at its stage's size
     auto = probe_plan(compose_config("model=small", "mesh=auto", "cluster.gpus_per_node=8"))
     assert auto.heads == [1, 2, 4] and len(auto.blocks) == 9 and auto.group_sizes == [2, 4, 8][: len(auto.group_sizes)]
     assert fit([(1.0, 2.0), (3.0, 4.0)]) == (1.0, 1.0) and fit([(1.0, 1.0)]) == (1.0, 0.0)
