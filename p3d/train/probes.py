@@ -174,10 +174,10 @@ def stage_tensors(cfg: Config, elements: int, device) -> list[torch.Tensor]:
     vocab = (padded_vocab(m.vocab_size, 1), m.hidden_size)
     block = [(m.hidden_size, m.hidden_size)] * 4 + [(m.ffn_hidden_size, m.hidden_size)] * 3
     shapes = [vocab] if vocab[0] * vocab[1] <= elements else []
-    total = sum(r * c for r, c in shapes)
+    total, i = sum(r * c for r, c in shapes), 0
     while total < elements or not shapes:
-        shapes.append(block[len(shapes) % len(block)])
-        total += shapes[-1][0] * shapes[-1][1]
+        shapes.append(block[i % len(block)])  # a block's weights in their order, q k v o then the three of its MLP
+        total, i = total + shapes[-1][0] * shapes[-1][1], i + 1
     return [torch.zeros(shape, device=device) for shape in shapes]
 
 

@@ -300,5 +300,8 @@ def test_the_optimizer_probe_steps_tensors_of_the_model_s_shapes():
     with_vocab = stage_tensors(cfg, vocab + 10, "cpu")
     assert with_vocab[0].shape == (padded_vocab(m.vocab_size, 1), m.hidden_size)
     assert with_vocab[1].shape == (m.hidden_size, m.hidden_size) and sum(t.numel() for t in with_vocab) >= vocab + 10
+    block = [(m.hidden_size, m.hidden_size)] * 4 + [(m.ffn_hidden_size, m.hidden_size)] * 3
+    whole = stage_tensors(cfg, vocab + sum(r * c for r, c in block), "cpu")  # the vocab, then a block in order
+    assert [tuple(t.shape) for t in whole[1:8]] == block
     blocks = stage_tensors(cfg, vocab - 1, "cpu")
     assert {tuple(t.shape) for t in blocks} <= {(m.hidden_size, m.hidden_size), (m.ffn_hidden_size, m.hidden_size)}
