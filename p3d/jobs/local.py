@@ -31,6 +31,7 @@ FOLLOW_S = 0.05  # how often the console shows what the logging rank wrote
 GRACE_S = 5.0
 HANG_GATHER_S = 10.0  # after the first hang report, how long the other waiting ranks have to write theirs
 NODE_SETTLE_S = 1.0  # after a worker died of a signal, how long the rest of its node has to die too (a lost node)
+PEER_SETTLE_S = 5.0  # when only peers of a lost connection have died, how long the rank that caused it has to exit
 
 
 def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
@@ -108,16 +109,22 @@ _PEER_LOSS = (
 )  # MARKER: it waited for a peer
 
 
+def _lost_a_peer(rank: int, logs: Path) -> bool:
+    tail = _tail(logs / f"rank{rank}.log", 40)
+    return any(marker in tail for marker in _PEER_LOSS)
+
+
+def _only_peers_died(failed: list[tuple[int, int]], logs: Path) -> bool:
+    """Every dead worker exited with an error about a lost peer: the rank that raised the real error may still be
+    tearing down (its sockets close before its interpreter exits), so it is not among them yet."""
+    return all(rc >= 0 and _lost_a_peer(rank, logs) for rank, rc in failed)
+
+
 def _first_cause(failed: list[tuple[int, int]], logs: Path) -> tuple[int, int]:
-    """Of the workers found dead in one poll, the one that failed first: its peers die of the lost
-    connection a moment later. A signal death beats an error exit; an error that is not a lost
-    peer beats one that is; then the lowest rank."""
-
-    def secondary(rank: int) -> bool:
-        tail = _tail(logs / f"rank{rank}.log", 40)
-        return any(marker in tail for marker in _PEER_LOSS)
-
-    return min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), f[0]))
+    """Of the workers found dead, the one that failed first: its peers die of the lost connection a moment
+    later. A signal death beats an error exit; an error that is not a lost peer beats one that is; then the
+    lowest rank."""
+    return min(failed, key=lambda f: (f[1] >= 0, _lost_a_peer(f[0], logs), f[0]))
 
 
 def _report_hang(procs: dict[int, forked.Worker], plan, logs: Path, console, shown: Console, failure: dict) -> int:
@@ -231,10 +238,16 @@ def launch_local(
         if on_started is not None:
             on_started()
         ok = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.NONFINITE)  # every rank ends with the same one
+        peers_died_at = None
         while True:
             failed = [(r, rc) for r, rc in ((r, p.poll()) for r, p in procs.items()) if rc is not None and rc not in ok]
             if any(rc == exit_codes.HUNG for _, rc in failed) or hang.read_reports(logs):
                 return _report_hang(procs, plan, logs, console, shown, failure)
+            if failed and len(failed) < len(procs) and _only_peers_died(failed, logs):
+                peers_died_at = peers_died_at or time.monotonic()
+                if time.monotonic() - peers_died_at < PEER_SETTLE_S:
+                    time.sleep(POLL_S)
+                    continue
             if failed:
                 lost = {} if received else _lost_nodes(procs, plan)
                 if lost:
