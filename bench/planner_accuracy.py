@@ -89,26 +89,31 @@ def predicted(overrides: tuple[str, ...], calibration: Path | None) -> dict[str,
     return json.loads(command("p3d.cli.plan", *COMMON, *overrides, *extra, "format=json"))
 
 
-def step_times(metrics: Path) -> dict[int, float]:
-    """step -> step_time_s of a run's metrics.jsonl (the logging rank's wall time of each train_batch)."""
+KEPT = ("step_time_s", "dp_comm_s", "stage_compute_s", "bubble")  # of each step, into --json: where the time went
+
+
+def step_records(metrics: Path) -> dict[int, dict[str, Any]]:
+    """step -> the KEPT figures of a run's metrics.jsonl (step_time_s: the logging rank's wall time of each
+    train_batch)."""
     out = {}
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
         if "step_time_s" in record and "step" in record:
-            out[int(record["step"])] = float(record["step_time_s"])
+            out[int(record["step"])] = {k: record[k] for k in KEPT if k in record}
     return out
 
 
-def measured(overrides: tuple[str, ...], steps: int, warmup: int, where: Path) -> float:
-    """Median step time of a p3d-train run over the steps after ``warmup``; the run directory is removed."""
+def measured(overrides: tuple[str, ...], steps: int, warmup: int, where: Path) -> tuple[float, dict]:
+    """Median step time of a p3d-train run over the steps after ``warmup``, and every step's KEPT figures; the run
+    directory is removed."""
     run = where / "run"
     try:
         command("p3d.cli", *COMMON, *overrides, f"train.steps={steps}", f"run.dir={run}")
-        times = step_times(run / "metrics.jsonl")
-        kept = [t for step, t in sorted(times.items()) if step > warmup]
+        records = step_records(run / "metrics.jsonl")
+        kept = [r["step_time_s"] for step, r in sorted(records.items()) if step > warmup]
         if not kept:
-            sys.exit(f"no step after the first {warmup} in {run / 'metrics.jsonl'}: {times}")
-        return statistics.median(kept)
+            sys.exit(f"no step after the first {warmup} in {run / 'metrics.jsonl'}: {records}")
+        return statistics.median(kept), records
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
@@ -210,13 +215,15 @@ def main() -> None:
                 "table_s": table["step_time_s"],
                 "calibrated_s": cal_plan["step_time_s"],
                 "passes_s": [],
+                "steps": [],  # per pass: step -> its KEPT figures
                 "breakdown": cal_plan["time_s"],
                 "notes": cal_plan.get("notes", []),
             }
         for i in range(args.passes):
             for name in names if i % 2 == 0 else names[::-1]:  # every other pass backwards: a drift weighs alike
-                seconds = measured(rows[name]["overrides"], args.steps, args.warmup, Path(tmp) / name)
+                seconds, records = measured(rows[name]["overrides"], args.steps, args.warmup, Path(tmp) / name)
                 rows[name]["passes_s"].append(seconds)
+                rows[name]["steps"].append(records)
                 print(
                     f"pass {i + 1} {name}: calibrated {rows[name]['calibrated_s']:.2f} s, measured {seconds:.2f} s "
                     f"(load {os.getloadavg()[0]:.2f})",

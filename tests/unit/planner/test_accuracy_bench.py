@@ -25,13 +25,13 @@ def bench():
     return module
 
 
-def test_step_times_reads_the_step_records_only(bench, tmp_path):
+def test_step_records_reads_the_step_records_only_and_keeps_where_the_time_went(bench, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    records = [{"event": "start"}] + [{"step": s, "loss": 1.0, "step_time_s": 1.0 + s} for s in range(1, 6)]
-    metrics.write_text("\n".join(json.dumps(r) for r in records))
-    times = bench.step_times(metrics)
-    assert times == {1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0, 5: 6.0}
-    assert [t for s, t in sorted(times.items()) if s > 2] == [4.0, 5.0, 6.0]
+    steps = [{"step": s, "loss": 1.0, "step_time_s": 1.0 + s, "dp_comm_s": 0.1 * s} for s in range(1, 6)]
+    metrics.write_text("\n".join(json.dumps(r) for r in [{"event": "start"}, *steps]))
+    records = bench.step_records(metrics)
+    assert {s: r["step_time_s"] for s, r in records.items()} == {1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0, 5: 6.0}
+    assert records[3] == {"step_time_s": 4.0, "dp_comm_s": pytest.approx(0.3)}  # loss is not kept
 
 
 def test_kendall_tau(bench):
