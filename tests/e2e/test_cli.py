@@ -181,6 +181,8 @@ def test_forked_and_fresh_workers_train_the_same_run(tmp_path):
     assert len(steps["fork"]) == 3 and steps["fork"] == steps["exec"]
 
 
+# slow tier (37 s of imports: DeepSpeed's compile at import); kept: test_forked_and_fresh_workers_train_the_same_run
+@pytest.mark.slow
 def test_the_launcher_imports_what_a_zero_worker_imports_and_can_still_fork(tmp_path):
     """forked.worker_imports names the modules a worker would import after the fork: DeepSpeed and, with ZeRO under
     DeepSpeed's engine, the module of its optimizer check (it compiles at import: 1.5 s a worker). After the

@@ -80,6 +80,10 @@ SLOW = ("tp4-sp", "single-compile", "dp2_pp2_tp2-zero1-fused-adamw", "dp2_pp2_tp
 # and the plain meshes that a variant on the same mesh runs in make test (10 + 10 + 7 s): dp2_pp2_tp2 (its -zero1 and
 # -sp-selective), tp2_pp2 (its -tied, -sp, -selective), tp2 (its -sp and -compile-recompute)
 SLOW += ("dp2_pp2_tp2", "tp2_pp2", "tp2")
+# and the variants whose switches a fuller case in make test combines (10 + 10 + 9 + 8 + 5 s): tp2-sp and tp2_pp2-sp
+# (sp: tp2_pp2-sp-selective-swiglu, dp2_pp2_tp2-sp-selective), tp2_pp2-selective and single-selective (selective:
+# the same two), tp2_pp2-tied (a tied head on another stage: pp2-cost-tied)
+SLOW += ("tp2-sp", "tp2_pp2-sp", "tp2_pp2-selective", "single-selective", "tp2_pp2-tied")
 
 
 @pytest.mark.timeout(300)

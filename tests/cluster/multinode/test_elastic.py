@@ -65,6 +65,9 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     return read_metrics(run_dir)
 
 
+# slow tier (116 s, most of it Slurm's SlurmdTimeout and a requeue): kept: tests/e2e/test_elastic_local.py, the same
+# loss, re-plan, resume and growth on the local launcher, and test_two_nodes.py, the two-node job itself
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the fixture's run counts too
 def test_a_lost_node_continues_on_the_survivor_as_dp1_and_grows_back_after_a_requeue(
     two_nodes, uninterrupted, tmp_path
