@@ -115,8 +115,8 @@ def _lost_a_peer(rank: int, logs: Path) -> bool:
 
 
 def _only_peers_died(failed: list[tuple[int, int]], logs: Path) -> bool:
-    """Every dead worker exited with an error about a lost peer: the rank that raised the real error may still be
-    tearing down (its sockets close before its interpreter exits), so it is not among them yet."""
+    """Every dead worker exited with an error about a lost peer: the rank whose exit closed their connections may
+    not have been reaped yet, so it is not among them."""
     return all(rc >= 0 and _lost_a_peer(rank, logs) for rank, rc in failed)
 
 
