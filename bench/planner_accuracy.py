@@ -1,6 +1,6 @@
 """The planner with a calibration file against measured step times on this machine (issue 36).
 
-    .venv/bin/python bench/planner_accuracy.py                          # calibrate, then 8 + 3 layouts twice: ~25 min
+    .venv/bin/python bench/planner_accuracy.py                          # calibrate, then 8 + 3 layouts 3 times: ~40 min
     .venv/bin/python bench/planner_accuracy.py --calibration cal.json --only single dp2 --json out.json
 
 1. Calibrate once (unless ``--calibration`` names a file): ``p3d-plan calibrate`` with the common overrides below and
@@ -11,9 +11,11 @@
 3. Measure with ``p3d-train <overrides> train.steps=<steps>``: the median ``step_time_s`` of ``metrics.jsonl`` over
    the steps after ``--warmup`` (default: steps 3-5). Run directories live in a temp dir, each deleted after its
    layout (the final checkpoint is written after the timed steps). Every layout is measured in ``--passes`` passes
-   (default 2; the second in the reverse order, so that a drift of the machine's speed weighs on every layout
-   alike); the measured time is the mean of the passes, and how far apart the passes measured a layout is printed
-   as the run's repeatability: the machine's own noise, which no prediction can beat.
+   (default 3; every other one in the reverse order, so that a drift of the machine's speed weighs on every layout
+   alike); the measured time is the median of the passes (with two, their mean), so that one slow stretch of the
+   machine, such as the minutes after a calibration (docs/benchmarks.md), moves no layout's figure on its own. How
+   far apart the passes measured a layout is printed as the run's repeatability: the machine's own noise, which no
+   prediction can beat.
 
 Common overrides: ``model=small model.seq_len=128 schedule.micro_batch_size=1 schedule.global_batch_size=8
 train.dtype=fp32``: 1024 tokens a step. The eight layouts of the targets cover dp, tp and pp, both executors
@@ -188,7 +190,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=[*LAYOUTS, *OVERSUBSCRIBED], help="these layouts only")
     parser.add_argument("--no-oversubscribed", action="store_true", help="the layouts within the cores only")
     parser.add_argument(
-        "--passes", type=int, default=2, help="times each layout is measured (every other pass backwards)"
+        "--passes", type=int, default=3, help="times each layout is measured (every other pass backwards)"
     )
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
@@ -229,7 +231,7 @@ def main() -> None:
                     f"(load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
-    rows = [{**r, "measured_s": statistics.mean(r["passes_s"])} for r in rows.values()]
+    rows = [{**r, "measured_s": statistics.median(r["passes_s"])} for r in rows.values()]
     within = [r for r in rows if r["world"] <= (os.cpu_count() or 1)]
     print("\n".join(summary(within)))
     if args.passes > 1:
