@@ -22,9 +22,10 @@ class Device:
     inter_node_gbps: float
     hbm_gbps: float  # device memory bandwidth, datasheet (cpu: a DDR4/5 socket)
     # Achieved fraction of peak_tflops in a transformer block's matmuls: the planner's one fitted constant
-    # per device generation, each set from one published run (MosaicML MPT-70B on 64 GPUs, FSDP + activation
-    # checkpointing: MFU 53.33% on A100-80GB, 42.57% on H100) and used unchanged for every other prediction
-    # (docs/planner.md). H200 / B200: H100's figure, no reference run.
+    # per device generation, the median of the efficiencies at which the planner reproduces each published run
+    # of that generation (tests/helpers/published.py: 20 A100 runs, 8 H100; a test recomputes it).
+    # docs/planner.md quotes each run's error with the constant fitted on the others. H200 / B200: H100's figure,
+    # no reference run.
     matmul_efficiency: float
 
 
@@ -41,11 +42,11 @@ def _gpu(peak: float, memory: float, nvlink: float, nic: float, hbm: float, effi
 
 
 DEVICES: dict[str, Device] = {
-    "a100_40gb": _gpu(312.0, 40.0, nvlink=300.0, nic=25.0, hbm=1555.0, efficiency=0.73),
-    "a100_80gb": _gpu(312.0, 80.0, nvlink=300.0, nic=25.0, hbm=2039.0, efficiency=0.73),
-    "h100_sxm": _gpu(989.0, 80.0, nvlink=450.0, nic=50.0, hbm=3350.0, efficiency=0.60),
-    "h200": _gpu(989.0, 141.0, nvlink=450.0, nic=50.0, hbm=4800.0, efficiency=0.60),
-    "b200": _gpu(2250.0, 180.0, nvlink=900.0, nic=50.0, hbm=8000.0, efficiency=0.60),
+    "a100_40gb": _gpu(312.0, 40.0, nvlink=300.0, nic=25.0, hbm=1555.0, efficiency=0.721),
+    "a100_80gb": _gpu(312.0, 80.0, nvlink=300.0, nic=25.0, hbm=2039.0, efficiency=0.721),
+    "h100_sxm": _gpu(989.0, 80.0, nvlink=450.0, nic=50.0, hbm=3350.0, efficiency=0.522),
+    "h200": _gpu(989.0, 141.0, nvlink=450.0, nic=50.0, hbm=4800.0, efficiency=0.522),
+    "b200": _gpu(2250.0, 180.0, nvlink=900.0, nic=50.0, hbm=8000.0, efficiency=0.522),
     # One CPU worker process: a nominal fp32 figure so MFU is defined on laptops; the world runs on one node.
     "cpu": Device(
         peak_tflops=0.1,

@@ -223,7 +223,8 @@ CASES: dict[str, Case] = {
     ),
     # docs/planner.md, docs/benchmarks.md (issue 36)
     ".venv/bin/python bench/planner_published.py": Case(
-        "not_here", expect="the table of tests/unit/planner/test_published.py, whose tests check every row"
+        "not_here",
+        expect="the table of tests/helpers/published.py, whose rows tests/unit/planner/test_published.py checks",
     ),
     **dict.fromkeys(
         (
