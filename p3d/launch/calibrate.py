@@ -158,7 +158,13 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
     _spawn([["compute", str(job), str(tmp / "alone.json")]])
     alone = json.loads((tmp / "alone.json").read_text())
     copies = min(2, calibration.cores()) if quick() else calibration.cores()  # a test on a big machine stays small
-    _spawn([["compute", str(job), str(tmp / f"loaded{i}.json")] for i in range(copies)])
+    # the copies start each probe together (p3d.train.probes.rendezvous): every loaded figure is all of them at once
+    (tmp / "barrier").mkdir()
+    loaded_job = tmp / "compute-loaded.json"
+    loaded_job.write_text(
+        json.dumps({**json.loads(job.read_text()), "barrier": {"dir": str(tmp / "barrier"), "parties": copies}})
+    )
+    _spawn([["compute", str(loaded_job), str(tmp / f"loaded{i}.json")] for i in range(copies)])
     loaded = [json.loads((tmp / f"loaded{i}.json").read_text()) for i in range(copies)]
 
     def med(values: list[float]) -> float:

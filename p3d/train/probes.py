@@ -13,6 +13,12 @@
 - the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way; the embedding lookup;
 - a GEMM of the block's feed-forward shape (TFLOP/s), a copy (memory GB/s), an AdamW step (s per parameter).
 
+With a ``barrier`` in the job (the loaded copies: ``parties`` of them, a directory), every probe starts when all
+copies have reached it, so that each loaded figure is timed with every copy running the same probe. Without it
+the copies drift apart over the run and the last probes (the optimizer's, the engine's copies: memory-bound, where
+the contention is) ran partly alone: on this 2-core machine the engine copies read 1.7 ns per element loaded, and
+2.7 ns with both ranks copying at once, as DeepSpeed's dp2 engine does.
+
 ``tp_blocks``: one of tp gloo ranks; each block of that tp on a real tp group, its all-reduces in (for tp up to the
 cores: a rank per core, as the run has them).
 
@@ -24,6 +30,7 @@ at a few sizes; rank 0 writes the medians.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,6 +47,8 @@ from p3d.parallel.mesh import Mesh
 from p3d.train.host_memory import keep_freed_memory
 
 SEED = 1234
+FAILED = "failed"  # in a barrier's directory: a copy died, the others stop waiting
+BARRIER_TIMEOUT_S = 600.0  # a loaded copy waiting for the others at a probe (each takes seconds)
 # The model, DeepSpeed's layer specs and the optimizer are imported by the compute probe only: the collectives
 # probe starts up to 8 processes on the machine it measures, each as light as it can be.
 
@@ -223,6 +232,22 @@ def engine_copy_probe(cfg: Config, elements: int, reps: int, device, sync) -> fl
     return _median(copies, max(reps, 3), sync) / n
 
 
+def rendezvous(barrier: dict[str, Any] | None, name: str) -> None:
+    """Wait until all ``barrier["parties"]`` copies have reached the probe ``name`` (a file each in
+    ``barrier["dir"]``); None: one process, no wait."""
+    if barrier is None:
+        return
+    where = Path(barrier["dir"])
+    (where / f"{name}.{os.getpid()}").touch()
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while len(list(where.glob(f"{name}.*"))) < int(barrier["parties"]):
+        if (where / FAILED).exists():
+            raise RuntimeError(f"probe {name}: another loaded copy failed")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"probe {name}: the other loaded copies did not arrive in {BARRIER_TIMEOUT_S} s")
+        time.sleep(0.001)
+
+
 def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     from p3d.rundir.spec import to_config
 
@@ -233,16 +258,28 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     if not cuda:
         as_a_cpu_worker()
     torch.manual_seed(SEED)
-    reps = int(job["reps"])
+    reps, barrier = int(job["reps"]), job.get("barrier")
+
+    def together(name: str, probe: Callable[[], Any]) -> Any:
+        rendezvous(barrier, name)
+        return probe()
+
+    def each(name: str, probe: Callable[[Any], Any], items: list) -> list:
+        return [together(f"{name}{i}", lambda item=item: probe(item)) for i, item in enumerate(items)]
+
     return {
-        "blocks": [block_probe(cfg, tp, rec, reps, device, sync) for tp, rec in job["blocks"]],
-        "head": [head_probe(cfg, tp, reps, device, sync) for tp in job["heads"]],
-        "embedding": [embedding_probe(cfg, tp, reps, device, sync) for tp in job["heads"]],
-        "gemm": [gemm_probe(cfg, reps, device, sync)],
-        "memory_gbps": memory_probe(int(job["memory_mb"]), reps, device, sync),
-        "optimizer_s_per_param": optimizer_probe(cfg, int(job["optimizer_params"]), reps, device, sync),
+        "blocks": each("block", lambda k: block_probe(cfg, k[0], k[1], reps, device, sync), job["blocks"]),
+        "head": each("head", lambda tp: head_probe(cfg, tp, reps, device, sync), job["heads"]),
+        "embedding": each("embedding", lambda tp: embedding_probe(cfg, tp, reps, device, sync), job["heads"]),
+        "gemm": [together("gemm", lambda: gemm_probe(cfg, reps, device, sync))],
+        "memory_gbps": together("memory", lambda: memory_probe(int(job["memory_mb"]), reps, device, sync)),
+        "optimizer_s_per_param": together(
+            "optimizer", lambda: optimizer_probe(cfg, int(job["optimizer_params"]), reps, device, sync)
+        ),
         "engine_copy_s_per_param": (
-            engine_copy_probe(cfg, int(job["dp_elements"]), reps, device, sync) if job.get("dp_elements") else None
+            together("engine_copy", lambda: engine_copy_probe(cfg, int(job["dp_elements"]), reps, device, sync))
+            if job.get("dp_elements")
+            else None
         ),
     }
 
@@ -338,7 +375,12 @@ def main(argv: list[str]) -> int:
     kind, job_path, out = argv[0], Path(argv[1]), Path(argv[2])
     job = json.loads(job_path.read_text())
     if kind == "compute":
-        result = run_compute(job)
+        try:
+            result = run_compute(job)
+        except BaseException:
+            if job.get("barrier"):  # the other copies stop waiting for this one
+                (Path(job["barrier"]["dir"]) / FAILED).touch()
+            raise
     else:
         rank, world = int(argv[3]), int(argv[4])
         result = (run_collectives if kind == "collectives" else run_tp_blocks)(job, rank, world)

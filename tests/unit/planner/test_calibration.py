@@ -305,3 +305,17 @@ def test_the_optimizer_probe_steps_tensors_of_the_model_s_shapes():
     assert [tuple(t.shape) for t in whole[1:8]] == block
     blocks = stage_tensors(cfg, vocab - 1, "cpu")
     assert {tuple(t.shape) for t in blocks} <= {(m.hidden_size, m.hidden_size), (m.ffn_hidden_size, m.hidden_size)}
+
+
+def test_loaded_copies_start_each_probe_together(tmp_path):
+    """A loaded copy waits at each probe until every copy has reached it, and stops waiting once one has failed."""
+    from p3d.train.probes import FAILED, rendezvous
+
+    rendezvous(None, "block0")  # alone: no barrier
+    barrier = {"dir": str(tmp_path), "parties": 2}
+    (tmp_path / "block0.1").touch()  # the other copy is there already
+    rendezvous(barrier, "block0")
+    assert len(list(tmp_path.glob("block0.*"))) == 2
+    (tmp_path / FAILED).touch()
+    with pytest.raises(RuntimeError, match="another loaded copy failed"):
+        rendezvous(barrier, "head0")
