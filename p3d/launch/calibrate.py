@@ -227,11 +227,18 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), slope
 
 
-def run_collectives(plan: ProbePlan, tmp: Path) -> dict[str, Any]:
+def run_collectives(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
     job = tmp / "collectives.json"
     job.write_text(
         json.dumps(
-            {"store": str(tmp / "store"), "reps": plan.reps, "group_sizes": plan.group_sizes, "sizes": plan.sizes}
+            {
+                "store": str(tmp / "store"),
+                "reps": plan.reps,
+                "group_sizes": plan.group_sizes,
+                "sizes": plan.sizes,
+                # engine_reduce: the model's shapes, on groups of a rank per core at most (as the tp blocks)
+                **({"config": config_dict(cfg), "engine_reduce_upto": calibration.cores()} if plan.dp_elements else {}),
+            }
         )
     )
     out = tmp / "collectives-out.json"
@@ -253,7 +260,7 @@ def calibrate(cfg, out: Path) -> dict[str, Any]:
         say(f"calibrate: {len(plan.blocks)} blocks {plan.blocks}, heads at tp {plan.heads}, alone and loaded")
         compute = run_compute(cfg, plan, tmp)
         say(f"calibrate: collectives over {plan.world} gloo ranks, n in {plan.group_sizes}")
-        collectives = run_collectives(plan, tmp)
+        collectives = run_collectives(cfg, plan, tmp)
     m = cfg.model
     raw = {
         "kind": calibration.KIND,
@@ -297,6 +304,10 @@ def summary(raw: dict[str, Any]) -> list[str]:
     for h in c["head"]:
         lines.append(f"  head  tp={h['tp']} fwd {h['fwd_s'] * 1e3:7.2f} ms  bwd {h['bwd_s'] * 1e3:7.2f} ms")
     for f in raw["collectives"]["fits"]:
+        if len(f.get("points", [])) == 1:  # engine_reduce: at the plan's dp message only
+            (nbytes, seconds), *_ = f["points"]
+            lines.append(f"  {f['op']:<14} n={f['n']}  {seconds:.3f} s at {nbytes / 1e6:.0f} MB")
+            continue
         gbps = 1 / f["s_per_byte"] / 1e9 if f["s_per_byte"] else float("inf")
         lines.append(f"  {f['op']:<14} n={f['n']}  {f['latency_s'] * 1e6:8.1f} us + bytes at {gbps:.2f} GB/s")
     return lines

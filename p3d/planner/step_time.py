@@ -327,6 +327,9 @@ def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
                 grads += ring(cfg, n * 4.0 / s, g // s, span)
             total += grads + gathers * ring(cfg, nbytes, s, shard_span, "all_gather")
             continue
+        whole = None if optimizer_sharded(cfg) else machine_of(cfg).engine_reduce(layout, nbytes, g)
+        if whole is not None:  # DeepSpeed's reduce probed whole on real ranks: its copies are in it
+            return whole
         if optimizer_sharded(cfg) and zero == 1:
             grads = ring(cfg, nbytes, g, span, "reduce_scatter")
         else:

@@ -26,6 +26,9 @@ def test_quick_calibration_is_written_accepted_and_used(tmp_path):
         assert [(b["tp"], b["recompute"]) for b in raw["compute"]["tp_blocks"]] == [(2, "none")]
     assert raw["compute"]["engine_copy_s_per_param"] > 0  # dp2: DeepSpeed's copies around the all-reduce
     assert any((f["op"], f["n"]) == ("all_reduce", 2) for f in raw["collectives"]["fits"])
+    if calibration.cores() >= 2:  # DeepSpeed's reduce timed whole on 2 real ranks (dp2: groups of 2)
+        reduce = [f for f in raw["collectives"]["fits"] if f["op"] == "engine_reduce"]
+        assert [f["n"] for f in reduce] == [2] and reduce[0]["points"][0][1] > 0, reduce
     assert "use it: p3d-plan" in made.stdout
 
     plan = p3d_plan("model=tiny", "mesh=dp2_tp2", f"calibration={out}", "format=json")

@@ -278,6 +278,23 @@ def test_deepspeed_copies_at_the_probed_rate(tmp_path):
     assert dp_seconds(cfg, lay, st) - ring(cfg, st.total * 4.0, 2, 2) == pytest.approx(5e-9 * st.total)
 
 
+def test_deepspeed_reduce_probed_whole_on_real_ranks_replaces_its_parts(tmp_path):
+    """Where the calibration timed DeepSpeed's ZeRO 0 reduce whole on n real ranks (``engine_reduce``), a dp2 plan's
+    reduction is that fit at the stage's gradient bytes, in place of the all-reduce plus the copies; ZeRO 1 (its
+    own reduce-scatter and gather) keeps the collectives."""
+    from p3d.planner.step_time import dp_seconds
+
+    raw = fake_raw(*TINY)
+    raw["compute"].update(engine_copy_s_per_param=2e-9, loaded_engine_copy_s_per_param=5e-9)
+    raw["collectives"]["fits"].append({"op": "engine_reduce", "n": 2, "latency_s": 0.01, "s_per_byte": 3e-9})
+    path = fake_calibration(tmp_path, raw)
+    cfg = calibrated(path)
+    st = predict(cfg).stages[0].params
+    assert dp_seconds(cfg, layout_of(cfg), st) == pytest.approx(0.01 + 3e-9 * st.total * 4.0)
+    zero1 = calibrated(path, *TINY, "zero.stage=1")
+    assert dp_seconds(zero1, layout_of(zero1), st) < 0.01 + 3e-9 * st.total * 4.0
+
+
 def test_adamw_runs_at_the_loaded_rate_when_the_ranks_take_every_core(tmp_path):
     """AdamW streams its state through memory: where the layout's ranks take every core they step together, at the
     rate probed in ``cores`` copies at once (dp2 here on a host of 2 cores); fewer ranks than cores, alone."""
