@@ -16,8 +16,7 @@
 With a ``barrier`` in the job (the loaded copies: ``parties`` of them, a directory), every probe starts when all
 copies have reached it, so that each loaded figure is timed with every copy running the same probe. Without it
 the copies drift apart over the run and the last probes (the optimizer's, the engine's copies: memory-bound, where
-the contention is) ran partly alone: on this 2-core machine the engine copies read 1.7 ns per element loaded, and
-2.7 ns with both ranks copying at once, as DeepSpeed's dp2 engine does.
+the contention is) run partly alone.
 
 ``tp_blocks``: one of tp gloo ranks; each block of that tp on a real tp group, its all-reduces in (for tp up to the
 cores: a rank per core, as the run has them).
@@ -220,18 +219,22 @@ def engine_copy_probe(cfg: Config, elements: int, reps: int, device, sync) -> fl
     (``allreduce_and_copy``): flatten the gradients into a new buffer, scale it by 1 / dp, copy each slice back.
     Over ``elements`` in the model's shapes, as many as the largest stage of the plan holds: the new buffer's first
     touch costs page faults that a copy between warm buffers does not show."""
+    grads = stage_tensors(cfg, elements, device)
+    n = sum(g.numel() for g in grads)
+    return _median(lambda: deepspeed_reduce(grads, 2), max(reps, 3), sync) / n
+
+
+def deepspeed_reduce(grads: list[torch.Tensor], dp: int, group=None) -> None:
+    """What DeepSpeed's ZeRO 0 engine does with a bucket of gradients (``allreduce_and_copy``): flatten them into a
+    new buffer, all-reduce it over ``group`` (None: the copies alone), scale it by 1 / dp, copy each slice back."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = stage_tensors(cfg, elements, device)
-
-    def copies() -> None:
-        flat = _flatten_dense_tensors(grads)
-        flat.mul_(0.5)
-        for buf, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            buf.copy_(synced)
-
-    n = sum(g.numel() for g in grads)
-    return _median(copies, max(reps, 3), sync) / n
+    flat = _flatten_dense_tensors(grads)
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat.mul_(1.0 / dp)
+    for buf, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        buf.copy_(synced)
 
 
 def rendezvous(barrier: dict[str, Any] | None, name: str) -> None:
@@ -337,6 +340,7 @@ def run_collectives(job: dict[str, Any], rank: int, world: int) -> dict[str, Any
     store = dist.FileStore(job["store"], world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     reps, points = int(job["reps"]), []
+    cfg = to_config(job["config"]) if "config" in job else None  # engine_reduce: the model's shapes
     for n in job["group_sizes"]:
         group = dist.new_group(list(range(n)))
         if rank < n:
@@ -354,8 +358,8 @@ def run_collectives(job: dict[str, Any], rank: int, world: int) -> dict[str, Any
                 for op, fn in ops.items():
                     if op == "all_reduce" or not big:
                         points.append({"op": op, "n": n, "bytes": size, "s": _timed(fn, reps, group)})
-                if "config" in job and n <= job["engine_reduce_upto"] and (big or size == max(job["sizes"])):
-                    reduce = engine_reduce(to_config(job["config"]), elems, group)
+                if cfg is not None and n <= job["engine_reduce_upto"] and (big or size == max(job["sizes"])):
+                    reduce = engine_reduce(cfg, elems, group)
                     points.append({"op": "engine_reduce", "n": n, "bytes": size, "s": _timed(reduce, reps, group)})
                 if n == 2 and not big:  # a ping-pong between ranks 0 and 1: two messages, halved
                     points.append({"op": "send_recv", "n": 2, "bytes": size, "s": _ping_pong(x, rank, reps) / 2})
@@ -365,22 +369,11 @@ def run_collectives(job: dict[str, Any], rank: int, world: int) -> dict[str, Any
 
 
 def engine_reduce(cfg: Config, elements: int, group) -> Callable[[], None]:
-    """DeepSpeed's ZeRO 0 reduce of a stage's fp32 gradients over ``group`` (``allreduce_and_copy``): flatten them
-    into a new buffer, all-reduce it, scale it by 1 / n, copy each slice back; the gradients in the model's shapes.
-    Timed whole on real ranks: on a 2-core host its parts timed apart (the all-reduce, the copies) add up to 0.48 s
-    for ``model=small``'s 124M gradients, and the whole took 0.65-1.3 s (median 0.85 s)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
+    """``deepspeed_reduce`` of a stage's fp32 gradients (in the model's shapes) over ``group``, whole. Timed on real
+    ranks: on a 2-core host its parts timed apart (the all-reduce, the copies) add up to 0.48 s for
+    ``model=small``'s 124M gradients, and the whole took 0.65-1.3 s (median 0.85 s)."""
     grads, n = stage_tensors(cfg, elements, torch.device("cpu")), dist.get_world_size(group)
-
-    def run() -> None:
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        flat.mul_(1.0 / n)
-        for buf, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            buf.copy_(synced)
-
-    return run
+    return lambda: deepspeed_reduce(grads, n, group)
 
 
 def _ping_pong(x: torch.Tensor, rank: int, reps: int) -> float:
