@@ -5,15 +5,16 @@
 
 The probes (p3d.train.probes) run as child processes of this one:
 
-1. compute, alone: each (tp, recompute) block and each tp's head at the config's (b, s), a GEMM, a copy, AdamW;
+1. compute, alone: each (tp, recompute) block and each tp's head at the config's (b, s), in ``rounds`` (each round
+   passes all of them in turn, so that a slow stretch of the machine falls on all alike), a GEMM, a copy, AdamW;
 2. the same, ``cores`` copies at once (``loaded_*``): what a rank gets while every core is busy, and
    ``cores_effective = cores x median(alone / loaded)``;
 3. collectives: ``min(8, 4 x cores)`` gloo ranks time all_reduce / all_gather / reduce_scatter / send_recv for
    n in {2, 4, 8} at three sizes; the planner reads each (op, n) off its points (piecewise linear), and the file
    also gives the least-squares line ``t = latency + s_per_byte x bytes`` (printed).
 
-``P3D_CALIBRATE_QUICK=1`` (tests): one rep, two small sizes, n = 2, a small copy and optimizer, at most 2 loaded
-copies. The file is written atomically to ``calibration=`` (default ``p3d-calibration-<device>.json`` here).
+``P3D_CALIBRATE_QUICK=1`` (tests): one rep, one round, two small sizes, n = 2, a small copy and optimizer, at most 2
+loaded copies. The file is written atomically to ``calibration=`` (default ``p3d-calibration-<device>.json`` here).
 Executor overheads are not probed yet (``overhead`` is written empty: none is added). Exit status: 0 written,
 1 a probe failed, 2 a config error.
 """
@@ -47,6 +48,7 @@ from p3d.rundir.spec import config_dict
 QUICK_ENV = "P3D_CALIBRATE_QUICK"
 MAX_TP = 4  # distinct tp degrees probed at most (the smallest): bounds mesh=auto's probes
 PROBE_TIMEOUT_S = 900
+ROUNDS = 5  # the block probes' rounds: a slow stretch in one of them moves no median
 DP_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default allreduce_bucket_size
 OPTIMIZER_ELEMENTS = 1 << 27  # the optimizer probe's most: beyond it every state streams from memory, the rate holds
 
@@ -56,6 +58,7 @@ class ProbePlan:
     blocks: list[tuple[int, str]]  # (tp, recompute), "none" always among each tp's
     heads: list[int]  # tp
     reps: int
+    rounds: int  # of the block, head and embedding probes: reps passes each per round
     memory_mb: int
     optimizer_params: int  # the largest stage's parameters (at most OPTIMIZER_ELEMENTS): the optimizer probe's
     dp_elements: int  # the largest dp gradient message's elements (0: no layout reduces over dp)
@@ -89,6 +92,7 @@ def probe_plan(cfg) -> ProbePlan:
         blocks=blocks,
         heads=tps,
         reps=1 if q else 3,
+        rounds=1 if q else ROUNDS,
         memory_mb=16 if q else 128,
         optimizer_params=1 << 18 if q else int(min(OPTIMIZER_ELEMENTS, stage, optimizer_room(cores))),
         dp_elements=max(grads, default=0) // 4,
@@ -149,6 +153,7 @@ def run_compute(cfg, plan: ProbePlan, tmp: Path) -> dict[str, Any]:
                 "blocks": plan.blocks,
                 "heads": plan.heads,
                 "reps": plan.reps,
+                "rounds": plan.rounds,
                 "memory_mb": plan.memory_mb,
                 "optimizer_params": plan.optimizer_params,
                 "dp_elements": plan.dp_elements,
@@ -210,7 +215,15 @@ def run_tp_blocks(cfg, plan: ProbePlan, tmp: Path) -> list[dict[str, Any]]:
         job = tmp / f"tp{tp}.json"
         store = tmp / f"tp{tp}-store"
         job.write_text(
-            json.dumps({"config": config_dict(cfg), "blocks": plan.blocks, "reps": plan.reps, "store": str(store)})
+            json.dumps(
+                {
+                    "config": config_dict(cfg),
+                    "blocks": plan.blocks,
+                    "reps": plan.reps,
+                    "rounds": plan.rounds,
+                    "store": str(store),
+                }
+            )
         )
         out = tmp / f"tp{tp}-out.json"
         _spawn([["tp_blocks", str(job), str(out), str(r), str(tp)] for r in range(tp)])

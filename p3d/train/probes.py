@@ -10,7 +10,12 @@
   slices and every tp collective returns early, so this is one tp rank's block compute, collectives left out.
   Forward and backward are timed apart, for each recompute mode asked (full: the block under
   ``torch.utils.checkpoint``, as the executors run it; selective: the attention core recomputed);
-- the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way; the embedding lookup;
+- the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way; the embedding lookup.
+  These are timed in ``rounds``: each round passes every one of them ``reps`` times in turn, and each figure is the
+  median of its passes over all rounds. This machine's speed moves by 5-15 % over minutes: probed one after the
+  other, a slow stretch fell on one probe alone (a selective-recompute forward 31.7 ms against 24.1 ms for the
+  same forward without recompute, which made that layout's prediction 16 % long); in rounds it falls on every
+  probe alike, in one round of several;
 - a GEMM of the block's feed-forward shape (TFLOP/s), a copy (memory GB/s), an AdamW step (s per parameter).
 
 With a ``barrier`` in the job (the loaded copies: ``parties`` of them, a directory), every probe starts when all
@@ -75,56 +80,61 @@ def _median(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float
     return statistics.median(times)
 
 
-def _fwd_bwd(run: Callable[[], torch.Tensor], reps: int, sync: Callable[[], None]) -> tuple[float, float]:
-    """(forward, backward) median seconds: ``run`` builds the output, backward takes a ones gradient."""
-    fwd, bwd = [], []
-    for i in range(reps + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        y = run()
-        sync()
-        t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        sync()
-        t2 = time.perf_counter()
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+Run = Callable[[], torch.Tensor]  # builds an output; its backward takes a ones gradient
+Probe = tuple[dict[str, Any], Run]  # what is timed (the row's fields) and how
 
 
-def block_probe(cfg: Config, tp: int, recompute: str, reps: int, device, sync, mesh: Mesh | None = None) -> dict:
-    """One tp rank's block at (b, s): fwd and bwd seconds under ``recompute``. Without ``mesh``: on a Mesh without
-    process groups (tp rank 0's slices, the collectives return early); with one, on its tp group."""
+def fwd_bwd_rounds(
+    runs: list[Run], reps: int, rounds: int, sync: Callable[[], None], gate: Callable[[str], None] = lambda _: None
+) -> list[tuple[float, float]]:
+    """(forward, backward) median seconds of each run over ``rounds`` x ``reps`` passes: each round passes every run
+    ``reps`` times in turn, the first round each run's warm-up pass before. ``gate(name)`` is called before each
+    run's passes in a round (the loaded copies' barrier)."""
+    fwd: list[list[float]] = [[] for _ in runs]
+    bwd: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i, run in enumerate(runs):
+            gate(f"r{r}p{i}")
+            for k in range(reps + (r == 0)):
+                t0 = time.perf_counter()
+                y = run()
+                sync()
+                t1 = time.perf_counter()
+                y.backward(torch.ones_like(y))
+                sync()
+                t2 = time.perf_counter()
+                if r or k:
+                    fwd[i].append(t1 - t0)
+                    bwd[i].append(t2 - t1)
+    return [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd, bwd)]
+
+
+def block_probes(cfg: Config, tp: int, modes: list[str], device, mesh: Mesh | None = None) -> list[Probe]:
+    """One tp rank's block at (b, s), once under each recompute mode of ``modes``: one block, its recompute flags
+    set by each run (the layers read them at each forward). Without ``mesh``: on a Mesh without process groups
+    (tp rank 0's slices, the collectives return early); with one, on its tp group."""
     from torch.utils.checkpoint import checkpoint
 
     from p3d.model.llama import TransformerBlock, is_moe_layer
 
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
-    mesh = mesh or Mesh(tp=tp, pp=1, dp=1)
-    selective = recompute == "selective"
-    block = TransformerBlock(
-        m, mesh, 0, SEED, recompute_attention=selective, recompute_swiglu=selective and cfg.schedule.recompute_swiglu
-    ).to(device)
+    block = TransformerBlock(m, mesh or Mesh(tp=tp, pp=1, dp=1), 0, SEED).to(device)
     x = torch.randn(b, s, m.hidden_size, device=device, requires_grad=True)  # (b, s, h), replicated over tp
+    mlp: Any = block.mlp  # a SwiGLU: the calibration probes no MoE block
 
-    def run() -> torch.Tensor:
-        return checkpoint(block, x, use_reentrant=False) if recompute == "full" else block(x)
+    def under(recompute: str) -> Run:
+        def run() -> torch.Tensor:
+            block.attn.recompute = recompute == "selective"
+            mlp.recompute = recompute == "selective" and cfg.schedule.recompute_swiglu
+            return checkpoint(block, x, use_reentrant=False) if recompute == "full" else block(x)
 
-    fwd, bwd = _fwd_bwd(run, reps, sync)
-    return {
-        "arch": m.arch.value,
-        "moe": bool(is_moe_layer(m, 0)),
-        "tp": tp,
-        "b": b,
-        "s": s,
-        "recompute": recompute,
-        "dtype": "fp32",
-        "fwd_s": fwd,
-        "bwd_s": bwd,
-    }
+        return run
+
+    row = {"arch": m.arch.value, "moe": bool(is_moe_layer(m, 0)), "tp": tp, "b": b, "s": s, "dtype": "fp32"}
+    return [({**row, "recompute": rec}, under(rec)) for rec in modes]
 
 
-def head_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
+def head_probe(cfg: Config, tp: int, device) -> Probe:
     """Final norm, the head's V_pad / tp columns and the vocab-parallel loss of one tp rank at (b, s)."""
     from p3d.parallel.pipeline.specs import FinalNorm, HeadPipe, VocabParallelLoss
 
@@ -138,11 +148,10 @@ def head_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
     def run() -> torch.Tensor:
         return loss_fn(head(norm(x)), labels)
 
-    fwd, bwd = _fwd_bwd(run, reps, sync)
-    return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad, "fwd_s": fwd, "bwd_s": bwd}
+    return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad}, run
 
 
-def embedding_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, Any]:
+def embedding_probe(cfg: Config, tp: int, device) -> Probe:
     """The vocab-parallel lookup of one tp rank at (b, s): its backward writes a dense (V_pad / tp, h) gradient."""
     from p3d.parallel.pipeline.specs import EmbeddingPipe
 
@@ -154,8 +163,7 @@ def embedding_probe(cfg: Config, tp: int, reps: int, device, sync) -> dict[str, 
     def run() -> torch.Tensor:
         return embed(ids)
 
-    fwd, bwd = _fwd_bwd(run, reps, sync)
-    return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad, "fwd_s": fwd, "bwd_s": bwd}
+    return {"tp": tp, "b": b, "s": s, "vocab_padded": vpad}, run
 
 
 def gemm_probe(cfg: Config, reps: int, device, sync) -> dict[str, Any]:
@@ -269,17 +277,22 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
         rendezvous(barrier, name)
         return probe()
 
-    def each(name: str, probe: Callable[[Any], Any], items: list) -> list:
-        out = []
-        for i, item in enumerate(items):
-            rendezvous(barrier, f"{name}{i}")
-            out.append(probe(item))
-        return out
-
+    modes: dict[int, list[str]] = {}  # tp: its recompute modes, in the job's order
+    for tp, rec in job["blocks"]:
+        modes.setdefault(tp, []).append(rec)
+    probes = {
+        "blocks": [p for tp, recs in modes.items() for p in block_probes(cfg, tp, recs, device)],
+        "head": [head_probe(cfg, tp, device) for tp in job["heads"]],
+        "embedding": [embedding_probe(cfg, tp, device) for tp in job["heads"]],
+    }
+    runs = [run for kind in probes.values() for _, run in kind]
+    timed = fwd_bwd_rounds(runs, reps, int(job.get("rounds", 1)), sync, lambda name: rendezvous(barrier, name))
+    out: dict[str, Any] = {}
+    for kind, rows in probes.items():
+        out[kind] = [{**row, "fwd_s": f, "bwd_s": b} for (row, _), (f, b) in zip(rows, timed)]
+        timed = timed[len(rows) :]
     return {
-        "blocks": each("block", lambda k: block_probe(cfg, k[0], k[1], reps, device, sync), job["blocks"]),
-        "head": each("head", lambda tp: head_probe(cfg, tp, reps, device, sync), job["heads"]),
-        "embedding": each("embedding", lambda tp: embedding_probe(cfg, tp, reps, device, sync), job["heads"]),
+        **out,
         "gemm": [together("gemm", lambda: gemm_probe(cfg, reps, device, sync))],
         "memory_gbps": together("memory", lambda: memory_probe(int(job["memory_mb"]), reps, device, sync)),
         "optimizer_s_per_param": together(
@@ -310,11 +323,12 @@ def run_tp_blocks(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         dist.barrier(group=mesh.tp_group)
 
     barrier = _median(sync, max(reps, 5), lambda: None)  # each timed pass ends in one: taken off again
-    rows = []
-    for tp, rec in job["blocks"]:
-        if tp == world:
-            row = block_probe(cfg, world, rec, reps, device, sync, mesh)
-            rows.append({**row, "fwd_s": max(0.0, row["fwd_s"] - barrier), "bwd_s": max(0.0, row["bwd_s"] - barrier)})
+    probes = block_probes(cfg, world, [rec for tp, rec in job["blocks"] if tp == world], device, mesh)
+    timed = fwd_bwd_rounds([run for _, run in probes], reps, int(job.get("rounds", 1)), sync)
+    rows = [
+        {**row, "fwd_s": max(0.0, f - barrier), "bwd_s": max(0.0, b - barrier)}
+        for (row, _), (f, b) in zip(probes, timed)
+    ]
     dist.destroy_process_group()
     return {"blocks": rows, "barrier_s": barrier}
 
