@@ -97,13 +97,17 @@ def norm_once_reduced(
     of the parameters ``counts_in_norm`` counts, over the pp x tp ranks of the replica. Every rank of a dp
     group holds the same parameters in the same order, so the per-parameter all-reduces pair up.
     ``reduced_over_dp``: ZeRO-2/3, whose gradients are already the dp mean, cut over dp (FSDP2's pieces)."""
-    copies = {id(p): local(g).detach().clone() for p, g in grads}  # in the gradient's dtype, as the step reduces it
+    grad_of = {id(p): g for p, g in grads}
+    tied_sums = {}  # copies in the gradient's dtype, as the step reduces it
     for p, group in tied:  # first, so no rank waits on a tied holder that is busy with its dp reductions
-        dist.all_reduce(copies[id(p)], group=group)
+        tied_sums[id(p)] = local(grad_of[id(p)]).detach().clone()
+        dist.all_reduce(tied_sums[id(p)], group=group)
     device = grads[0][1].device if grads else torch.device("cpu")
     sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]  # dense, experts
-    for p, _ in grads:
-        c, expert = copies.pop(id(p)), is_expert_param(p)
+    for p, g in grads:
+        c, expert = tied_sums.pop(id(p), None), is_expert_param(p)
+        if c is None:
+            c = local(g).detach().clone()  # one parameter's copy at a time
         if mesh.dp_cp > 1 and not reduced_over_dp:  # dense: the mean over dp x cp; experts: over their holders
             dist.all_reduce(c, group=mesh.edp_group if expert else mesh.dp_cp_group)
             c.div_(mesh.dp_cp)
