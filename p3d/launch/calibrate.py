@@ -81,7 +81,7 @@ def probe_plan(cfg) -> ProbePlan:
     layouts = candidates(cfg) if cfg.mesh.name == "auto" else [layout_of(cfg)]
     grads = dp_message_sizes(cfg, layouts)
     stage = max(max(st.total for st in stage_params(cfg, lay)) for lay in layouts)
-    pairs = {(lay.tp, lay.recompute) for lay in layouts}
+    pairs = {(lay.tp, calibration.probe_mode(lay.recompute, lay.torch_executor)) for lay in layouts}
     tps = sorted({tp for tp, _ in pairs})[:MAX_TP]
     blocks = sorted({(tp, rec) for tp, rec in pairs if tp in tps} | {(tp, "none") for tp in tps})
     if cfg.model.arch.value != "llama" or cfg.model.moe is not None:
@@ -311,7 +311,7 @@ def summary(raw: dict[str, Any]) -> list[str]:
     ]
     for b in c["blocks"]:
         lines.append(
-            f"  block tp={b['tp']} {b['recompute']:<9} fwd {b['fwd_s'] * 1e3:7.2f} ms  bwd {b['bwd_s'] * 1e3:7.2f} ms"
+            f"  block tp={b['tp']} {b['recompute']:<14} fwd {b['fwd_s'] * 1e3:7.2f} ms  bwd {b['bwd_s'] * 1e3:7.2f} ms"
             f"  (loaded {b['loaded_fwd_s'] * 1e3:.2f} / {b['loaded_bwd_s'] * 1e3:.2f})"
         )
     for h in c["head"]:

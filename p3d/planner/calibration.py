@@ -139,6 +139,15 @@ def created() -> str:
 
 
 BlockKey = tuple[str, bool, int, int, str, str]  # arch, moe, tp, s (the rank's tokens), recompute, dtype
+# The probe mode of full recompute under DeepSpeed's engine: its PipelineModule checkpoints each block with
+# DeepSpeed's own reentrant ``checkpointing.checkpoint``, whose backward took 5-8 % longer than torch's
+# non-reentrant checkpoint (which the torch executors use, the mode "full") for model=small's block here.
+FULL_DEEPSPEED = "full_deepspeed"
+
+
+def probe_mode(recompute: str, torch_executor: bool) -> str:
+    """The probe mode that times a layout's recompute: ``FULL_DEEPSPEED`` for full recompute on DeepSpeed's engine."""
+    return FULL_DEEPSPEED if recompute == "full" and not torch_executor else recompute
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from p3d.config.devices import DEVICES
 from p3d.config.schema import Config
 from p3d.layout.geometry import padded_vocab
 from p3d.planner import calibration, context
-from p3d.planner.calibration import Calibration
+from p3d.planner.calibration import BlockKey, Calibration, Probed
 from p3d.planner.memory import dtype_bytes
 from p3d.planner.shapes import Layout
 
@@ -150,20 +150,26 @@ class Calibrated(DeviceTable):
         """Probed seconds of one block per micro batch (fwd, bwd without recompute, rec: what the layout's recompute
         adds to the backward), or None where this shape was not probed. Where the block was probed on tp real ranks
         (``tp_blocks``) its all-reduces are in those times: ``tp`` is 0 then (the collective fits are not added)."""
-        arch, s = self.cfg.model.arch.value, self._tokens(layout)
+        arch, s, dtype = self.cfg.model.arch.value, self._tokens(layout), self._dtype()
         key = (arch, moe, layout.tp, s)
-        grouped = self.cal.tp_blocks.get((*key, "none", self._dtype()))
-        grouped_mode = self.cal.tp_blocks.get((*key, layout.recompute, self._dtype()))
-        table = self.cal.tp_blocks if grouped and grouped_mode else self.cal.blocks
-        base = table.get((*key, "none", self._dtype()))
-        mode = table.get((*key, layout.recompute, self._dtype()))
+        # DeepSpeed's full recompute where the file has it probed (a file before it: torch's checkpoint, "full")
+        modes = (calibration.probe_mode(layout.recompute, layout.torch_executor), layout.recompute)
+
+        def rows(table: dict[BlockKey, Probed]) -> tuple[Probed | None, Probed | None]:
+            mode = next((table[k] for m in modes if (k := (*key, m, dtype)) in table), None)
+            return table.get((*key, "none", dtype)), mode
+
+        base, mode = rows(self.cal.tp_blocks)
+        grouped = base is not None and mode is not None
+        if not grouped:
+            base, mode = rows(self.cal.blocks)
         if base is None or mode is None:
             return None
-        loaded = self.loaded(layout) and table is self.cal.blocks  # tp real ranks: the cores busy already
+        loaded = self.loaded(layout) and not grouped  # tp real ranks: the cores busy already
         fwd, bwd = base.times(layout.micro_batch_size, loaded)
         _, bwd_mode = mode.times(layout.micro_batch_size, loaded)
         times = {"fwd": fwd, "bwd": bwd, "rec": max(0.0, bwd_mode - bwd)}
-        return {**times, "tp": 0.0} if table is self.cal.tp_blocks else times
+        return {**times, "tp": 0.0} if grouped else times
 
     def head(self, layout: Layout) -> tuple[float, float] | None:
         """Probed (fwd, bwd) seconds of the final norm, the head and the loss per micro batch, or None."""

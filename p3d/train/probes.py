@@ -9,7 +9,8 @@
 - p3d's own ``TransformerBlock`` on a Mesh of tp ranks without process groups: its tp layers hold tp rank 0's
   slices and every tp collective returns early, so this is one tp rank's block compute, collectives left out.
   Forward and backward are timed apart, for each recompute mode asked (full: the block under
-  ``torch.utils.checkpoint``, as the executors run it; selective: the attention core recomputed);
+  ``torch.utils.checkpoint``, as the torch executors run it; full_deepspeed: under DeepSpeed's reentrant
+  ``checkpointing.checkpoint``, as its PipelineModule runs it; selective: the attention core recomputed);
 - the final norm, the vocab-parallel head (V_pad / tp columns) and the loss, the same way; the embedding lookup.
   These are timed in ``rounds``: each round passes every one of them ``reps`` times in turn, and each figure is the
   median of its passes over all rounds. This machine's speed moves by 5-15 % over minutes: probed one after the
@@ -55,6 +56,9 @@ from p3d.train.host_memory import keep_freed_memory
 SEED = 1234
 FAILED = "failed"  # in a barrier's directory: a copy died, the others stop waiting
 BARRIER_TIMEOUT_S = 600.0  # a loaded copy waiting for the others at a probe (each takes seconds)
+# DeepSpeed's reduce whole took 0.57-0.95 s (median of 3) in calibrations of the same hour for model=small's 0.49 GB
+# on 2 ranks, and the runs' dp_comm_s 0.44-0.83 s: a median of 7 (about 5 s) moves less with one slow pass
+ENGINE_REDUCE_REPS = 7
 # The model, DeepSpeed's layer specs and the optimizer are imported by the compute probe only: the collectives
 # probe starts up to 8 processes on the machine it measures, each as light as it can be.
 
@@ -113,9 +117,11 @@ def block_probes(cfg: Config, tp: int, modes: list[str], device, mesh: Mesh | No
     """One tp rank's block at (b, s), once under each recompute mode of ``modes``: one block, its recompute flags
     set by each run (the layers read them at each forward). Without ``mesh``: on a Mesh without process groups
     (tp rank 0's slices, the collectives return early); with one, on its tp group."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
     from torch.utils.checkpoint import checkpoint
 
     from p3d.model.llama import TransformerBlock, is_moe_layer
+    from p3d.planner.calibration import FULL_DEEPSPEED
 
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
     block = TransformerBlock(m, mesh or Mesh(tp=tp, pp=1, dp=1), 0, SEED).to(device)
@@ -126,6 +132,8 @@ def block_probes(cfg: Config, tp: int, modes: list[str], device, mesh: Mesh | No
         def run() -> torch.Tensor:
             block.attn.recompute = recompute == "selective"
             mlp.recompute = recompute == "selective" and cfg.schedule.recompute_swiglu
+            if recompute == FULL_DEEPSPEED:
+                return checkpointing.checkpoint(block, x)
             return checkpoint(block, x, use_reentrant=False) if recompute == "full" else block(x)
 
         return run
@@ -373,8 +381,8 @@ def run_collectives(job: dict[str, Any], rank: int, world: int) -> dict[str, Any
                     if op == "all_reduce" or not big:
                         points.append({"op": op, "n": n, "bytes": size, "s": _timed(fn, reps, group)})
                 if cfg is not None and n <= job["engine_reduce_upto"] and (big or size == max(job["sizes"])):
-                    reduce = engine_reduce(cfg, elems, group)
-                    points.append({"op": "engine_reduce", "n": n, "bytes": size, "s": _timed(reduce, reps, group)})
+                    reduce, more = engine_reduce(cfg, elems, group), max(reps, ENGINE_REDUCE_REPS)
+                    points.append({"op": "engine_reduce", "n": n, "bytes": size, "s": _timed(reduce, more, group)})
                 if n == 2 and not big:  # a ping-pong between ranks 0 and 1: two messages, halved
                     points.append({"op": "send_recv", "n": 2, "bytes": size, "s": _ping_pong(x, rank, reps) / 2})
         dist.barrier()

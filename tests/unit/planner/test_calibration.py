@@ -164,6 +164,28 @@ def test_recompute_adds_the_probed_difference(tmp_path):
     assert full.breakdown["recompute"] == pytest.approx(m * layers * 0.004, rel=1e-12)
 
 
+def test_full_recompute_on_deepspeed_s_engine_uses_its_own_checkpoint_s_probe(tmp_path):
+    """DeepSpeed's PipelineModule recomputes a block under DeepSpeed's reentrant checkpoint, the torch executors
+    under torch's: each layout adds its own probe's difference; a file without the DeepSpeed probe, torch's."""
+    import dataclasses
+
+    raw = fake_raw(*TINY)
+    full = [r for r in raw["compute"]["blocks"] if r["recompute"] == "full"]
+    slower = [r["bwd_s"] + 0.002 for r in full]  # DeepSpeed's checkpoint: 2 ms more backward than torch's
+    raw["compute"]["blocks"] += [
+        {**r, "recompute": "full_deepspeed", "bwd_s": bwd, "loaded_bwd_s": bwd} for r, bwd in zip(full, slower)
+    ]
+    cfg = calibrated(fake_calibration(tmp_path, raw), *TINY, "schedule.recompute=full")
+    deepspeed = layout_of(cfg)
+    on_torch = dataclasses.replace(deepspeed, zero=2)  # FSDP2 under torch's executor
+    assert not deepspeed.torch_executor and on_torch.torch_executor
+    block = machine_of(cfg).block
+    assert block(deepspeed, False)["rec"] == pytest.approx(0.004 / 1 + 0.002)  # tp 1: full_deepspeed - none
+    assert block(on_torch, False)["rec"] == pytest.approx(0.004)
+    older = calibrated(fake_calibration(tmp_path, fake_raw(*TINY), "old.json"), *TINY, "schedule.recompute=full")
+    assert machine_of(older).block(layout_of(older), False)["rec"] == pytest.approx(0.004)
+
+
 def test_collectives_use_the_fits(tmp_path):
     cfg = calibrated(fake_calibration(tmp_path))
     assert ring(cfg, 1e6, 2, 2) == pytest.approx(1e-4 + 1e-9 * 1e6)
@@ -225,11 +247,13 @@ def test_the_probes_follow_the_run_and_mesh_auto_s_candidates():
 
     cfg = compose_config("model=small", "mesh=tp2_pp2", "schedule.recompute=full")
     one = probe_plan(cfg)
-    assert one.blocks == [(2, "full"), (2, "none")] and one.heads == [2]
+    assert one.blocks == [(2, "full_deepspeed"), (2, "none")] and one.heads == [2]  # 1f1b: DeepSpeed's checkpoint
     stage = max(st.total for st in stage_params(cfg, layout_of(cfg)))
     assert one.optimizer_params == min(stage, optimizer_room(calibration.cores()))  # AdamW at its stage's size
     auto = probe_plan(compose_config("model=small", "mesh=auto", "cluster.gpus_per_node=8"))
-    assert auto.heads == [1, 2, 4] and len(auto.blocks) == 9 and auto.group_sizes == [2, 4, 8][: len(auto.group_sizes)]
+    modes = ["full", "full_deepspeed", "none", "selective"]  # full: torch's checkpoint and DeepSpeed's
+    assert auto.heads == [1, 2, 4] and auto.blocks == [(tp, mode) for tp in (1, 2, 4) for mode in modes]
+    assert auto.group_sizes == [2, 4, 8][: len(auto.group_sizes)]
     assert fit([(1.0, 2.0), (3.0, 4.0)]) == (1.0, 1.0) and fit([(1.0, 1.0)]) == (1.0, 0.0)
 
 
