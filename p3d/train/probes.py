@@ -56,8 +56,8 @@ from p3d.train.host_memory import keep_freed_memory
 SEED = 1234
 FAILED = "failed"  # in a barrier's directory: a copy died, the others stop waiting
 BARRIER_TIMEOUT_S = 600.0  # a loaded copy waiting for the others at a probe (each takes seconds)
-# DeepSpeed's reduce whole took 0.57-0.95 s (median of 3) in calibrations of the same hour for model=small's 0.49 GB
-# on 2 ranks, and the runs' dp_comm_s 0.44-0.83 s: a median of 7 (about 5 s) moves less with one slow pass
+# DeepSpeed's reduce whole took 0.57-0.95 s (median of 3) in calibrations of one evening for model=small's 0.49 GB
+# on 2 ranks, and the runs' dp_comm_s 0.44-1.03 s: a median of 7 (about 5 s) moves less with one slow pass
 ENGINE_REDUCE_REPS = 7
 # The model, DeepSpeed's layer specs and the optimizer are imported by the compute probe only: the collectives
 # probe starts up to 8 processes on the machine it measures, each as light as it can be.
