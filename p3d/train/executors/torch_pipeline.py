@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -52,7 +51,7 @@ from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
 from p3d.parallel.zero.fsdp import local
 from p3d.train.executors.torch_optim import build_torch_optimizer, reduce_replica_grads
 from p3d.train.optim import global_grad_norm, norm_once_reduced
-from p3d.train.timing import drain_seconds
+from p3d.train.timing import StepClocks, drain
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
 # schedule.pipeline=1f1b runs here (on torch's Schedule1F1B) only where DeepSpeed's engine cannot: zero.stage >= 2
@@ -201,12 +200,8 @@ class TorchPipeline:
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             # torch runs the loss after the last chunk's forward_one_chunk; timed as compute, as DeepSpeed's is
-            t0 = time.perf_counter()
-            try:
+            with self.clocks.compute.timing() if self.clocks is not None else contextlib.nullcontext():
                 return loss(logits, labels) / m  # the reference's 1/m per micro batch; summed over m by autograd
-            finally:
-                if self.add_compute is not None:
-                    self.add_compute(time.perf_counter() - t0)
 
         self.stages = [
             pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
@@ -223,22 +218,20 @@ class TorchPipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
-        # set by p3d.train.executors: the step gate (grads, replica loss or None), the p2p wait, compute and dp
-        # collective timers
+        # set by p3d.train.executors: the step gate (grads, replica loss or None), and the step's clocks (the p2p
+        # waits and the drain, the loss's compute, the dp collectives: p3d.train.timing.StepClocks)
         self.before_update: Callable[[list[torch.Tensor], float | None], None] | None = None
-        self.add_wait: Callable[[float], None] | None = None
-        self.add_compute: Callable[[float], None] | None = None
-        self.add_dp_comm: Callable[[float], None] | None = None
+        self.clocks: StepClocks | None = None
 
     def waits(self):
-        """A context that times the schedule's waits on pipeline neighbours (when ``add_wait`` is set)."""
-        return timed_p2p_waits(self.add_wait) if self.add_wait is not None else contextlib.nullcontext()
+        """A context that times the schedule's waits on pipeline neighbours (when ``clocks`` are set)."""
+        return timed_p2p_waits(self.clocks.wait.timing) if self.clocks is not None else contextlib.nullcontext()
 
     def dp_collectives(self):
-        """A context that times every collective over a dp group (when ``add_dp_comm`` is set)."""
-        if self.add_dp_comm is None or self.mesh.dp_cp == 1:
+        """A context that times every collective over a dp group (when ``clocks`` are set)."""
+        if self.clocks is None or self.mesh.dp_cp == 1:
             return contextlib.nullcontext()
-        return timed_dp_collectives(self.dp_groups, self.add_dp_comm)
+        return timed_dp_collectives(self.dp_groups, self.clocks.dp_comm.timing)
 
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -279,8 +272,8 @@ class TorchPipeline:
         with device_checked(self.device), self.dp_collectives():  # FSDP2's in the schedule, then the dp reduction
             with self.waits():
                 self.schedule.step(*args, return_outputs=False, **kwargs)
-            if self.add_wait is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
-                self.add_wait(drain_seconds(self.mesh.pp_group))
+            if self.clocks is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
+                drain(self.mesh.pp_group, self.clocks.wait)
             replica_loss = self.replica_loss(losses)  # (), on the device
             if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
                 grads = [local(p.grad) for p in self.params if p.grad is not None]
