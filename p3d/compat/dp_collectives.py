@@ -103,19 +103,20 @@ def _group_of(args: tuple, kwargs: dict, signature) -> object:
 
 
 @contextlib.contextmanager
-def timed_dp_collectives(groups: Iterable[object], timing: Timing) -> Iterator[None]:
-    """While inside, every collective over any of ``groups`` runs inside ``timing()`` (p3d.train.timing's
-    ``Seconds.timing``: the host's clock on CPU, CUDA events on a GPU)."""
+def timed_collectives(timing_of: Callable[[object, str], Timing | None]) -> Iterator[None]:
+    """While inside, each collective (``COLLECTIVES``, looked up on ``torch.distributed`` at call time) runs inside
+    the timing ``timing_of(group, name)`` gives for its group and name (``Seconds.timing`` of p3d.train.timing: the
+    host's clock on CPU, CUDA events on a GPU), an asynchronous one's ``wait()`` too; None: not timed."""
 
-    mine = {id(g) for g in groups if g is not None}
     depth = [0]  # a collective built on another one (all_gather_single on all_gather_into_tensor) counts once
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
-    def timed(fn):
+    def timed(name, fn):
         signature = inspect.signature(fn)  # once: TP's all-reduces pass through here every layer
 
         def call(*args, **kwargs):
-            if depth[0] or id(_group_of(args, kwargs, signature)) not in mine:
+            timing = None if depth[0] else timing_of(_group_of(args, kwargs, signature), name)
+            if timing is None:
                 return fn(*args, **kwargs)
             depth[0] += 1
             try:
@@ -128,12 +129,18 @@ def timed_dp_collectives(groups: Iterable[object], timing: Timing) -> Iterator[N
         return call
 
     for name, fn in originals.items():
-        setattr(dist, name, timed(fn))
+        setattr(dist, name, timed(name, fn))
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def timed_dp_collectives(groups: Iterable[object], timing: Timing):
+    """``timed_collectives`` of the collectives over any of ``groups`` (the dp groups), each inside ``timing()``."""
+    mine = {id(g) for g in groups if g is not None}
+    return timed_collectives(lambda group, name: timing if id(group) in mine else None)
 
 
 def timed_deepspeed_allgathers(timing: Timing) -> None:
