@@ -124,7 +124,7 @@ def _steps_worker(rank: int, world: int, args, out_path: str) -> None:
                     ex.train_batch(data[name] if ex.reads_data else None)
                     step_time = time.perf_counter() - t0
                     _, bubble, _, compute, _ = step_stats(stopper, ex.timer.take() / step_time,
-                                                          ex.timer.take_compute(), ex.timer.take_dp_comm(),
+                                                          ex.timer.take_compute(), ex.timer.take_comm([]),
                                                           device, None)  # fmt: skip
                     if r >= args.warmup:
                         results.setdefault(f"{name}|{m}", []).append((tokens / step_time, bubble, step_time,

@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from functools import partial
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -93,20 +94,39 @@ class _TimedWork(dist.Work):
         return getattr(self._work, name)
 
 
+def _argument(args: tuple, kwargs: dict, signature, name: str) -> object:
+    """The argument ``name`` of a call (given by keyword or by position), or None."""
+    if name in kwargs:
+        return kwargs[name]
+    names = list(signature.parameters)
+    index = names.index(name) if name in names else len(args)
+    return args[index] if index < len(args) else None
+
+
 def _group_of(args: tuple, kwargs: dict, signature) -> object:
-    if "group" in kwargs:
-        return kwargs["group"]
-    try:
-        return signature.bind_partial(*args, **kwargs).arguments.get("group")
-    except TypeError:
-        return None
+    return _argument(args, kwargs, signature, "group")
+
+
+class OwnClock(Protocol):
+    """What ``timed_collectives`` tells about each collective's own time (p3d.train.comm_clocks.CommClock)."""
+
+    def start(self) -> object: ...  # a mark as the collective is issued
+
+    def finished(self, start: object) -> None: ...  # a synchronous collective returned
+
+    def completes(self, work, start: object) -> None: ...  # an asynchronous one's work: it ends when the work does
 
 
 @contextlib.contextmanager
-def timed_collectives(timing_of: Callable[[object, str], Timing | None]) -> Iterator[None]:
+def timed_collectives(
+    timing_of: Callable[[object, str], Timing | None],
+    own_of: Callable[[object, str], OwnClock | None] | None = None,
+) -> Iterator[None]:
     """While inside, each collective (``COLLECTIVES``, looked up on ``torch.distributed`` at call time) runs inside
     the timing ``timing_of(group, name)`` gives for its group and name (``Seconds.timing`` of p3d.train.timing: the
-    host's clock on CPU, CUDA events on a GPU), an asynchronous one's ``wait()`` too; None: not timed."""
+    host's clock on CPU, CUDA events on a GPU), an asynchronous one's ``wait()`` too; None: not timed.
+    ``own_of(group, name)``: where its own time goes, from its issue to its return (synchronous) or to its work's
+    completion (``async_op=True``); None: nowhere."""
 
     depth = [0]  # a collective built on another one (all_gather_single on all_gather_into_tensor) counts once
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
@@ -115,16 +135,27 @@ def timed_collectives(timing_of: Callable[[object, str], Timing | None]) -> Iter
         signature = inspect.signature(fn)  # once: TP's all-reduces pass through here every layer
 
         def call(*args, **kwargs):
-            timing = None if depth[0] else timing_of(_group_of(args, kwargs, signature), name)
-            if timing is None:
+            if depth[0]:
                 return fn(*args, **kwargs)
+            group = _group_of(args, kwargs, signature)
+            timing = timing_of(group, name)
+            own = own_of(group, name) if own_of is not None else None
+            if timing is None and own is None:
+                return fn(*args, **kwargs)
+            asynchronous = bool(_argument(args, kwargs, signature, "async_op"))
+            start = own.start() if own is not None else None
             depth[0] += 1
             try:
-                with timing():
+                with timing() if timing is not None else contextlib.nullcontext():
                     work = fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
-            return _TimedWork(work, timing) if work is not None and kwargs.get("async_op") else work
+            if own is not None:
+                if asynchronous and work is not None:
+                    own.completes(work, start)
+                else:
+                    own.finished(start)
+            return _TimedWork(work, timing) if work is not None and asynchronous and timing is not None else work
 
         return call
 

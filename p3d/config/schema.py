@@ -199,6 +199,9 @@ class ZeroConfig:
     # ZeRO-2/3: shard over groups of this many dp ranks and replicate across the groups (HSDP); null: the whole
     # dp group (docs/zero.md)
     shard_size: Optional[int] = None
+    # the torch executor's dp gradient reduction (ZeRO 0/1): buckets of about this many MB, each all-reduced as soon
+    # as its gradients are final in the step's last backward (docs/overlap.md)
+    bucket_mb: float = 25.0
 
 
 @dataclass
@@ -425,6 +428,7 @@ BOUNDS: dict[str, Bound] = {
     "schedule.virtual_stages": AT_LEAST_1,
     "zero.stage": Bound(0, 3),
     "zero.shard_size": AT_LEAST_1,
+    "zero.bucket_mb": POSITIVE,
     "cluster.nodes": AT_LEAST_1,
     "cluster.gpus_per_node": AT_LEAST_1,
     "cluster.peak_tflops": POSITIVE,

@@ -20,13 +20,14 @@ from p3d.data.loader import micro_batches, validation_batches
 from p3d.layout.geometry import schedule_bubble
 from p3d.parallel.device_check import device_checked
 from p3d.parallel.mesh import Mesh
+from p3d.train.comm_clocks import running_dims
 from p3d.train.executors import build_executor
 from p3d.train.faults import StepPolicy, fault_state, restore_fault_state
 from p3d.train.metrics import ExpertFigures, MetricsLogger, peak_memory_gb
 from p3d.train.timing import StragglerWatch
 
 KILL_ENV = "P3D_TEST_KILL_AT"
-SKIPS = 5  # step_stats: the column of the data counts
+SKIPS = 4  # step_stats: the column of the data counts (three), then the communication figures
 
 
 class Stopper:
@@ -46,27 +47,35 @@ class Stopper:
 
 
 def step_stats(
-    stopper: Stopper, wait_share: float, compute_s: float, dp_comm_s: float, device, stats: DataStats | None
-) -> tuple[bool, float, float, list[float], float]:
-    """(stop, mean bubble, max peak memory, every rank's compute seconds, mean seconds blocked in dp collectives)
-    over all ranks: one small all-gather per step.
+    stopper: Stopper,
+    wait_share: float,
+    compute_s: float,
+    comm: dict[str, float],
+    device,
+    stats: DataStats | None,
+) -> tuple[bool, float, float, list[float], dict[str, float]]:
+    """(stop, mean bubble, max peak memory, every rank's compute seconds, the mean over ranks of each communication
+    figure in ``comm``: ``<dim>_comm_s`` and ``<dim>_comm_exposed_s``, p3d.train.comm_clocks) over all ranks: one
+    small all-gather per step (every rank passes the same keys).
 
     Every rank that reads data (``stats`` given: first and last stages) reads the same stream, so its
     skipped records, failed files and empty records agree with every other reader's. If they do not (a
     file failed on some ranks only, say an I/O error), inputs and labels no longer line up: stop the run,
     loudly."""
     skips = stats.counts() if stats is not None else [-1, -1, -1]  # -1: reads no data
+    names = list(comm)
     mine = torch.tensor(
-        [float(stopper.signum), wait_share, peak_memory_gb(), compute_s, dp_comm_s, *skips],
+        [float(stopper.signum), wait_share, peak_memory_gb(), compute_s, *skips, *(comm[k] for k in names)],
         dtype=torch.float64,
         device=device,
     )
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     every = torch.stack(parts).cpu()
-    readers = every[every[:, SKIPS] >= 0, SKIPS:]
+    counts = every[:, SKIPS : SKIPS + 3]
+    readers = counts[counts[:, 0] >= 0]
     if len(readers) and not bool((readers == readers[0]).all()):
-        per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(every[:, SKIPS:].tolist()) if row[0] >= 0}
+        per_rank = {r: tuple(int(x) for x in row) for r, row in enumerate(counts.tolist()) if row[0] >= 0}
         raise RuntimeError(
             "the data-reading ranks skipped different records or files of the same stream (rank: "
             f"(unreadable records, failed files, empty records) = {per_rank}; see the 'p3d data' "
@@ -74,7 +83,8 @@ def step_stats(
             "from the last checkpoint"
         )
     stop, bubble, mem = bool(every[:, 0].max() > 0), float(every[:, 1].mean()), float(every[:, 2].max())
-    return stop, bubble, mem, every[:, 3].tolist(), float(every[:, 4].mean())
+    means = every[:, SKIPS + 3 :].mean(dim=0).tolist()
+    return stop, bubble, mem, every[:, 3].tolist(), dict(zip(names, means))
 
 
 def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
@@ -131,6 +141,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
             f"{cfg.train.steps} steps{resumed}"
         )
+    running = running_dims(plan)  # the dimensions whose communication metrics.jsonl reports
     bubble_theory = schedule_bubble(s.pipeline.value, plan.pp, plan.micro_batches, s.virtual_stages)
     mixture = None
     if metrics and cfg.data.mix:  # the tokens and epochs each store of the mixture gave so far, by arithmetic
@@ -155,11 +166,11 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             loss = ex.train_batch(data)
         step_time = time.perf_counter() - t0
         with hang.phase("the per-step all-gather", step), device_checked(device):
-            stop, bubble, mem, compute, dp_comm = step_stats(
+            stop, bubble, mem, compute, comm = step_stats(
                 stopper,
                 timer.take() / step_time,
                 timer.take_compute(),
-                timer.take_dp_comm(),
+                timer.take_comm(running),  # after take(): pp's figures are its waits
                 device,
                 stats if reads_data else None,
             )
@@ -188,7 +199,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 samples=samples,
                 bubble=bubble,
                 bubble_theory=bubble_theory,
-                dp_comm_s=dp_comm,
+                **comm,
                 peak_mem_gb=mem,
                 **extra,
             )

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from p3d.compat.deepspeed_internals import pipeline_instruction_map, set_pipeline_instruction_map
+from p3d.train.comm_clocks import DIMS, CommClocks
 
 PIPE_WAITS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
 DRAIN = "ReduceTiedGrads"  # the first instruction after the step's last backward
@@ -120,13 +121,20 @@ def _test_delay(rank: int) -> float:
 
 
 class StepClocks:
-    """Seconds of a step blocked on pipeline neighbours (``wait``), of compute (``compute``) and blocked in dp
-    collectives (``dp_comm``), on the device's clock (``DeviceClock``), each taken (and reset) once a step by the
-    loop."""
+    """Seconds of a step blocked on pipeline neighbours (``wait``), of compute (``compute``) and each dimension's
+    communication (``comm``: own and exposed, p3d.train.comm_clocks), on the device's clock (``DeviceClock``), each
+    taken (and reset) once a step by the loop."""
 
     def __init__(self, device: torch.device | None = None):
         clock = DeviceClock(device)
-        self.wait, self.compute, self.dp_comm = Seconds(clock), Seconds(clock), Seconds(clock)
+        self.wait, self.compute = Seconds(clock), Seconds(clock)
+        self.comm = CommClocks(clock, Seconds)
+        self.waited_s = 0.0  # the last ``take``: pp's figures
+
+    @property
+    def dp_comm(self) -> Seconds:
+        """Seconds blocked in data-parallel collectives (``dp_comm_exposed_s``)."""
+        return self.comm.dims["dp"].exposed
 
     def take_compute(self) -> float:
         """Seconds in forward and backward passes since the last call."""
@@ -134,11 +142,17 @@ class StepClocks:
 
     def take(self) -> float:
         """Seconds blocked on pipeline neighbours since the last call."""
-        return self.wait.take()
+        self.waited_s = self.wait.take()
+        return self.waited_s
 
-    def take_dp_comm(self) -> float:
-        """Seconds blocked in data-parallel collectives since the last call (``dp_comm_s``)."""
-        return self.dp_comm.take()
+    def take_comm(self, running=DIMS) -> dict[str, float]:
+        """Each running dimension's ``<dim>_comm_s`` (own) and ``<dim>_comm_exposed_s`` since the last call
+        (p3d.train.comm_clocks); pp's add the seconds blocked on neighbours of the last ``take`` (call it first)."""
+        figures = self.comm.take(running)
+        if "pp" in figures:
+            figures["pp_comm_s"] += self.waited_s
+            figures["pp_comm_exposed_s"] += self.waited_s
+        return figures
 
 
 class StageTimer(StepClocks):
@@ -152,24 +166,26 @@ class StageTimer(StepClocks):
         timed = {}
         for instr, fn in pipeline_instruction_map(engine).items():
             if instr.__name__ in PIPE_WAITS:
-                timed[instr] = self._wrap(fn, self.wait)
+                timed[instr] = self._wrap(fn, self.wait.timing)
             elif instr.__name__ == DRAIN:
                 timed[instr] = self._after_drain(fn, pp_group)
             elif instr.__name__ == DP_REDUCE and dp > 1:
-                timed[instr] = self._wrap(fn, self.dp_comm)
+                timed[instr] = self._wrap(fn, self.comm.dims["dp"].blocking)
             elif instr.__name__ in COMPUTE:
-                timed[instr] = self._wrap(fn, self.compute, self.delay_s if instr.__name__ == "ForwardPass" else 0.0)
+                timed[instr] = self._wrap(
+                    fn, self.compute.timing, self.delay_s if instr.__name__ == "ForwardPass" else 0.0
+                )
             else:
                 timed[instr] = fn
         set_pipeline_instruction_map(engine, timed)  # this engine instance only
         if dp > 1:
             from p3d.compat.dp_collectives import timed_deepspeed_allgathers
 
-            timed_deepspeed_allgathers(self.dp_comm.timing)  # ZeRO-1 / bf16: the updated pieces' dp all-gather
+            timed_deepspeed_allgathers(self.comm.dims["dp"].blocking)  # ZeRO-1 / bf16: the updated pieces' gather
 
-    def _wrap(self, fn: FunctionType, total: Seconds, delay_s: float = 0.0):
+    def _wrap(self, fn: FunctionType, timing, delay_s: float = 0.0):
         def timed(engine, *args, **kwargs):
-            with total.timing():
+            with timing():
                 if delay_s and engine.module.training:  # the test hook: a slow rank, training steps only
                     time.sleep(delay_s)
                 return fn(engine, *args, **kwargs)

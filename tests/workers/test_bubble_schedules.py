@@ -78,7 +78,7 @@ def _measure(rank, world, run_dir, out_path):
             ex.train_batch(data)
             step_time = time.perf_counter() - t0
             _, bubble, _, _, _ = step_stats(
-                stopper, ex.timer.take() / step_time, ex.timer.take_compute(), ex.timer.take_dp_comm(), device, None
+                stopper, ex.timer.take() / step_time, ex.timer.take_compute(), ex.timer.take_comm([]), device, None
             )
             shares.append(bubble)
         measured[name] = shares

@@ -89,13 +89,17 @@ class DeepSpeedExecutor:
         )
         # after the gate: its drain barrier runs first
         self.timer = StageTimer(self.engine, rank, mesh.pp_group, mesh.dp, device)
+        # tp and ep collectives are p3d's layers' (dp: the ReduceGrads instruction; pp: the p2p instructions)
+        self.timer.comm.classify_mesh(mesh, ("tp", "ep"))
         self.hang = HangWatch(self.engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir))  # last: wraps the others
         self.reads_data = mesh.is_first_stage or mesh.is_last_stage
         states = OptimizerStates(self.engine.optimizer)
         self.checkpointer = Checkpointer(cfg, plan, mesh, run_dir, self.module, states, self.scheduler, device)
 
     def train_batch(self, data) -> float:
-        return float(self.engine.train_batch(data_iter=data))
+        with self.timer.comm.timed():
+            loss = self.engine.train_batch(data_iter=data)
+        return float(loss)
 
     def evaluate(self, val_batches) -> float:
         return evaluate(self.engine, val_batches, self.cfg, self.plan, self.mesh)

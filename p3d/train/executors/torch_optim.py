@@ -3,9 +3,10 @@
 Dense parameters are the same on every dp x cp rank of a (pp, tp) coordinate (cp: context parallelism, whose
 ranks read other tokens of the same sequences); a routed expert's weights only on the dp / ep ranks of its
 expert-data-parallel (edp) group (p3d.layout.dims; experts and cp are not combined). So:
-- gradients: the dense ones are summed over dp x cp and divided by it (each rank's is the gradient of its own
-  tokens' mean loss: their mean is the whole batch's), the experts' summed over edp and divided by dp (the mean over
-  all replicas: every replica's tokens reach every expert through the all-to-all, p3d.parallel.experts.dispatch);
+- gradients (p3d.train.executors.grad_buckets): the dense ones are summed over dp x cp and divided by it (each rank's
+  is the gradient of its own tokens' mean loss: their mean is the whole batch's), the experts' summed over edp and
+  divided by dp (the mean over all replicas: every replica's tokens reach every expert through the all-to-all,
+  p3d.parallel.experts.dispatch);
 - ZeRO-1: torch's ``ZeroRedundancyOptimizer`` over dp x cp for the dense parameters, and a second one over edp for
   the experts' (:class:`ExpertZero1` steps both as one optimizer).
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterator, MutableMapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from p3d.parallel.experts.params import is_expert_param
@@ -25,31 +25,6 @@ from p3d.train.optim import build_optimizer, lr_factor, param_groups
 def split_experts(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(dense, routed experts' weights), each in the given order."""
     return [p for p in params if not is_expert_param(p)], [p for p in params if is_expert_param(p)]
-
-
-def _all_reduce_mean(params: list[nn.Parameter], group, size: int, dp: int) -> None:
-    """Each parameter's gradient summed over ``group`` (``size`` ranks; one flat fp32 buffer, SUM since gloo has no
-    AVG) and divided by dp."""
-    if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    if size > 1:
-        dist.all_reduce(flat, group=group)
-    flat.div_(dp)
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
-        offset += g.numel()
-
-
-def reduce_replica_grads(params: list[nn.Parameter], mesh) -> None:
-    """The mean of the replicas' gradients (module doc): dense ones over dp x cp, experts' over edp."""
-    if mesh.dp_cp == 1:
-        return
-    dense, experts = split_experts(params)
-    _all_reduce_mean(dense, mesh.dp_cp_group, mesh.dp_cp, mesh.dp_cp)
-    _all_reduce_mean(experts, mesh.edp_group, mesh.edp, mesh.dp)
 
 
 class _JointState(MutableMapping):
@@ -112,6 +87,7 @@ def _zero1(params_or_groups, group, t):
         params_or_groups,
         optimizer_class=torch.optim.AdamW,
         process_group=group,
+        parameters_as_bucket_view=True,  # each rank's updated parameters broadcast as one flat bucket
         lr=t.lr,
         betas=(t.beta1, t.beta2),
         eps=t.eps,
@@ -121,9 +97,9 @@ def _zero1(params_or_groups, group, t):
 
 def build_torch_optimizer(module: nn.Module, cfg, mesh):
     """AdamW and its LambdaLR schedule. ``zero.stage=1`` with dp > 1: torch's ``ZeroRedundancyOptimizer`` over
-    the dp group (each dp rank keeps the Adam states of the whole parameters it owns and broadcasts them after
-    its step; the gradients are all-reduced in full before, as DeepSpeed's stage 1 does), the experts' over edp
-    (:class:`ExpertZero1`). Stages 2 and 3: a plain AdamW over the FSDP2-sharded parameters
+    the dp group (each dp rank keeps the Adam states of the whole parameters it owns and broadcasts them, one flat
+    bucket per rank, after its step; the gradients are all-reduced in full before, as DeepSpeed's stage 1 does),
+    the experts' over edp (:class:`ExpertZero1`). Stages 2 and 3: a plain AdamW over the FSDP2-sharded parameters
     (p3d.parallel.zero.fsdp), whose moments are sharded with them."""
     t = cfg.train
     if cfg.zero.stage == 0 or cfg.zero.stage >= 2 or mesh.dp_cp == 1:

@@ -25,13 +25,14 @@ import contextlib
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from p3d.compat.deepspeed_internals import mark_pipe_replicated
-from p3d.compat.dp_collectives import timed_dp_collectives
+from p3d.compat.overlap_internals import async_reduce_scatter, on_last_backward, reduce_in_last_backward
 from p3d.compat.pipelining_internals import (
     SCHEDULE_CLASSES,
     after_metadata_inference,
@@ -49,8 +50,9 @@ from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.pipeline.chunks import ChunkModule
 from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
 from p3d.parallel.zero.fsdp import local
-from p3d.train.executors.torch_optim import build_torch_optimizer, reduce_replica_grads
-from p3d.train.optim import global_grad_norm, norm_once_reduced
+from p3d.train.executors.grad_buckets import GradBuckets, bucket_bytes
+from p3d.train.executors.torch_optim import build_torch_optimizer
+from p3d.train.optim import global_grad_norm
 from p3d.train.timing import StepClocks, drain
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
@@ -218,6 +220,24 @@ class TorchPipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
+        # the dp reduction, issued in each chunk's last backward of the step and waited for after the schedule
+        # (docs/overlap.md): ZeRO 0/1 by p3d's buckets, ZeRO-2/3 by FSDP2 per unit
+        self.buckets: GradBuckets | None = None
+        self.pending_reductions: list = []  # FSDP2's reduce-scatters issued asynchronously (gloo), not yet waited
+        self.prefetch = self.sharded and cfg.zero.stage == 2 and self.device.type == "cpu"
+        self.steps_run = 0
+        if mesh.dp_cp > 1 and not self.sharded:
+            self.buckets = GradBuckets(list(zip(self.chunk_ids, self.chunks)), mesh, bucket_bytes(cfg.zero))
+            for c, stage in zip(self.chunk_ids, self.stages):
+                on_last_backward(stage, partial(self.buckets.last_backward, c))
+        if self.sharded:
+            if schedule not in IW_SPLIT:  # their W pass would come after FSDP2's per-unit hook: reduced at the end
+                for stage in self.stages:
+                    reduce_in_last_backward(stage)
+            if self.device.type == "cpu" and self.replicas == 1:  # CUDA: FSDP2's own streams overlap it
+                comm = async_reduce_scatter(self.pending_reductions)
+                for unit in self.fsdp_units():
+                    unit.set_custom_reduce_scatter(comm)
         # set by p3d.train.executors: the step gate (grads, replica loss or None), and the step's clocks (the p2p
         # waits and the drain, the loss's compute, the dp collectives: p3d.train.timing.StepClocks)
         self.before_update: Callable[[list[torch.Tensor], float | None], None] | None = None
@@ -227,11 +247,36 @@ class TorchPipeline:
         """A context that times the schedule's waits on pipeline neighbours (when ``clocks`` are set)."""
         return timed_p2p_waits(self.clocks.wait.timing) if self.clocks is not None else contextlib.nullcontext()
 
-    def dp_collectives(self):
-        """A context that times every collective over a dp group (when ``clocks`` are set)."""
-        if self.clocks is None or self.mesh.dp_cp == 1:
+    def comm_timed(self):
+        """A context that times every collective over a dimension's group into that dimension's clock (when
+        ``clocks`` are set): the mesh's groups, FSDP2's dp groups and the tied holders' (pp)."""
+        if self.clocks is None:
             return contextlib.nullcontext()
-        return timed_dp_collectives(self.dp_groups, self.clocks.dp_comm.timing)
+        comm = self.clocks.comm
+        comm.classify("dp", self.dp_groups)
+        comm.classify_mesh(self.mesh)
+        comm.classify("pp", [self.tied_group])
+        return comm.timed()
+
+    def fsdp_units(self) -> list[Any]:
+        """This rank's FSDP2 modules (each chunk's blocks, experts and the chunk itself), in forward order."""
+        from torch.distributed.fsdp import FSDPModule
+
+        seen: dict[int, Any] = {}
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                if isinstance(module, FSDPModule):
+                    seen.setdefault(id(module), module)
+        roots = [m for m in seen.values() if any(m is c for c in self.chunks)]
+        return roots + [m for m in seen.values() if not any(m is c for c in self.chunks)]
+
+    def prefetch_weights(self) -> None:
+        """ZeRO-2 on CPU: every unit's all-gather issued asynchronously as the step starts (FSDP2 waits for each in
+        the unit's first forward; on CUDA it prefetches on its own streams). From the second step: the first
+        runs FSDP2's lazy initialization."""
+        if self.prefetch and self.steps_run > 0:
+            for unit in self.fsdp_units():
+                unit.unshard(async_op=True)
 
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -269,19 +314,21 @@ class TorchPipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
-        with device_checked(self.device), self.dp_collectives():  # FSDP2's in the schedule, then the dp reduction
+        with device_checked(self.device), self.comm_timed():  # every dimension's collectives, into their clocks
+            self.prefetch_weights()
             with self.waits():
                 self.schedule.step(*args, return_outputs=False, **kwargs)
             if self.clocks is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
                 drain(self.mesh.pp_group, self.clocks.wait)
+            self.reduce_dp_grads()  # issued in the last backward; waited for here
+            self.reduce_tied_grads()
             replica_loss = self.replica_loss(losses)  # (), on the device
-            if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
+            if self.before_update is not None:  # the step gate: judges the reduced gradients, may fill them with nan
                 grads = [local(p.grad) for p in self.params if p.grad is not None]
                 self.before_update(grads, float(replica_loss) if self.holds_last else None)  # the step's host read
-            self.reduce_tied_grads()
-            self.reduce_dp_grads()
             norm = self.clip_and_step()
-            return self.step_loss(replica_loss), norm
+        self.steps_run += 1
+        return self.step_loss(replica_loss), norm
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor | None) -> float:
@@ -310,22 +357,21 @@ class TorchPipeline:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(local(p.grad), group=self.tied_group)  # both holders cut a table alike over dp
 
-    def norm_once_reduced(self) -> float:
-        """The global norm this step's gradients will have after ``reduce_tied_grads`` and ``reduce_dp_grads``,
-        measured on copies (``optim.norm_once_reduced``: a discarded loss spike's report)."""
-        holds_tied = self.tied_group is not None and (self.holds_first or self.holds_last)
-        tied = [(p, self.tied_group) for p in self.tied_params] if holds_tied else []
-        grads = [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
-        return norm_once_reduced(grads, tied, self.mesh, reduced_over_dp=self.sharded, replicas=self.replicas)
+    def reduced_norm(self) -> float:
+        """The global norm of this step's gradients, reduced over dp and the tied copies already (the step gate's
+        report of a discarded loss spike: the norm the optimizer would have seen)."""
+        return float(global_grad_norm(self.params, self.mesh, sharded_over_dp=self.sharded, replicas=self.replicas))
 
     def reduce_dp_grads(self) -> None:
-        """Mean of the replicas' grads (``torch_optim.reduce_replica_grads``: dense over dp, experts over edp).
-        ZeRO-2/3: FSDP2 has reduce-scattered them already in the schedule's last backward of each chunk, the dense
-        ones to their mean over dp and the experts' to their mean over edp, which is ep times their mean over dp."""
-        if not self.sharded:
-            reduce_replica_grads(self.params, self.mesh)
-            return
-        if self.mesh.ep > 1:
+        """Mean of the replicas' grads, issued in each chunk's last backward (ZeRO 0/1: ``GradBuckets``, dense over
+        dp, experts over edp; ZeRO-2/3: FSDP2 per unit, the dense ones to their mean over dp and the experts' to
+        their mean over edp, which is ep times their mean over dp): here they are waited for."""
+        if self.buckets is not None:
+            self.buckets.finish()
+        for work, *_buffers in self.pending_reductions:
+            work.wait()
+        self.pending_reductions.clear()
+        if self.sharded and self.mesh.ep > 1:
             for p in self.params:
                 if p.grad is not None and is_expert_param(p):
                     local(p.grad).div_(self.mesh.ep)

@@ -1,6 +1,7 @@
 """The torch pipeline schedules (interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev, gpipe) behind the
 executor interface: ``p3d.train.executors.torch_pipeline.TorchPipeline`` runs them; the timer wraps its stages'
-compute and p2p waits, the step gate runs between the schedule and the gradient reductions."""
+compute and p2p waits, the step gate runs after the gradient reductions (they overlap the schedule's last
+backward), before the optimizer."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class TorchExecutor:
         self.timer = TorchStageTimer(self.pipe.stages, rank, device)
         self.pipe.clocks = self.timer  # the schedule's waits, the loss and the dp collectives: the same clocks
         self.gate = StepGate(None, self.module, mesh, plan, cfg.train, device)
-        self.gate.measure_norm = self.pipe.norm_once_reduced
+        self.gate.measure_norm = self.pipe.reduced_norm
         self.hang = HangWatch(None, mesh, cfg.cluster.timeout_s, run_logs(run_dir))
         self.reads_data = self.pipe.holds_first or self.pipe.holds_last
         self.step, self.norm = 0, float("nan")

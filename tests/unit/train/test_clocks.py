@@ -57,7 +57,7 @@ def test_cuda_figures_are_gpu_time_not_the_host_time_of_the_launches(cuda_events
     assert cuda_events.syncs == 0  # nothing waited for the device inside the step
     assert clocks.take_compute() == pytest.approx(0.4)
     assert clocks.take() == pytest.approx(0.2)
-    assert clocks.take_dp_comm() == 0.0
+    assert clocks.take_comm(["dp"]) == {"dp_comm_s": 0.0, "dp_comm_exposed_s": 0.0}
     assert cuda_events.syncs > 0  # read when taken
     assert clocks.take_compute() == 0.0  # taken once: a fresh start
 

@@ -1,0 +1,172 @@
+"""The touchpoints of torch's pipelining and FSDP2 internals that let the dp reduction overlap the last backward
+(docs/overlap.md); each is an entry of ``TOUCHPOINTS`` (tests/unit/compat/test_overlap_internals.py).
+
+- ``on_last_backward``: the schedule tells a stage which backward is its last of the step (``last_backward=``, by
+  keyword, to ``backward_one_chunk`` and ``backward_weight_one_chunk``); p3d runs that call inside a context.
+- ``reduce_in_last_backward``: torch 2.13's ``PipelineStage.backward_maybe_with_nosync`` turns off FSDP2's gradient
+  sync for every backward, the last one too, and ``perform_reduce_grad`` reduces every unit of the stage after
+  the schedule's last backward. In a stage's last full backward p3d leaves FSDP2's sync on (and its reshard after
+  backward), so FSDP2's own post-backward hook reduce-scatters each unit as its backward is done; the later
+  ``perform_reduce_grad`` finds nothing left (``FSDPParamGroup.post_backward`` is a no-op without gradients).
+- ``AsyncReduceScatter``: FSDP2 issues its reduce-scatter synchronously off CUDA (gloo); this custom reduce-scatter
+  (FSDP2's ``set_custom_reduce_scatter``) issues it asynchronously and keeps the work for the executor to wait
+  for before the gradients are read. Sound because FSDP2's ``foreach_reduce`` reads the output, after the call,
+  only to make the sharded gradients views of it, when: no gradient is accumulated into (they are None at the
+  reduction: the optimizer's ``zero_grad(set_to_none=True)``), no divide after the reduce (fp32 / bf16 reduce
+  dtype: the op divides), the reduce dtype is the parameters' (fp32), and no HSDP all-reduce follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from p3d.compat.pipelining_internals import Touchpoint
+
+LAST_BACKWARD_METHODS = ("backward_one_chunk", "backward_weight_one_chunk")
+FSDP_SYNC_SETTERS = ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync")
+
+
+def on_last_backward(stage, context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run ``stage``'s last backward of each step (full, or the weight pass of a split one) inside ``context()``."""
+    for name in LAST_BACKWARD_METHODS:
+        original = getattr(stage, name)
+
+        def call(*args, _original=original, **kwargs):
+            if not kwargs.get("last_backward", False):
+                return _original(*args, **kwargs)
+            with context():
+                return _original(*args, **kwargs)
+
+        setattr(stage, name, call)
+
+
+def reduce_in_last_backward(stage) -> None:
+    """In ``stage``'s last full backward of the step, FSDP2 reduce-scatters each unit as its backward is done (module
+    doc); other backwards are torch's."""
+    original = stage.backward_maybe_with_nosync
+
+    def backward(backward_type, bwd_kwargs, last_backward=False):
+        submod = stage.submod
+        if not (last_backward and backward_type == "full" and _is_fsdp(submod)):
+            return original(backward_type, bwd_kwargs, last_backward)
+        submod.set_is_last_backward(True)
+        submod.set_reshard_after_backward(True)
+        submod.set_requires_gradient_sync(True)
+        for name in FSDP_SYNC_SETTERS:  # torch's turns them off again before the backward: not this time
+            setattr(submod, name, lambda *a, **k: None)
+        try:
+            return original(backward_type, bwd_kwargs, last_backward)
+        finally:
+            for name in FSDP_SYNC_SETTERS:
+                delattr(submod, name)
+
+    stage.backward_maybe_with_nosync = backward
+
+
+def _is_fsdp(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def async_reduce_scatter(pending: list):
+    """A ``ReduceScatter`` for FSDP2's ``set_custom_reduce_scatter`` that issues each reduce-scatter asynchronously,
+    keeping (work, input, output) in ``pending`` (the executor waits for them, then clears the list)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class AsyncReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+            work = dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, group=group, op=op, async_op=True
+            )
+            pending.append((work, input_tensor, output_tensor))  # the buffers live until the work is waited for
+            return work
+
+    return AsyncReduceScatter()
+
+
+def _fsdp_source(fn: str) -> str:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return inspect.getsource(getattr(_fsdp_collectives, fn))
+
+
+def _reduce_reads_output_as_views() -> bool:
+    src = _fsdp_source("foreach_reduce")
+    return all(
+        text in src
+        for text in (
+            "reduce_scatter_comm(",
+            "torch.as_strided(\n                reduce_output",
+            "_div_if_needed(reduce_output, postdivide_factor)",
+            "to_accumulate_grad = fsdp_param.sharded_param.grad is not None",
+        )
+    )
+
+
+def _stage_sets(text: str) -> bool:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return text in inspect.getsource(_PipelineStageBase.backward_maybe_with_nosync)
+
+
+def _schedules_pass_last_backward() -> bool:
+    from torch.distributed.pipelining import schedules
+
+    src = inspect.getsource(schedules)
+    return "last_backward=last_backward" in src and "stage.backward_weight_one_chunk(" in src
+
+
+def _has_custom_reduce_scatter() -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+    return hasattr(FSDPModule, "set_custom_reduce_scatter") and hasattr(_fsdp_api, "ReduceScatter")
+
+
+def _post_backward_idempotent() -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    src = inspect.getsource(FSDPParamGroup.post_backward)
+    return "if len(fsdp_params_with_grad) == 0:\n            return" in src
+
+
+TOUCHPOINTS: tuple[Touchpoint, ...] = (
+    Touchpoint(
+        "torch.distributed.pipelining schedules pass last_backward= by keyword to the stage's backward methods",
+        "p3d.compat.overlap_internals.on_last_backward",
+        _schedules_pass_last_backward,
+    ),
+    *(
+        Touchpoint(
+            f"PipelineStage.backward_maybe_with_nosync calls self.submod.{name}(False)",
+            "p3d.compat.overlap_internals.reduce_in_last_backward",
+            partial(_stage_sets, f"self.submod.{name}(False)"),
+        )
+        for name in FSDP_SYNC_SETTERS
+    ),
+    Touchpoint(
+        "FSDPParamGroup.post_backward returns when no gradient is left (perform_reduce_grad after the last backward)",
+        "p3d.compat.overlap_internals.reduce_in_last_backward",
+        _post_backward_idempotent,
+    ),
+    Touchpoint(
+        "FSDPModule.set_custom_reduce_scatter and _fsdp_api.ReduceScatter",
+        "p3d.compat.overlap_internals.async_reduce_scatter",
+        _has_custom_reduce_scatter,
+    ),
+    Touchpoint(
+        "_fsdp_collectives.foreach_reduce reads the reduce-scatter's output only as views (no accumulate, no divide)",
+        "p3d.compat.overlap_internals.async_reduce_scatter",
+        _reduce_reads_output_as_views,
+    ),
+)
