@@ -55,13 +55,17 @@ class _TimedWork(dist.Work):
     ``isinstance(work, dist.distributed_c10d.Work)`` (``_fsdp_collectives.foreach_all_gather_copy_out``), and read a
     proxy's buffers unwaited, which gave nan losses under the prefetching runtime schedules (interleaved, V)."""
 
-    def __init__(self, work, timing: Timing):
+    def __init__(self, work, timing: Timing, waited: Callable[[], None] | None = None):
         super().__init__()
-        self._work, self._timing = work, timing
+        self._work, self._timing, self._waited = work, timing, waited
 
     def wait(self, *args, **kwargs):
         with self._timing():
-            return self._work.wait(*args, **kwargs)
+            result = self._work.wait(*args, **kwargs)
+        if self._waited is not None:  # the collective's own time ends here (a work with no future)
+            self._waited, waited = None, self._waited
+            waited()
+        return result
 
     def is_completed(self):
         return self._work.is_completed()
@@ -114,7 +118,8 @@ class OwnClock(Protocol):
 
     def finished(self, start: object) -> None: ...  # a synchronous collective returned
 
-    def completes(self, work, start: object) -> None: ...  # an asynchronous one's work: it ends when the work does
+    # an asynchronous one's work: it ends when the work does; or, returned, a call for when its wait() returns
+    def completes(self, work, start: object) -> Callable[[], None] | None: ...
 
 
 @contextlib.contextmanager
@@ -150,12 +155,15 @@ def timed_collectives(
                     work = fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
+            waited = None
             if own is not None:
                 if asynchronous and work is not None:
-                    own.completes(work, start)
+                    waited = own.completes(work, start)
                 else:
                     own.finished(start)
-            return _TimedWork(work, timing) if work is not None and asynchronous and timing is not None else work
+            if work is None or not asynchronous or (timing is None and waited is None):
+                return work
+            return _TimedWork(work, timing or contextlib.nullcontext, waited)
 
         return call
 

@@ -12,7 +12,8 @@ The collectives are classified by their process group (``CommClocks.classify``: 
 an executor adds, FSDP2's and HSDP's) through ``p3d.compat.dp_collectives.timed_collectives``, the one mechanism
 that times torch.distributed's collectives. The completion of an asynchronous one is the callback of its
 future (``work.get_future().then``): on CPU gloo runs it in its own thread as the collective ends, on CUDA the callback
-runs ordered after the collective on its stream, where the mark is an event (not yet measured on a GPU).
+runs ordered after the collective on its stream, where the mark is an event (not yet measured on a GPU). A work with
+no future (gloo's reduce-scatter) ends when its ``wait()`` returns: an upper bound.
 
 pp is not a collective: its figures are the seconds blocked on pipeline neighbours (the schedule's p2p waits and the
 drain, ``StepClocks.wait``, what ``bubble`` divides by the step) plus collectives over the pp group (the tied
@@ -76,18 +77,26 @@ class CommClock:
         with self.lock:
             self.busy.append((start, end))
 
-    def completes(self, work, start: Any) -> None:
-        """An asynchronous collective issued at ``start``: its own time ends when its work completes."""
-        with self.lock:
-            self.pending += 1
+    def completes(self, work, start: Any) -> Callable[[], None] | None:
+        """An asynchronous collective issued at ``start``: its own time ends when its work completes (its future's
+        callback). A work with no future (gloo's reduce-scatter): when its ``wait()`` returns (the returned call)."""
 
-        def done(_future):
+        def done(_future=None):
             end = self.clock.mark()
             with self.lock:
                 self.busy.append((start, end))
                 self.pending -= 1
 
-        work.get_future().then(done)
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            future = None
+        with self.lock:
+            self.pending += 1
+        if future is None:
+            return done
+        future.then(done)
+        return None
 
     def take(self) -> tuple[float, float]:
         """(own seconds, exposed seconds) since the last call, and a fresh start. The step has waited for every

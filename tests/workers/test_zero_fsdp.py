@@ -108,6 +108,13 @@ def _train(rank, world, overrides, out_path):
 
     dist.reduce_scatter_single = counted("reduce_scatter", dist.reduce_scatter_single)
     dist.all_gather_single = counted("all_gather", dist.all_gather_single)
+    finish = pipe.deferred.finish  # on gloo FSDP2's reduce-scatters are p3d's deferred ones (docs/overlap.md)
+
+    def finish_counted():
+        counts["reduce_scatter"] += len(pipe.deferred.pending)
+        finish()
+
+    pipe.deferred.finish = finish_counted
     from p3d.train.timing import StepClocks
 
     pipe.clocks = StepClocks()  # as p3d-train runs it: dp_comm_s's clocks on (p3d.compat.dp_collectives)

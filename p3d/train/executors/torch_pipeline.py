@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from p3d.compat.deepspeed_internals import mark_pipe_replicated
-from p3d.compat.overlap_internals import async_reduce_scatter, on_last_backward, reduce_in_last_backward
+from p3d.compat.overlap_internals import DeferredReduceScatters, on_last_backward, reduce_in_last_backward
 from p3d.compat.pipelining_internals import (
     SCHEDULE_CLASSES,
     after_metadata_inference,
@@ -223,7 +223,7 @@ class TorchPipeline:
         # the dp reduction, issued in each chunk's last backward of the step and waited for after the schedule
         # (docs/overlap.md): ZeRO 0/1 by p3d's buckets, ZeRO-2/3 by FSDP2 per unit
         self.buckets: GradBuckets | None = None
-        self.pending_reductions: list = []  # FSDP2's reduce-scatters issued asynchronously (gloo), not yet waited
+        self.deferred = DeferredReduceScatters()  # FSDP2's reduce-scatters on gloo, issued asynchronously
         self.prefetch = self.sharded and cfg.zero.stage == 2 and self.device.type == "cpu"
         self.steps_run = 0
         if mesh.dp_cp > 1 and not self.sharded:
@@ -235,7 +235,7 @@ class TorchPipeline:
                 for stage in self.stages:
                     reduce_in_last_backward(stage)
             if self.device.type == "cpu" and self.replicas == 1:  # CUDA: FSDP2's own streams overlap it
-                comm = async_reduce_scatter(self.pending_reductions)
+                comm = self.deferred.comm()
                 for unit in self.fsdp_units():
                     unit.set_custom_reduce_scatter(comm)
         # set by p3d.train.executors: the step gate (grads, replica loss or None), and the step's clocks (the p2p
@@ -272,11 +272,17 @@ class TorchPipeline:
 
     def prefetch_weights(self) -> None:
         """ZeRO-2 on CPU: every unit's all-gather issued asynchronously as the step starts (FSDP2 waits for each in
-        the unit's first forward; on CUDA it prefetches on its own streams). From the second step: the first
-        runs FSDP2's lazy initialization."""
-        if self.prefetch and self.steps_run > 0:
-            for unit in self.fsdp_units():
-                unit.unshard(async_op=True)
+        the unit's first forward; on CUDA it prefetches on its own streams), the first unit's alone before the rest
+        (the first forward needs it at once: it would share gloo's threads with the others). From the second step:
+        the first runs FSDP2's lazy initialization."""
+        if not self.prefetch or self.steps_run == 0:
+            return
+        units = self.fsdp_units()
+        first = units[0].unshard(async_op=True)
+        if first is not None:
+            first.wait()
+        for unit in units[1:]:
+            unit.unshard(async_op=True)
 
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -368,9 +374,7 @@ class TorchPipeline:
         their mean over edp, which is ep times their mean over dp): here they are waited for."""
         if self.buckets is not None:
             self.buckets.finish()
-        for work, *_buffers in self.pending_reductions:
-            work.wait()
-        self.pending_reductions.clear()
+        self.deferred.finish()
         if self.sharded and self.mesh.ep > 1:
             for p in self.params:
                 if p.grad is not None and is_expert_param(p):
