@@ -118,7 +118,7 @@ class OwnClock(Protocol):
 
     def finished(self, start: object) -> None: ...  # a synchronous collective returned
 
-    # an asynchronous one's work: it ends when the work does; or, returned, a call for when its wait() returns
+    # an asynchronous one's work: it ends when the work does; the returned call (if any) when its wait() returns
     def completes(self, work, start: object) -> Callable[[], None] | None: ...
 
 

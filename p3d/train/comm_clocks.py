@@ -51,9 +51,10 @@ class CommClock:
     def __init__(self, clock, seconds: Callable[[Any], Any]):
         self.clock = clock  # p3d.train.timing.DeviceClock
         self.exposed = seconds(clock)  # p3d.train.timing.Seconds (given: timing imports this module)
-        self.busy: list[tuple[Any, Any]] = []
-        self.pending = 0  # asynchronous collectives issued whose completion has not been noted yet
-        self.lock = threading.Lock()  # completion callbacks run in the communicator's thread
+        # each collective's marks: [issue, completion or None, its wait's return or None] (a synchronous one's
+        # completion is its return); completion callbacks run in the communicator's thread
+        self.busy: list[list[Any]] = []
+        self.lock = threading.Lock()
 
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
@@ -65,7 +66,7 @@ class CommClock:
             end = self.clock.mark()
             self.exposed.spans.append((start, end))
             with self.lock:
-                self.busy.append((start, end))
+                self.busy.append([start, end, None])
 
     # ---- the own-time protocol of p3d.compat.dp_collectives.timed_collectives
     def start(self) -> Any:
@@ -75,41 +76,46 @@ class CommClock:
         """A synchronous collective issued at ``start`` returned now."""
         end = self.clock.mark()
         with self.lock:
-            self.busy.append((start, end))
+            self.busy.append([start, end, None])
 
-    def completes(self, work, start: Any) -> Callable[[], None] | None:
-        """An asynchronous collective issued at ``start``: its own time ends when its work completes (its future's
-        callback). A work with no future (gloo's reduce-scatter): when its ``wait()`` returns (the returned call)."""
+    def completes(self, work, start: Any) -> Callable[[], None]:
+        """An asynchronous collective issued at ``start``: its own time ends when its work completes, noted by its
+        future's callback, or when its ``wait()`` returns if that is sooner (the returned call): the callback needs
+        the GIL, which the step's thread may hold for a while after the work is done (a work with no future,
+        gloo's reduce-scatter: the wait's return only)."""
+        marks = [start, None, None]
+        with self.lock:
+            self.busy.append(marks)
 
-        def done(_future=None):
-            end = self.clock.mark()
-            with self.lock:
-                self.busy.append((start, end))
-                self.pending -= 1
+        def done(_future) -> None:
+            marks[1] = self.clock.mark()
+
+        def waited() -> None:
+            marks[2] = self.clock.mark()
 
         try:
-            future = work.get_future()
+            work.get_future().then(done)
         except RuntimeError:
-            future = None
-        with self.lock:
-            self.pending += 1
-        if future is None:
-            return done
-        future.then(done)
-        return None
+            pass
+        return waited
 
     def take(self) -> tuple[float, float]:
         """(own seconds, exposed seconds) since the last call, and a fresh start. The step has waited for every
         collective by now; a completion callback may still be finishing in the communicator's thread."""
         deadline = time.perf_counter() + CALLBACK_WAIT_S
-        while self.pending and time.perf_counter() < deadline:
+        while any(m[1] is None and m[2] is None for m in self.busy) and time.perf_counter() < deadline:
             time.sleep(0.0005)
         with self.lock:
             spans, self.busy = self.busy, []
         own = 0.0
         if spans:
             ref = spans[0][0]
-            own = busy_seconds([(self.clock.seconds(ref, a), self.clock.seconds(ref, b)) for a, b in spans])
+            intervals = []
+            for start, done, waited in spans:
+                ends = [self.clock.seconds(ref, m) for m in (done, waited) if m is not None]
+                if ends:  # none: never waited for nor completed (not in a step's figures)
+                    intervals.append((self.clock.seconds(ref, start), min(ends)))
+            own = busy_seconds(intervals)
         return own, self.exposed.take()
 
 

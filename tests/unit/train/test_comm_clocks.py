@@ -1,0 +1,86 @@
+"""Each dimension's own and exposed communication seconds (p3d.train.comm_clocks), on fake works in one process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from p3d.train.comm_clocks import CommClocks, busy_seconds, running_dims
+from p3d.train.timing import DeviceClock, Seconds
+
+
+class FakeFuture:
+    def __init__(self):
+        self.callbacks = []
+
+    def then(self, fn):
+        self.callbacks.append(fn)
+
+    def complete(self):
+        for fn in self.callbacks:
+            fn(self)
+
+
+class FakeWork:
+    def __init__(self, future: FakeFuture | None):
+        self.future = future
+
+    def get_future(self):
+        if self.future is None:
+            raise RuntimeError("Work::getFuture not implemented")
+        return self.future
+
+
+def test_own_time_is_the_union_of_the_busy_intervals():
+    assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (2.0, 2.5)]) == pytest.approx(2.0)
+    assert busy_seconds([(0.0, 3.0), (1.0, 2.0)]) == pytest.approx(3.0)
+    assert busy_seconds([]) == 0.0
+
+
+def test_an_asynchronous_collective_is_own_time_until_it_completes_and_exposed_only_while_waited_for():
+    clocks = CommClocks(DeviceClock(), Seconds)
+    dp = clocks.dims["dp"]
+    future = FakeFuture()
+    waited = dp.completes(FakeWork(future), dp.start())
+    time.sleep(0.1)  # compute while the collective runs
+    future.complete()
+    time.sleep(0.1)  # more compute: the work is done
+    with dp.exposed.timing():  # the wait: returns at once
+        waited()
+    got = clocks.take(["dp"])
+    assert 0.09 < got["dp_comm_s"] < 0.15, got
+    assert got["dp_comm_exposed_s"] < 0.01, got
+
+
+def test_a_work_without_future_ends_at_its_wait_and_a_late_callback_does_not_count():
+    clocks = CommClocks(DeviceClock(), Seconds)
+    dp = clocks.dims["dp"]
+    waited = dp.completes(FakeWork(None), dp.start())
+    time.sleep(0.05)
+    waited()
+    late = FakeFuture()
+    waited_late = dp.completes(FakeWork(late), dp.start())
+    waited_late()  # the wait returned; the callback comes later (it needed the GIL)
+    time.sleep(0.1)
+    late.complete()
+    own = clocks.take(["dp"])["dp_comm_s"]
+    assert 0.04 < own < 0.09, own
+
+
+def test_blocking_communication_is_own_and_exposed_and_only_running_dimensions_are_reported():
+    clocks = CommClocks(DeviceClock(), Seconds)
+    with clocks.dims["tp"].blocking():
+        time.sleep(0.05)
+    got = clocks.take(["tp"])
+    assert set(got) == {"tp_comm_s", "tp_comm_exposed_s"}
+    assert got["tp_comm_s"] == pytest.approx(got["tp_comm_exposed_s"], rel=0.05)
+    assert clocks.take(["tp"]) == {"tp_comm_s": 0.0, "tp_comm_exposed_s": 0.0}  # a fresh start
+
+
+class Plan:
+    tp, pp, dp, ep, cp = 2, 1, 1, 1, 2
+
+
+def test_dp_runs_over_the_cp_holders_too():
+    assert running_dims(Plan()) == ["dp", "tp", "cp"]
