@@ -14,8 +14,9 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous().clone()
+def _all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over the group in place (no copy): every caller passes a tensor nothing else reads, the fresh output
+    of the matmul (or lookup) before it, or the fresh gradient of the matmul after it."""
     dist.all_reduce(x, group=group)
     return x
 
@@ -26,9 +27,11 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    """(..., n) on every rank -> (..., size n), rank r's at r n: gathered into one preallocated buffer."""
+    size = _size(group)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after the other along dim 0
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.unflatten(0, (size, x.shape[0])).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -45,15 +48,18 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce_(grad.contiguous(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """forward: all-reduce (sum) over the TP group; backward: identity."""
+    """forward: all-reduce (sum) over the TP group, in place on the partial sums (marked dirty); backward: identity."""
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if not x.is_contiguous():
+            return _all_reduce_(x.contiguous(), group)
+        ctx.mark_dirty(x)
+        return _all_reduce_(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -113,22 +119,32 @@ def _split_seq(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(size, dim=1)[rank].contiguous()
 
 
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s/tp, ...) on every rank -> (b, s, ...), rank r's block at r s/tp."""
-    parts = [torch.empty_like(x) for _ in range(_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+def _gather_seq(x: torch.Tensor, group, async_op: bool = False):
+    """(b, s/tp, ...) on every rank -> (b, s, ...), rank r's block at r s/tp: one all-gather into a preallocated
+    (tp b, s/tp, ...) buffer, then one copy into the sequence order (none when b = 1: a view). ``async_op``:
+    (work, finish), ``finish()`` giving the gathered tensor once the work is waited for."""
+    size = _size(group)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # (tp b, s/tp, ...): the ranks' blocks one after the other
+    work = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        return out.unflatten(0, (size, x.shape[0])).movedim(0, 1).reshape(x.shape[0], size * x.shape[1], *x.shape[2:])
+
+    return (work, finish) if async_op else finish()
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s, ...) partial sums on every rank -> this rank's (b, s/tp, ...) block of their sum."""
+def _reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
+    """(b, s, ...) partial sums on every rank -> this rank's (b, s/tp, ...) block of their sum: the blocks laid out
+    rank by rank (a view when b = 1, else one copy) and reduce-scattered into a preallocated output.
+    ``async_op``: (work, output), the output valid once the work is waited for."""
     size = _size(group)
     if x.shape[1] % size:
         raise ValueError(f"sequence length {x.shape[1]} not divisible by tp={size}")
-    blocks = [c.contiguous() for c in x.chunk(size, dim=1)]
-    out = torch.empty_like(blocks[0])
-    dist.reduce_scatter(out, blocks, group=group)
-    return out
+    blocks = x.unflatten(1, (size, x.shape[1] // size)).movedim(1, 0).contiguous()  # (tp, b, s/tp, ...)
+    out = x.new_empty(blocks.shape[1:])
+    blocks = blocks.flatten(0, 1)  # (tp b, s/tp, ...): rank r's block at r b
+    work = dist.reduce_scatter_tensor(out, blocks, group=group, async_op=async_op)
+    return (work, out) if async_op else out
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -201,7 +217,8 @@ class _GatheredLinear(torch.autograd.Function):
 
     Keeps only this rank's (b, s/tp, in) block for backward and all-gathers it again there, so the
     full-sequence input is never held between forward and backward (what makes sequence parallelism
-    divide the norms' activations by tp). backward: dx = reduce_scatter(dy W), dW = dy^T gather_seq(x).
+    divide the norms' activations by tp). backward: dx = reduce_scatter(dy W), dW = dy^T gather_seq(x), each
+    collective hidden behind a matmul: the all-gather of x runs during dy W, the reduce-scatter of dx during dW.
     Under autocast (bf16 over fp32 weights: the torch executor) the forward's matmul runs in bf16, so the
     backward's do too, in the gradient's dtype, and each gradient returns in its input's dtype.
     """
@@ -215,9 +232,13 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        total = _gather_seq(x, ctx.group).to(grad.dtype)  # (b, s, in), gathered again
-        grad_x = _reduce_scatter_seq(grad.matmul(weight.to(grad.dtype)), ctx.group)  # (b, s/tp, in)
-        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
+        gathering, gathered = _gather_seq(x, ctx.group, async_op=True)  # (b, s, in), gathered again
+        grad_total = grad.matmul(weight.to(grad.dtype))  # (b, s, in) partial over tp, while x is gathered
+        gathering.wait()
+        scattering, grad_x = _reduce_scatter_seq(grad_total, ctx.group, async_op=True)  # (b, s/tp, in)
+        total = gathered().to(grad.dtype)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))  # while scattering
+        scattering.wait()
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
