@@ -37,6 +37,7 @@ from p3d.parallel.experts.dispatch import Routed, dispatch_combine
 from p3d.parallel.experts.params import mark_expert
 from p3d.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, master_normal, on_meta
 from p3d.parallel.tp.mappings import copy_to_tp, gather_from_sp, gather_seq_values, reduce_from_tp, reduce_scatter_to_sp
+from p3d.parallel.tp.precision import compute_weight
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -54,10 +55,11 @@ class Expert(nn.Module):
         self.w_down = RowParallelLinear(f, h, mesh, f"{prefix}.w_down", out_std, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up.split_output(F.linear(x, self.w_gate_up.weight))  # (rows, f/t) each
+        w_gate_up, w_down = compute_weight(self.w_gate_up.weight), compute_weight(self.w_down.weight)
+        gate, up = self.w_gate_up.split_output(F.linear(x, w_gate_up))  # (rows, f/t) each
         if self.recompute and torch.is_grad_enabled():
-            return F.linear(checkpoint(_swiglu, gate, up, use_reentrant=False), self.w_down.weight)
-        return F.linear(_swiglu(gate, up), self.w_down.weight)  # (rows, h), partial over tp
+            return F.linear(checkpoint(_swiglu, gate, up, use_reentrant=False), w_down)
+        return F.linear(_swiglu(gate, up), w_down)  # (rows, h), partial over tp
 
 
 class RoutedExperts(nn.ModuleDict):

@@ -31,7 +31,8 @@ Activations per micro batch (one tp rank, bytes per token, c = 4 for fp32 and 2 
 what the p3d model saves for backward, checked against torch's saved-tensor hooks
 (tests/unit/planner/test_activations.py):
 
-    llama block  2 norms    2 (4 h + 4 + 2 c h)      x (fp32), rsqrt, x_hat, x_hat * w
+    llama block  2 norms    2 (4 h + 4 + 2 c h)      fp32: x, rsqrt, x_hat, x_hat * w
+                            2 (2 c h + 4)            bf16: x, 1/rms (fp32), the output (the next matmul's input)
                  attention  c (3 q + 3 kv) / t + 4 a / t     q|k|v, rotated q and k, output,
                                                               flash log-sum-exp (fp32)
                  mlp        4 c f / t                 gate|up, silu(gate), silu(gate) * up
@@ -146,9 +147,12 @@ def step_buffer_bytes(cfg: Config, layout: Layout, sp: StageParams) -> float:
 
 
 def _norm_bytes(cfg: Config) -> float:
-    """One norm per token: llama RMSNorm keeps x (fp32), rsqrt, x_hat and x_hat * w; gpt LayerNorm its input."""
+    """One norm per token: llama RMSNorm keeps, in fp32, x, rsqrt, x_hat and x_hat * w; in bf16 x, 1/rms (fp32) and
+    its output, the next matmul's input (p3d.model.llama._LowPrecisionRMSNorm); gpt LayerNorm its input."""
     h, c = cfg.model.hidden_size, dtype_bytes(cfg)
-    return 4 * h + 4 + 2 * c * h if cfg.model.arch == Arch.llama else c * h
+    if cfg.model.arch != Arch.llama:
+        return c * h
+    return 4 * h + 4 + 2 * c * h if c == 4 else 2 * c * h + 4
 
 
 def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None, moe: bool = False) -> float:

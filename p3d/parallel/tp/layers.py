@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p3d.parallel.tp.mappings import copy_to_tp, gathered_linear, reduce_from_tp, reduce_scatter_to_sp
+from p3d.parallel.tp.precision import autocast_dtype, compute_weight
 
 
 def on_meta() -> bool:
@@ -88,9 +89,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark_sharded(_new_param((sum(self.local_out), in_features), make))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = compute_weight(self.weight)  # under bf16 autocast: one bf16 copy a step (p3d.parallel.tp.precision)
         if self.sequence_parallel:  # x: (b, s/tp, in), gathered along the sequence, only the block kept
-            return gathered_linear(x, self.weight, self.group)  # (b, s, sum(out)/tp)
-        return F.linear(copy_to_tp(x, self.group), self.weight)  # (b, s, sum(out)/tp)
+            return gathered_linear(x, w, self.group)  # (b, s, sum(out)/tp)
+        return F.linear(copy_to_tp(x, self.group), w)  # (b, s, sum(out)/tp)
 
     def shard_spec(self) -> dict:
         """How the full weight is cut: rows of each fused block (before padding) split over tp."""
@@ -131,7 +133,7 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (b, s, out), partial over tp
+        y = F.linear(x, compute_weight(self.weight))  # (b, s, out), partial over tp
         return reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
 
     def shard_spec(self) -> dict:
@@ -180,12 +182,18 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # the lookup reads the table in its dtype; under autocast the rows leave in the compute dtype (bf16: the
+        # residual stream and the pipeline's activations are bf16), before the tp sum (each row is another rank's 0)
+        dtype = autocast_dtype(ids.device.type)
         if self.tp == 1:
-            return F.embedding(ids, self.weight)  # (b, s, h)
+            out = F.embedding(ids, self.weight)  # (b, s, h)
+            return out if dtype is None else out.to(dtype)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if dtype is not None:
+            out = out.to(dtype)
         return reduce_scatter_to_sp(out, self.group) if self.sequence_parallel else reduce_from_tp(out, self.group)
 
     def shard_spec(self) -> dict:
@@ -198,6 +206,7 @@ class VocabParallelEmbedding(nn.Module):
         return (self.rows - real) * self.weight.shape[1]
 
     def as_head(self, x: torch.Tensor) -> torch.Tensor:
+        w = compute_weight(self.weight)
         if self.sequence_parallel:  # x: (b, s/tp, h)
-            return gathered_linear(x, self.weight, self.group)  # (b, s, V_pad/tp)
-        return F.linear(copy_to_tp(x, self.group), self.weight)  # (b, s, V_pad/tp)
+            return gathered_linear(x, w, self.group)  # (b, s, V_pad/tp)
+        return F.linear(copy_to_tp(x, self.group), w)  # (b, s, V_pad/tp)

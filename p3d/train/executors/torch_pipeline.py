@@ -49,6 +49,7 @@ from p3d.parallel.device_check import device_checked
 from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.pipeline.chunks import ChunkModule
 from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
+from p3d.parallel.tp.precision import drop_weight_casts
 from p3d.parallel.zero.fsdp import local
 from p3d.train.executors.grad_buckets import GradBuckets, bucket_bytes
 from p3d.train.executors.torch_optim import build_torch_optimizer
@@ -148,7 +149,8 @@ class TorchPipeline:
         specs = layer_specs_of(cfg, plan, mesh)
         tied: dict[str, nn.Module] = {}  # one module per key on this rank (shared by its chunks)
         recompute = cfg.schedule.recompute == Recompute.full
-        # bf16: autocast over the fp32 weights, which are the master copy; gradients accumulate in fp32
+        # bf16: autocast over the fp32 weights, which are the master copy (cast once a step for all micro batches:
+        # p3d.parallel.tp.precision); gradients accumulate in fp32
         autocast = torch.bfloat16 if cfg.train.dtype == DType.bf16 else None
         self.chunks = [
             ChunkModule(specs, self.bounds[c], self.bounds[c + 1], tied, recompute=recompute, autocast_dtype=autocast)
@@ -320,6 +322,7 @@ class TorchPipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
+        drop_weight_casts(self.module)  # bf16: each weight cast once this step, for all its micro batches
         with device_checked(self.device), self.comm_timed():  # every dimension's collectives, into their clocks
             self.prefetch_weights()
             with self.waits():
@@ -333,6 +336,7 @@ class TorchPipeline:
                 grads = [local(p.grad) for p in self.params if p.grad is not None]
                 self.before_update(grads, float(replica_loss) if self.holds_last else None)  # the step's host read
             norm = self.clip_and_step()
+        drop_weight_casts(self.module)  # no bf16 copy outlives its step
         self.steps_run += 1
         return self.step_loss(replica_loss), norm
 
@@ -350,8 +354,10 @@ class TorchPipeline:
             rows = self.replica_rows(batch).to(self.device)
             args = (self.local_tokens(rows[:, :-1]),) if self.holds_first else ()
             kwargs = dict(target=self.local_tokens(rows[:, 1:]), losses=losses) if self.holds_last else {}
+        drop_weight_casts(self.module)
         with device_checked(self.device), forward_only:
             self.schedule.eval(*args, return_outputs=False, **kwargs)
+            drop_weight_casts(self.module)
             return self.step_loss(self.replica_loss(losses))
 
     def reduce_tied_grads(self) -> None:
