@@ -83,6 +83,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "train.straggler_factor": (Rule.CHANGES, _FAULTS),
     "train.straggler_steps": (Rule.CHANGES, _FAULTS),
     "train.max_restarts": (Rule.CHANGES, "restarts of this launch"),
+    "train.trace_steps": (Rule.CHANGES, "which of the steps to come are traced"),
     "run.*": (Rule.QUIET, "where this launch writes"),
     "plan.*": (Rule.QUIET, "options of the pre-launch memory check"),
     "tokenizer.*": (Rule.QUIET, "options of p3d-tokenizer"),

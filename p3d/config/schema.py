@@ -307,6 +307,7 @@ class TrainConfig:
     on_spike: OnSpike = OnSpike.warn
     straggler_factor: float = 2.0  # name a rank whose forward+backward time is above this x the median; 0: off
     straggler_steps: int = 3  # ... for this many steps in a row
+    trace_steps: list[int] = field(default_factory=list)  # steps whose timeline is written (traces/, docs/timeline.md)
     max_restarts: int = 0  # a worker killed by a signal or a hang: restart all from the newest checkpoint, N times
     async_save: Optional[bool] = None  # write checkpoints in the background (None: on under nccl, off on CPU)
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir

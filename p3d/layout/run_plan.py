@@ -202,6 +202,19 @@ def check_config(cfg: Config) -> None:
     check_logger(cfg)
     check_model(cfg)
     check_faults(cfg)
+    check_trace_steps(cfg)
+
+
+def check_trace_steps(cfg: Config) -> None:
+    """Every step of ``train.trace_steps`` is one the run trains: 1 .. train.steps."""
+    steps, last = list(cfg.train.trace_steps), cfg.train.steps
+    outside = [s for s in steps if not 1 <= s <= last]
+    if outside:
+        inside = sorted({s for s in steps if 1 <= s <= last}) or [min(2, last)]
+        raise P3DConfigError(
+            f"train.trace_steps={steps}: step {outside[0]} is not one of this run's steps 1..{last} "
+            f"(train.steps={last}); try train.trace_steps=[{','.join(map(str, inside))}]"
+        )
 
 
 def check_faults(cfg: Config) -> None:
