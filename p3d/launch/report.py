@@ -3,7 +3,8 @@
     point  mesh  dp x pp x tp  schedule  tokens/s  MFU  peak GB  bubble  final loss  steps  status
 
 read from each point's ``run_spec.yaml``, ``metrics.jsonl`` and ``p3d_status.json``; printed, and
-written to ``<sweep dir>/report.csv`` and ``<sweep dir>/report.png`` (throughput per layout).
+written to ``<sweep dir>/report.csv`` and ``<sweep dir>/report.png`` (throughput per layout), and the picture of each
+traced step of each point (``train.trace_steps``: p3d.launch.timeline), whose path the report prints.
 tokens/s, MFU and bubble are medians over the steps after the first (which pays for warm-up); peak
 memory is the largest step's; the final loss is the last step's. ``p3d-train -m`` prints this at the
 end of every sweep (:class:`SweepCallback`, registered in conf/config.yaml).
@@ -244,6 +245,11 @@ def report(
 
         plot(rows, png_path, f"p3d sweep {sweep_dir}")
         written.append(str(png_path))
+        from p3d.launch.timeline import draw_run
+
+        for r in rows:  # each traced step's picture (train.trace_steps), linked from the report
+            for path in draw_run(r.run_dir) if r.run_dir else []:
+                print(f"timeline of point {r.point}: {path}", file=stream)
     say(f"wrote {', '.join(written)}", "p3d-report", stream=stream)
     return rows
 

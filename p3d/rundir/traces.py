@@ -13,7 +13,7 @@ The merged file::
 - one process per rank (pid = the rank), named ``rank R (pp P, dp D, cp C, tp T)`` and sorted by (pp, dp, cp, tp);
 - two threads in each: tid 0 ``schedule`` (the passes F, B, I, W of each micro batch and chunk, the loss, the data
   loads, the waits on pipeline neighbours and the drain, the optimizer step), tid 1 ``collectives`` (each
-  collective, its dimension in ``cat`` and ``args.dim``); the events of one thread follow each other, none overlaps
+  collective, its dimension in ``cat``: ``DIMS``); the events of one thread follow each other, none overlaps
   another (Perfetto shows overlapping complete events wrongly);
 - complete events (``"ph": "X"``): ``ts`` and ``dur`` in microseconds from the rank's step start (every rank starts
   a step as the previous step's all-gather releases it, so the ranks line up at 0), ``cat`` the kind (a colour of
@@ -36,7 +36,8 @@ from typing import Any
 from p3d.rundir.files import trace_part_path, trace_path, traces
 
 PASSES = ("F", "B", "I", "W")  # forward, full backward, input-gradient and weight-gradient passes
-DIMS = ("dp", "tp", "pp", "cp", "ep", "world", "other")  # a collective's dimension: the group it runs over
+# A collective's dimension, the group it runs over; mp: the pp x tp ranks of one replica (the norm's sum)
+DIMS = ("dp", "tp", "pp", "cp", "ep", "mp", "world", "other")
 # Every kind of event, in the picture's legend order: compute, host work, time blocked on pipeline neighbours (the
 # bubble), the optimizer, then the collectives by dimension.
 KINDS = (*PASSES, "loss", "data", "wait", "drain", "optimizer", *DIMS)

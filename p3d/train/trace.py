@@ -103,8 +103,9 @@ def pass_event(method: str, stage, args: tuple, kwargs: dict) -> dict:
 
 class GroupDims:
     """The dimension a collective runs over, from its group's ranks: this rank's tp, cp, ep, pp or dp group (the
-    experts' dp group and dp x cp count as dp), a subset of its pipeline (the tied embeddings' two holders) as pp,
-    the whole world (or no group) as world, anything else as other."""
+    experts' dp group and dp x cp count as dp), its replica's pp x tp ranks (mp: the norm's sum), a subset of its
+    pipeline (the tied embeddings' two holders) as pp, the whole world (or no group) as world, anything else as
+    other."""
 
     def __init__(self, mesh):
         d, rank = mesh.dims, mesh.rank
@@ -117,6 +118,7 @@ class GroupDims:
             ("dp", d.dp_ranks()),
             ("dp", d.edp_ranks()),
             ("dp", d.dp_cp_ranks()),
+            ("mp", d.replica_ranks()),
         ):
             for ranks in lists:
                 if rank in ranks and len(ranks) > 1:

@@ -172,6 +172,12 @@ RULES = [
     ),
     (["cluster.nodes=2"], "cluster.nodes=2 with cluster.launcher=local", "cluster.nodes=1"),
     (["train.spike_factor=0.5"], "train.spike_factor=0.5 flags every loss above 0.5 x", "train.spike_factor=1.5"),
+    (
+        ["train.steps=3", "train.trace_steps=[2,0]"],
+        "train.trace_steps=[2, 0]: step 0 is not one of this run's steps 1..3",
+        "train.trace_steps=[2]",
+    ),
+    (["train.steps=3", "train.trace_steps=[7]"], "step 7 is not one of this run's steps 1..3", "train.trace_steps=[2]"),
 ]
 
 

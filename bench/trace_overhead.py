@@ -1,0 +1,76 @@
+"""What tracing costs (issue 56): the step time with tracing off, of untraced steps in a traced run, and of a traced
+step, against each other and against the code before tracing existed, in one run of this script.
+
+    .venv/bin/python bench/trace_overhead.py --baseline /tmp/p3d-base    # git archive <commit> p3d hydra_plugins
+
+Each variant is a real ``p3d-train`` (run directory in a temp dir) of ``--steps`` steps, its ``metrics.jsonl``
+``step_time_s`` the figure; the first ``--warmup`` steps are dropped:
+- ``base``: the checkout given by ``--baseline`` (the same commands with that tree first on PYTHONPATH), no tracing;
+- ``off``: this checkout, ``train.trace_steps`` empty (the default);
+- ``on``: this checkout, every ``--every``-th step traced: its untraced steps, and its traced ones.
+Variants alternate over ``--rounds`` (base, off, on, on, off, base, ...) so the machine's load hits each alike; the
+medians of all kept steps and their ratios to ``off`` are printed, per layout (``--layouts``: the default
+dp2_pp2_tp2 on DeepSpeed's engine, and pp2 with torch's interleaved_1f1b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAYOUTS = {
+    "dp2_pp2_tp2-1f1b": ("mesh=dp2_pp2_tp2",),
+    "pp2-interleaved": ("mesh=pp2", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2"),
+}
+
+
+def run(overrides: list[str], run_dir: Path, pythonpath: str | None) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    cmd = [sys.executable, "-m", "p3d.cli", f"run.dir={run_dir}", "logger=none", *overrides]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", help="a tree of the code before tracing (p3d/ and hydra_plugins/)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--every", type=int, default=5, help="the on variant traces every N-th step")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="p3d-trace-overhead-"))
+    traced = list(range(args.every, args.steps + 1, args.every))
+    variants = (["base"] if args.baseline else []) + ["off", "on"]
+    for layout in args.layouts:
+        times: dict[str, list[float]] = {v: [] for v in [*variants, "on traced"]}
+        order = [v for r in range(args.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+        for i, variant in enumerate(order):
+            overrides = [*LAYOUTS[layout], f"train.steps={args.steps}"]
+            if variant == "on":
+                overrides.append(f"train.trace_steps=[{','.join(map(str, traced))}]")
+            rows = run(overrides, tmp / f"{layout}-{i}-{variant}", args.baseline if variant == "base" else None)
+            for r in rows[args.warmup :]:
+                times["on traced" if variant == "on" and r["step"] in traced else variant].append(r["step_time_s"])
+        off = statistics.median(times["off"])
+        print(f"{layout}: median step_time_s over {args.rounds} runs each, steps {args.warmup + 1}..{args.steps}")
+        for variant, values in times.items():
+            if values:
+                med = statistics.median(values)
+                print(f"  {variant:10s} {med * 1e3:8.1f} ms  x{med / off:.3f} of off  ({len(values)} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
