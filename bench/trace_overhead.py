@@ -8,9 +8,9 @@ Each variant is a real ``p3d-train`` (run directory in a temp dir) of ``--steps`
 - ``base``: the checkout given by ``--baseline`` (the same commands with that tree first on PYTHONPATH), no tracing;
 - ``off``: this checkout, ``train.trace_steps`` empty (the default);
 - ``on``: this checkout, every ``--every``-th step traced: its untraced steps, and its traced ones.
-Variants alternate over ``--rounds`` (base, off, on, on, off, base, ...) so the machine's load hits each alike; the
-medians of all kept steps and their ratios to ``off`` are printed, per layout (``--layouts``: the default
-dp2_pp2_tp2 on DeepSpeed's engine, and pp2 with torch's interleaved_1f1b).
+Variants alternate over ``--rounds`` (base, off, on, on, off, base, ...) so the machine's load hits each alike; each
+run's median step, the median of those per variant and its ratio to ``off`` are printed, per layout (``--layouts``:
+the default dp2_pp2_tp2 on DeepSpeed's engine, and pp2 with torch's interleaved_1f1b).
 """
 
 from __future__ import annotations
@@ -54,21 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     traced = list(range(args.every, args.steps + 1, args.every))
     variants = (["base"] if args.baseline else []) + ["off", "on"]
     for layout in args.layouts:
-        times: dict[str, list[float]] = {v: [] for v in [*variants, "on traced"]}
+        times: dict[str, list[list[float]]] = {v: [] for v in [*variants, "on traced"]}  # per run, its steps
         order = [v for r in range(args.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
         for i, variant in enumerate(order):
             overrides = [*LAYOUTS[layout], f"train.steps={args.steps}"]
             if variant == "on":
                 overrides.append(f"train.trace_steps=[{','.join(map(str, traced))}]")
             rows = run(overrides, tmp / f"{layout}-{i}-{variant}", args.baseline if variant == "base" else None)
-            for r in rows[args.warmup :]:
-                times["on traced" if variant == "on" and r["step"] in traced else variant].append(r["step_time_s"])
-        off = statistics.median(times["off"])
-        print(f"{layout}: median step_time_s over {args.rounds} runs each, steps {args.warmup + 1}..{args.steps}")
-        for variant, values in times.items():
-            if values:
-                med = statistics.median(values)
-                print(f"  {variant:10s} {med * 1e3:8.1f} ms  x{med / off:.3f} of off  ({len(values)} steps)")
+            kept = rows[args.warmup :]
+            times[variant].append([r["step_time_s"] for r in kept if variant != "on" or r["step"] not in traced])
+            if variant == "on":
+                times["on traced"].append([r["step_time_s"] for r in kept if r["step"] in traced])
+        # a run's median step, then the median over its runs (a launch's placement moves a whole run)
+        medians = {v: [statistics.median(run) for run in runs] for v, runs in times.items() if runs}
+        off = statistics.median(medians["off"])
+        print(f"{layout}: step_time_s, median over {args.rounds} runs of each run's median of steps past the warmup")
+        for variant, values in medians.items():
+            med = statistics.median(values)
+            runs = " ".join(f"{v * 1e3:.1f}" for v in values)
+            print(f"  {variant:10s} {med * 1e3:8.1f} ms  x{med / off:.3f} of off   runs (ms): {runs}")
     return 0
 
 

@@ -134,7 +134,8 @@ def draw(traces: list[dict], path: str | Path, titles: list[str] | None = None) 
     counts = [len(rows_of(t)) for t in traces]
     height = figure_height(counts)
     fig = plt.figure(figsize=(WIDTH_IN, height), dpi=DPI)
-    top, kinds, axes = height, set(), []
+    top, kinds = height, set()
+    axes: list = []
     for i, (trace, n) in enumerate(zip(traces, counts)):
         panel = PANEL_IN + ROW_IN * n
         bottom_in = top - panel  # the panel's axes leave 0.35 in above them for its title, 0.05 in below

@@ -236,6 +236,18 @@ CASES: dict[str, Case] = {
         ),
     ),
     "make gpu-check": Case("not_here", expect="needs a CUDA GPU; its dry mode is tests/e2e/test_gpu_check.py"),
+    # README, docs/timeline.md (issue 56); slow tier: kept: tests/e2e/test_trace.py (the same trace, checked in full)
+    "p3d-train train.trace_steps=[2] run.dir=runs/traced": Case(
+        "run", extra=("train.steps=2",), check="traced_step_is_drawn", slow=True
+    ),
+    "p3d-report runs/traced": Case("not_here", expect="run by the check of the p3d-train line above it"),
+    **dict.fromkeys(
+        (
+            ".venv/bin/python bench/schedule_timelines.py",
+            ".venv/bin/python bench/trace_overhead.py --baseline /tmp/p3d-base",
+        ),
+        Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    ),
     # docs/clusters.md: multi-node, on the two-node cluster of tests/cluster/multinode (the same lines, a few steps)
     "sbatch --nodes=2 --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=dp2_pp2_tp2 model=tiny": Case(
         "not_here", expect="tests/cluster/multinode/test_two_nodes.py runs it across two nodes"
