@@ -8,9 +8,11 @@ Each variant is a real ``p3d-train`` (run directory in a temp dir) of ``--steps`
 - ``base``: the checkout given by ``--baseline`` (the same commands with that tree first on PYTHONPATH), no tracing;
 - ``off``: this checkout, ``train.trace_steps`` empty (the default);
 - ``on``: this checkout, every ``--every``-th step traced: its untraced steps, and its traced ones.
-Variants alternate over ``--rounds`` (base, off, on, on, off, base, ...) so the machine's load hits each alike; each
-run's median step, the median of those per variant and its ratio to ``off`` are printed, per layout (``--layouts``:
-the default dp2_pp2_tp2 on DeepSpeed's engine, and pp2 with torch's interleaved_1f1b).
+With ``--baseline``, first the wrappers' own cost on an untraced step: a torch stage's pass wrapped by this
+checkout's ``TorchStageTimer`` and by the baseline's, around a pass that does nothing (best of 5 x 200,000 calls each,
+alternating). Variants alternate over ``--rounds`` (base, off, on, on, off, base, ...) so the machine's load hits
+each alike; each run's median step, the median of those per variant and its ratio to ``off`` are printed, per layout
+(``--layouts``: the default dp2_pp2_tp2 on DeepSpeed's engine, and pp2 with torch's interleaved_1f1b).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYOUTS = {
     "dp2_pp2_tp2-1f1b": ("mesh=dp2_pp2_tp2",),
@@ -41,6 +45,46 @@ def run(overrides: list[str], run_dir: Path, pythonpath: str | None) -> list[dic
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def wrapper_cost(baseline: str, calls: int = 200_000) -> None:
+    """ns per wrapped pass call, untraced: this checkout's step clocks against the baseline's (loaded by path)."""
+    import importlib.util
+    import time
+
+    def timing_module(root: Path, name: str):
+        spec = importlib.util.spec_from_file_location(name, root / "p3d" / "train" / "timing.py")
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+
+    class Stage:
+        stage_index = 0
+
+        def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None):
+            pass
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            pass
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            pass
+
+    modules = {"base": timing_module(Path(baseline), "base_timing"), "this": timing_module(ROOT, "this_timing")}
+    best = dict.fromkeys(modules, float("inf"))
+    for _ in range(5):
+        for name, module in modules.items():
+            stage = Stage()
+            timer = module.TorchStageTimer([stage])
+            t0 = time.perf_counter()
+            for i in range(calls):
+                stage.forward_one_chunk(i, ())
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+            timer.take_compute()
+    print(
+        f"a wrapped pass, untraced: base {best['base'] * 1e9:.0f} ns, this {best['this'] * 1e9:.0f} ns "
+        f"({(best['this'] - best['base']) * 1e9:+.0f} ns a call)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", help="a tree of the code before tracing (p3d/ and hydra_plugins/)")
@@ -50,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = ap.parse_args(argv)
+    if args.baseline:
+        wrapper_cost(args.baseline)
     tmp = Path(tempfile.mkdtemp(prefix="p3d-trace-overhead-"))
     traced = list(range(args.every, args.steps + 1, args.every))
     variants = (["base"] if args.baseline else []) + ["off", "on"]

@@ -26,11 +26,14 @@ CASES = {  # case -> overrides; 1f1b on DeepSpeed's engine in make test, torch's
     "dp2_pp2_tp2-1f1b": ("mesh=dp2_pp2_tp2",),
     "pp2-interleaved_1f1b": ("mesh=pp2", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=2"),
     "pp2-zbv": ("mesh=pp2", "schedule.pipeline=zbv"),
+    "dp2_ep2-moe": ("model=moe_tiny", "mesh=dp2", "mesh.ep=2"),  # the experts' all-to-alls: ep
+    "dp2_cp2": ("mesh=dp2", "mesh.cp=2"),  # context parallel attention's gathers: cp
 }
+SLOW = ["pp2-interleaved_1f1b", "pp2-zbv", "dp2_ep2-moe", "dp2_cp2"]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", with_slow(CASES, ["pp2-interleaved_1f1b", "pp2-zbv"]))
+@pytest.mark.parametrize("case", with_slow(CASES, SLOW))
 def test_a_traced_step_follows_its_schedule_and_spans_the_step(tmp_path, case):
     overrides = (*CASES[case], "train.steps=2", "train.trace_steps=[2]", "logger=none")
     result = p3d_train(f"run.dir={tmp_path}", *overrides, env={BLOCK_SECONDS_ENV: str(BLOCK_S)})
@@ -63,9 +66,10 @@ def test_a_traced_step_follows_its_schedule_and_spans_the_step(tmp_path, case):
         wait_s = sum(e["dur"] for e in events[rank] if e["cat"] in ("wait", "drain")) / 1e6
         waited.append(wait_s / meta["ranks"][str(rank)]["step_s"])
     kinds = {e["cat"] for evs in events.values() for e in evs}
-    assert {"F", "optimizer", "wait", "drain"} <= kinds and (("I" in kinds) == case.endswith("zbv")), kinds
-    if plan.tp > 1:
-        assert {"tp", "dp"} <= kinds  # the tp layers' all-reduces, the gradients' dp reduction
+    assert {"F", "B" if "I" not in kinds else "W", "optimizer"} <= kinds and (("I" in kinds) == case.endswith("zbv"))
+    assert ({"wait", "drain"} <= kinds) == (plan.pp > 1), kinds  # no pipeline, no neighbour to wait on
+    for dim, size in (("tp", plan.tp), ("dp", plan.dp), ("ep", plan.ep), ("cp", plan.cp)):
+        assert (dim in kinds) == (size > 1), (dim, kinds)  # tp's all-reduces, dp's reduction, ep's all-to-alls, ...
     assert sum(waited) / len(waited) == pytest.approx(row["bubble"], rel=0.05)  # the waits drawn: the bubble
     assert meta["figures"]["bubble"] == row["bubble"] and meta["figures"]["step_time_s"] == row["step_time_s"]
 
