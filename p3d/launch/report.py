@@ -15,11 +15,9 @@ directory, or the CSV or plot cannot be written there.
 from __future__ import annotations
 
 import csv
-import statistics
-import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,9 +25,9 @@ from hydra.experimental.callback import Callback
 
 from p3d import exit_codes
 from p3d.console import error, say
-from p3d.layout.elastic import record_text
-from p3d.rundir.files import METRICS, SPEC, STATUS, read_json_lines, read_status, write_status
-from p3d.rundir.spec import RUN_PLAN_KEY
+from p3d.launch.report_plot import plot
+from p3d.launch.report_rows import Row, collect, mesh_label
+from p3d.rundir.files import read_status, write_status
 
 STATUS_BY_CODE = {
     exit_codes.OK: "done",
@@ -37,122 +35,6 @@ STATUS_BY_CODE = {
     exit_codes.CONFIG_ERROR: "skipped",
     exit_codes.PREEMPTED: "preempted",
 }
-
-
-@dataclass
-class Row:
-    point: str
-    mesh: str
-    dp: int | None = None
-    pp: int | None = None
-    tp: int | None = None
-    schedule: str = "-"  # the pipeline schedule: 1f1b, or a torch schedule with its chunks per rank
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    peak_mem_gb: float | None = None
-    bubble: float | None = None
-    final_loss: float | None = None
-    steps: int | None = None
-    total_steps: int | None = None
-    status: str = "?"
-    reason: str = ""
-    run_dir: str = ""
-    layout_changes: int = 0  # an elastic run's re-fits (p3d.jobs.elastic): the records with layout_change
-    time_lost_s: float | None = None  # their time lost together
-    changes: list[str] = field(default_factory=list)  # each as a line (p3d.layout.elastic.record_text); not in the CSV
-
-
-def mesh_label(task_cfg) -> str:
-    """'tp2_pp2 (tp=2 pp=2 dp=auto)' from a composed config; '?' when it cannot be read."""
-    try:
-        m = task_cfg.mesh
-        return f"{m.name} (tp={m.tp} pp={m.pp} dp={m.dp})"
-    except Exception:
-        return "?"
-
-
-def schedule_label(schedule: dict) -> str:
-    """'1f1b', 'interleaved_1f1b v=2', 'zbv v=2' (as p3d-plan names them) from a run spec's ``schedule``."""
-    name, v = schedule.get("pipeline", "1f1b"), schedule.get("virtual_stages") or 1
-    return name if v == 1 and name in ("1f1b", "gpipe") else f"{name} v={v}"
-
-
-def _median(values: list[Any]) -> float | None:
-    values = [v for v in values if isinstance(v, (int, float))]
-    return statistics.median(values) if values else None
-
-
-def slurm_state(job_id: str) -> str | None:
-    """The job's state from sacct (the last run of a requeued job), or None."""
-    try:
-        out = subprocess.run(
-            ["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True, timeout=15
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    states = [s.split()[0] for s in out.stdout.split("\n") if s.strip()]
-    return states[-1] if out.returncode == 0 and states else None
-
-
-def read_point(point: Path, name: str) -> Row:
-    from omegaconf import ListConfig, OmegaConf
-
-    status = read_status(point)
-    row = Row(point=name, mesh=status.get("mesh", "?"), run_dir=str(point))
-    spec_path = point / SPEC
-    if spec_path.is_file():
-        spec = cast(dict, OmegaConf.to_container(OmegaConf.load(spec_path)))
-        plan, mesh = spec.get(RUN_PLAN_KEY, {}), spec.get("mesh", {})
-        row.dp, row.pp, row.tp = plan.get("dp"), plan.get("pp"), plan.get("tp")
-        row.mesh = mesh.get("name", "?")
-        row.total_steps = spec.get("train", {}).get("steps")
-        row.schedule = schedule_label(spec.get("schedule", {}))
-    elif row.mesh == "?" and (point / ".hydra" / "overrides.yaml").is_file():
-        overrides = cast(ListConfig, OmegaConf.load(point / ".hydra" / "overrides.yaml"))  # a list of strings
-        row.mesh = " ".join(o for o in overrides if str(o).startswith("mesh")) or "?"
-    records = read_json_lines(point / METRICS) if (point / METRICS).is_file() else []
-    if records:
-        steady = records[1:] or records
-        row.tokens_per_s = _median([r.get("tokens_per_s") for r in steady])
-        row.mfu = _median([r.get("mfu") for r in steady])
-        row.bubble = _median([r.get("bubble") for r in steady])
-        mems = [r["peak_mem_gb"] for r in records if isinstance(r.get("peak_mem_gb"), (int, float))]
-        row.peak_mem_gb = max(mems) if mems else None
-        row.final_loss = records[-1].get("loss")
-        row.steps = records[-1].get("step")
-        changes = [r["layout_change"] for r in records if r.get("layout_change")]
-        row.layout_changes, row.changes = len(changes), [record_text(c) for c in changes]
-        lost = [c["time_lost_s"] for c in changes if c.get("time_lost_s") is not None]
-        row.time_lost_s = sum(lost) if lost else None
-    complete = bool(records) and row.total_steps is not None and row.steps == row.total_steps
-    row.status, row.reason = status.get("status", ""), status.get("reason", "") or ""
-    if row.status == "submitted":  # p3d-train cluster=slurm: ask Slurm how the job is doing
-        job = status.get("job_id")
-        state = slurm_state(job) if job else None
-        row.status = "done" if complete and state in (None, "COMPLETED") else f"job {job} {state or '?'}"
-    elif not row.status:
-        row.status = "done" if complete else ("incomplete" if records else "not run")
-    elif row.status == "done" and not complete:
-        row.status = "incomplete"
-    return row
-
-
-def _point_key(path: Path):
-    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
-
-
-def collect(sweep_dir: Path) -> list[Row]:
-    """Rows of every point under ``sweep_dir`` (or of the run in it), in sweep order."""
-    if (sweep_dir / SPEC).is_file() or (sweep_dir / STATUS).is_file():
-        return [read_point(sweep_dir, sweep_dir.name)]
-    points = [
-        d
-        for d in sweep_dir.iterdir()
-        if d.is_dir()
-        and not d.name.startswith(".")
-        and any((d / f).exists() for f in (SPEC, STATUS, METRICS, ".hydra"))
-    ]
-    return [read_point(d, d.name) for d in sorted(points, key=_point_key)]
 
 
 def _fmt(value: Any, kind: str) -> str:
@@ -240,8 +122,6 @@ def report(
     write_csv(rows, csv_path)
     written = [str(csv_path)]
     if make_plot:
-        from p3d.launch.report_plot import plot
-
         plot(rows, png_path, f"p3d sweep {sweep_dir}")
         written.append(str(png_path))
     say(f"wrote {', '.join(written)}", "p3d-report", stream=stream)

@@ -1,12 +1,10 @@
-"""The plot of p3d-report (p3d.launch.report): median tokens/s per layout, one bar per point."""
+"""The plot of p3d-report (p3d.launch.report): median tokens/s per layout, one bar per point (report_rows.Row)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # p3d.launch.report imports this module when it plots
-    from p3d.launch.report import Row
+from p3d.launch.report_rows import Row
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
