@@ -1,7 +1,9 @@
 """``p3d-report <sweep dir>``: which layout is fastest. One row per sweep point (or one run dir):
 
-    point  mesh  dp x pp x tp  schedule  tokens/s  MFU  peak GB  bubble  final loss  steps  status
+    every point: dp2 pp1 tp1 ep1, ZeRO-0, 1f1b v=1, recompute none
+    point  mesh  ranks  cp  tokens/s  MFU  peak GB  bubble  final loss  steps  status
 
+(the axes of the layout that differ between the points in columns, the rest on the line above: report_rows.AXES)
 read from each point's ``run_spec.yaml``, ``metrics.jsonl`` and ``p3d_status.json``; printed, and
 written to ``<sweep dir>/report.csv`` and ``<sweep dir>/report.png`` (throughput per layout).
 tokens/s, MFU and bubble are medians over the steps after the first (which pays for warm-up); peak
@@ -26,7 +28,7 @@ from hydra.experimental.callback import Callback
 from p3d import exit_codes
 from p3d.console import error, say
 from p3d.launch.report_plot import plot
-from p3d.launch.report_rows import Row, collect, mesh_label
+from p3d.launch.report_rows import AXES, Row, collect, has_layout, layout_text, mesh_label, varying_axes
 from p3d.rundir.files import read_status, write_status
 
 STATUS_BY_CODE = {
@@ -43,33 +45,40 @@ def _fmt(value: Any, kind: str) -> str:
     return {"int": f"{value:,.0f}", "pct": f"{value:.1%}", "gb": f"{value:.2f}", "loss": f"{value:.4f}"}[kind]
 
 
-HEADER = (
-    "point",
-    "mesh",
-    "dp x pp x tp",
-    "schedule",
-    "tokens/s",
-    "MFU",
-    "peak GB",
-    "bubble",
-    "final loss",
-    "steps",
-    "status",
-)
+METRICS_HEADER = ("tokens/s", "MFU", "peak GB", "bubble", "final loss", "steps")
+NUMERIC_AXES = ("world_size", "dp", "pp", "tp", "cp", "ep", "zero_stage", "v")
+
+
+def _ambiguous(rows: list[Row]) -> bool:
+    """Two points that ran with the same value of every axis: what told them apart is not an axis (a
+    ``zero.shard_size`` or ``schedule.micro_batch_size`` sweep), so the table shows their overrides too."""
+    keys = [tuple(getattr(r, a) for a in AXES) for r in rows if has_layout(r)]
+    return len(set(keys)) < len(keys)
+
+
+def _own_overrides(rows: list[Row]) -> list[str]:
+    """Each row's overrides less those every row has."""
+    common = set.intersection(*(set(r.overrides.split()) for r in rows)) if rows else set()
+    return [" ".join(o for o in r.overrides.split() if o not in common) or "-" for r in rows]
 
 
 def table(rows: list[Row]) -> str:
-    lines = [HEADER]
-    for r in rows:
-        dims = f"{r.dp} x {r.pp} x {r.tp}" if r.dp is not None else "-"
+    """The layout of every point, its throughput, memory, loss and status. The axes (AXES) that vary between the
+    points get a column each and the rest one line above the table, so that two points never print the same row."""
+    axes = varying_axes(rows)
+    overrides = _own_overrides(rows) if _ambiguous(rows) else None
+    overrides = overrides if overrides and len(set(overrides)) > 1 else None  # none there: nothing to tell apart
+    header = ("point", "mesh", *(AXES[a] for a in axes), *(("overrides",) if overrides else ()), *METRICS_HEADER)
+    lines = [(*header, "status")]
+    for i, r in enumerate(rows):
         steps = f"{r.steps}/{r.total_steps}" if r.steps is not None else "-"
         status = r.status + (f": {r.reason}" if r.reason and r.status != "done" else "")
         lines.append(
             (
                 r.point,
                 r.mesh,
-                dims,
-                r.schedule,
+                *(str(getattr(r, a)) if has_layout(r) else "-" for a in axes),
+                *((overrides[i],) if overrides else ()),
                 _fmt(r.tokens_per_s, "int"),
                 _fmt(r.mfu, "pct"),
                 _fmt(r.peak_mem_gb, "gb"),
@@ -79,19 +88,23 @@ def table(rows: list[Row]) -> str:
                 status,
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER) - 1)]
-    right = {4, 5, 6, 7, 8, 9}
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    right = {i for i, h in enumerate(header) if h in METRICS_HEADER or h in {AXES[a] for a in NUMERIC_AXES}}
+    laid_out = [r for r in rows if has_layout(r)]
+    common = [a for a in AXES if a not in axes]
     out = []
+    if laid_out and common:
+        out.append(f"{'layout' if len(laid_out) == 1 else 'every point'}: {layout_text(laid_out[0], common)}")
     for line in lines:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
         out.append("  ".join(cells + [line[-1]]).rstrip())
     done = [r for r in rows if r.status == "done" and r.tokens_per_s]
     if done:
         best = max(done, key=lambda r: cast(float, r.tokens_per_s))  # set: done keeps rows with tokens_per_s
-        out.append(
-            f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}, {best.schedule}): "
-            f"{best.tokens_per_s:,.0f} tokens/s"
+        what = ", ".join(
+            t for t in (layout_text(best), overrides[rows.index(best)] if overrides else "") if t not in ("", "-")
         )
+        out.append(f"fastest: point {best.point}, {best.mesh} ({what}): {best.tokens_per_s:,.0f} tokens/s")
     return "\n".join(out)
 
 

@@ -18,11 +18,18 @@ from p3d.rundir.spec import RUN_PLAN_KEY
 @dataclass
 class Row:
     point: str
-    mesh: str
+    mesh: str  # the mesh preset's name (mesh.cp / mesh.ep overrides keep it: the axes below say what ran)
+    # the layout, every axis a sweep can vary (AXES); None where the point has no run spec (skipped, not run)
+    world_size: int | None = None
     dp: int | None = None
     pp: int | None = None
     tp: int | None = None
-    schedule: str = "-"  # the pipeline schedule: 1f1b, or a torch schedule with its chunks per rank
+    cp: int | None = None
+    ep: int | None = None
+    zero_stage: int | None = None
+    schedule: str = "-"  # the pipeline schedule: 1f1b, gpipe, interleaved_1f1b, zbv, ...
+    v: int | None = None  # its chunks per pp rank (schedule.virtual_stages)
+    recompute: str | None = None  # none, selective or full
     tokens_per_s: float | None = None
     mfu: float | None = None
     peak_mem_gb: float | None = None
@@ -35,7 +42,50 @@ class Row:
     run_dir: str = ""
     layout_changes: int = 0  # an elastic run's re-fits (p3d.jobs.elastic): the records with layout_change
     time_lost_s: float | None = None  # their time lost together
+    overrides: str = ""  # the point's command-line overrides (Hydra's .hydra/overrides.yaml), space-separated
     changes: list[str] = field(default_factory=list)  # each as a line (p3d.layout.elastic.record_text); not in the CSV
+
+
+# Row field -> the table's column header, for every axis a sweep can vary, in the order they are named
+AXES = {
+    "world_size": "ranks",
+    "dp": "dp",
+    "pp": "pp",
+    "tp": "tp",
+    "cp": "cp",
+    "ep": "ep",
+    "zero_stage": "ZeRO",
+    "schedule": "schedule",
+    "v": "v",
+    "recompute": "recompute",
+}
+
+
+def has_layout(row: Row) -> bool:
+    return row.world_size is not None
+
+
+def varying_axes(rows: list[Row]) -> list[str]:
+    """The axes (AXES' fields) whose value differs between two points that ran with a run spec, in AXES' order."""
+    laid_out = [r for r in rows if has_layout(r)]
+    return [a for a in AXES if len({getattr(r, a) for r in laid_out}) > 1]
+
+
+def layout_text(row: Row, axes: list[str] | None = None) -> str:
+    """Every axis of ``row`` (or only ``axes``) in one phrase: '4 ranks: dp2 pp1 tp1 cp2 ep1, ZeRO-1, 1f1b v=1,
+    recompute none'; '' for a point without a run spec."""
+    if not has_layout(row):
+        return ""
+    shown = list(AXES) if axes is None else [a for a in AXES if a in axes]
+    dims = " ".join(f"{a}{getattr(row, a)}" for a in ("dp", "pp", "tp", "cp", "ep") if a in shown)
+    schedule = " ".join(s for s in (row.schedule * ("schedule" in shown), f"v={row.v}" * ("v" in shown)) if s)
+    zero = f"ZeRO-{row.zero_stage}" if "zero_stage" in shown else ""
+    recompute = f"recompute {row.recompute}" if "recompute" in shown else ""
+    text = ", ".join(part for part in (dims, zero, schedule, recompute) if part)
+    if "world_size" not in shown:
+        return text
+    ranks = f"{row.world_size} rank{'s' if row.world_size != 1 else ''}"
+    return f"{ranks}: {text}" if text else ranks
 
 
 def mesh_label(task_cfg) -> str:
@@ -45,12 +95,6 @@ def mesh_label(task_cfg) -> str:
         return f"{m.name} (tp={m.tp} pp={m.pp} dp={m.dp})"
     except Exception:
         return "?"
-
-
-def schedule_label(schedule: dict) -> str:
-    """'1f1b', 'interleaved_1f1b v=2', 'zbv v=2' (as p3d-plan names them) from a run spec's ``schedule``."""
-    name, v = schedule.get("pipeline", "1f1b"), schedule.get("virtual_stages") or 1
-    return name if v == 1 and name in ("1f1b", "gpipe") else f"{name} v={v}"
 
 
 def _median(values: list[Any]) -> float | None:
@@ -76,16 +120,23 @@ def read_point(point: Path, name: str) -> Row:
     status = read_status(point)
     row = Row(point=name, mesh=status.get("mesh", "?"), run_dir=str(point))
     spec_path = point / SPEC
+    overrides_path = point / ".hydra" / "overrides.yaml"
+    overrides = cast(ListConfig, OmegaConf.load(overrides_path)) if overrides_path.is_file() else []  # strings
+    row.overrides = " ".join(str(o) for o in overrides)
     if spec_path.is_file():
         spec = cast(dict, OmegaConf.to_container(OmegaConf.load(spec_path)))
-        plan, mesh = spec.get(RUN_PLAN_KEY, {}), spec.get("mesh", {})
+        plan, mesh, schedule = spec.get(RUN_PLAN_KEY, {}), spec.get("mesh", {}), spec.get("schedule", {})
         row.dp, row.pp, row.tp = plan.get("dp"), plan.get("pp"), plan.get("tp")
+        row.cp, row.ep = plan.get("cp", 1), plan.get("ep", 1)  # a spec written before cp and ep: 1 each
+        row.world_size = plan.get("world_size")
+        row.zero_stage = spec.get("zero", {}).get("stage", 0)
+        row.schedule = schedule.get("pipeline", "1f1b")
+        row.v = schedule.get("virtual_stages") or 1
+        row.recompute = str(schedule.get("recompute", "none"))
         row.mesh = mesh.get("name", "?")
         row.total_steps = spec.get("train", {}).get("steps")
-        row.schedule = schedule_label(spec.get("schedule", {}))
-    elif row.mesh == "?" and (point / ".hydra" / "overrides.yaml").is_file():
-        overrides = cast(ListConfig, OmegaConf.load(point / ".hydra" / "overrides.yaml"))  # a list of strings
-        row.mesh = " ".join(o for o in overrides if str(o).startswith("mesh")) or "?"
+    elif row.mesh == "?" and overrides:
+        row.mesh = " ".join(str(o) for o in overrides if str(o).startswith("mesh")) or "?"
     records = read_json_lines(point / METRICS) if (point / METRICS).is_file() else []
     if records:
         steady = records[1:] or records
