@@ -5,6 +5,7 @@ option (issue 10)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -173,6 +174,26 @@ def test_no_library_module_imports_the_cli():
         if not m.startswith("p3d.cli") and any(d.startswith("p3d.cli") for d in deps)
     )
     assert offenders == []
+
+
+# The checkout's top level as specified (issue 50): the groups and recipes are links into the package, which the wheel
+# ships (tests/e2e/test_wheel.py).
+TOP_LEVEL = ("pyproject.toml", "README.md", "conf", "p3d", "recipes", "tests", "Makefile")
+
+
+def test_the_checkout_has_its_specified_top_level():
+    from p3d.config.shipped import conf_dir, package_root
+
+    missing = [name for name in TOP_LEVEL if not (ROOT / name).exists()]
+    assert missing == [], f"the checkout's top level lacks {missing}"
+    for link, target in (("conf", conf_dir()), ("recipes", package_root() / "recipes")):
+        path = ROOT / link
+        assert path.is_symlink() and not Path(os.readlink(path)).is_absolute(), (
+            f"{link}/: a relative link, valid in a clone"
+        )
+        assert path.resolve() == target.resolve(), f"{link}/ -> {path.resolve()}, not the shipped {target}"
+    groups = {"model", "mesh", "schedule", "zero", "cluster", "data", "logger", "hydra"}
+    assert (ROOT / "conf" / "config.yaml").is_file() and groups <= {p.name for p in (ROOT / "conf").iterdir()}
 
 
 def test_plan_options_survive_the_run_spec(tmp_path):
