@@ -148,8 +148,9 @@ def test_sweep_through_submitit_runs_one_job_per_point_and_reports(slurm_cluster
         assert slurm_cluster.wait_accounted(job)[-1]["State"] == "COMPLETED"
     # the report printed at the end of the sweep: both rows, and the skipped point
     table = result.stdout[result.stdout.index("p3d-report:") :]
-    assert re.search(r"^0\s+pp2\s+1 x 2 x 1\s+1f1b\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
-    assert re.search(r"^1\s+pp2\s+1 x 2 x 2\s+1f1b\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
+    assert "every point: dp1 pp2 cp1 ep1, ZeRO-0, 1f1b v=1, recompute none" in table, table  # the shared axes
+    assert re.search(r"^0\s+pp2\s+2\s+1\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table  # ranks, tp
+    assert re.search(r"^1\s+pp2\s+4\s+2\s+[\d,]+\s+[\d.]+%.*3/3\s+done$", table, re.M), table
     assert re.search(r"^2\s+.*skipped: mesh.tp=8", table, re.M), table
     with open(sweep / "report.csv") as f:
         rows = list(csv.DictReader(f))
