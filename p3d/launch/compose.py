@@ -1,8 +1,9 @@
 """Compose with Hydra once, in the launching process, and report config errors in one line.
 
 ``run_hydra(task)`` runs ``task(cfg_node) -> exit status`` under ``hydra.main`` and returns the status:
-the task's own, 2 for a config Hydra cannot compose (unknown group option, bad override, wrong type),
-or a sweep's (``p3d.exit_codes.SweepNotDone``).
+the task's own, 2 for a config Hydra cannot compose (unknown group option, bad override, wrong type: a value its
+field cannot hold is refused in one line before Hydra runs, p3d.launch.override_types), or a sweep's
+(``p3d.exit_codes.SweepNotDone``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from p3d import exit_codes
 from p3d.config.schema import register_configs
 from p3d.config.shipped import conf_dir
 from p3d.console import error
+from p3d.launch.override_types import wrong_type
 
 CONFIG_PATH = str(conf_dir())
 
@@ -111,7 +113,7 @@ def _default_choice(group: str) -> str:
 def run_hydra(task: Callable[[DictConfig], int], writes_outputs: bool = True) -> int:
     """Compose with Hydra, run ``task``; its exit status (the worst of a sweep's points, or the sweep's)."""
     argv = sys.argv[1:]
-    refused = moe_field_of_a_dense_model(argv)
+    refused = moe_field_of_a_dense_model(argv) or wrong_type(argv)  # before Hydra's own reports of several lines
     if refused:
         return report_error(f"config error: {refused}")
     multirun = any(a in ("-m", "--multirun") for a in argv)

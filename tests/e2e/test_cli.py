@@ -42,10 +42,18 @@ def test_bad_override_exits_2_before_any_worker(args, needle, tmp_path):
     assert not (tmp_path / "logs").exists() and not (tmp_path / "run_spec.yaml").exists()
 
 
-def test_validation_error_is_one_line(tmp_path):
-    result = p3d_train("mesh=tp4", "model.n_kv_heads=2", f"run.dir={tmp_path}", timeout=60)
+@pytest.mark.parametrize(
+    "args,start",
+    [
+        (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4"),  # a rule across groups
+        (["mesh.cp=1.5"], "mesh.cp=1.5 (command line) must be an integer; try mesh.cp=1"),  # a type, before Hydra
+    ],
+)
+def test_validation_error_is_one_line(args, start, tmp_path):
+    result = p3d_train(*args, f"run.dir={tmp_path}", timeout=60)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("p3d: config error: mesh.tp=4"), result.stderr
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"p3d: config error: {start}"), result.stderr
 
 
 @pytest.mark.timeout(120)
