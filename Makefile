@@ -70,7 +70,7 @@ gpu-check:
 	bash bench/gpu_check.sh $(ARGS)
 
 dry-run: $(STAMP)
-	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b dry_run=true
+	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large dry_run=true
 
 clean:
 	rm -rf outputs multirun .pytest_cache

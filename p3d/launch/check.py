@@ -145,24 +145,14 @@ def preflight(cfg, run_plan) -> None:
     """Refuse a layout the planner predicts not to fit device memory (plan.force=true skips this); the planner
     models ``run_plan``, the run plan already built for ``cfg``."""
     from p3d.planner import predict
+    from p3d.planner.verdict import fit_refusal
 
     report = predict(cfg, run_plan)
-    if report.fits or cfg.plan.force:
+    refused = fit_refusal(report)
+    if refused is None:
         return
     print(report.render(), file=sys.stderr)
-    mem = report.to_json()["memory_gb"]
-    lay = report.layout
-    need = (
-        f"{mem['all_ranks']:.3g} GB for its {lay.world_size} workers together"
-        if report.shared_host
-        else f"{mem['total']:.3g} GB on its most loaded device"
-    )
-    raise P3DConfigError(
-        f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
-        f"more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
-        "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
-        "or plan.force=true"
-    )
+    raise P3DConfigError(refused)
 
 
 def check_run(cfg, multirun: bool = False, quiet: bool = False):

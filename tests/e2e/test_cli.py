@@ -100,11 +100,12 @@ def test_default_job_end_to_end(tmp_path):
 @pytest.mark.timeout(120)
 def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
     t0 = time.monotonic()
-    result = p3d_train("mesh=tp8_pp8", "model=llama70b", "dry_run=true", f"run.dir={tmp_path}", timeout=100)
+    gpus = ("cluster=h100_sxm", "cluster.nodes=8", "schedule=large")  # 64 GPUs: the README's line
+    result = p3d_train("mesh=tp8_pp8", "model=llama70b", *gpus, "dry_run=true", f"run.dir={tmp_path}", timeout=100)
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - t0 < 60
     out = result.stdout
-    assert "rank    63: dp   0 pp   7 tp  7 -> node   0 device 63" in out
+    assert "rank    63: dp   0 pp   7 tp  7 -> node   7 device 7" in out
     assert "stage   7: block71..block79 (9 blocks), final_norm, head" in out
     assert "total from shards: 70,553,706,496 (70.55B); closed form: 70,553,706,496; match" in out
     assert not (tmp_path / "logs").exists()
