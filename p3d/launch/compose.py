@@ -38,14 +38,30 @@ def given_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def with_source(message: str) -> str:
-    """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
+def message_field(message: str) -> str | None:
+    """The one field a refusal starts with ('mesh.tp=4 must ...' -> 'mesh.tp'), None if it names none (tp*pp*dp)
+    or already says where it was set."""
     head, _, rest = message.partition(" ")
-    colon = ":" if head.endswith(":") else ""  # 'model.init_from=/x: no config.json there'
-    head = head.removesuffix(":")
+    head = head.removesuffix(":")  # 'model.init_from=/x: no config.json there'
     field = head.split("=", 1)[0]
-    if "=" not in head or not re.fullmatch(r"[a-z_]+(\.[a-z0-9_]+)+", field) or not HydraConfig.initialized():
-        return message  # not one field (e.g. tp*pp*dp), or no Hydra to ask
+    if "=" not in head or not re.fullmatch(r"[a-z_]+(\.[a-z0-9_]+)+", field) or rest.startswith("("):
+        return None
+    return field
+
+
+def insert_source(message: str, where: str) -> str:
+    """'mesh.tp=4 must ...' -> 'mesh.tp=4 (<where>) must ...'."""
+    head, _, rest = message.partition(" ")
+    colon = ":" if head.endswith(":") else ""
+    return f"{head.removesuffix(':')} ({where}){colon} {rest}"
+
+
+def with_source(message: str) -> str:
+    """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'. A resume's refusal
+    names the resumed spec itself where that gave the value (p3d.launch.resume_base.Resumed.sourced)."""
+    field = message_field(message)
+    if field is None or not HydraConfig.initialized():
+        return message  # not one field (e.g. tp*pp*dp), its source said already, or no Hydra to ask
     hc = HydraConfig.get()
     if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):
         where = "command line"
@@ -53,7 +69,7 @@ def with_source(message: str) -> str:
         group = field.split(".", 1)[0]
         choice = hc.runtime.choices.get(group)
         where = f"{group}/{choice}.yaml" if choice else "config.yaml"
-    return f"{head} ({where}){colon} {rest}"
+    return insert_source(message, where)
 
 
 def report_error(message: str, status: int = exit_codes.CONFIG_ERROR, prefix: str = "p3d") -> int:
