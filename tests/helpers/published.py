@@ -137,15 +137,61 @@ def nemotron4(layers, hidden, heads):
     return gpt(layers, hidden, heads, vocab=256000, seq=4096, tied=False, kv_heads=8)
 
 
+def llama(layers, hidden, heads, kv_heads, ffn, vocab, seq):
+    """A Llama block stack (SwiGLU, RMSNorm, untied)."""
+    return [
+        "model.arch=llama",
+        "model.name=llama",
+        f"model.n_layers={layers}",
+        f"model.hidden_size={hidden}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={kv_heads}",
+        f"model.ffn_hidden_size={ffn}",
+        f"model.vocab_size={vocab}",
+        f"model.seq_len={seq}",
+        "model.tie_embeddings=false",
+    ]
+
+
+def nemo(tp, pp, dp, mbs, gbs, v, cp=1):
+    """NeMo's performance recipes on H100 (the DGX Cloud cards): sequence parallelism, flash attention, no
+    recompute, the distributed optimizer (ZeRO 1) with its DP overlap, TP communication overlap, and with virtual
+    stages overlapped pipeline sends."""
+    return run(tp, pp, dp, mbs, gbs, "h100_sxm", "none", True, v, 1, True, True, True, "plan.overlap_tp=true") + (
+        [f"mesh.cp={cp}", f"cluster.nodes={tp * pp * dp * cp // 8}"] if cp > 1 else []
+    )
+
+
+def megascale(gpus, gbs):
+    """MegaScale's Megatron-LM baseline for the 175B model (Table 1: 96 layers, h 12288, 128 heads, tp 8, pp 8)."""
+    return gpt(96, 12288, 128, vocab=64000) + run(
+        8, 8, gpus // 64, 1, gbs, "a100_80gb", "selective", True, 6, 1, False, False, False, "plan.p2p_scatter=true"
+    )
+
+
+def titan(mbs, recompute):
+    """torchtitan on 64 A100 80GB: FSDP2 (p3d's ZeRO 3: weights gathered in bf16, gradients reduce-scattered in
+    fp32 once a step) with prefetching, flash attention (SDPA), one micro batch of ``mbs`` sequences per GPU."""
+    return run(1, 1, 64, mbs, 64 * mbs, "a100_80gb", recompute, zero=3, flash=True, overlap_dp=True)
+
+
 class Published(NamedTuple):
     overrides: list[str]
-    value: float  # what the source gives: TFLOP/s per GPU (an MFU as its share of the peak), or seconds per step
-    unit: str  # "tflops" | "step_s"
+    value: float  # what the source gives: TFLOP/s per GPU (an MFU as its share of the peak), seconds per step, or
+    # tokens per second per GPU
+    unit: str  # "tflops" | "step_s" | "tokens_s"
     convention: str  # how the source counts FLOPs: a key of p3d.layout.geometry.FLOP_CONVENTIONS
     source: str
 
 
 N21 = "N21 Table 1"
+N21_T2 = "N21 Table 2"
+MS = "MegaScale T2"
+NEMO15 = "Nemotron-4 15B T2"
+TT = "torchtitan A100"
+
+# The rows, grouped by source in this order. The split (``FIT``, ``HELD_OUT``) alternates down this listing: the
+# first row fits, the second is held out, and so on across the sources, fixed before any new row was predicted.
 ROWS = {
     "N21-1.7B": Published(gpt(24, 2304, 24) + run(1, 1, 32, 1, 512, "a100_80gb"), 137, "tflops", "eq3", N21),
     "N21-3.6B": Published(gpt(30, 3072, 32) + run(2, 1, 32, 1, 512, "a100_80gb"), 138, "tflops", "eq3", N21),
@@ -157,6 +203,34 @@ ROWS = {
     "N21-310.1B": Published(gpt(96, 16384, 128) + run(8, 16, 15, 1, 2160, "a100_80gb"), 155, "tflops", "eq3", N21),
     "N21-529.6B": Published(gpt(105, 20480, 128) + run(8, 35, 9, 1, 2520, "a100_80gb"), 163, "tflops", "eq3", N21),
     "N21-1008B": Published(gpt(128, 25600, 160) + run(8, 64, 6, 1, 3072, "a100_80gb"), 163, "tflops", "eq3", N21),
+    # DeepSpeed ZeRO-3 without model parallelism (full recompute, as Table 1's FLOPs; one micro batch per step),
+    # against PTD-P (tp 8 x pp 12 and tp 8 x pp 35) at the same batch
+    **{
+        f"N21T2-Z3-{size}-{gpus}": Published(
+            shape + run(1, 1, gpus, mbs, gbs, "a100_80gb", zero=3, overlap_dp=True), tflops, "tflops", "eq3", N21_T2
+        )
+        for size, shape, gpus, mbs, gbs, tflops in (
+            ("175B", gpt(96, 12288, 96), 384, 4, 1536, 144),
+            ("175B", gpt(96, 12288, 96), 768, 2, 1536, 88),
+            ("175B", gpt(96, 12288, 96), 1536, 1, 1536, 44),
+            ("530B", gpt(105, 20480, 128), 640, 4, 2560, 138),
+            ("530B", gpt(105, 20480, 128), 1120, 2, 2240, 98),
+            ("530B", gpt(105, 20480, 128), 2240, 1, 2240, 48),
+        )
+    },
+    **{
+        f"N21T2-PTD-{size}-{gpus}": Published(
+            shape + run(8, pp, gpus // (8 * pp), 1, gbs, "a100_80gb"), tflops, "tflops", "eq3", N21_T2
+        )
+        for size, shape, pp, gpus, gbs, tflops in (
+            ("175B", gpt(96, 12288, 96), 12, 384, 1536, 153),
+            ("175B", gpt(96, 12288, 96), 12, 768, 1536, 149),
+            ("175B", gpt(96, 12288, 96), 12, 1536, 1536, 141),
+            ("530B", gpt(105, 20480, 128), 35, 560, 2240, 171),
+            ("530B", gpt(105, 20480, 128), 35, 1120, 2240, 167),
+            ("530B", gpt(105, 20480, 128), 35, 2240, 2240, 159),
+        )
+    },
     # MFU 41.5 / 51.4 / 56.0 / 56.3 % of 312 TFLOP/s, selective recompute + sequence parallelism
     "K22-22B": Published(
         gpt(48, 6144, 64) + run(8, 1, 1, 1, 4, "a100_80gb", "selective", True), 0.415 * 312, "tflops", "p3d", "K22 T5"
@@ -208,28 +282,6 @@ ROWS = {
         "eq3",
         "BLOOM 3.4",
     ),
-    "MPT-30B-a100": Published(mpt(48, 7168, 56, 8, 3, 504, "a100_80gb", True), 0.553 * 312, "tflops", "p3d", "MPT"),
-    "MPT-7B-a100": Published(mpt(32, 4096, 32, 8, 6, 96, "a100_80gb", False), 0.6423 * 312, "tflops", "p3d", "MPT"),
-    "MPT-30B-h100": Published(mpt(48, 7168, 56, 8, 3, 504, "h100_sxm", True), 0.3811 * 989, "tflops", "p3d", "MPT"),
-    # DGX Cloud cards (NeMo 24.11, BF16): the step time itself. NeMo's performance recipe: TP communication overlap,
-    # DP overlap (distributed optimizer: ZeRO 1), sequence parallelism, and overlap_p2p_comm with virtual stages;
-    # assumed: flash attention, no recompute (the recipes set none)
-    "DGXC-NEMOTRON4-340B-128": Published(
-        nemotron4(96, 18432, 96)
-        + run(8, 8, 2, 1, 32, "h100_sxm", "none", True, 12, 1, True, True, True, "plan.overlap_tp=true"),
-        4.77,
-        "step_s",
-        "nemo_mha",
-        "DGXC 340B 24.11",
-    ),
-    "DGXC-NEMOTRON4-15B-64": Published(
-        nemotron4(32, 6144, 48)
-        + run(4, 1, 16, 4, 256, "h100_sxm", "none", True, 1, 1, True, True, True, "plan.overlap_tp=true"),
-        2.86,
-        "step_s",
-        "nemo_mha",
-        "DGXC 15B 24.11.1",
-    ),
     # DeepSpeed pipeline engine at tp 2, fp16, 12.5 GB/s per GPU between nodes
     "NEOX-20B": Published(
         ["model=gpt_neox_20b"]
@@ -248,13 +300,88 @@ ROWS = {
         "eq3",
         "MTNLG 2",
     ),
-    # small-model FSDP runs on H100 (2023 software), without activation checkpointing
+    # MosaicML's FSDP runs (2023 software): with checkpointing (30B, 70B) and without (7B, 13B)
+    "MPT-30B-a100": Published(mpt(48, 7168, 56, 8, 3, 504, "a100_80gb", True), 0.553 * 312, "tflops", "p3d", "MPT"),
+    "MPT-7B-a100": Published(mpt(32, 4096, 32, 8, 6, 96, "a100_80gb", False), 0.6423 * 312, "tflops", "p3d", "MPT"),
+    "MPT-70B-a100": Published(mpt(80, 8192, 64, 64, 8, 2048, "a100_80gb", True), 0.5333 * 312, "tflops", "p3d", "MPT"),
+    "MPT-30B-h100": Published(mpt(48, 7168, 56, 8, 3, 504, "h100_sxm", True), 0.3811 * 989, "tflops", "p3d", "MPT"),
     "MPT-7B-h100": Published(mpt(32, 4096, 32, 8, 6, 48, "h100_sxm", False), 0.4644 * 989, "tflops", "p3d", "MPT"),
     "MPT-13B-h100": Published(mpt(40, 5120, 40, 8, 2, 16, "h100_sxm", False), 0.3979 * 989, "tflops", "p3d", "MPT"),
-    # the rows that set the efficiencies before they were fitted on every row (MPT-70B, FSDP + checkpointing)
-    "MPT-70B-a100": Published(mpt(80, 8192, 64, 64, 8, 2048, "a100_80gb", True), 0.5333 * 312, "tflops", "p3d", "MPT"),
     "MPT-70B-h100": Published(mpt(80, 8192, 64, 64, 8, 2048, "h100_sxm", True), 0.4257 * 989, "tflops", "p3d", "MPT"),
+    # DGX Cloud cards (NeMo, BF16): the step time itself. NeMo's performance recipes: TP communication overlap,
+    # DP overlap (distributed optimizer: ZeRO 1), sequence parallelism, and overlap_p2p_comm with virtual stages;
+    # assumed: flash attention, no recompute (the recipes set none)
+    "DGXC-NEMOTRON4-340B-128": Published(
+        nemotron4(96, 18432, 96) + nemo(8, 8, 2, 1, 32, 12), 4.77, "step_s", "nemo_mha", "DGXC 340B 24.11"
+    ),
+    "DGXC-NEMOTRON4-15B-64": Published(
+        nemotron4(32, 6144, 48) + nemo(4, 1, 16, 4, 256, 1), 2.86, "step_s", "nemo_mha", "DGXC 15B 24.11.1"
+    ),
+    "DGXC-NEMOTRON4-340B-2048": Published(
+        nemotron4(96, 18432, 96) + nemo(8, 8, 32, 1, 512, 12), 4.84, "step_s", "nemo_mha", "DGXC 340B 24.11"
+    ),
+    "DGXC-NEMOTRON4-15B-2048": Published(
+        nemotron4(32, 6144, 48) + nemo(4, 1, 512, 4, 8192, 1), 2.887, "step_s", "nemo_mha", "DGXC 15B"
+    ),
+    "DGXC-GPT3-175B-128": Published(
+        ["model=gpt_175b"] + nemo(4, 8, 4, 1, 256, 12), 8.309, "step_s", "nemo_mha", "DGXC GPT3 175B"
+    ),
+    "DGXC-GPT3-175B-2048": Published(
+        ["model=gpt_175b"] + nemo(4, 8, 64, 1, 4096, 12), 8.49, "step_s", "nemo_mha", "DGXC GPT3 175B"
+    ),
+    "DGXC-LLAMA31-70B-64": Published(
+        ["model=llama70b"] + nemo(4, 4, 2, 1, 128, 5, cp=2), 14.72, "step_s", "p3d", "DGXC Llama 3.1 70B 24.09"
+    ),
+    # MegaScale's Megatron-LM baseline (commit 285068c8, 2023): the standard 175B GPT of 128 heads, tp 8 pp 8,
+    # 6 interleaved stages, 2048 tokens, vocabulary 64000; batch 768 on 256..1024 GPUs and 6144 on 3072..12288; the
+    # iteration time itself. Assumed: micro batch 1, selective recompute with sequence parallelism (Megatron's
+    # recommended setting since Korthikanti'22), the distributed optimizer, nothing overlapped (the paper adds the
+    # TP, PP and DP overlaps as its own), Megatron's scattered pipeline sends
+    **{
+        f"MS-175B-{gpus}": Published(megascale(gpus, gbs), step, "step_s", "p3d", MS)
+        for gpus, gbs, step in (
+            (256, 768, 40.0),
+            (512, 768, 21.2),
+            (768, 768, 15.2),
+            (1024, 768, 11.9),
+            (3072, 6144, 29.02),
+            (6144, 6144, 14.78),
+            (8192, 6144, 12.24),
+            (12288, 6144, 8.57),
+        )
+    },
+    # Table 3's baseline: the same Megatron-LM at batch 256 on 256 GPUs, 47.7 % MFU
+    "MS-175B-256-b256": Published(megascale(256, 256), 0.477 * 312, "tflops", "p3d", "MegaScale T3"),
+    # Nemotron-4 15B's pre-training: tp 8 and data parallelism with the distributed optimizer on DGX H100 (8 x 400
+    # Gb/s per node), batch ramped 384 / 768 / 1152 of 4096 tokens; the iteration time itself. Assumed as the DGX
+    # Cloud recipes: micro batch 1, sequence parallelism, flash attention, no recompute, TP and DP overlap
+    **{
+        f"NEMO4-15B-{gpus}": Published(
+            nemotron4(32, 6144, 48) + nemo(8, 1, gpus // 8, 1, gbs, 1), step, "step_s", "p3d", NEMO15
+        )
+        for gpus, gbs, step in ((768, 384, 0.57), (1536, 768, 0.58), (2304, 1152, 0.64))
+    },
+    # torchtitan's FSDP2 (ZeRO 3 with prefetching) on 64 A100 80GB, one sequence (or two) per GPU, flash attention
+    # (SDPA): tokens per second per GPU. Assumed: the a100_80gb preset's links (the page does not give the network)
+    "TT-L2-13B-b2": Published(
+        llama(40, 5120, 40, 40, 13824, 32000, 4096) + titan(2, "none"), 2162, "tokens_s", "p3d", TT
+    ),
+    "TT-L3-70B-b1": Published(
+        llama(80, 8192, 64, 8, 28672, 128256, 8192) + titan(1, "full"), 331, "tokens_s", "p3d", TT
+    ),
+    "TT-L2-70B-b2": Published(
+        llama(80, 8192, 64, 8, 28672, 32000, 4096) + titan(2, "full"), 353, "tokens_s", "p3d", TT
+    ),
 }
+
+
+def split(names) -> tuple[list[str], list[str]]:
+    """(fit, held out): every other row of the listing, the first one fitting."""
+    names = list(names)
+    return names[0::2], names[1::2]
+
+
+FIT, HELD_OUT = split(ROWS)
 
 
 @dataclass(frozen=True)
@@ -280,7 +407,11 @@ def compare(make_cfg, row: Published) -> Compared:
     pred = evaluate(cfg, check=False)
     flops = flops_per_token(cfg.model, row.convention, cfg.schedule.recompute.value) * pred.tokens_per_step
     gpus = pred.layout.world_size
-    step_pub = row.value if row.unit == "step_s" else flops / (row.value * 1e12 * gpus)
+    step_pub = {
+        "step_s": row.value,
+        "tflops": flops / (row.value * 1e12 * gpus) if row.value else 0.0,
+        "tokens_s": pred.tokens_per_step / (row.value * gpus) if row.value else 0.0,
+    }[row.unit]
     return Compared(step_pub, pred.step_time_s, flops, gpus, float(cfg.cluster.peak_tflops))
 
 
