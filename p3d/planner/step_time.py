@@ -58,8 +58,6 @@ from typing import Any
 
 from p3d.config.schema import Arch, Config, Recompute
 from p3d.layout.geometry import (
-    block_matmul_params,
-    block_vector_params,
     chunk_to_rank,
     head_dims,
     moe_layers,
@@ -312,25 +310,42 @@ def _reduced_groups(layout: Layout, st: StageParams) -> list[tuple[int, int]]:
     return [(st.dense, layout.dp_cp), (st.experts, layout.edp)]
 
 
+def fsdp_seconds(cfg: Config, layout: Layout, st: StageParams) -> tuple[float, float]:
+    """ZeRO 2 and 3 (FSDP2, docs/zero.md): seconds of one all-gather of the stage's weights (c bytes) and of one
+    reduction of its gradients (fp32, reduce-scattered; under HSDP within shard groups, the pieces then all-reduced
+    across the replicas), over the dp x cp holders (the routed experts' over edp)."""
+    d, span = layout.dp_cp, layout.tp * layout.dp_cp
+    gather = reduce = 0.0
+    for n, g in _reduced_groups(layout, st):
+        s = cfg.zero.shard_size or g
+        shard_span = layout.tp * s if g == d else span  # a shard group: s adjacent dp x cp ranks; edp's: ep apart
+        reduce += ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
+        if s < g:
+            reduce += ring(cfg, n * 4.0 / s, g // s, span)
+        gather += ring(cfg, n * dtype_bytes(cfg), s, shard_span, "all_gather")
+    return gather, reduce
+
+
+def fsdp_gathers(layout: Layout) -> int:
+    """The weights' all-gathers of a step: ZeRO 2 once; ZeRO 3 for every micro batch's forward and once for the
+    backward (p3d's FSDP2 keeps a unit gathered from its first backward until the step's one reduction; counted in
+    tests/workers/test_zero_fsdp.py)."""
+    return 1 if layout.zero == 2 else layout.micro_batches + 1
+
+
 def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     """Per-step seconds of one rank's data-parallel traffic (all of it, before any overlap), over the dp x cp ranks
     holding its parameters (tp x cp x dp consecutive ranks)."""
     d, zero = layout.dp_cp, cfg.zero.stage
     if d <= 1:
         return 0.0
+    if zero >= 2:
+        gather, reduce = fsdp_seconds(cfg, layout, st)
+        return fsdp_gathers(layout) * gather + reduce
     span = layout.tp * d
     total = 0.0
     for n, g in _reduced_groups(layout, st):
         nbytes = n * dtype_bytes(cfg)
-        if zero >= 2:  # FSDP2 (docs/zero.md): fp32 gradients reduce-scattered once a step, weights gathered in c bytes
-            gathers = 1 if zero == 2 else layout.micro_batches + 1  # counted: tests/workers/test_zero_fsdp.py
-            s = cfg.zero.shard_size or g  # HSDP: within shard groups, then the pieces all-reduced across the replicas
-            shard_span = layout.tp * s if g == d else span  # a shard group: s adjacent dp x cp ranks; edp's: ep apart
-            grads = ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
-            if s < g:
-                grads += ring(cfg, n * 4.0 / s, g // s, span)
-            total += grads + gathers * ring(cfg, nbytes, s, shard_span, "all_gather")
-            continue
         whole = None if optimizer_sharded(cfg) else machine_of(cfg).engine_reduce(layout, nbytes, g)
         if whole is not None:  # DeepSpeed's reduce probed whole on real ranks: its copies are in it
             return whole
@@ -349,17 +364,34 @@ def dp_exposed(cfg: Config, layout: Layout, st: StageParams, total: float, t: St
     Megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the traffic is chunked by
     layers (by the layers of a virtual stage when pp > 1) and one chunk stays exposed, the last gradients' reduction
     and the first weights' gather (Megatron-Bridge docs, "Communication Overlap"), and what exceeds one micro batch's
-    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 3 (FSDP2, prefetching) hides behind
-    the whole step's compute but the first block's gather: max(that gather, total - m x t_micro_batch)."""
+    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 2 and 3: ``fsdp_exposed``."""
     if not cfg.plan.overlap_dp or total <= 0.0:
         return total
-    if cfg.zero.stage >= 3:
-        m, s = cfg.model, cfg.zero.shard_size or layout.dp_cp
-        block = (block_matmul_params(m, layout.tp) + block_vector_params(m, layout.tp)) * dtype_bytes(cfg)
-        first = min(total, ring(cfg, block, s, layout.tp * s, "all_gather"))
-        return max(first, total - layout.micro_batches * t.total)
+    if layout.zero >= 2:
+        return fsdp_exposed(layout, st, fsdp_seconds(cfg, layout, st), t)
     chunks = max(1, st.blocks if layout.pp == 1 else layout.virtual_stages)
     return max(total / chunks, total - (t.forward_compute + t.backward_compute))
+
+
+def fsdp_exposed(layout: Layout, st: StageParams, traffic: tuple[float, float], t: StageTime) -> float:
+    """ZeRO 2 and 3 with prefetching (FSDP2's, DeepSpeed's): each block's collective runs behind its neighbour's
+    compute, one block at a time, in the pass that needs it. A pass of L blocks with x seconds of traffic and y of
+    compute per block exposes the first block's (the first gather, or the last reduction) and, where the traffic
+    outlasts the compute it hides behind, the excess: x + (L - 1) max(0, x - y). The forwards that gather (ZeRO 3:
+    every micro batch's; ZeRO 2: the first) have x = the gather per block; the backwards: the first gathers (ZeRO 3)
+    and the last reduce-scatters its gradients, each hidden behind a backward (its recompute included)."""
+    gather, reduce = (seconds / max(1, st.blocks) for seconds in traffic)
+    blocks, m = max(1, st.blocks), layout.micro_batches
+    fwd = t.forward_compute / blocks
+    bwd = (t.backward_compute + t.recompute) / blocks
+
+    def exposed(x: float, y: float) -> float:
+        return x + (blocks - 1) * max(0.0, x - y) if x > 0 else 0.0
+
+    forwards = (m if layout.zero >= 3 else 1) * exposed(gather, fwd)
+    if layout.zero >= 3 and m > 1:  # the first backward gathers, the last reduces
+        return forwards + exposed(gather, bwd) + exposed(reduce, bwd)
+    return forwards + exposed(reduce + (gather if layout.zero >= 3 else 0.0), bwd)
 
 
 def tied_seconds(cfg: Config, layout: Layout) -> float:
