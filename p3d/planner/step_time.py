@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from p3d.config.schema import Arch, Config, Recompute
 from p3d.layout.geometry import (
@@ -72,6 +72,7 @@ from p3d.planner.machine import (  # noqa: F401 - HBM_EFFICIENCY, COMM_EFFICIENC
     LATENCY_S,
     OPTIMIZER_BYTES_PER_ELEMENT,
     efficiency,
+    gemm_device,
     hbm_bytes_per_s,
     intra_node,
     machine_of,
@@ -409,10 +410,26 @@ def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     return machine_of(cfg).optimizer_seconds(layout, n)
 
 
-def assumptions(cfg: Config) -> dict[str, Any]:
-    """The planner's fixed assumptions for this config (printed and in format=json)."""
+def gemm_efficiency(cfg: Config, layout: Layout) -> float:
+    """The fraction of peak one dense block's GEMMs reach together on this machine (forward and backward, attention's
+    included): what the GEMM model makes of the asymptotic efficiency at this layout's shapes."""
+    mach, work = machine_of(cfg), block_gemms(cfg, layout)
+    names = ("qkv", "proj", "fc1", "fc2")
+    every = [g for n in names for g in work[n]] + [d for n in names for g in work[n] for d in g.grads()]
+    every += work["attn"] + work["attn_bwd"]
+    seconds = sum(mach.gemm(g, layout) for g in every)
+    return sum(g.flops for g in every) / seconds / (cast(float, cfg.cluster.peak_tflops) * 1e12) if seconds else 0.0
+
+
+def assumptions(cfg: Config, layout: Layout | None = None) -> dict[str, Any]:
+    """The planner's fixed assumptions for this config (printed and in format=json); with ``layout``, also what its
+    block's GEMMs reach (``gemm_efficiency``)."""
+    gemm = gemm_device(cfg) if cfg.calibration is None else None
     return {
         "efficiency": efficiency(cfg),
+        "gemm_model": gemm is not None,  # each GEMM timed from its shape (p3d.planner.gemms)
+        "gemm_k_overhead": gemm.k_overhead if gemm else None,
+        "gemm_efficiency": gemm_efficiency(cfg, layout) if layout is not None else None,
         "hbm_gbps": hbm_bytes_per_s(cfg) / HBM_EFFICIENCY / 1e9,
         "peak_tflops": cfg.cluster.peak_tflops,
         "intra_node_gbps": cfg.cluster.intra_node_gbps,
