@@ -35,7 +35,7 @@ from p3d.planner.shapes import Layout
 TILES = ((256, 128), (128, 256), (128, 128))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Gemm:
     m: float
     n: float
@@ -55,7 +55,7 @@ class Gemm:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GemmDevice:
     """What the GEMM model needs of a GPU: dense peak (FLOP/s), SMs, the generation's fitted constants, the bytes/s
     memory-bound traffic reaches and the bytes of an element."""

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, cast
 
 from p3d.config.devices import DEVICES
@@ -103,7 +104,10 @@ class DeviceTable:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.gemm_device = gemm_device(cfg)
+
+    @functools.cached_property
+    def gemm_device(self) -> GemmDevice | None:
+        return gemm_device(self.cfg)
 
     def flops_s(self, layout: Layout) -> float:
         """The flat matmul rate: peak x ``efficiency`` (the GEMM model's asymptote on a GPU)."""
@@ -111,9 +115,10 @@ class DeviceTable:
 
     def gemm(self, g: Gemm, layout: Layout) -> float:
         """Seconds of one GEMM: from its shape (p3d.planner.gemms), or its FLOPs at the flat rate."""
-        if self.gemm_device is None:
+        dev = self.gemm_device
+        if dev is None:
             return g.flops / self.flops_s(layout)
-        return gemms.seconds(g, self.gemm_device)
+        return gemms.seconds(g, dev)
 
     def mem_s(self, layout: Layout) -> float:
         return hbm_bytes_per_s(self.cfg)
