@@ -3,8 +3,9 @@
 ``machine_of(cfg)`` is the one place the step-time model gets a rate from:
 
 - ``DeviceTable``: the device preset's nominal figures: each GEMM timed from its shape (p3d.planner.gemms: tiles and
-  waves over the SMs at the generation's fitted efficiency, or its bytes at the HBM rate; ``plan.efficiency`` or a
-  device without SMs: ``cluster.peak_tflops`` x one flat efficiency), the HBM datasheet x 0.8, the links x 0.8 plus a
+  waves over the SMs at the generation's fitted constants, which ``plan.efficiency`` and ``plan.gemm_k_overhead``
+  override, or its bytes at the HBM rate; a device without SMs, cpu: ``cluster.peak_tflops`` x one flat
+  efficiency), the HBM datasheet x 0.8, the links x 0.8 plus a
   latency, 32 bytes per optimizer element through HBM. Without ``calibration=`` every prediction is this arithmetic.
 - ``Calibrated``: a file of ``p3d-plan calibrate`` (p3d.planner.calibration). A block or head probed at the layout's
   shape gives its measured fwd / bwd seconds; any other shape is FLOPs and bytes at the measured GEMM and memory

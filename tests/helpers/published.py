@@ -73,8 +73,8 @@ Not added: the Nemotron-4 340B technical report's Table 2 (arXiv:2406.11704; onl
 6144-GPU row was found); NeMo's and Megatron-Bridge's H100 performance summaries (their dense H100 rows are FP8, which
 the planner does not model); torchtitan's docs/performance.md A100 rows (64 A100 80GB, FSDP2: the page does not say
 the network, and at these sizes the network decides the step: at the a100_80gb preset's 25 GB/s per GPU the planner
-puts Llama 2 13B +38 %, Llama 3 / Llama 2 70B +12 / +17 % slow, with every NIC of a node serving its 8 ranks -13 / -6
-/ -5 %); the Zero Bubble paper's 1F1B rows (arXiv:2401.10241, Table 4: its vocabulary is not given).
+puts Llama 2 13B +38 %, Llama 3 / Llama 2 70B +14 / +18 % slow, with every NIC of a node serving its 8 ranks -15 / -9
+/ -7 %); the Zero Bubble paper's 1F1B rows (arXiv:2401.10241, Table 4: its vocabulary is not given).
 
 The fit. Two constants per device generation (p3d/config/devices.py), e (the fraction of peak of a large GEMM) and k0
 (a GEMM tile's fixed cost in k-steps) of the GEMM model (p3d/planner/gemms.py), are fitted on the ``FIT`` half of
