@@ -12,9 +12,11 @@ its compute and its memory traffic (the roofline):
 of the tile shapes 256x128, 128x256 and 128x128 the fastest (cuBLAS's heuristics choose among such; a fused attention
 kernel sizes its tiles to the head). Two constants per device generation are fitted on published runs
 (p3d/config/devices.py): e, the fraction of peak a large, well-shaped GEMM reaches, and k0, a tile's prologue and
-epilogue in k-steps, which makes a GEMM with a short reduction (attention's k = head dim, a tp-split projection)
-slower per FLOP than a long one. A flash-attention kernel's GEMMs keep their operands on chip (``io=False``): their
-bytes are the attention's own memory-bound term in p3d.planner.step_time.
+epilogue in k-steps, which makes a GEMM with a short reduction (unfused attention's k = head dim, a tp-split
+projection) slower per FLOP than a long one. Attention's GEMMs keep their operands on chip or count them elsewhere
+(``io=False``): their bytes are the attention's own memory-bound term in p3d.planner.step_time. A flash kernel is
+timed as one GEMM whose reduction runs over the keys (``block_gemms``): its fixed cost is paid once per tile of
+queries, not once per head dim.
 
 The backward of ``y = x W`` (x: m x k, W: k x n) is two GEMMs: dx = dy W^T (m x n @ n x k) and dW = x^T dy
 (k x m @ m x n), ``Gemm.grads``.
@@ -96,9 +98,11 @@ def block_gemms(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, lis
     (M x (q + 2 kv)/t, k = h), the out-projection (M x h, k = q/t), gate|up or fc1 (M x 2f/t or f/t, k = h), down or
     fc2 (M x h, k = f/t). MoE (``moe``): the router (M x E, k = h), S shared experts as one SwiGLU of S f_e, and the
     E / ep local routed experts as one grouped call of M k ep / E rows each (balanced routing: every rank computes
-    M k rows). Attention per (micro batch, local head): scores s/cp x s (k = hd) and values s/cp x hd (k = s) forward,
-    causal half of the tiles with flash attention (or with cp, whose attention is flash-like); the backward recomputes
-    the scores under flash (5 GEMMs of that size; 4 without)."""
+    M k rows). Attention per (micro batch, local head): with flash attention (and with cp, whose attention is
+    flash-like) one fused kernel, its tiles of queries looping over the keys (s/cp x hd, k = 2 s: the scores' and the
+    values' products per key step), half the tiles under the causal mask, and a backward whose tiles of keys loop over
+    the queries (s x hd, k = 5 s/cp: the scores again, dV, dP, dQ, dK); without, the scores (s/cp x s, k = hd) and
+    values (s/cp x hd, k = s) as batched GEMMs, and four of those sizes backward."""
     m = cfg.model
     b, s, t = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp
     h, a = m.hidden_size, m.n_heads
@@ -121,13 +125,17 @@ def block_gemms(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, lis
         out["fc1"] = [Gemm(rows, (2 if swiglu else 1) * f / t, h)]
         out["fc2"] = [Gemm(rows, h, f / t)]
     flash = cfg.plan.flash_attention or layout.cp > 1
-    hd, heads = q / a, b * a / t * (0.5 if flash else 1.0)  # flash: the causal mask's empty tiles are skipped
+    hd, heads = q / a, b * a / t
     s_q, s_kv = s, m.seq_len
+    if flash:  # one kernel: a tile of 128 queries loops over the keys, both products per step; half the tiles causal
+        out["attn"] = [Gemm(s_q, hd, 2 * s_kv, heads / 2, io=False)]
+        # the backward: a tile of keys loops over the queries: the scores again, dV, dP, dQ and dK
+        out["attn_bwd"] = [Gemm(s_kv, hd, 5 * s_q, heads / 2, io=False)]
+        return out
     scores, values = Gemm(s_q, s_kv, hd, heads, io=False), Gemm(s_q, hd, s_kv, heads, io=False)
     out["attn"] = [scores, values]
-    # backward: dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (and flash recomputes the scores first)
-    grads = [Gemm(s_kv, hd, s_q, heads, io=False), scores, values, Gemm(s_kv, hd, s_q, heads, io=False)]
-    out["attn_bwd"] = [scores, *grads] if flash else grads
+    # dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
+    out["attn_bwd"] = [Gemm(s_kv, hd, s_q, heads, io=False), scores, values, Gemm(s_kv, hd, s_q, heads, io=False)]
     return out
 
 

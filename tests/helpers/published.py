@@ -433,8 +433,8 @@ def predicted(make_cfg, overrides, convention) -> float:
 # recompute and four of DeepSpeed's ZeRO-3 runs (the engine slower than its model: compute and traffic overlap less
 # than the prefetch allows at 384 / 640 GPUs, the 530B's traffic moved faster than the NIC model at 1120 / 2240), the
 # tp 2 and tp 4 rows of N21 Table 1 (their data-parallel all-reduce over the NICs), MPT-13B without checkpointing on
-# 8 H100 (slower than every other MPT row implies), Nemotron-4 15B's largest stage (slower than its smaller ones by
-# more than its dp traffic), and the GPT-3 175B and Llama 3.1 70B recipes of DGX Cloud on H100 (faster)
+# 8 H100 (slower than every other MPT row implies) and Nemotron-4 15B's largest stage (slower than its smaller ones
+# by more than its dp traffic)
 MISSES = frozenset(
     {
         "N21-3.6B",
@@ -446,8 +446,6 @@ MISSES = frozenset(
         "NEOX-20B",
         "MTNLG-530B-2240",
         "MPT-13B-h100",
-        "DGXC-GPT3-175B-128",
-        "DGXC-LLAMA31-70B-64",
         "NEMO4-15B-2304",
     }
 )
