@@ -226,6 +226,10 @@ CASES: dict[str, Case] = {
         "not_here",
         expect="the table of tests/helpers/published.py, whose rows tests/unit/planner/test_published.py checks",
     ),
+    ".venv/bin/python bench/planner_published.py --fit": Case(
+        "not_here",
+        expect="the fit of tests/helpers/published.py, whose result tests/unit/planner/test_published.py checks",
+    ),
     **dict.fromkeys(
         (
             ".venv/bin/python bench/planner_accuracy.py",
