@@ -77,8 +77,8 @@ def holds(owner: type, name: str, value: Any) -> bool:
     from omegaconf.errors import ValidationError
 
     node = OmegaConf.structured(owner)
-    try:
-        node[name] = value
+    try:  # a merge, not an assignment: a list of dicts goes into a list of dataclasses only by merging
+        OmegaConf.merge(node, {name: value})
     except ValidationError:
         return False
     return True

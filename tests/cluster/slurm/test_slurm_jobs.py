@@ -249,7 +249,7 @@ def test_sweep_job_signalled_before_its_time_limit_requeues_and_resumes(slurm_cl
             sweep_proc.communicate()
     assert sweep_proc.returncode == 0, out[-4000:]
     assert [r["State"].split()[0] for r in slurm_cluster.wait_accounted(job, runs=2)] == ["REQUEUED", "COMPLETED"]
-    assert re.search(rf"^0\s+pp2\s+1 x 2 x 1\s+[\d,]+.*{steps}/{steps}\s+done$", out, re.M), out[-3000:]
+    assert re.search(rf"^0\s+pp2\s+[\d,]+.*{steps}/{steps}\s+done$", out, re.M), out[-3000:]
     log = (sweep / "0" / f"slurm-{job}.out").read_text()
     second = log[log.index("requeueing job") :]
     assert int(re.search(r"step\s+(\d+)/", second).group(1)) == k + 1, second[:3000]

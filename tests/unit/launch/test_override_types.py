@@ -46,6 +46,7 @@ AGREE = [
     "cluster.memory_gb=null", "train.steps=${oc.env:P3D_STEPS,5}", "+train.foo=1",
     "mesh.cp=2.0", "cluster.nodes=true", "train.steps=0x10", "logger.mode=ONLINE", "cluster.device=h100",
     "train.async_save=maybe", "mesh.cp=[1,2]", "data.mix=[{path: a, weight: x}]",
+    "data.mix=[{path:/d/one,weight:0.8},{path:b,weight:1}]",
 ]  # fmt: skip
 
 
