@@ -170,7 +170,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         failed, fault_line, extra = policy.apply(gate.verdict)
         if experts is not None:  # every rank: the step's routing figures, and aux-loss-free balancing
             with hang.phase("the routing figures' all-reduce", step), device_checked(device):
-                extra.update(experts.after_step(device))
+                extra.update(experts.after_step(device, discarded=gate.verdict.discarded))
         slow_fields, slow_lines = stragglers.update(compute)
         extra.update(slow_fields)
         for line in slow_lines if metrics else []:

@@ -45,16 +45,13 @@ import statistics
 import time
 from collections.abc import Iterator
 from types import FunctionType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from p3d.compat.deepspeed_internals import engine_pass_order, pipeline_instruction_map, set_pipeline_instruction_map
-from p3d.train.trace import pass_event, traced_call
-
-if TYPE_CHECKING:
-    from p3d.train.trace import StepTrace
+from p3d.train.trace_events import StepTrace, pass_event, traced_call
 
 PIPE_WAITS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
 DRAIN = "ReduceTiedGrads"  # the first instruction after the step's last backward

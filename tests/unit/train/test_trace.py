@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from p3d.parallel.mesh import Mesh
 from p3d.train.timing import StepClocks, TorchStageTimer
-from p3d.train.trace import GroupDims, StepTrace
+from p3d.train.trace import GroupDims
+from p3d.train.trace_events import StepTrace
 from tests.unit.train.test_clocks import FakeEvent, cuda_events, gpu_work  # noqa: F401 - cuda_events: a fixture
 
 
