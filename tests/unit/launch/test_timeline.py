@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import matplotlib.image
 
+from p3d.cli.report import main
 from p3d.launch.timeline import DPI, WIDTH_IN, draw, draw_run, figure_height, title_of
 from p3d.rundir.files import timeline_path, trace_path
 from p3d.rundir.traces import merge, read_trace, write_part
+from tests.helpers.sweeps import make_point
 
 
 def traced_run(run_dir, pp: int, dp: int, step: int = 2) -> None:
@@ -58,3 +60,19 @@ def test_the_title_names_the_schedule_and_the_measured_bubble(tmp_path):
     stacked = draw([trace, trace, trace], tmp_path / "three.png", ["a", "b", "c"])  # docs' side by side: 3 panels
     assert matplotlib.image.imread(stacked).shape[0] == round(figure_height([2, 2, 2]) * DPI)
     assert trace_path(tmp_path, 2).is_file()
+
+
+def test_a_sweeps_report_names_each_traced_points_picture_and_draws_none_for_the_others(tmp_path, capsys):
+    traced, untraced = tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
+    make_point(tmp_path / "sweep", "0", status={"status": "done", "returncode": 0})
+    make_point(tmp_path / "sweep", "1", tp=2, status={"status": "done", "returncode": 0})
+    traced_run(traced, pp=2, dp=1)  # point 0 traced step 2 (its parts, not yet merged: p3d-report merges them)
+    assert main([str(tmp_path / "sweep")]) == 0
+    timelines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("timeline of")]
+    assert timelines == [f"timeline of point 0: {timeline_path(traced, 2)}"]
+    assert timeline_path(traced, 2).read_bytes()[:4] == b"\x89PNG" and not (untraced / "traces").exists()
+
+    make_point(tmp_path / "plain", "0", status={"status": "done", "returncode": 0})  # a sweep traced nowhere
+    assert main([str(tmp_path / "plain")]) == 0
+    assert "timeline" not in capsys.readouterr().out
+    assert list((tmp_path / "plain").rglob("*.png")) == [tmp_path / "plain" / "report.png"]  # the sweep's plot only
