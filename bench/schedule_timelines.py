@@ -1,6 +1,6 @@
 """The picture of docs/timeline.md: one traced step of 1f1b, interleaved_1f1b and zbv on pp4 (issue 56).
 
-    .venv/bin/python bench/schedule_timelines.py        # three p3d-train runs, then docs/timeline_pp4.png
+    .venv/bin/python bench/schedule_timelines.py        # three p3d-train runs, then docs/img/timeline_pp4.png
 
 Each schedule trains model=tiny with 8 layers on mesh=pp4, m = 8 micro batches of 1, for two steps and traces the
 second (``train.trace_steps=[2]``; the first infers torch's shapes). Every Transformer block sleeps
@@ -28,7 +28,7 @@ RUN = ("mesh=pp4", "model.n_layers=8", "schedule.micro_batch_size=1", "schedule.
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "timeline_pp4.png")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "timeline_pp4.png")
     ap.add_argument("--block-seconds", type=float, default=0.04)
     args = ap.parse_args(argv)
     from p3d.launch.timeline import draw
