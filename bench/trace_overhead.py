@@ -9,7 +9,7 @@ Each variant is a real ``p3d-train`` (run directory in a temp dir) of ``--steps`
 - ``off``: this checkout, ``train.trace_steps`` empty (the default);
 - ``on``: this checkout, every ``--every``-th step traced: its untraced steps, and its traced ones.
 With ``--baseline``, first the wrappers' own cost on an untraced step: a torch stage's pass wrapped by this
-checkout's ``TorchStageTimer`` and by the baseline's, around a pass that does nothing (best of 5 x 200,000 calls each,
+checkout's ``TorchStageTimer`` and by the baseline's, around a pass that does nothing (best of 15 x 100,000 calls each,
 alternating). Variants alternate over ``--rounds`` (base, off, on, on, off, base, ...) so the machine's load hits
 each alike; each run's median step, the median of those per variant and its ratio to ``off`` are printed, per layout
 (``--layouts``: the default dp2_pp2_tp2 on DeepSpeed's engine, and pp2 with torch's interleaved_1f1b).
@@ -45,7 +45,7 @@ def run(overrides: list[str], run_dir: Path, pythonpath: str | None) -> list[dic
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def wrapper_cost(baseline: str, calls: int = 200_000) -> None:
+def wrapper_cost(baseline: str, calls: int = 100_000, repeats: int = 15) -> None:
     """ns per wrapped pass call, untraced: this checkout's step clocks against the baseline's (loaded by path)."""
     import importlib.util
     import time
@@ -70,7 +70,7 @@ def wrapper_cost(baseline: str, calls: int = 200_000) -> None:
 
     modules = {"base": timing_module(Path(baseline), "base_timing"), "this": timing_module(ROOT, "this_timing")}
     best = dict.fromkeys(modules, float("inf"))
-    for _ in range(5):
+    for _ in range(repeats):
         for name, module in modules.items():
             stage = Stage()
             timer = module.TorchStageTimer([stage])
