@@ -34,11 +34,23 @@ from p3d.train.trace_events import StepTrace
 MERGE_WAIT_S = 60.0  # how long the merge waits for every rank's part (they are written at the same point of the loop)
 
 
+MESH_GROUPS = (  # p3d.parallel.mesh's groups and the dimension of each (the experts' dp and dp x cp count as dp)
+    ("tp_group", "tp"),
+    ("cp_group", "cp"),
+    ("ep_group", "ep"),
+    ("pp_group", "pp"),
+    ("dp_group", "dp"),
+    ("edp_group", "dp"),
+    ("dp_cp_group", "dp"),
+    ("replica_group", "mp"),
+)
+
+
 class GroupDims:
-    """The dimension a collective runs over, from its group's ranks: this rank's tp, cp, ep, pp or dp group (the
-    experts' dp group and dp x cp count as dp), its replica's pp x tp ranks (mp: the norm's sum), a subset of its
-    pipeline (the tied embeddings' two holders) as pp, the whole world (or no group) as world, anything else as
-    other."""
+    """The dimension a collective runs over: that of the mesh's group it names (``MESH_GROUPS``), else (a group
+    DeepSpeed or torch made) from the group's ranks: this rank's tp, cp, ep, pp or dp group (the experts' dp group and
+    dp x cp count as dp), its replica's pp x tp ranks (mp: the norm's sum), a subset of its pipeline (the tied
+    embeddings' two holders) as pp, the whole world (or no group) as world, anything else as other."""
 
     def __init__(self, mesh):
         d, rank = mesh.dims, mesh.rank
@@ -57,7 +69,11 @@ class GroupDims:
                 if rank in ranks and len(ranks) > 1:
                     self.by_ranks.setdefault(frozenset(ranks), dim)
                     self.pipeline |= frozenset(ranks) if dim == "pp" else frozenset()
-        self.known: dict[int, str] = {}
+        self.known: dict[int, str] = {}  # id(group) -> its dimension: the mesh's own groups first, by what they are
+        for attr, dim in MESH_GROUPS:  # (two can hold the same ranks: dp2 with ep2's all-to-all and dp groups)
+            group = getattr(mesh, attr, None)
+            if group is not None:
+                self.known.setdefault(id(group), dim)
 
     def of(self, group) -> str:
         if group is None or group is dist.GroupMember.WORLD:

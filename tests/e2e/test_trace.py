@@ -49,7 +49,7 @@ def test_a_traced_step_follows_its_schedule_and_spans_the_step(tmp_path, case):
     waited = []
     for rank in range(plan.world_size):
         dp, pp, tp = dims.coords_of(rank)
-        assert names[rank] == f"rank {rank} (pp {pp}, dp {dp}, cp 0, tp {tp})"
+        assert names[rank] == f"rank {rank} (pp {pp}, dp {dp}, cp {dims.cp_of(rank)}, tp {tp})"
         passes = [e["name"] for e in events[rank] if e["cat"] in PASSES]
         planned = meta["ranks"][str(rank)]["planned"]
         assert passes == planned, (rank, passes, planned)  # measured order == the schedule's own

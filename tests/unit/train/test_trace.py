@@ -5,6 +5,8 @@ ranks. The trace of a real run: tests/e2e/test_trace.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -108,3 +110,15 @@ def test_a_collectives_dimension_comes_from_its_groups_ranks(monkeypatch):
     found = {name: dims.of(h) for name, h in handles.items()}
     assert found == {"tp": "tp", "pp": "pp", "dp": "dp", "mp": "mp", "tied": "pp", "world": "world", "other": "other"}
     assert dims.of(None) == "world"
+
+
+def test_the_mesh_groups_name_their_dimension_where_two_have_the_same_ranks(monkeypatch):
+    """dp2 with ep2: the experts' all-to-all group and the gradients' dp group hold the same two ranks; each
+    collective is drawn with the dimension of the mesh group it ran on, not the first dimension with those ranks."""
+    ep_group, dp_group, edp_group = object(), object(), object()
+    mesh = Mesh(tp=1, pp=1, dp=2, ep=2, rank=1)
+    mesh = dataclasses.replace(mesh, ep_group=ep_group, dp_group=dp_group, edp_group=edp_group)
+    ranks_of = {id(ep_group): [0, 1], id(dp_group): [0, 1], id(edp_group): [1]}
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: ranks_of[id(g)])
+    dims = GroupDims(mesh)
+    assert (dims.of(ep_group), dims.of(dp_group), dims.of(edp_group)) == ("ep", "dp", "dp")
