@@ -65,14 +65,16 @@ def _check_moe(rank, world, tp, sp):
     torch.testing.assert_close(x.grad, mine_grad, **TOL)
     assert sent == [remote], (sent, remote)  # only the rows for other ranks' experts leave this rank
 
-    f = full.experts["0"].w_gate_up.weight.shape[0] // 2
-    for j, expert in shard.experts.items():
-        twin = full.experts[j]
-        want = column_shard(twin.w_gate_up.weight.grad, [f, f], mesh.tp_rank, tp)
-        torch.testing.assert_close(expert.w_gate_up.weight.grad, want, **TOL)
-        want = twin.w_down.weight.grad.chunk(tp, dim=1)[mesh.tp_rank]
-        torch.testing.assert_close(expert.w_down.weight.grad, want, **TOL)
-    assert sorted(int(j) for j in shard.experts) == list(range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local))
+    f = cfg.moe.expert_ffn_size
+    twin_gate_up = full.experts.w_gate_up.weight.grad.view(n_experts, 2 * f, h)
+    twin_down = full.experts.w_down.weight.grad.view(n_experts, h, f)
+    gate_up = shard.experts.w_gate_up.weight.grad.view(local, -1, h)
+    down = shard.experts.w_down.weight.grad.view(local, h, -1)
+    assert shard.experts.first == mesh.ep_rank * local  # this rank's experts: the ep rank's share
+    for i in range(local):
+        j = shard.experts.first + i
+        torch.testing.assert_close(gate_up[i], column_shard(twin_gate_up[j], [f, f], mesh.tp_rank, tp), **TOL)
+        torch.testing.assert_close(down[i], twin_down[j].chunk(tp, dim=1)[mesh.tp_rank], **TOL)
     for name, twin_grad in (("router.weight", full.router.weight.grad), ("shared.w_down.weight", None)):
         got = dict(shard.named_parameters())[name].grad.clone()
         dist.all_reduce(got, group=mesh.dp_group)  # each replica's share

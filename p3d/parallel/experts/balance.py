@@ -16,13 +16,14 @@ AUX, CALLS, DROPPED, COUNTS = 0, 1, 2, 3  # the columns of a layer's figures (to
 
 
 def step_figures(blocks: list, n_layers: int, n_experts: int, device=None) -> torch.Tensor:
-    """(n_layers, 3 + E): every MoE layer's figures of the step, summed over the world (this rank's
-    ``blocks`` hold some of them); each block's are then reset."""
-    out = torch.zeros(n_layers, 3 + n_experts, dtype=torch.float64)
+    """(n_layers, 3 + E) on the host: every MoE layer's figures of the step, summed over the world (this rank's
+    ``blocks`` hold some of them); each block's are then reset. Gathered on ``device`` (where the blocks computed
+    them), all-reduced there, and copied to the host once: one reduction and one copy per step, none per block."""
+    device = torch.device(device if device is not None else "cpu")
+    out = torch.zeros(n_layers, 3 + n_experts, dtype=torch.float64, device=device)
     for block in blocks:
-        out[block.moe_index] += block.take_stats().to("cpu", torch.float64)
+        out[block.moe_index] += block.take_stats().to(device, torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out = out.to(device) if device is not None else out
         dist.all_reduce(out)
     return out.cpu()
 
