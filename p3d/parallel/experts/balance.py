@@ -19,13 +19,12 @@ def step_figures(blocks: list, n_layers: int, n_experts: int, device=None) -> to
     """(n_layers, 3 + E) on the host: every MoE layer's figures of the step, summed over the world (this rank's
     ``blocks`` hold some of them); each block's are then reset. Gathered on ``device`` (where the blocks computed
     them), all-reduced there, and copied to the host once: one reduction and one copy per step, none per block."""
-    device = torch.device(device if device is not None else "cpu")
-    out = torch.zeros(n_layers, 3 + n_experts, dtype=torch.float64, device=device)
+    out = torch.zeros(n_layers, 3 + n_experts, dtype=torch.float64, device=device)  # summed on the device
     for block in blocks:
-        out[block.moe_index] += block.take_stats().to(device, torch.float64)
+        out[block.moe_index] += block.take_stats().to(out.device, torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out)
-    return out.cpu()
+    return out.cpu()  # the step's one host copy of the figures
 
 
 def update_expert_bias(blocks: list, figures: torch.Tensor, rate: float) -> None:
