@@ -6,7 +6,9 @@ A rows all-to-all over the ep group is two autograd Functions sharing one ``InFl
                          backward: waits for the gradient's all-to-all that ``finish_all_to_all``'s backward issued;
   ``finish_all_to_all``  forward: waits for it, returns the filled buffer;
                          backward: issues the gradient's all-to-all (the splits swapped: each row's gradient returns
-                         to the rank that sent the row), returns its buffer unfilled.
+                         to the rank that sent the row) into a buffer that ``InFlight`` hands to ``start``'s
+                         backward; autograd gets a zero of the arrived rows' shape (an expanded scalar, no memory),
+                         since the sent rows (sum(send)) and the arrived ones (sum(recv)) differ in number.
 Work placed between the two in forward runs while the rows travel. The autograd engine runs the ready node of the
 latest forward first, so the backward of that work also runs between the two backward halves: while the gradient
 travels. On NCCL ``wait`` orders the compute stream after the collective without blocking the host; on gloo the
@@ -25,12 +27,13 @@ class InFlight:
     """One rows all-to-all's works in flight: the forward's and its gradient's, and the tensors they read (kept
     alive until they are done)."""
 
-    __slots__ = ("forward", "backward", "keep")
+    __slots__ = ("forward", "backward", "keep", "grad")
 
     def __init__(self) -> None:
         self.forward: Any = None  # a c10d Work
         self.backward: Any = None
         self.keep: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None  # the sent rows' gradient, filled by the backward all-to-all
 
 
 def _issue(x: torch.Tensor, send: list[int], recv: list[int], group, flight: InFlight) -> tuple[torch.Tensor, Any]:
@@ -53,15 +56,16 @@ class _Start(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.flight.backward.wait()
-        ctx.flight.keep = None
+    def backward(ctx, _zero):
+        flight = ctx.flight
+        flight.backward.wait()
+        grad, flight.keep, flight.grad = flight.grad, None, None
         return grad, None, None, None, None
 
 
 class _Finish(torch.autograd.Function):
     """forward: the all-to-all issued by ``_Start`` waited for, its buffer returned; backward: the gradient's
-    all-to-all issued (``send`` and ``recv`` swapped), its buffer returned unfilled."""
+    all-to-all issued (``send`` and ``recv`` swapped) into a buffer that ``_Start.backward`` returns once filled."""
 
     @staticmethod
     def forward(ctx, out, send: list[int], recv: list[int], group, flight: InFlight):
@@ -72,8 +76,9 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        buf, ctx.flight.backward = _issue(grad, ctx.recv, ctx.send, ctx.group, ctx.flight)
-        return buf, None, None, None, None
+        ctx.flight.grad, ctx.flight.backward = _issue(grad, ctx.recv, ctx.send, ctx.group, ctx.flight)
+        zero = grad.new_zeros((1,) * grad.dim()).expand(grad.shape)  # (sum(recv), h): the buffer's gradient
+        return zero, None, None, None, None
 
 
 def start_all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> tuple[torch.Tensor, InFlight]:
