@@ -90,3 +90,28 @@ def _check_moe(rank, world, tp, sp):
 )
 def test_moe_feed_forward_matches_unsharded(tp, ep, sp):
     run_distributed(_check_moe, tp * ep, tp, sp)
+
+
+def _count_ep2(rank, world):
+    from p3d.model.moe import MoEFeedForward
+    from p3d.parallel.mesh import Mesh
+    from tests.helpers.kernels import KernelCounter
+    from tests.helpers.runs import compose_config
+
+    cfg = compose_config("model=moe_tiny").model
+    mesh = Mesh(tp=1, pp=1, dp=world, ep=world, rank=rank).with_groups()
+    moe = MoEFeedForward(cfg, mesh, LAYER, SEED).train()
+    # the ranks feed different numbers of tokens: a rank receives as many rows as it sends only by chance
+    x = _tokens(rank, 2, 8 + 4 * rank, cfg.hidden_size).requires_grad_()
+    with KernelCounter() as counter:
+        (moe(x) * _tokens(50 + rank, *x.shape)).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert counter.host_copies == 1, counter.host_copies  # the split sizes, once for forward and backward
+    assert counter.syncs == 0, counter.sync_ops
+
+
+@pytest.mark.timeout(120)
+def test_one_host_copy_and_no_sync_per_moe_layer_at_ep2():
+    """forward and backward of one MoE layer at ep = 2 (tests/helpers/kernels.py counts): exactly one copy to the
+    host (the split sizes of the all-to-alls), nothing else that waits for the device."""
+    run_distributed(_count_ep2, 2)
