@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
+import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +76,32 @@ def test_a_dense_run_refuses_an_moe_checkpoint_in_one_line(tmp_path):
     assert proc.returncode == 2, _out(proc)
     line = (proc.stdout + proc.stderr).strip().splitlines()[-1]
     assert "model.moe" in line and "resume with" in line, line
+
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "moe_checkpoint_per_expert.tar.gz"
+
+
+# slow tier: the reading itself is tests/unit/checkpoint/test_per_expert.py's (in-process, make test)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_per_expert_tensors_loads_and_continues_the_curve(tmp_path):
+    """A run directory written before the routed experts were stacked (p3d.checkpoint.per_expert): 3 steps of
+    moe_tiny on dp2 with ep2, each expert a tensor of its own (``<i>.mlp.experts.<j>.w_gate_up.weight``), experts 0-1
+    in dp rank 0's file and 2-3 in dp rank 1's. Resumed on one process (stacked experts, all four), it continues the
+    single-process curve within 1e-5, steps 1-3 as written then and 4-6 trained now."""
+    with tarfile.open(FIXTURE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    _, index = read_tensors(checkpoint.step_dir(tmp_path, 3) / "model" / "pp0_tp0_dp1.safetensors")
+    assert "2.mlp.experts.3.w_down.weight" in index, "the fixture must hold per-expert tensors"
+    overrides = ("model=moe_tiny", "train.warmup_steps=2", "train.decay=constant")
+    proc = p3d_train(f"run.dir={tmp_path}", "train.steps=6", "train.resume=auto", *overrides, "mesh=single")
+    assert proc.returncode == 0, _out(proc)
+    cfg, _ = typed("mesh=single", "train.steps=6", *overrides)
+    got, ref = read_metrics(tmp_path), reference_run(cfg)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for r, g in zip(ref, got):
+        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {r['step']} loss"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
 
 
 BF16_STEPS = 20
