@@ -3,16 +3,18 @@ bf16, and the routing metrics.
 
 The resume chain of the issue: 3 steps of model=moe_tiny on dp2_pp2 with ep2 (torch's Schedule1F1B), 3 more
 resumed with ep1 on DeepSpeed's 1f1b engine (tp2_pp2: the experts re-cut over tp), 3 more on dp4 with ep4 and
-ZeRO-1. Each expert is saved under its global name by the dp ranks that hold it, so each segment loads every
-expert whole whatever ep saved it. Aux-loss-free balancing is on: its selection biases (a buffer, not a
-parameter) travel in the checkpoint too. The 9 steps continue the single-process curve within 1e-5
-(``train.decay=constant`` after a 2-step warmup, so the segments' ``train.steps`` leave the LR alone).
+ZeRO-1. Each layer's routed experts are one stacked tensor in the checkpoint, each ep rank's share written at its
+offset by the dp ranks that hold it, so each segment reads every expert whatever ep saved it. Aux-loss-free
+balancing is on: its selection biases (a buffer, not a parameter) travel in the checkpoint too. The 9 steps continue
+the single-process curve within 1e-5 (``train.decay=constant`` after a 2-step warmup, so the segments'
+``train.steps`` leave the LR alone).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import tarfile
 from pathlib import Path
 
@@ -50,13 +52,13 @@ def test_ep2_checkpoint_resumes_with_ep1_on_deepspeed_and_ep4_with_zero1(tmp_pat
         resume = ("train.resume=auto",) if i else ()
         proc = p3d_train(f"run.dir={tmp_path}", f"train.steps={3 * (i + 1)}", *resume, *COMMON, *layout, timeout=400)
         assert proc.returncode == 0, _out(proc)
-        if i == 0:  # ep2: dp rank d wrote the experts it holds (2d, 2d + 1 of block 2), each whole
+        if i == 0:  # ep2: dp rank d wrote the experts it holds (2d, 2d + 1 of block 2) at their place in the stack
             ckpt = checkpoint.step_dir(tmp_path, 3)
             for d in (0, 1):
                 _, index = read_tensors(ckpt / "model" / f"pp1_tp0_dp{d}.safetensors")
-                experts = {n.split(".")[3] for n in index if ".mlp.experts." in n}
-                assert experts == {str(2 * d), str(2 * d + 1)}, (d, sorted(index))
-                assert all(e["start"] == 0 for n, e in index.items() if ".mlp.experts." in n)
+                experts = {n: e for n, e in index.items() if ".mlp.experts." in n}
+                assert {n.split(".")[3] for n in experts} == {"w_gate_up", "w_down"}, (d, sorted(index))
+                assert all(e["start"] == d * math.prod(e["shape"]) // 2 for e in experts.values()), experts
             meta = json.loads((ckpt / "meta.json").read_text())
             assert meta["model"]["moe"]["n_experts"] == 4
     got, ref = read_metrics(tmp_path), reference(9)
