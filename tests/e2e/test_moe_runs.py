@@ -81,6 +81,18 @@ def test_a_dense_run_refuses_an_moe_checkpoint_in_one_line(tmp_path):
 
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "moe_checkpoint_per_expert.tar.gz"
+FIXTURE_MODEL = (  # the model the fixture trained (its run_spec.yaml): moe_tiny made smaller, the byte tokenizer
+    "model=moe_tiny",
+    "model.n_layers=3",
+    "model.hidden_size=8",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.ffn_hidden_size=16",
+    "model.vocab_size=257",
+    "model.tie_embeddings=true",
+    "model.moe.expert_ffn_size=8",
+    "data.tokenizer=byte",
+)
 
 
 # slow tier: the reading itself is tests/unit/checkpoint/test_per_expert.py's (in-process, make test)
@@ -95,7 +107,7 @@ def test_a_checkpoint_of_per_expert_tensors_loads_and_continues_the_curve(tmp_pa
         tar.extractall(tmp_path, filter="data")
     _, index = read_tensors(checkpoint.step_dir(tmp_path, 3) / "model" / "pp0_tp0_dp1.safetensors")
     assert "2.mlp.experts.3.w_down.weight" in index, "the fixture must hold per-expert tensors"
-    overrides = ("model=moe_tiny", "train.warmup_steps=2", "train.decay=constant")
+    overrides = (*FIXTURE_MODEL, "train.dtype=fp32", "train.warmup_steps=2", "train.decay=constant")
     proc = p3d_train(f"run.dir={tmp_path}", "train.steps=6", "train.resume=auto", *overrides, "mesh=single")
     assert proc.returncode == 0, _out(proc)
     cfg, _ = typed("mesh=single", "train.steps=6", *overrides)
