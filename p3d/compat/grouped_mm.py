@@ -5,7 +5,8 @@ The MoE experts' GEMMs (p3d.parallel.experts.grouped) call it as ``grouped_mm(ro
 [ends[g-1], ends[g])) -> (R, N); rows from ends[-1] on belong to no group and are left unwritten (their gradient
 too). Differentiable in rows and weights.
 
-What torch 2.13 does with it (measured here; aten/src/ATen/native/cuda/GroupedBlas.cpp and GroupedMMUtils.h):
+What torch 2.13 does with it (CPU: measured here; CUDA: read in aten/src/ATen/native/cuda/GroupedBlas.cpp and
+GroupedMMUtils.h, not yet run on a GPU):
 - CUDA, bf16 operands on compute capability 9.0 or 10.0 (H100, H200, B200): one CUTLASS kernel that reads the
   group ends on the device: no host sync, one launch whatever G is. This is the path MoE training takes.
 - CUDA otherwise (fp32, fp16, or bf16 before sm90): ``_grouped_mm_fallback`` copies the group ends to the host
