@@ -166,6 +166,7 @@ def test_runs_as_worker_under_torchrun(tmp_path):
     assert (tmp_path / "run_spec.yaml").is_file()
 
 
+@pytest.mark.slow  # 33 s: every other test runs forked workers, this one fresh ones beside them
 def test_forked_and_fresh_workers_train_the_same_run(tmp_path):
     """On CPU the launcher imports torch once and forks its workers (p3d.jobs.forked); P3D_WORKER_START=exec
     starts each as a fresh interpreter, as GPU runs do. Both give the same losses and norms to the last bit,

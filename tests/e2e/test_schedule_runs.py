@@ -86,6 +86,9 @@ RESUMES = {
 # slow tier (20 + 17 + 9 s): kept: the chain (1f1b -> interleaved -> zbv), ZeRO-1 from DeepSpeed into torch's,
 # 1f1b -> zbv tied
 SLOW_RESUMES = ("1f1b-to-interleaved_1f1b", "interleaved_1f1b-to-1f1b", "interleaved_1f1b-zero1-to-1f1b-pp2")
+# and (40 s): 1f1b-to-zbv-tied (DeepSpeed to the torch executor, kept in 1f1b-zero1-to-interleaved_1f1b-zero1 and
+# in the resume chain below, which ends on zbv)
+SLOW_RESUMES += ("1f1b-to-zbv-tied",)
 
 
 @pytest.mark.timeout(500)

@@ -217,6 +217,7 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/sp_recompute.py --rounds 6",
             ".venv/bin/python bench/zero.py --passes 1",
             ".venv/bin/python bench/moe.py --deepspeed",
+            ".venv/bin/python bench/moe.py --layer --passes 3 --steps 5",
             ".venv/bin/python bench/cp.py",
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
