@@ -39,6 +39,7 @@ SERIAL = (
     "tests/workers/test_calibrate.py",  # the probes time the machine
     "tests/workers/test_dp_collectives.py",  # the dp clocks' own and exposed seconds
     "tests/e2e/test_observe.py",  # a slowed rank named by its seconds
+    "tests/e2e/test_trace.py",  # a traced step's span and waits against step_time_s and the bubble, within 5%
     "tests/e2e/test_run_lock.py",  # Ctrl-C at chosen delays
     "tests/e2e/test_elastic_local.py",  # a node lost mid-step, the survivors' timeouts
     "tests/e2e/test_checkpoint_async.py",  # a kill during a background write
