@@ -41,6 +41,22 @@ CASES = {
     "cp2-tp2-selective": ["mesh=tp2", "mesh.cp=2", "schedule.recompute=selective", "schedule.recompute_swiglu=true"],
     "cp2-pp2-full-recompute": ["mesh=pp2", "mesh.cp=2", "schedule=recompute"],
     "cp2-pp2-tied": ["mesh=pp2", "mesh.cp=2", "model.tie_embeddings=true"],
+    # the ring attention (context.attention=ring): alone, with TP + SP and selective recompute, at cp4
+    "cp2-ring": ["mesh=single", "mesh.cp=2", "context.attention=ring"],
+    "cp2-tp2-sp-selective-ring": [
+        "mesh=tp2",
+        "mesh.cp=2",
+        "schedule.sequence_parallel=true",
+        "schedule.recompute=selective",
+        "context.attention=ring",
+    ],
+    "cp4-seq512-ring": [
+        "mesh=single",
+        "mesh.cp=4",
+        "model.seq_len=512",
+        "schedule.global_batch_size=8",
+        "context.attention=ring",
+    ],
 }
 SAME_IN_REFERENCE = ("model.", "schedule.global_batch_size")  # what the single process trains with too
 # every case is in the slow tier: make test checks dp2 x cp2 (ZeRO-1) and tp2 x pp2 x cp2 with SP under
