@@ -14,8 +14,8 @@ saves at cp = 1 for sl tokens. The gathered keys and values are the forward's wo
 
 All-gather backward: k and v are gathered again; each block's kernel backward runs with the merged output and
 log-sum-exp (the flash identity, p3d.compat.sdpa_kernels); dq sums over a chunk's blocks, and dK, dV, (b, nkv, s, hd)
-fp32 partial sums on every rank, are reduce-scattered back to the ranks that hold each chunk. Which of the two
-variants wins where: docs/context.md.
+fp32 partial sums on every rank, accumulated in rank order, are reduce-scattered back to the ranks that hold each
+chunk. Which of the two variants wins where: docs/context.md.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from p3d.parallel.context.blocks import KVBlock, attend, block_backward
-from p3d.parallel.context.chunks import chunk_ids, to_global_order, to_rank_order
+from p3d.parallel.context.chunks import chunk_holder, chunk_ids, to_global_order
 from p3d.parallel.context.ring import ring_attention
 
 VARIANTS = ("allgather", "ring")
@@ -39,11 +39,20 @@ def gather_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return to_global_order(parts, dim=2)
 
 
-def reduce_scatter_sequence(full: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """(b, heads, s, hd) partial sums on every cp rank -> this rank's (b, heads, sl, hd) of their sum."""
-    parts = to_rank_order(full, cp, dim=2)
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+def add_by_rank(dest: torch.Tensor, grad: torch.Tensor, first_chunk: int, c: int) -> None:
+    """Adds ``grad`` (b, heads, n c, hd), the gradient of global chunks first_chunk.. first_chunk + n - 1, into
+    ``dest`` (cp, b, heads, 2 c, hd): each rank's tokens at its index, in its local order (head, tail)."""
+    cp = dest.shape[0]
+    for i in range(grad.shape[2] // c):
+        rank, half = chunk_holder(first_chunk + i, cp)
+        dest[rank][:, :, half * c : (half + 1) * c] += grad[:, :, i * c : (i + 1) * c]
+
+
+def reduce_scatter_ranks(by_rank: torch.Tensor, group) -> torch.Tensor:
+    """(cp, b, heads, sl, hd) partial sums on every cp rank, rank r's tokens at index r -> this rank's (b, heads,
+    sl, hd) of their sum."""
+    out = torch.empty_like(by_rank[0])
+    dist.reduce_scatter_single(out, by_rank.flatten(0, 1), group=group)  # (cp b, ...): rank r's at rows r b..
     return out
 
 
@@ -86,28 +95,43 @@ class _AllGatherKVAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, cp = ctx.group, ctx.cp
         with torch.autocast(q.device.type, enabled=False):
-            k_all, v_all = gather_sequence(k, group, cp), gather_sequence(v, group, cp)
-            c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-            dq = torch.empty_like(q)
-            dk_all = torch.zeros(k_all.shape, dtype=torch.float32, device=k.device)  # (b, nkv, s, hd)
-            dv_all = torch.zeros_like(dk_all)
-            for half, chunk in enumerate(chunk_ids(cp, ctx.cp_rank)):
-                rows = slice(half * c, (half + 1) * c)
-                do_c, q_c, out_c, lse_c = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows]
-                dq_c = None
-                for block, keys in zip(chunk_blocks(k_all, v_all, chunk, c), (slice(chunk * c, (chunk + 1) * c),
-                                                                              slice(0, chunk * c))):  # fmt: skip
-                    dq_b, dk_b, dv_b = block_backward(do_c, q_c, out_c, lse_c, block, scale, ctx.rng)
-                    dq_c = dq_b.float() if dq_c is None else dq_c.add_(dq_b)
-                    dk_all[:, :, keys] += dk_b
-                    dv_all[:, :, keys] += dv_b
-                dq[:, :, rows] = dq_c
-            del k_all, v_all
-            dk = reduce_scatter_sequence(dk_all, group, cp)
-            dv = reduce_scatter_sequence(dv_all, group, cp)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            dq, dk_by_rank, dv_by_rank = _gathered_backward(grad_out, q, k, v, out, lse, ctx)
+            dk = reduce_scatter_ranks(dk_by_rank, ctx.group).to(k.dtype)
+            del dk_by_rank  # one partial sum of the whole sequence at a time
+            dv = reduce_scatter_ranks(dv_by_rank, ctx.group).to(v.dtype)
+        return dq, dk, dv, None, None, None
+
+
+def _gathered_backward(grad_out, q, k, v, out, lse, ctx):
+    """dq (b, nh, sl, hd), and dK, dV of the whole sequence from this rank's queries, (cp, b, nkv, sl, hd) fp32 in
+    rank order (what the reduce-scatter takes, no copy). The gathered keys and values are freed on return."""
+    cp = ctx.cp
+    k_all, v_all = gather_sequence(k, ctx.group, cp), gather_sequence(v, ctx.group, cp)
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    dq = torch.empty_like(q)
+    dk_by_rank = torch.zeros((cp, *k.shape), dtype=torch.float32, device=k.device)
+    dv_by_rank = torch.zeros_like(dk_by_rank)
+    for half, chunk in enumerate(chunk_ids(cp, ctx.cp_rank)):
+        rows = slice(half * c, (half + 1) * c)
+        blocks = chunk_blocks(k_all, v_all, chunk, c)
+        dq[:, :, rows] = _chunk_grads(grad_out[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                      blocks, (chunk, 0), dk_by_rank, dv_by_rank, scale, ctx.rng)  # fmt: skip
+    return dq, dk_by_rank, dv_by_rank
+
+
+def _chunk_grads(do_c, q_c, out_c, lse_c, blocks, first_chunks, dk_by_rank, dv_by_rank, scale: float, rng):
+    """One query chunk's backward over its blocks: adds each block's dK, dV into the rank-ordered sums and returns
+    the chunk's dq (fp32). A function, so that each kernel's outputs are freed before the next chunk."""
+    c = q_c.shape[2]
+    dq_c = None
+    for block, first_chunk in zip(blocks, first_chunks):
+        dq_b, dk_b, dv_b = block_backward(do_c, q_c, out_c, lse_c, block, scale, rng)
+        dq_c = dq_b.float() if dq_c is None else dq_c.add_(dq_b)
+        add_by_rank(dk_by_rank, dk_b, first_chunk, c)
+        add_by_rank(dv_by_rank, dv_b, first_chunk, c)
+        del dq_b, dk_b, dv_b
+    return dq_c
 
 
 def context_parallel_attention(

@@ -66,6 +66,30 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _attend_step(merged: Merged, q, kv, blocks: list[tuple[slice, slice, bool]], scale: float) -> tuple:
+    """Adds the blocks of one step (``pairs``) of the keys and values ``kv`` (2, b, nkv, sl, hd) to the merge;
+    returns the kernel's rng. A function, so that its blocks' outputs are freed before the next step."""
+    rng: tuple = ()
+    for rows, keys, causal in blocks:
+        out, lse, rng = block_forward(q[:, :, rows], KVBlock(kv[0][:, :, keys], kv[1][:, :, keys], causal), scale)
+        merged.add(out, lse, rows)
+    return rng
+
+
+def _step_grads(dq, grad_out, q, out, lse, kv, blocks: list[tuple[slice, slice, bool]], scale: float, rng):
+    """One step's backward: adds the blocks' dq into ``dq`` (fp32) and returns this rank's share of the held
+    block's dK, dV, (2, b, nkv, sl, hd) fp32. A function, so that the kernels' outputs are freed on return."""
+    mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for rows, keys, causal in blocks:
+        block = KVBlock(kv[0][:, :, keys], kv[1][:, :, keys], causal)
+        dq_b, dk_b, dv_b = block_backward(grad_out[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                          block, scale, rng)  # fmt: skip
+        dq[:, :, rows] += dq_b
+        mine[0][:, :, keys] += dk_b
+        mine[1][:, :, keys] += dv_b
+    return mine
+
+
 class _RingAttention(torch.autograd.Function):
     """forward: (q, k, v) of this rank's tokens -> the attention output (b, nh, sl, hd); backward: module doc."""
 
@@ -80,15 +104,14 @@ class _RingAttention(torch.autograd.Function):
             for step in range(cp):
                 incoming = torch.empty_like(kv) if step < cp - 1 else None
                 works = ring.exchange([kv], [incoming]) if incoming is not None else []
-                for rows, keys, causal in pairs(ring.source(step), cp_rank, c):
-                    out, lse, rng = block_forward(q[:, :, rows], KVBlock(kv[0][:, :, keys], kv[1][:, :, keys], causal),
-                                                  scale)  # fmt: skip
-                    merged.add(out, lse, rows)
-                    if step == 0:
-                        ctx.rng = rng
+                rng = _attend_step(merged, q, kv, pairs(ring.source(step), cp_rank, c), scale)
+                if step == 0:
+                    ctx.rng = rng
                 _wait(works)
+                del works
                 if incoming is not None:
                     kv = incoming
+            del kv
             b, nh, sl, hd = q.shape
             out = q.new_empty(b, sl, nh, hd).transpose(1, 2)  # stored (b, sl, nh, hd): attention.empty_output
             out.copy_(merged.out)
@@ -107,23 +130,19 @@ class _RingAttention(torch.autograd.Function):
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             passed = None  # the partial dK, dV sum of the block held last step, sent on with this step's messages
             for step in range(cp):
-                sends, recvs = ([passed], [torch.empty_like(passed)]) if passed is not None else ([], [])
-                incoming = torch.empty_like(kv) if step < cp - 1 else None
-                if incoming is not None:
-                    sends, recvs = [*sends, kv], [*recvs, incoming]
-                works = ring.exchange(sends, recvs)
-                mine = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this rank's share of the block
-                for rows, keys, causal in pairs(ring.source(step), ring.cp_rank, c):
-                    block = KVBlock(kv[0][:, :, keys], kv[1][:, :, keys], causal)
-                    dq_b, dk_b, dv_b = block_backward(grad_out[:, :, rows], q[:, :, rows], out[:, :, rows],
-                                                      lse[:, :, rows], block, scale, ctx.rng)  # fmt: skip
-                    dq[:, :, rows] += dq_b
-                    mine[0][:, :, keys] += dk_b
-                    mine[1][:, :, keys] += dv_b
+                arriving = None if passed is None else torch.empty_like(passed)  # the previous rank's partial sum
+                incoming = torch.empty_like(kv) if step < cp - 1 else None  # the next step's keys and values
+                sends = [t for t in (passed, None if incoming is None else kv) if t is not None]
+                works = ring.exchange(sends, [t for t in (arriving, incoming) if t is not None])
+                mine = _step_grads(dq, grad_out, q, out, lse, kv, pairs(ring.source(step), ring.cp_rank, c), scale,
+                                   ctx.rng)  # fmt: skip
                 _wait(works)
-                passed = mine.add_(recvs[0]) if step > 0 else mine
+                del works, sends
+                passed = mine if arriving is None else mine.add_(arriving)
+                del mine, arriving
                 if incoming is not None:
                     kv = incoming
+            del kv
             own = torch.empty_like(passed)
             _wait(ring.exchange([passed], [own]))  # the last partial sum goes to its owner, and ours arrives
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
