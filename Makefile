@@ -28,15 +28,29 @@ train: $(STAMP)
 	$(BIN)/p3d-train $(ARGS)
 
 # The suite less its slow tier (variants of paths it runs, marked slow where defined); test-all: all of it.
+# The in-process tier (tests/unit/) runs on both cores (pytest-xdist); the tiers that start worker processes
+# use every core themselves and run one test at a time. PYTEST_ARGS given: one run of exactly those.
+UNIT_TIER := $(BIN)/python -m pytest -q -n 2 tests/unit
+REST := tests/workers tests/e2e tests/cluster
 test: $(STAMP)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(UNIT_TIER) -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(REST)
+else
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+endif
 
 test-all: $(STAMP)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(UNIT_TIER)
+	$(BIN)/python -m pytest -q $(REST)
+else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+endif
 
 # tests/unit/: in-process; a test there that starts a process fails (tests/conftest.py).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
+	$(UNIT_TIER) -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -56,7 +70,7 @@ gpu-check:
 	bash bench/gpu_check.sh $(ARGS)
 
 dry-run: $(STAMP)
-	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b dry_run=true
+	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large dry_run=true
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -14,11 +14,17 @@ Steps (each in its own time limit; one that fails is reported and the next one r
      host's cores; every step's loss within ``BF16_RTOL``.
   c. With two or more GPUs: the parity meshes on NCCL in fp32 against the same reference (tolerance
      ``NCCL_RTOL``); with one GPU it says so and skips.
-  d. Writes the figures to docs/gpu.md (and to --out, so they come back from a device lease).
+  e. The torch executor on one rank (``mesh=single zero=stage3``: torch's Schedule1F1B, the step loss and
+     the step's clocks on the device), bf16, ``model=small`` for 20 steps against the fp32 CPU reference.
+  f, g. FSDP2 (a whole chunk, ZeRO-3, one-rank NCCL mesh) and an MoE layer in bf16 on the GPU against their fp32
+     twins on the CPU (bench/gpu_layers.py).
+  Then it writes the figures to docs/gpu.md (and to --out, so they come back from a device lease).
 
-Without a CUDA device (or with --dry) it prints that it found none and which steps it would run, and
-checks each step's config the way p3d-train would (``dry_run=true``) and p3d-plan's prediction, so a
-config error shows up here and not in the lease. Exit status: 0 every step that ran passed, 1 not.
+Without a CUDA device (or with --dry) it prints that it found none and which steps it would run, checks each
+training step's config the way p3d-train would (``dry_run=true``) and p3d-plan's prediction, so a config error
+shows up here and not in the lease, and runs the layer steps (f, g) with the CPU as the device. A machine with an
+NVIDIA GPU whose chosen Python has no CUDA fails at once with the reason (a dry pass there would hide it).
+Exit status: 0 every step that ran passed, 1 not.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +52,7 @@ PRESETS = (("H200", "h200"), ("H100", "h100_sxm"), ("B200", "b200"), ("A100", "a
 THROUGHPUT = ["model=llama3_1b", "mesh=single", "schedule.micro_batch_size=4", "schedule.global_batch_size=32"]
 BF16_SMALL = ["model=small", "model.seq_len=256", "mesh=single", "schedule.micro_batch_size=4"]
 BF16_SMALL += ["schedule.global_batch_size=16", "train.dtype=bf16"]
+TORCH_EXECUTOR = [*BF16_SMALL, "zero=stage3"]  # one rank: torch's Schedule1F1B (DeepSpeed refuses ZeRO-3)
 PARITY_MESHES = {"dp2": 2, "tp2": 2, "pp2": 2, "tp2_pp2": 4, "dp2_pp2_tp2": 8}
 
 
@@ -89,6 +97,20 @@ def train(overrides: list[str], run_dir: Path, timeout: float, dry: bool) -> lis
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def gpus_on_machine() -> list[str]:
+    """The NVIDIA GPUs this machine has, whatever the chosen Python's torch can see (``nvidia-smi -L``'s lines, or
+    the driver's /proc entries)."""
+    if shutil.which("nvidia-smi"):
+        try:
+            proc = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc = None
+        if proc is not None and proc.returncode == 0:
+            return [line for line in proc.stdout.splitlines() if line.startswith("GPU ")]
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return sorted(p.name for p in gpus.iterdir()) if gpus.is_dir() else []
+
+
 def device_preset() -> tuple[str, str, int]:
     import torch
 
@@ -123,9 +145,11 @@ def step_throughput(step: Step, gpu: list[str], out: Path, dry: bool, timeout: f
     )
 
 
-def step_bf16(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float) -> None:
-    run_dir = out / "b_bf16"
-    records = train([*BF16_SMALL, *gpu, "train.steps=20"], run_dir, timeout, dry)
+def step_bf16(
+    step: Step, gpu: list[str], out: Path, dry: bool, timeout: float, overrides=tuple(BF16_SMALL), name="b_bf16"
+) -> None:
+    run_dir = out / name
+    records = train([*overrides, *gpu, "train.steps=20"], run_dir, timeout, dry)
     if dry:
         return
     import torch
@@ -192,6 +216,29 @@ def step_sdpa(step: Step, dry: bool) -> None:
     step.figures["kernels"] = "; ".join(kernels)[:300]
     if not any("flash" in name.lower() for name in kernels):
         raise RuntimeError(f"SDPA did not run a flash kernel for these shapes: {kernels}")
+    # fp32 (train.dtype=fp32): GQA's kv heads expanded for the memory-efficient kernel, not the math one
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    cos32, sin32 = rope_cos_sin(s, hd, 5e5, "cuda", torch.float32)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        _attention_core(q32, k32, v32, cos32, sin32, True).sum().backward()
+        torch.cuda.synchronize()
+    ops = {e.key for e in prof.key_averages()}
+    step.figures["fp32_kernel"] = "efficient" if any("efficient_attention" in op for op in ops) else "other"
+    if "aten::_scaled_dot_product_efficient_attention" not in ops:
+        raise RuntimeError(f"fp32 GQA did not run SDPA's memory-efficient kernel: {sorted(ops)[:20]}")
+
+
+def step_layer(step: Step, name: str, dry: bool) -> None:
+    """A layer-level step of bench/gpu_layers.py, on the GPU (or the CPU in dry mode)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_layers
+
+    torch.manual_seed(0)
+    step.figures.update(gpu_layers.check(name, torch.device("cpu" if dry else "cuda")))
+    if dry:
+        step.status = "dry: ran on the cpu"
 
 
 def versions() -> dict[str, str]:
@@ -254,6 +301,13 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     vers = versions()
     device, preset, n_gpus = device_preset()
     dry = args.dry or not n_gpus
+    if not n_gpus and not args.dry and (found := gpus_on_machine()):
+        print(
+            f"gpu-check: this machine has {len(found)} NVIDIA GPU(s) ({found[0]}) but {sys.executable}'s torch "
+            f"{vers['torch']} has no CUDA; run it with a CUDA build of torch (P3D_GPU_PYTHON=python3 make "
+            "gpu-check), or ARGS=--dry for the dry mode"
+        )
+        return 1
     out = out_folder(args.out, dry, stack)
     out.mkdir(parents=True, exist_ok=True)
     if not n_gpus:
@@ -270,15 +324,21 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         Step("a", "mesh=single bf16 llama3_1b (2k context), 30 steps: tokens/s, MFU, HFU, peak memory vs p3d-plan"),
         Step("b", f"model=small bf16 on the GPU vs fp32 reference on the CPU, 20 steps, loss rtol {BF16_RTOL}"),
         Step("c", f"parity meshes {', '.join(PARITY_MESHES)} on NCCL (those the GPUs hold), fp32, rtol {NCCL_RTOL}"),
+        Step("e", f"the torch executor on one rank (zero=stage3), model=small bf16 vs fp32 CPU, rtol {BF16_RTOL}"),
+        Step("f", "FSDP2: a model=tiny chunk under ZeRO-3 on a one-rank mesh, bf16 vs its fp32 CPU twin"),
+        Step("g", "an MoE layer (moe_tiny) in bf16 vs its fp32 CPU twin: output and gradients"),
     ]
     runs = [
         lambda s, t: step_sdpa(s, dry),
         lambda s, t: step_throughput(s, gpu, out, dry, t),
         lambda s, t: step_bf16(s, gpu, out, dry, t),
         lambda s, t: step_nccl(s, gpu, out, dry, t, n_gpus),
+        lambda s, t: step_bf16(s, gpu, out, dry, t, TORCH_EXECUTOR, "e_torch_executor"),
+        lambda s, t: step_layer(s, "fsdp2", dry),
+        lambda s, t: step_layer(s, "moe", dry),
     ]
     deadline = time.monotonic() + args.budget_s
-    shares = (0.05, 0.45, 0.30, 0.20)
+    shares = (0.04, 0.36, 0.2, 0.15, 0.15, 0.05, 0.05)
     for step, run, share in zip(steps, runs, shares, strict=True):
         print(f"gpu-check step {step.name}: {step.what}", flush=True)
         # a dry step only composes configs, slowly on a loaded CPU machine: no budget to keep there

@@ -11,6 +11,9 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every worker the suite starts runs its steps under the device check (p3d.parallel.device_check): a host tensor
+# handed to a collective fails here as it would on NCCL.
+os.environ.setdefault("P3D_TEST_DEVICE_CHECK", "1")
 
 
 @pytest.fixture

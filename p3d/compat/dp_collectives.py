@@ -2,8 +2,9 @@
 
 Two touchpoints, each checked by ``TOUCHPOINTS`` (tests/unit/compat/test_dp_collectives.py):
 - ``timed_dp_collectives``: while inside, the ``torch.distributed`` collectives that FSDP2, torch's
-  ``ZeroRedundancyOptimizer`` and p3d's own dp reduction call (looked up on the module at call time) report the
-  seconds their caller was blocked in them, when their group is one of the dp groups given. A synchronous call
+  ``ZeroRedundancyOptimizer`` and p3d's own dp reduction call (looked up on the module at call time) are timed
+  (a context from the caller, on the device's clock: p3d.train.timing), when their group is one of the dp groups
+  given. A synchronous call
   blocks for the whole collective; an asynchronous one (``async_op=True``) for its launch and then for its
   ``wait()``, which is timed on the returned work. Nested calls (one collective implemented by another) count once.
 - ``timed_deepspeed_allgathers``: DeepSpeed's ZeRO-1 and bf16 optimizers gather the updated parameter pieces over
@@ -20,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from functools import partial
 
 import torch.distributed as dist
@@ -43,25 +44,23 @@ COLLECTIVES = (
 )
 DEEPSPEED_GATHER_MODULES = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.bf16_optimizer")
 DEEPSPEED_GATHER = "all_gather_dp_groups"
+Timing = Callable[[], AbstractContextManager]  # a fresh context per interval: it times what it holds
 
 
 class _TimedWork(dist.Work):
-    """An asynchronous collective's work whose ``wait()`` reports the seconds it blocked.
+    """An asynchronous collective's work whose ``wait()`` is timed (``timing``: a context that times what it holds).
 
     A ``dist.Work`` itself, because its callers test for one: FSDP2 waits on an all-gather only when
     ``isinstance(work, dist.distributed_c10d.Work)`` (``_fsdp_collectives.foreach_all_gather_copy_out``), and read a
     proxy's buffers unwaited, which gave nan losses under the prefetching runtime schedules (interleaved, V)."""
 
-    def __init__(self, work, add: Callable[[float], None]):
+    def __init__(self, work, timing: Timing):
         super().__init__()
-        self._work, self._add = work, add
+        self._work, self._timing = work, timing
 
     def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
+        with self._timing():
             return self._work.wait(*args, **kwargs)
-        finally:
-            self._add(time.perf_counter() - t0)
 
     def is_completed(self):
         return self._work.is_completed()
@@ -104,32 +103,33 @@ def _group_of(args: tuple, kwargs: dict, signature) -> object:
 
 
 @contextlib.contextmanager
-def timed_dp_collectives(groups: Iterable[object], add: Callable[[float], None]) -> Iterator[None]:
-    """While inside, the seconds blocked in collectives over any of ``groups`` go to ``add``."""
+def timed_collectives(timing_of: Callable[[object, str], Timing | None]) -> Iterator[None]:
+    """While inside, each collective (``COLLECTIVES``, looked up on ``torch.distributed`` at call time) runs inside
+    the timing ``timing_of(group, name)`` gives for its group and name (``Seconds.timing`` of p3d.train.timing: the
+    host's clock on CPU, CUDA events on a GPU), an asynchronous one's ``wait()`` too; None: not timed."""
 
-    mine = {id(g) for g in groups if g is not None}
     depth = [0]  # a collective built on another one (all_gather_single on all_gather_into_tensor) counts once
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
-    def timed(fn):
+    def timed(name, fn):
         signature = inspect.signature(fn)  # once: TP's all-reduces pass through here every layer
 
         def call(*args, **kwargs):
-            if depth[0] or id(_group_of(args, kwargs, signature)) not in mine:
+            timing = None if depth[0] else timing_of(_group_of(args, kwargs, signature), name)
+            if timing is None:
                 return fn(*args, **kwargs)
             depth[0] += 1
-            t0 = time.perf_counter()
             try:
-                work = fn(*args, **kwargs)
+                with timing():
+                    work = fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
-                add(time.perf_counter() - t0)
-            return _TimedWork(work, add) if work is not None and kwargs.get("async_op") else work
+            return _TimedWork(work, timing) if work is not None and kwargs.get("async_op") else work
 
         return call
 
     for name, fn in originals.items():
-        setattr(dist, name, timed(fn))
+        setattr(dist, name, timed(name, fn))
     try:
         yield
     finally:
@@ -137,20 +137,23 @@ def timed_dp_collectives(groups: Iterable[object], add: Callable[[float], None])
             setattr(dist, name, fn)
 
 
-def timed_deepspeed_allgathers(add: Callable[[float], None]) -> None:
-    """From now on in this process, DeepSpeed's optimizers' dp all-gathers of the updated pieces report their
-    seconds to ``add`` (one DeepSpeed engine per worker process)."""
+def timed_dp_collectives(groups: Iterable[object], timing: Timing):
+    """``timed_collectives`` of the collectives over any of ``groups`` (the dp groups), each inside ``timing()``."""
+    mine = {id(g) for g in groups if g is not None}
+    return timed_collectives(lambda group, name: timing if id(group) in mine else None)
+
+
+def timed_deepspeed_allgathers(timing: Timing) -> None:
+    """From now on in this process, DeepSpeed's optimizers' dp all-gathers of the updated pieces run inside
+    ``timing()`` (one DeepSpeed engine per worker process)."""
     for module_name in DEEPSPEED_GATHER_MODULES:
         module = importlib.import_module(module_name)
         original = getattr(module, DEEPSPEED_GATHER)
         original = getattr(original, "__wrapped__", original)
 
         def timed(*args, _original=original, **kwargs):
-            t0 = time.perf_counter()
-            try:
+            with timing():
                 return _original(*args, **kwargs)
-            finally:
-                add(time.perf_counter() - t0)
 
         timed.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(module, DEEPSPEED_GATHER, timed)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -62,19 +61,16 @@ def stage_to_rank_mapping(pp: int, n_stages: int, style: str) -> dict[int, int]:
 
 
 @contextlib.contextmanager
-def timed_p2p_waits(add_wait: Callable[[float], None]) -> Iterator[None]:
+def timed_p2p_waits(timing: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
     """While inside, every wait of a schedule on a pipeline neighbour (the private module-level
-    ``schedules._wait_batch_p2p``, looked up at call time by the runtime) reports its seconds to ``add_wait``."""
+    ``schedules._wait_batch_p2p``, looked up at call time by the runtime) runs inside ``timing()``."""
     from torch.distributed.pipelining import schedules
 
     original = schedules._wait_batch_p2p
 
     def timed(work):
-        t0 = time.perf_counter()
-        try:
+        with timing():
             return original(work)
-        finally:
-            add_wait(time.perf_counter() - t0)
 
     schedules._wait_batch_p2p = timed
     try:

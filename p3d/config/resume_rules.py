@@ -101,6 +101,14 @@ def rule(field: str) -> tuple[Rule, str]:
     return RULES[field.split(".", 1)[0] + ".*"]
 
 
+def refuses(field: str) -> bool:
+    """Whether a resume refuses a change of ``field`` (``model.seq_len``: yes; a field no rule covers: no)."""
+    try:
+        return rule(field)[0] == Rule.REFUSED
+    except KeyError:
+        return False
+
+
 def flatten(body: dict, prefix: str = "") -> dict[str, Any]:
     """{"train": {"lr": 0.01}} -> {"train.lr": 0.01}; lists are values."""
     out: dict[str, Any] = {}

@@ -360,9 +360,11 @@ class PlanConfig:
     """Options of the analytic planner (p3d-plan, and the pre-flight check of p3d-train)."""
 
     force: bool = False  # launch even when the planner predicts the layout does not fit device memory
-    efficiency: Optional[float] = (
-        None  # achieved fraction of cluster.peak_tflops in matmuls; null: the device's default
-    )
+    # GPUs: the fraction of cluster.peak_tflops a large, well-shaped GEMM reaches (e of the GEMM model, each GEMM timed
+    # from its shape); cpu: the fraction reached in every matmul; null: the device's fitted default
+    efficiency: Optional[float] = None
+    # GPUs: k0 of the GEMM model, a tile's fixed cost in k-steps (short reductions run slower); null: the device's
+    gemm_k_overhead: Optional[float] = None
     hbm_gbps: Optional[float] = None  # device memory bandwidth (GB/s) for memory-bound kernels; null: the datasheet's
     flash_attention: bool = True  # attention keeps O(s) per token (flash kernels); false: the s x s probabilities
     overlap_dp: bool = False  # dp / ZeRO collectives overlap compute (DeepSpeed's pipeline engine: they do not)
@@ -482,6 +484,7 @@ BOUNDS: dict[str, Bound] = {
     "prepare.slices": AT_LEAST_1,
     "plan.efficiency": Bound(0, 1, open_low=True),
     "plan.hbm_gbps": POSITIVE,
+    "plan.gemm_k_overhead": NON_NEGATIVE,
     "plan.top": AT_LEAST_1,
 }
 

@@ -31,9 +31,9 @@ def check_context(cfg: Config, tp: int) -> None:
             if multiple != 2 * cp
             else f"each sequence is cut into 2 x mesh.cp={2 * cp} equal chunks, two per cp rank"
         )
-        raise P3DConfigError(
-            f"model.seq_len={m.seq_len} must be a multiple of {multiple} with mesh.cp={cp} ({why}); "
-            f"try model.seq_len={fix}"
+        raise P3DConfigError(  # seq_len first; a resume, which may not change it, gets a smaller cp
+            f"model.seq_len={m.seq_len} must be a multiple of {multiple} with mesh.cp={cp} ({why})",
+            [f"model.seq_len={fix}", *(f"mesh.cp={c}" for c in range(cp - 1, 0, -1))],
         )
     if m.moe is not None:
         raise P3DConfigError(

@@ -75,9 +75,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def kv_for_fused_kernel(q, k, v, gqa: bool, device_type: str | None = None):
+    """(k, v, enable_gqa) for SDPA. CUDA runs ``enable_gqa`` on the flash kernel only, which takes fp16 / bf16: in
+    fp32 (``train.dtype=fp32``) it would fall back to the math kernel, whose (s, s) scores grow as s^2. There the kv
+    heads are expanded to the query heads, (b, nkv, s, hd) -> (b, nh, s, hd), for the memory-efficient kernel,
+    which takes fp32 (its gradient flows back to each kv head through the expansion). Elsewhere: unchanged."""
+    if gqa and (device_type or q.device.type) == "cuda" and q.dtype == torch.float32:
+        g = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), False
+    return k, v, gqa
+
+
 def _attention_core(q, k, v, cos, sin, gqa: bool) -> torch.Tensor:
     """RoPE on q, k (b, heads, s, hd) and causal SDPA: the part selective recompute repeats."""
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v, gqa = kv_for_fused_kernel(q, k, v, gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (b, nh/tp, s, hd)
 
 

@@ -186,7 +186,7 @@ class Prediction:
             }
             for s, t in zip(self.stages, self.stage_times)
         ]
-        out["assumptions"] = assumptions(self.cfg)
+        out["assumptions"] = assumptions(self.cfg, self.layout)
         out["notes"] = list(self.notes)
         if self.ranking:
             out["ranking"] = [{**r.to_json()["layout"], **r.summary()} for r in self.ranking]

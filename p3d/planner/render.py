@@ -202,9 +202,15 @@ def render(report) -> str:
         f"(MFU {report.mfu:.1%}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
         f"bubble {report.bubble:.1%}",
     ]
-    a = assumptions(cfg)
+    a = assumptions(cfg, lay)
+    matmuls = (
+        f"GEMMs from their shapes at {a['efficiency']:.1%} of {a['peak_tflops']:g} TFLOP/s for a large one, "
+        f"k0 {a['gemm_k_overhead']:g} ({a['gemm_efficiency']:.1%} in a block's GEMMs here)"
+        if a["gemm_model"]
+        else f"{a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls"
+    )
     out.append(
-        f"assumed: {a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls, "
+        f"assumed: {matmuls}, "
         f"HBM {a['hbm_gbps']:g} GB/s, "
         f"links {a['intra_node_gbps']:g}/{a['inter_node_gbps']:g} GB/s x {a['comm_efficiency']:g}, "
         f"flash_attention={a['flash_attention']}, overlap tp/pp/dp={a['overlap_tp']}/{a['overlap_pp']}/"

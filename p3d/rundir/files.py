@@ -8,7 +8,8 @@ file in a run directory takes the name from here.
       p3d_status.json        the outcome of a run or sweep point (done / failed / skipped + why / ...)
       slurm_jobs.log         one line per submission, start, exit and requeue of a Slurm job
       run.lock               the lease of the run that holds the directory (p3d.rundir.lease)
-      logs/rank<N>.log       each worker's output
+      logs/rank<N>.log       each worker's output, every attempt after its header (p3d.rundir.attempts)
+      logs/rank<N>.hang.json a hang report of this attempt; rank<N>.hang.attempt<K>.json: attempt K's
       checkpoints/step_<N>/  checkpoints (p3d.checkpoint.checkpointer)
       wandb/                 W&B's offline files
 """

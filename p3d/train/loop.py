@@ -18,6 +18,7 @@ from p3d import exit_codes
 from p3d.data.corpus import DataStats
 from p3d.data.loader import micro_batches, validation_batches
 from p3d.layout.geometry import schedule_bubble
+from p3d.parallel.device_check import device_checked
 from p3d.parallel.mesh import Mesh
 from p3d.train.executors import build_executor
 from p3d.train.faults import StepPolicy, fault_state, restore_fault_state
@@ -150,10 +151,10 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         lr = ex.get_lr()
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
         t0 = time.perf_counter()
-        with hang.phase("train_batch", step):  # its instructions, and DeepSpeed's loss all-reduce after them
+        with hang.phase("train_batch", step), device_checked(device):  # DeepSpeed's loss all-reduce included
             loss = ex.train_batch(data)
         step_time = time.perf_counter() - t0
-        with hang.phase("the per-step all-gather", step):
+        with hang.phase("the per-step all-gather", step), device_checked(device):
             stop, bubble, mem, compute, dp_comm = step_stats(
                 stopper,
                 timer.take() / step_time,
@@ -165,14 +166,14 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
         failed, fault_line, extra = policy.apply(gate.verdict)
         if experts is not None:  # every rank: the step's routing figures, and aux-loss-free balancing
-            with hang.phase("the routing figures' all-reduce", step):
-                extra.update(experts.after_step(device))
+            with hang.phase("the routing figures' all-reduce", step), device_checked(device):
+                extra.update(experts.after_step(device, discarded=gate.verdict.discarded))
         slow_fields, slow_lines = stragglers.update(compute)
         extra.update(slow_fields)
         for line in slow_lines if metrics else []:
             metrics.print(line)  # type: ignore[union-attr]
         if not failed and cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            with hang.phase("evaluation", step):
+            with hang.phase("evaluation", step), device_checked(device):
                 extra["val_loss"] = ex.evaluate(val)
         if mixture is not None:
             extra["tokens_by_source"] = mixture.tokens_by_source(samples)

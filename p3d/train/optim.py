@@ -45,8 +45,9 @@ def global_grad_norm(params, mesh, sharded_over_dp: bool = False, replicas: int 
     summed in fp64 (so a sum over 10^11 elements keeps its digits), on the gradients' device.
     ``sharded_over_dp``: the gradients are FSDP2's dp pieces (ZeRO-2/3); each rank counts its own piece, and
     under HSDP each piece is held by ``replicas`` ranks (identical after FSDP2's all-reduce across them)."""
+    params = list(params)
     counted = [p for p in params if p.grad is not None and counts_in_norm(p, mesh.tp_rank)]
-    device = counted[0].grad.device if counted else torch.device("cpu")
+    device = params[0].device if params else torch.device("cpu")  # a rank holds parameters: their device
     dense, experts = (_squares([p for p in counted if is_expert_param(p) == e], device) for e in (False, True))
     if experts_apart(mesh, sharded_over_dp):
         return (_experts_weighed(dense, experts, mesh) / replicas).sqrt()
@@ -102,7 +103,7 @@ def norm_once_reduced(
     for p, group in tied:  # first, so no rank waits on a tied holder that is busy with its dp reductions
         tied_sums[id(p)] = local(grad_of[id(p)]).detach().clone()
         dist.all_reduce(tied_sums[id(p)], group=group)
-    device = grads[0][1].device if grads else torch.device("cpu")
+    device = grads[0][1].device if grads else torch.device("cpu")  # a rank holds parameters: their device
     sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]  # dense, experts
     for p, g in grads:
         c, expert = tied_sums.pop(id(p), None), is_expert_param(p)

@@ -19,6 +19,12 @@ collectives. DeepSpeed: its ReduceGrads instruction (the gradients' dp reduction
 its optimizers' dp all-gather of the updated pieces; the torch schedules: every collective over a dp group
 (FSDP2's gathers and reduce-scatters, the flat all-reduce, ZeRO-1's broadcasts), ``p3d.compat.dp_collectives``.
 
+The clocks (``DeviceClock``): on CPU the host's ``perf_counter``; on CUDA, events recorded on the current stream,
+because the host only launches the work and a host clock around a launch measures the launch. An interval is a
+pair of marks; its seconds are read when the loop takes the step's figures, after the step's last kernel (the loss
+read already waits for it), so timing adds no host sync inside the step. A wait on a neighbour or a collective
+under NCCL stalls the stream, not the host: the events around it measure that stall.
+
 Stragglers: the same wrappers time the ForwardPass and BackwardPass instructions, this rank's compute per step
 (p3d.train.loop gathers it from every rank). Test hooks: ``P3D_TEST_SLOW_RANK=<rank>:<seconds>`` makes that
 rank sleep that long in each forward pass, a real straggler; ``P3D_TEST_BLOCK_SECONDS`` gives every block a fixed
@@ -27,12 +33,15 @@ compute time (p3d.train.block_seconds).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from types import FunctionType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from p3d.compat.deepspeed_internals import pipeline_instruction_map, set_pipeline_instruction_map
@@ -44,14 +53,65 @@ COMPUTE = ("ForwardPass", "BackwardPass")
 SLOW_ENV = "P3D_TEST_SLOW_RANK"
 
 
-def drain_seconds(pp_group) -> float:
-    """Seconds until every stage of this rank's pipeline has done its last backward of the step (a barrier
-    over the pp group; None, a pipeline of one stage: 0)."""
+class DeviceClock:
+    """Marks on the timeline of the device that runs the work: a CUDA event recorded on the current stream (no host
+    sync), or the host's ``perf_counter`` on CPU. ``seconds(a, b)`` waits for mark ``b`` to have happened."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.cuda = device is not None and device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()  # long past when the step's figures are taken: the loss read waited for the step
+        return start.elapsed_time(end) / 1e3
+
+
+class Seconds:
+    """The seconds of one kind of work in a step: intervals between marks of a ``DeviceClock``, read and summed
+    only when taken (``take``, once a step), plus host-measured seconds (``add``: a test hook's sleep)."""
+
+    def __init__(self, clock: DeviceClock):
+        self.clock = clock
+        self.spans: list[tuple[Any, Any]] = []
+        self.host_s = 0.0
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        start = self.clock.mark()
+        try:
+            yield
+        finally:
+            self.spans.append((start, self.clock.mark()))
+
+    def add(self, seconds: float) -> None:
+        self.host_s += seconds
+
+    def durations(self) -> list[float]:
+        """Each interval's seconds so far (reads the marks; keeps them)."""
+        return [self.clock.seconds(a, b) for a, b in self.spans]
+
+    def take(self) -> float:
+        """The seconds since the last call, and a fresh start."""
+        total = self.host_s + sum(self.durations())
+        self.spans, self.host_s = [], 0.0
+        return total
+
+
+def drain(pp_group, waits: Seconds) -> None:
+    """Wait until every stage of this rank's pipeline has done its last backward of the step (a barrier over the pp
+    group; None, a pipeline of one stage: nothing), timed into ``waits``."""
     if pp_group is None or dist.get_world_size(pp_group) == 1:
-        return 0.0
-    t0 = time.perf_counter()
-    dist.barrier(group=pp_group)
-    return time.perf_counter() - t0
+        return
+    with waits.timing():
+        dist.barrier(group=pp_group)
 
 
 def _test_delay(rank: int) -> float:
@@ -60,72 +120,65 @@ def _test_delay(rank: int) -> float:
 
 
 class StepClocks:
-    """Seconds of a step blocked on pipeline neighbours (``wait_s``), of compute (``compute_s``) and blocked in dp
-    collectives (``dp_comm_s``), each taken (and reset) once a step by the loop."""
+    """Seconds of a step blocked on pipeline neighbours (``wait``), of compute (``compute``) and blocked in dp
+    collectives (``dp_comm``), on the device's clock (``DeviceClock``), each taken (and reset) once a step by the
+    loop."""
 
-    def __init__(self):
-        self.wait_s = self.compute_s = self.dp_comm_s = 0.0
+    def __init__(self, device: torch.device | None = None):
+        clock = DeviceClock(device)
+        self.wait, self.compute, self.dp_comm = Seconds(clock), Seconds(clock), Seconds(clock)
 
     def take_compute(self) -> float:
         """Seconds in forward and backward passes since the last call."""
-        compute, self.compute_s = self.compute_s, 0.0
-        return compute
+        return self.compute.take()
 
     def take(self) -> float:
         """Seconds blocked on pipeline neighbours since the last call."""
-        wait, self.wait_s = self.wait_s, 0.0
-        return wait
-
-    def add_dp_comm(self, seconds: float) -> None:
-        self.dp_comm_s += seconds
+        return self.wait.take()
 
     def take_dp_comm(self) -> float:
         """Seconds blocked in data-parallel collectives since the last call (``dp_comm_s``)."""
-        dp_comm, self.dp_comm_s = self.dp_comm_s, 0.0
-        return dp_comm
+        return self.dp_comm.take()
 
 
 class StageTimer(StepClocks):
     """Wraps this engine's instructions (build it after the step gate, so that the drain barrier runs before
     the gate's all-gather). ``pp_group``: this rank's pipeline group, for the drain barrier; ``dp``: the replicas
-    (one: no dp collective, dp_comm_s stays 0)."""
+    (one: no dp collective, dp_comm_s stays 0); ``device``: the compute device, whose clock times the step."""
 
-    def __init__(self, engine, rank: int = -1, pp_group=None, dp: int = 1):
-        super().__init__()
+    def __init__(self, engine, rank: int = -1, pp_group=None, dp: int = 1, device: torch.device | None = None):
+        super().__init__(device)
         self.delay_s = _test_delay(rank)
         timed = {}
         for instr, fn in pipeline_instruction_map(engine).items():
             if instr.__name__ in PIPE_WAITS:
-                timed[instr] = self._wrap(fn, "wait_s")
+                timed[instr] = self._wrap(fn, self.wait)
             elif instr.__name__ == DRAIN:
                 timed[instr] = self._after_drain(fn, pp_group)
             elif instr.__name__ == DP_REDUCE and dp > 1:
-                timed[instr] = self._wrap(fn, "dp_comm_s")
+                timed[instr] = self._wrap(fn, self.dp_comm)
             elif instr.__name__ in COMPUTE:
-                timed[instr] = self._wrap(fn, "compute_s", self.delay_s if instr.__name__ == "ForwardPass" else 0.0)
+                timed[instr] = self._wrap(fn, self.compute, self.delay_s if instr.__name__ == "ForwardPass" else 0.0)
             else:
                 timed[instr] = fn
         set_pipeline_instruction_map(engine, timed)  # this engine instance only
         if dp > 1:
             from p3d.compat.dp_collectives import timed_deepspeed_allgathers
 
-            timed_deepspeed_allgathers(self.add_dp_comm)  # ZeRO-1 / bf16: the updated pieces' dp all-gather in the step
+            timed_deepspeed_allgathers(self.dp_comm.timing)  # ZeRO-1 / bf16: the updated pieces' dp all-gather
 
-    def _wrap(self, fn: FunctionType, total: str, delay_s: float = 0.0):
+    def _wrap(self, fn: FunctionType, total: Seconds, delay_s: float = 0.0):
         def timed(engine, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
+            with total.timing():
                 if delay_s and engine.module.training:  # the test hook: a slow rank, training steps only
                     time.sleep(delay_s)
                 return fn(engine, *args, **kwargs)
-            finally:
-                setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
 
         return timed
 
     def _after_drain(self, fn: FunctionType, pp_group):
         def drained(engine, *args, **kwargs):
-            self.wait_s += drain_seconds(pp_group)
+            drain(pp_group, self.wait)
             return fn(engine, *args, **kwargs)
 
         return drained
@@ -169,14 +222,14 @@ class StragglerWatch:
 
 
 class TorchStageTimer(StepClocks):
-    """The same two figures for a torch pipeline schedule (docs/schedules.md, Metrics): seconds blocked
-    on pipeline neighbours (every wait of the schedule's runtime on a p2p exchange, ``torch_compat.timed_p2p_waits``
-    around each step) and seconds of compute (each stage's forward, backward and weight-backward of one micro batch,
-    and the loss).
+    """The same figures for a torch pipeline schedule (docs/schedules.md, Metrics): seconds blocked on pipeline
+    neighbours (every wait of the schedule's runtime on a p2p exchange, ``torch_compat.timed_p2p_waits``, and the
+    drain), of compute (each stage's forward, backward and weight-backward of one micro batch, and the loss) and in
+    dp collectives, all timed by ``TorchPipeline`` into these clocks (its ``clocks``).
     ``P3D_TEST_SLOW_RANK`` delays every training forward of this rank's stages, as for DeepSpeed."""
 
-    def __init__(self, stages, rank: int = -1):
-        super().__init__()
+    def __init__(self, stages, rank: int = -1, device: torch.device | None = None):
+        super().__init__(device)
         self.delay_s = _test_delay(rank)
         self.training = False
         for stage in stages:  # wrapped on each instance: the schedule calls them as methods of the stage
@@ -185,20 +238,9 @@ class TorchStageTimer(StepClocks):
 
     def _wrap(self, fn, forward: bool):
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
+            with self.compute.timing():
                 if forward and self.delay_s and self.training:
                     time.sleep(self.delay_s)
                 return fn(*args, **kwargs)
-            finally:
-                self.compute_s += time.perf_counter() - t0
 
         return timed
-
-    def add_wait(self, seconds: float) -> None:
-        self.wait_s += seconds
-
-    def add_compute(self, seconds: float) -> None:
-        """Compute the stages' methods do not cover: the loss, which torch's runtime runs after the last chunk's
-        forward (DeepSpeed's is inside the last stage's forward)."""
-        self.compute_s += seconds

@@ -35,8 +35,10 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run_of_every_step(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "no CUDA GPU found" in out
-    for step in ("a", "b", "c"):
+    for step in ("a", "b", "c", "e"):
         assert f"gpu-check step {step}: dry: config ok" in out, out[-3000:]
+    for step in ("f", "g"):  # the layer steps run with the CPU as the device: the code path, not only a config
+        assert f"gpu-check step {step}: dry: ran on the cpu" in out, out[-3000:]
     assert "predicted_peak_gb" in out and "all steps passed (dry)" in out
     assert not docs.exists()  # figures are written only by a run on a GPU
 
@@ -77,6 +79,7 @@ def test_the_dry_mode_leaves_nothing_in_the_checkout(monkeypatch, capsys):
     for name in ("step_throughput", "step_bf16", "step_nccl"):
         monkeypatch.setattr(gpu_check, name, step)
     monkeypatch.setattr(gpu_check, "step_sdpa", lambda s, dry: None)
+    monkeypatch.setattr(gpu_check, "step_layer", lambda s, name, dry: None)
     monkeypatch.delenv("OUT", raising=False)
     monkeypatch.chdir(ROOT)
     before = _untracked()
@@ -87,3 +90,15 @@ def test_the_dry_mode_leaves_nothing_in_the_checkout(monkeypatch, capsys):
     gpu_run = gpu_check.out_folder(None, dry=False, stack=contextlib.ExitStack())
     ignored = subprocess.run(["git", "check-ignore", "-q", str(gpu_run / "gpu_check.json")], cwd=ROOT)
     assert gpu_run.parent == ROOT / "outputs" and ignored.returncode == 0
+
+
+def test_a_gpu_machine_whose_python_has_no_cuda_fails_with_the_reason(tmp_path, monkeypatch, capsys):
+    """Issue 51: with a GPU present but a CPU build of torch in the chosen Python, the check used to fall back to its
+    dry mode and exit 0; it fails and says why."""
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(gpu_check, "gpus_on_machine", lambda: ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-x)"])
+    monkeypatch.setattr(gpu_check, "device_preset", lambda: ("", "", 0))  # this torch sees no CUDA device
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert "has 1 NVIDIA GPU(s)" in out and "has no CUDA" in out and "P3D_GPU_PYTHON" in out
+    assert "all steps passed" not in out and not (tmp_path / "out").exists()  # refused before any step

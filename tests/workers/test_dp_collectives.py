@@ -17,20 +17,21 @@ def _clocks(rank, world):
     import torch.distributed as dist
 
     from p3d.compat.dp_collectives import timed_deepspeed_allgathers, timed_dp_collectives
+    from p3d.train.timing import DeviceClock, Seconds
 
     dp_group, other_group = dist.new_group([0, 1]), dist.new_group([0, 1])
-    calls: list[float] = []
+    seconds = Seconds(DeviceClock())  # the host's clock on CPU, as a gloo worker's
 
     def late():
         if rank == 1:
             time.sleep(LATE)
 
     def blocked(run) -> list[float]:
-        del calls[:]
+        seconds.take()
         late()
-        with timed_dp_collectives([dp_group], calls.append):
+        with timed_dp_collectives([dp_group], seconds.timing):
             run()
-        return list(calls)
+        return seconds.durations()
 
     x = torch.ones(1000)
     got = blocked(lambda: dist.all_reduce(x, group=dp_group))
@@ -53,9 +54,9 @@ def _clocks(rank, world):
 
     with quiet_stdout():
         deepspeed.init_distributed("gloo")  # on the process group already there
-    calls.clear()
-    timed_deepspeed_allgathers(calls.append)
-    timed_deepspeed_allgathers(calls.append)  # a second engine in the process: still one clock per call
+    seconds.take()
+    timed_deepspeed_allgathers(seconds.timing)
+    timed_deepspeed_allgathers(seconds.timing)  # a second engine in the process: still one clock per call
     flat = torch.zeros(4)
     pieces = [flat[0:2], flat[2:4]]
     pieces[rank].fill_(rank + 1)
@@ -68,6 +69,7 @@ def _clocks(rank, world):
         allgather_bucket_size=1 << 20,
     )
     assert flat.tolist() == [1.0, 1.0, 2.0, 2.0]
+    calls = seconds.durations()
     assert len(calls) == 1 and (rank == 1 or calls[0] >= LATE * 0.8), calls
 
 

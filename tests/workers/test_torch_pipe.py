@@ -75,8 +75,9 @@ def _train(rank, world, overrides, schedule, v, out_path):
     mesh = Mesh.from_plan(plan, rank).with_groups()
     pipe = TorchPipeline(cfg, plan, mesh, schedule, v)
     blocks = [mod for mod in pipe.module.modules() if isinstance(mod, TransformerBlock)]
-    loss_seconds: list[float] = []  # the loss runs outside the stages' methods: timed as compute through this
-    pipe.add_compute = loss_seconds.append
+    from p3d.train.timing import StepClocks
+
+    pipe.clocks = StepClocks()  # the loss runs outside the stages' methods: timed as compute through these
     forwards: list[int] = []
     for block in blocks:
         block.register_forward_pre_hook(lambda *_: forwards.append(1))
@@ -91,6 +92,7 @@ def _train(rank, world, overrides, schedule, v, out_path):
         rows.append({"step": step, "loss": loss, "grad_norm": norm, "lr": lr})
     n_forwards = len(forwards)
     # each micro batch's loss on the last chunk's holder, and once more in step 1's shape inference
+    loss_seconds = pipe.clocks.compute.durations()
     assert len(loss_seconds) == (STEPS * pipe.m + 1 if pipe.holds_last else 0), (len(loss_seconds), pipe.m)
     assert all(t > 0 for t in loss_seconds)
     val = validation_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.eval_batches)

@@ -108,8 +108,9 @@ def _train(rank, world, overrides, out_path):
 
     dist.reduce_scatter_single = counted("reduce_scatter", dist.reduce_scatter_single)
     dist.all_gather_single = counted("all_gather", dist.all_gather_single)
-    dp_seconds: list[float] = []
-    pipe.add_dp_comm = dp_seconds.append  # as p3d-train runs it: dp_comm_s's clocks on (p3d.compat.dp_collectives)
+    from p3d.train.timing import StepClocks
+
+    pipe.clocks = StepClocks()  # as p3d-train runs it: dp_comm_s's clocks on (p3d.compat.dp_collectives)
     state_bytes: list[int] = []
     pipe.before_update = lambda grads, loss: state_bytes.append(_live_model_state_bytes(pipe))
     batches = global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.seed)
@@ -135,7 +136,7 @@ def _train(rank, world, overrides, out_path):
         "units": units,
         "m": pipe.m,
         "state_bytes": state_bytes[-1],
-        "dp_comm_s": sum(dp_seconds),
+        "dp_comm_s": sum(pipe.clocks.dp_comm.durations()),
         "unsharded_numel": sum(p.numel() for p in pipe.params),  # a DTensor's numel is the whole tensor's
         "planned_bytes": planned_state_bytes(cfg, plan, mesh.pp_rank),
     }

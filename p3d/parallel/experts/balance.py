@@ -18,13 +18,12 @@ AUX, CALLS, DROPPED, COUNTS = 0, 1, 2, 3  # the columns of a layer's figures (to
 def step_figures(blocks: list, n_layers: int, n_experts: int, device=None) -> torch.Tensor:
     """(n_layers, 3 + E): every MoE layer's figures of the step, summed over the world (this rank's
     ``blocks`` hold some of them); each block's are then reset."""
-    out = torch.zeros(n_layers, 3 + n_experts, dtype=torch.float64)
+    out = torch.zeros(n_layers, 3 + n_experts, dtype=torch.float64, device=device)  # summed on the device
     for block in blocks:
-        out[block.moe_index] += block.take_stats().to("cpu", torch.float64)
+        out[block.moe_index] += block.take_stats().to(out.device, torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out = out.to(device) if device is not None else out
         dist.all_reduce(out)
-    return out.cpu()
+    return out.cpu()  # the step's one host copy of the figures
 
 
 def update_expert_bias(blocks: list, figures: torch.Tensor, rate: float) -> None:

@@ -88,7 +88,7 @@ class DeepSpeedExecutor:
             param_gradients(self.engine, self.module), tied_weights(self.module), mesh
         )
         # after the gate: its drain barrier runs first
-        self.timer = StageTimer(self.engine, rank, mesh.pp_group, mesh.dp)
+        self.timer = StageTimer(self.engine, rank, mesh.pp_group, mesh.dp, device)
         self.hang = HangWatch(self.engine, mesh, cfg.cluster.timeout_s, run_logs(run_dir))  # last: wraps the others
         self.reads_data = mesh.is_first_stage or mesh.is_last_stage
         states = OptimizerStates(self.engine.optimizer)

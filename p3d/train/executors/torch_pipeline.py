@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -45,13 +44,14 @@ from p3d.config.schema import DType, Recompute
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.moe import moe_blocks, set_micro_batches
 from p3d.parallel.context.chunks import take_local
+from p3d.parallel.device_check import device_checked
 from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.pipeline.chunks import ChunkModule
 from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
 from p3d.parallel.zero.fsdp import local
 from p3d.train.executors.torch_optim import build_torch_optimizer, reduce_replica_grads
 from p3d.train.optim import global_grad_norm, norm_once_reduced
-from p3d.train.timing import drain_seconds
+from p3d.train.timing import StepClocks, drain
 
 SCHEDULES = tuple(SCHEDULE_CLASSES)
 # schedule.pipeline=1f1b runs here (on torch's Schedule1F1B) only where DeepSpeed's engine cannot: zero.stage >= 2
@@ -200,12 +200,8 @@ class TorchPipeline:
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             # torch runs the loss after the last chunk's forward_one_chunk; timed as compute, as DeepSpeed's is
-            t0 = time.perf_counter()
-            try:
+            with self.clocks.compute.timing() if self.clocks is not None else contextlib.nullcontext():
                 return loss(logits, labels) / m  # the reference's 1/m per micro batch; summed over m by autograd
-            finally:
-                if self.add_compute is not None:
-                    self.add_compute(time.perf_counter() - t0)
 
         self.stages = [
             pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
@@ -222,22 +218,20 @@ class TorchPipeline:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
-        # set by p3d.train.executors: the step gate (grads, replica loss or None), the p2p wait, compute and dp
-        # collective timers
+        # set by p3d.train.executors: the step gate (grads, replica loss or None), and the step's clocks (the p2p
+        # waits and the drain, the loss's compute, the dp collectives: p3d.train.timing.StepClocks)
         self.before_update: Callable[[list[torch.Tensor], float | None], None] | None = None
-        self.add_wait: Callable[[float], None] | None = None
-        self.add_compute: Callable[[float], None] | None = None
-        self.add_dp_comm: Callable[[float], None] | None = None
+        self.clocks: StepClocks | None = None
 
     def waits(self):
-        """A context that times the schedule's waits on pipeline neighbours (when ``add_wait`` is set)."""
-        return timed_p2p_waits(self.add_wait) if self.add_wait is not None else contextlib.nullcontext()
+        """A context that times the schedule's waits on pipeline neighbours (when ``clocks`` are set)."""
+        return timed_p2p_waits(self.clocks.wait.timing) if self.clocks is not None else contextlib.nullcontext()
 
     def dp_collectives(self):
-        """A context that times every collective over a dp group (when ``add_dp_comm`` is set)."""
-        if self.add_dp_comm is None or self.mesh.dp_cp == 1:
+        """A context that times every collective over a dp group (when ``clocks`` are set)."""
+        if self.clocks is None or self.mesh.dp_cp == 1:
             return contextlib.nullcontext()
-        return timed_dp_collectives(self.dp_groups, self.add_dp_comm)
+        return timed_dp_collectives(self.dp_groups, self.clocks.dp_comm.timing)
 
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -275,18 +269,19 @@ class TorchPipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
         kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
-        with self.dp_collectives():  # FSDP2's inside the schedule, then the dp reduction and ZeRO-1's broadcasts
+        with device_checked(self.device), self.dp_collectives():  # FSDP2's in the schedule, then the dp reduction
             with self.waits():
                 self.schedule.step(*args, return_outputs=False, **kwargs)
-            if self.add_wait is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
-                self.add_wait(drain_seconds(self.mesh.pp_group))
+            if self.clocks is not None:  # the drain: until every stage of this pipeline is done (p3d.train.timing)
+                drain(self.mesh.pp_group, self.clocks.wait)
+            replica_loss = self.replica_loss(losses)  # (), on the device
             if self.before_update is not None:  # the step gate: judges, and may fill the gradients with nan
                 grads = [local(p.grad) for p in self.params if p.grad is not None]
-                self.before_update(grads, sum(float(x.detach()) for x in losses) if self.holds_last else None)
+                self.before_update(grads, float(replica_loss) if self.holds_last else None)  # the step's host read
             self.reduce_tied_grads()
             self.reduce_dp_grads()
             norm = self.clip_and_step()
-        return self.step_loss(losses), norm
+            return self.step_loss(replica_loss), norm
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor | None) -> float:
@@ -302,9 +297,9 @@ class TorchPipeline:
             rows = self.replica_rows(batch).to(self.device)
             args = (self.local_tokens(rows[:, :-1]),) if self.holds_first else ()
             kwargs = dict(target=self.local_tokens(rows[:, 1:]), losses=losses) if self.holds_last else {}
-        with forward_only:
+        with device_checked(self.device), forward_only:
             self.schedule.eval(*args, return_outputs=False, **kwargs)
-        return self.step_loss(losses)
+            return self.step_loss(self.replica_loss(losses))
 
     def reduce_tied_grads(self) -> None:
         """Sum the two tied copies' grads over their holders (loop placement only)."""
@@ -353,11 +348,20 @@ class TorchPipeline:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def step_loss(self, losses: list[torch.Tensor]) -> float:
-        """The step's mean loss over the global batch: the last chunk's holder sums its m (already / m) micro-batch
-        losses; summed over pp (only the holder is non-zero), averaged over dp x cp (a cp rank's loss is the mean
-        over its s / cp tokens of each sequence: equal counts, so the mean of the means is the whole mean)."""
-        total = torch.tensor([sum(float(x.detach()) for x in losses)], dtype=torch.float64)
+    def replica_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the replica's loss, a float64 scalar on the compute device: the sum of the last
+        chunk's m micro-batch losses (each already / m) on its holder, 0 elsewhere. No host read."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for x in losses:
+            total += x.detach()
+        return total
+
+    def step_loss(self, replica_loss: torch.Tensor) -> float:
+        """The step's mean loss over the global batch from each rank's ``replica_loss``: summed over pp (only the
+        holder is non-zero), averaged over dp x cp (a cp rank's loss is the mean over its s / cp tokens of each
+        sequence: equal counts, so the mean of the means is the whole mean). The collectives take the device
+        tensor (NCCL takes nothing else); the one host read is the returned float."""
+        total = replica_loss.clone()
         if self.mesh.pp > 1:
             dist.all_reduce(total, group=self.mesh.pp_group)
         if self.mesh.dp_cp > 1:

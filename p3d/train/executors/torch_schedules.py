@@ -40,9 +40,8 @@ class TorchExecutor:
         )
         self.module, self.scheduler = self.pipe.module, self.pipe.lr_scheduler
         add_block_seconds(self.module)  # the P3D_TEST_BLOCK_SECONDS test hook (off unless set)
-        self.timer = TorchStageTimer(self.pipe.stages, rank)
-        self.pipe.add_wait, self.pipe.add_compute = self.timer.add_wait, self.timer.add_compute
-        self.pipe.add_dp_comm = self.timer.add_dp_comm
+        self.timer = TorchStageTimer(self.pipe.stages, rank, device)
+        self.pipe.clocks = self.timer  # the schedule's waits, the loss and the dp collectives: the same clocks
         self.gate = StepGate(None, self.module, mesh, plan, cfg.train, device)
         self.gate.measure_norm = self.pipe.norm_once_reduced
         self.hang = HangWatch(None, mesh, cfg.cluster.timeout_s, run_logs(run_dir))

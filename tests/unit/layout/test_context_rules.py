@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from p3d.layout.dims import ParallelDims
-from tests.helpers.runs import assert_refused_in_one_line, typed
+from tests.helpers.runs import assert_fixes_accepted, assert_refused_in_one_line, typed
 
 RULES = [
     (("model=tiny", "mesh.cp=3"), "model.seq_len=64 must be a multiple of 6 with mesh.cp=3", "try model.seq_len=60"),
@@ -30,7 +30,7 @@ RULES = [
     (
         ("model=llama3_8b", "cluster.device=h100_sxm", "mesh.tp=8", "mesh.pp=1", "mesh.cp=2", "mesh.dp=1"),
         "mesh.tp*mesh.cp*mesh.pp*mesh.dp=8*2*1*1=16 must equal the world size 8",
-        "try mesh.dp=auto",
+        "try mesh.cp=1, or mesh.tp=4",
     ),
 ]
 
@@ -38,6 +38,11 @@ RULES = [
 @pytest.mark.parametrize("overrides,message,fix", RULES, ids=[r[1][:40] for r in RULES])
 def test_each_cp_rule_names_field_value_and_fix(overrides, message, fix):
     assert_refused_in_one_line(overrides, message, fix)
+
+
+@pytest.mark.parametrize("overrides", [r[0] for r in RULES], ids=[r[1][:40] for r in RULES])
+def test_every_suggested_cp_fix_is_accepted_by_the_same_command(overrides):
+    assert_fixes_accepted(overrides)
 
 
 def test_dp_auto_divides_the_cluster_by_tp_cp_pp():

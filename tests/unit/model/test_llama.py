@@ -59,3 +59,40 @@ def test_rope_tables_are_built_once_and_equal_the_per_forward_ones():
     short = model(ids[:, : cfg.seq_len])
     longer = model(ids)  # positions past the table: computed for this call, the first seq_len ones unchanged
     torch.testing.assert_close(longer[:, : cfg.seq_len], short, rtol=0, atol=0)
+
+
+def test_fp32_gqa_on_cuda_expands_kv_heads_for_the_efficient_kernel():
+    """Issue 51: CUDA runs enable_gqa on the flash kernel only (fp16/bf16); fp32 GQA there gets its kv heads expanded
+    (the efficient kernel takes fp32) instead of falling to the math kernel. Same attention, same gradients."""
+    import torch.nn.functional as F
+
+    from p3d.model.llama import kv_for_fused_kernel
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 16, 4, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 4, requires_grad=True) for _ in "kv")
+    ek, ev, gqa = kv_for_fused_kernel(q, k, v, True, device_type="cuda")
+    assert not gqa and ek.shape == v.shape[:1] + (8,) + v.shape[2:]
+    out = F.scaled_dot_product_attention(q, ek, ev, is_causal=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+    # bf16 on CUDA keeps enable_gqa (flash); CPU keeps it whatever the dtype
+    assert kv_for_fused_kernel(q.bfloat16(), k, v, True, device_type="cuda")[2] is True
+    assert kv_for_fused_kernel(q, k, v, True, device_type="cpu")[1] is v
+
+
+def test_pyprojects_torch_bound_admits_no_torch_older_than_the_apis_read():
+    """The lower bound of torch in pyproject.toml follows the newest API p3d relies on (compat.MIN_TORCH)."""
+    import re
+    from pathlib import Path
+
+    from p3d.compat.pipelining_internals import MIN_TORCH
+
+    text = (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
+    bound = re.search(r'"torch>=(\d+)\.(\d+)', text)
+    assert bound, "pyproject.toml names no lower bound for torch"
+    assert (int(bound[1]), int(bound[2])) >= MIN_TORCH

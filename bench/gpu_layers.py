@@ -1,0 +1,133 @@
+"""The layer-level steps of ``make gpu-check`` (bench/gpu_check.py, issue 51): the parts of p3d that only the torch
+executor runs, each in bf16 on the device against its fp32 twin on the host's CPU.
+
+  fsdp2: a whole ``model=tiny`` chunk under FSDP2 (``fully_shard`` per block, ZeRO-3: reshard after forward) on a
+         one-rank device mesh (NCCL on a GPU), bf16 mixed precision: one forward and backward of a batch, the loss
+         and every gradient (gathered) against the unsharded chunk in fp32 on the CPU;
+  moe:   one ``model=moe_tiny`` MoE feed-forward (router, routed and shared experts, the dispatch) under bf16
+         autocast: the output and the input's and weights' gradients against the fp32 layer on the CPU.
+
+Each returns its figures: relative errors ``|got - want| / |want|`` (norms over the whole tensor or model). Without
+a GPU (gpu-check's dry mode) the same steps run with the CPU as the device, in bf16 autocast: that checks the code
+path, and its figures are the CPU's bf16 error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+
+import torch
+
+BF16_RTOL = 0.05  # relative error of bf16 against fp32, norms over the tensor (the CPU's bf16 measured below 0.02)
+SEED = 1234
+
+
+def typed_run(*overrides: str):
+    """(Config, RunPlan) as p3d-train prepares them (Hydra's compose over the shipped groups)."""
+    from hydra import compose, initialize_config_dir
+
+    from p3d.config.schema import register_configs
+    from p3d.config.shipped import conf_dir
+    from p3d.launch.check import prepare
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        node = compose("config", overrides=["run.dir=/tmp/p3d-gpu-layers", *overrides])
+    return prepare(node)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A world of one process (NCCL on a GPU, gloo on CPU), for the parts that want a process group."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2(device: torch.device) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from p3d.config.schema import DType
+    from p3d.model.llama import TransformerBlock
+    from p3d.parallel.mesh import Mesh
+    from p3d.parallel.pipeline.chunks import ChunkModule
+    from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
+    from p3d.parallel.zero.fsdp import local, mixed_precision, shard_chunk
+
+    cfg, plan = typed_run("model=tiny", "mesh=single", "zero=stage3", "train.dtype=bf16")
+    with one_rank_group(device):
+        mesh = Mesh.from_plan(plan, 0).with_groups()
+        specs = layer_specs_of(cfg, plan, mesh)
+        want = ChunkModule(specs, 0, len(specs))  # fp32 on the CPU; the weights come from seeded masters
+        got = ChunkModule(specs, 0, len(specs), autocast_dtype=torch.bfloat16).to(device)
+        shard_chunk(got, init_device_mesh(device.type, (1,)), 3, TransformerBlock, mixed_precision(DType.bf16))
+        loss = VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh)
+        g = torch.Generator().manual_seed(SEED)
+        tokens = torch.randint(cfg.model.vocab_size, (2, cfg.model.seq_len + 1), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        want_loss = loss(want(x), y)
+        want_loss.backward()
+        got_loss = loss(got(x.to(device)), y.to(device))
+        got_loss.backward()
+        grads = dict(got.named_parameters())
+        worst = max(relative(local(grads[n].grad), p.grad) for n, p in want.named_parameters())
+        figures = {"loss_rel": relative(got_loss, want_loss), "worst_grad_rel": worst, "layers": len(specs)}
+        sharded = all(type(p).__name__ == "DTensor" for p in got.parameters())
+    if not sharded:
+        raise RuntimeError("fsdp2: the chunk's parameters are not FSDP2's DTensors")
+    return figures
+
+
+def moe(device: torch.device) -> dict:
+    from p3d.model.moe import MoEFeedForward
+    from p3d.parallel.mesh import Mesh
+
+    cfg, _ = typed_run("model=moe_tiny", "mesh=single")
+    layer = cfg.model.moe.first_dense_layers  # the first MoE block
+    one = Mesh(tp=1, pp=1, dp=1)
+    want = MoEFeedForward(cfg.model, one, layer, SEED)
+    got = MoEFeedForward(cfg.model, one, layer, SEED).to(device)
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(2, 64, cfg.model.hidden_size, generator=g)
+    dy = torch.randn(2, 64, cfg.model.hidden_size, generator=g)
+    x_want = x.clone().requires_grad_()
+    y_want = want(x_want)
+    (y_want * dy).sum().backward()
+    x_got = x.to(device).requires_grad_()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y_got = got(x_got)
+    (y_got.float() * dy.to(device)).sum().backward()
+    grads = dict(got.named_parameters())
+    worst = max(relative(grads[n].grad, p.grad) for n, p in want.named_parameters() if p.grad is not None)
+    return {
+        "out_rel": relative(y_got, y_want),
+        "input_grad_rel": relative(x_got.grad, x_want.grad),
+        "worst_weight_grad_rel": worst,
+    }
+
+
+STEPS = {"fsdp2": fsdp2, "moe": moe}
+
+
+def check(name: str, device: torch.device) -> dict:
+    """Run step ``name`` on ``device``; its figures, or RuntimeError when a relative error passes ``BF16_RTOL``."""
+    figures = STEPS[name](device)
+    over = {k: v for k, v in figures.items() if k.endswith("_rel") and v > BF16_RTOL}
+    figures = {k: float(f"{v:.3g}") if isinstance(v, float) else v for k, v in figures.items()}
+    if over:
+        raise RuntimeError(f"{name}: bf16 on {device.type} off the fp32 CPU twin beyond {BF16_RTOL}: {over}")
+    return figures
