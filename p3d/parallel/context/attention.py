@@ -81,14 +81,7 @@ class _AllGatherKVAttention(torch.autograd.Function):
         ctx.group, ctx.cp, ctx.cp_rank = group, cp, cp_rank
         with torch.autocast(q.device.type, enabled=False):
             k_all, v_all = gather_sequence(k, group, cp), gather_sequence(v, group, cp)  # (b, nkv, s, hd)
-            c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-            out = empty_output(q)
-            lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # (b, nh, sl)
-            for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
-                rows = slice(half * c, (half + 1) * c)
-                out[:, :, rows], lse[:, :, rows], ctx.rng = attend(
-                    q[:, :, rows], chunk_blocks(k_all, v_all, chunk, c), scale
-                )
+            out, lse, ctx.rng = _gathered_forward(q, k_all, v_all, cp, cp_rank)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -108,15 +101,34 @@ def _gathered_backward(grad_out, q, k, v, out, lse, ctx):
     rank order (what the reduce-scatter takes, no copy). The gathered keys and values are freed on return."""
     cp = ctx.cp
     k_all, v_all = gather_sequence(k, ctx.group, cp), gather_sequence(v, ctx.group, cp)
+    return _blocks_backward(grad_out, q, k_all, v_all, out, lse, cp, ctx.cp_rank, ctx.rng)
+
+
+def _gathered_forward(q, k_all, v_all, cp: int, cp_rank: int):
+    """This rank's queries q (b, nh, sl, hd) over the whole sequence's k_all, v_all (b, nkv, s, hd) -> (out
+    (b, nh, sl, hd) in q's dtype, lse (b, nh, sl) fp32, the kernels' rng state)."""
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    out = empty_output(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # (b, nh, sl)
+    rng = ()
+    for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
+        rows = slice(half * c, (half + 1) * c)
+        out[:, :, rows], lse[:, :, rows], rng = attend(q[:, :, rows], chunk_blocks(k_all, v_all, chunk, c), scale)
+    return out, lse, rng
+
+
+def _blocks_backward(grad_out, q, k_all, v_all, out, lse, cp: int, cp_rank: int, rng):
+    """The backward of ``_gathered_forward``: dq (b, nh, sl, hd), dK, dV (cp, b, nkv, sl, hd) fp32 in rank order."""
     c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
     dq = torch.empty_like(q)
-    dk_by_rank = torch.zeros((cp, *k.shape), dtype=torch.float32, device=k.device)
+    b, nkv, s, hd = k_all.shape
+    dk_by_rank = torch.zeros((cp, b, nkv, s // cp, hd), dtype=torch.float32, device=k_all.device)
     dv_by_rank = torch.zeros_like(dk_by_rank)
-    for half, chunk in enumerate(chunk_ids(cp, ctx.cp_rank)):
+    for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
         rows = slice(half * c, (half + 1) * c)
         blocks = chunk_blocks(k_all, v_all, chunk, c)
         dq[:, :, rows] = _chunk_grads(grad_out[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                      blocks, (chunk, 0), dk_by_rank, dv_by_rank, scale, ctx.rng)  # fmt: skip
+                                      blocks, (chunk, 0), dk_by_rank, dv_by_rank, scale, rng)  # fmt: skip
     return dq, dk_by_rank, dv_by_rank
 
 
@@ -132,6 +144,38 @@ def _chunk_grads(do_c, q_c, out_c, lse_c, blocks, first_chunks, dk_by_rank, dv_b
         add_by_rank(dv_by_rank, dv_b, first_chunk, c)
         del dq_b, dk_b, dv_b
     return dq_c
+
+
+class _OneRankAttention(torch.autograd.Function):
+    """``one_rank_attention``: the all-gather variant's forward and backward with the sequence already whole."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, cp: int, cp_rank: int):
+        ctx.cp, ctx.cp_rank = cp, cp_rank
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse, ctx.rng = _gathered_forward(q, k_all, v_all, cp, cp_rank)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk_by_rank, dv_by_rank = _blocks_backward(grad_out, q, k_all, v_all, out, lse, ctx.cp, ctx.cp_rank,
+                                                          ctx.rng)  # fmt: skip
+            dk = to_global_order(list(dk_by_rank), dim=2).to(k_all.dtype)
+            dv = to_global_order(list(dv_by_rank), dim=2).to(v_all.dtype)
+        return dq, dk, dv, None, None
+
+
+def one_rank_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, cp: int, cp_rank: int):
+    """What cp rank ``cp_rank`` of ``cp`` computes, in one process and without a process group (checks on one
+    device, e.g. bench/gpu_layers.py): its queries q (b, nh, s / cp, hd) in local order (chunks.take_local) over the
+    whole sequence's k_all, v_all (b, nkv, s, hd), through the same blocks, fused kernels and log-sum-exp merge as
+    the all-gather variant, in the dtype they come in. Out: (b, nh, s / cp, hd). Backward: q's gradient, and k_all's
+    and v_all's from this rank's queries only (the sum over the cp ranks is the whole attention's, what the
+    reduce-scatter forms)."""
+    return _OneRankAttention.apply(q, k_all, v_all, cp, cp_rank)
 
 
 def context_parallel_attention(
