@@ -219,6 +219,7 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/moe.py --deepspeed",
             ".venv/bin/python bench/cp.py",
             ".venv/bin/python bench/cp_runs.py",
+            ".venv/bin/python bench/cp_runs.py --extra model=small",
             ".venv/bin/python bench/cp_memory.py",
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
