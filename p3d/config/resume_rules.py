@@ -49,6 +49,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "schedule.*": (Rule.CHANGES, "micro batches, recompute and stage cuts of the steps to come"),
     "schedule.global_batch_size": (Rule.CHANGES, "the next step reads the samples after the last one trained"),
     "schedule.pipeline": (Rule.CHANGES, "the executor of the steps to come; checkpoints are cut by layer name"),
+    "context.*": (Rule.CHANGES, "how the attention of the steps to come reaches the other cp ranks' keys"),
     "zero.*": (Rule.CHANGES, "optimizer states are saved whole and re-partitioned"),
     "cluster.*": (Rule.CHANGES, "where and how the workers run"),
     "data.*": (Rule.REFUSED, _DATA),

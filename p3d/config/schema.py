@@ -92,6 +92,13 @@ class ElasticVary(Choice):
     any = "any"  # the planner picks a layout for the nodes left (p3d.planner.best_layout)
 
 
+class ContextAttention(Choice):
+    """How a cp rank's attention reaches the other ranks' keys and values (docs/context.md, "All-gather or ring")."""
+
+    allgather = "allgather"  # all-gathered over the cp group once a layer, then attended (Llama 3)
+    ring = "ring"  # passed around the cp group, one rank's block a step, while the previous block computes
+
+
 class DataSource(Enum):
     stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
     files = "files"  # local text / json / jsonl / parquet files or globs
@@ -175,6 +182,13 @@ class MeshConfig:
     dp: Any = "auto"  # an int, or "auto": world size / (tp * pp)
     ep: int = 1  # expert parallelism: the experts of each MoE layer split over ep ranks carved from dp (divides dp)
     cp: int = 1  # context parallelism: each sequence split over cp ranks (2 cp chunks, head-tail), docs/context.md
+
+
+@dataclass
+class ContextConfig:
+    """Context parallelism's options (``mesh.cp`` sets its degree): p3d.parallel.context, docs/context.md."""
+
+    attention: ContextAttention = ContextAttention.allgather
 
 
 @dataclass
@@ -366,6 +380,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -40,8 +40,3 @@ def check_context(cfg: Config, tp: int) -> None:
             f"mesh.cp={cp} with model={m.name}, a mixture of experts: the balancing loss and the routing figures "
             "are computed per sequence, which p3d does not split over cp ranks; try mesh.cp=1"
         )
-    if m.compile:
-        raise P3DConfigError(
-            f"model.compile=true with mesh.cp={cp}: the cp attention's key/value collectives run eagerly, "
-            "p3d does not compile them; try model.compile=false"
-        )

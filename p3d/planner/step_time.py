@@ -44,8 +44,10 @@ gradients reduce over dp, the routed experts' over edp = dp / ep (their Adam ste
 Context parallelism (p3d.planner.context): a rank computes s / cp tokens of each sequence, so every b s above reads
 b s / cp, and the attention FLOPs are 1/cp of the causal total (4 b s^2 q / t x 1/2 / cp: the head-tail chunks
 balance them; the cp attention is flash-like whatever ``plan.flash_attention`` says). Each block's keys and values
-cross the cp group per micro batch: ``context.kv_collectives`` all-gathers and reduce-scatters of b s 2 kv / t c bytes,
-(cp - 1) / cp of each leaving the rank, over the link of its tp x cp consecutive ranks, none hidden (``kv``).
+cross the cp group per micro batch (``kv``, ``kv_traffic``): all-gathered (``context.kv_collectives``, b s 2 kv / t c
+bytes each, the dK, dV reduce-scatter in fp32, (cp - 1) / cp of each leaving the rank, none hidden) or passed round a
+ring (``context.ring_messages``, each hidden behind a step's attention as far as it lasts), over the link of its
+tp x cp consecutive ranks.
 Gradients reduce over the dp x cp holders of the parameters (the torch executor: cp > 1 never runs on DeepSpeed's).
 """
 
@@ -101,7 +103,7 @@ class StageTime:
     backward_compute: float  # one micro batch's backward, what DP traffic may hide behind
     forward_compute: float
     a2a: float = 0.0  # the MoE blocks' all-to-alls (token dispatch), never hidden
-    kv: float = 0.0  # context parallelism: the blocks' key/value all-gathers and reduce-scatters, never hidden
+    kv: float = 0.0  # context parallelism: the blocks' key/value traffic, what is not hidden of it
 
     @property
     def total(self) -> float:
@@ -206,14 +208,28 @@ def a2a_link(cfg: Config, layout: Layout) -> str:
 
 
 def kv_seconds(cfg: Config, layout: Layout) -> float:
-    """Seconds of one block's key/value collectives per micro batch on one rank (0 with cp = 1): the all-gathers and
-    reduce-scatters of ``context.kv_collectives``, each of ``context.kv_bytes``, over the cp group's link."""
+    """Exposed seconds of one block's key/value traffic per micro batch on one rank (0 with cp = 1): ``kv_traffic``."""
+    return kv_traffic(cfg, layout)[0]
+
+
+def kv_traffic(cfg: Config, layout: Layout) -> tuple[float, float]:
+    """(exposed, all) seconds of one block's key/value traffic per micro batch on one rank, over the cp group's link:
+    allgather, the all-gathers and reduce-scatters of ``context.kv_collectives`` (blocking: all exposed); ring, its
+    p2p messages less what hides behind each step's attention (``context.ring_exposed``)."""
     if layout.cp == 1:
-        return 0.0
+        return 0.0, 0.0
+    cp, span = layout.cp, context.kv_span(layout)
+    if context.variant(cfg) == "ring":
+        mach = machine_of(cfg)
+        kv_s = mach.collective("send_recv", context.kv_bytes(cfg, layout) / cp, 2, span)
+        grad_s = mach.collective("send_recv", context.kv_grad_bytes(cfg, layout) / cp, 2, span)
+        attention_s = sum(mach.gemm(g, layout) for g in block_gemms(cfg, layout)["attn"])
+        return context.ring_exposed(layout, kv_s, grad_s, attention_s)
     gathers, scatters = context.kv_collectives(Recompute(layout.recompute))
-    nbytes, cp, span = context.kv_bytes(cfg, layout), layout.cp, context.kv_span(layout)
-    exposed = 1 - context.HIDDEN
-    return (gathers + scatters) * ring(cfg, nbytes, cp, span, "all_gather") * exposed  # a reduce-scatter: as a gather
+    gather = ring(cfg, context.kv_bytes(cfg, layout), cp, span, "all_gather")
+    scatter = ring(cfg, context.kv_grad_bytes(cfg, layout), cp, span, "all_gather")  # a reduce-scatter: as a gather
+    blocking = gathers * gather + scatters * scatter
+    return blocking, blocking
 
 
 def kv_link(cfg: Config, layout: Layout) -> str:

@@ -119,10 +119,11 @@ def _context_notes(r) -> list[str]:
     if lay.cp == 1 or kv_link(cfg, lay) == "intra":
         return []
     kv = r.breakdown["kv_comm"]
+    what = "ring sends" if str(cfg.context.attention) == "ring" else "all-gathers"
     return [
-        f"the key/value all-gathers of mesh.cp={lay.cp} span tp x cp = {kv_span(lay)} consecutive ranks, more than a "
-        f"node of {cfg.cluster.gpus_per_node}: they take the inter-node link ({kv:.2f} s, {kv / r.step_time_s:.0%} of "
-        "the step, none hidden); a smaller mesh.cp or mesh.tp keeps them on the intra-node link"
+        f"the key/value {what} of mesh.cp={lay.cp} span tp x cp = {kv_span(lay)} consecutive ranks, more than a "
+        f"node of {cfg.cluster.gpus_per_node}: they take the inter-node link ({kv:.2f} s exposed, "
+        f"{kv / r.step_time_s:.0%} of the step); a smaller mesh.cp or mesh.tp keeps them on the intra-node link"
     ]
 
 

@@ -219,8 +219,15 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/moe.py --deepspeed",
             ".venv/bin/python bench/moe.py --layer --passes 3 --steps 5",
             ".venv/bin/python bench/cp.py",
+            ".venv/bin/python bench/cp_runs.py",
+            ".venv/bin/python bench/cp_runs.py --extra model=small",
+            ".venv/bin/python bench/cp_memory.py",
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    ),
+    # docs/context.md (issue 52)
+    ".venv/bin/python bench/cp_variants.py": Case(
+        "not_here", expect="the planner's key/value formulas over lengths; tests/unit/planner/test_context.py"
     ),
     # docs/planner.md, docs/benchmarks.md (issue 36)
     ".venv/bin/python bench/planner_published.py": Case(

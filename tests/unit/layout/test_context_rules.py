@@ -20,7 +20,6 @@ RULES = [
         "mesh.cp=2 with model=moe_tiny, a mixture of experts",
         "mesh.cp=1",
     ),
-    (("model=tiny", "mesh=single", "mesh.cp=2", "model.compile=true"), "model.compile=true with mesh.cp=2", "false"),
     (("model=tiny", "mesh=single", "mesh.cp=0"), "mesh.cp=0 must be at least 1", "try mesh.cp=1"),
     (
         ("model=tiny", "mesh=dp2", "mesh.cp=2", "zero=stage3", "zero.shard_size=3"),
@@ -87,3 +86,10 @@ def test_seq_len_rule_allows_what_the_chunks_need():
     assert seen == list(range(cfg.model.seq_len))  # the cp ranks hold every token once
     assert local_positions(64, 4, 1).tolist()[:8] == list(range(8, 16))  # rank 1: chunk 1 then chunk 6
     assert local_positions(64, 4, 1).tolist()[8:] == list(range(48, 56))
+
+
+def test_cp_with_compile_is_allowed():
+    """Issue 52: the cp attention runs on fused kernels that torch.compile takes, so model.compile=true with cp is
+    no longer refused (its parity: tests/e2e/test_cp_parity.py, case cp2-compile)."""
+    cfg, plan = typed("model=tiny", "mesh=single", "mesh.cp=2", "model.compile=true")
+    assert cfg.model.compile and plan.cp == 2

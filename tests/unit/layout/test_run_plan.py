@@ -68,6 +68,7 @@ def test_default_job_is_tiny_on_dp2_pp2_tp2():
         "cluster.device=h100",
         "logger.mode=ofline",
         "logger.progress=bars",
+        "context.attention=rign",
         "format=yaml",
     ],
 )
