@@ -32,6 +32,7 @@ from p3d.jobs.slurm.submit import SLURM_TIMEOUT_S, job_shape
 from p3d.rundir.attempts import start_attempt
 from p3d.rundir.files import log_job, rank_log
 from p3d.rundir.files import logs as run_logs
+from p3d.rundir.lease import alive
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -130,21 +131,11 @@ def start_srun_attempt(run_dir: str | Path, plan=None) -> int:
     return rank_log(run_dir, plan.logging_rank).stat().st_size
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def follow_srun(log: str, offset: str, pid: str) -> int:
     """The recipe's console while srun (``pid``) runs: the logging rank's ``log`` from ``offset`` on, less a
     failure report (p3d.jobs.follow): after a lost node or a killed worker the survivors' lost connections are
     no failure of theirs, and after an error a rank raised the recipe prints that rank's last lines itself."""
-    follow(Path(log), lambda: not _running(int(pid)), sys.stdout, 0.5, int(offset), held=[])
+    follow(Path(log), lambda: not alive(int(pid)), sys.stdout, 0.5, int(offset), held=[])
     return 0
 
 
