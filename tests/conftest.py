@@ -38,12 +38,15 @@ SERIAL = (
     "tests/workers/test_bubble_schedules.py",  # sleep-timed blocks against each schedule's theory
     "tests/workers/test_calibrate.py",  # the probes time the machine
     "tests/workers/test_dp_collectives.py",  # the dp clocks' own and exposed seconds
-    "tests/e2e/test_observe.py",  # a slowed rank named by its seconds
+    "tests/e2e/test_observe.py::test_time_blocked_in_dp_collectives_is_measured",  # a slowed rank's seconds
     "tests/e2e/test_trace.py",  # a traced step's span and waits against step_time_s and the bubble, within 5%
-    "tests/e2e/test_run_lock.py",  # Ctrl-C at chosen delays
+    "tests/e2e/test_run_lock.py::test_ctrl_c",  # Ctrl-C at chosen delays
+    "tests/e2e/test_run_lock.py::test_the_lease_of_a_sigkilled_run",  # SIGKILL mid-run
     "tests/e2e/test_elastic_local.py",  # a node lost mid-step, the survivors' timeouts
-    "tests/e2e/test_checkpoint_async.py",  # a kill during a background write
-    "tests/e2e/test_durable.py",  # SIGTERM mid-run
+    "tests/e2e/test_checkpoint_async.py::test_sigkill",  # a kill during a background write
+    "tests/e2e/test_checkpoint_async.py::test_a_stop_signal",  # a stop signal during a background write
+    "tests/e2e/test_durable.py::test_sigterm",  # SIGTERM mid-run
+    "tests/e2e/test_durable.py::test_sigkill",  # SIGKILL during a save
     "tests/e2e/test_faults.py::test_a_slowed_rank_is_named_as_the_straggler",
     "tests/e2e/test_faults.py::test_a_stopped_worker_is_named_and_the_others_dump_their_stacks",
     "tests/e2e/test_faults.py::test_a_killed_worker",

@@ -123,6 +123,7 @@ def test_a_mesh_larger_than_the_partition_is_refused_before_submitting(slurm_clu
     assert run("sacct", "-n", "-X", "--name", name, "-S", "now-1hour").stdout.strip() == ""
 
 
+@pytest.mark.slow  # 26 s: make test keeps a submitit sweep and its report in tests/cluster/multinode
 @pytest.mark.timeout(420)
 def test_sweep_through_submitit_runs_one_job_per_point_and_reports(slurm_cluster, tmp_path):
     """p3d-train -m cluster=slurm: two Slurm jobs (2 and 4 ranks), one infeasible point never submitted."""
