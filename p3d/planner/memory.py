@@ -153,8 +153,19 @@ def step_buffer_bytes(cfg: Config, layout: Layout, sp: StageParams) -> float:
     (``PipelineStage.backward_maybe_with_nosync``), and its gradient accumulates unsharded over the micro
     batches, in fp32: c N + 4 N (c = 2 under bf16, whose gathered copies are bf16), under stage 2 and stage 3 alike
     (stage 3 frees a unit's weights after each forward, which lowers the peak only while the first backward has
-    not reached it)."""
-    return (dtype_bytes(cfg) + 4.0) * sp.total if fsdp_sharded(cfg, layout) else 0.0
+    not reached it).
+
+    The torch executor's bf16 without FSDP2 (autocast over the fp32 weights): the step's one bf16 copy of every
+    matrix, made at its first use and shared by every micro batch in flight (p3d.parallel.tp.precision), but an
+    untied embedding table, which the lookup reads in fp32."""
+    if fsdp_sharded(cfg, layout):
+        return (dtype_bytes(cfg) + 4.0) * sp.total
+    if layout.torch_executor and cfg.train.dtype == DType.bf16:
+        m = cfg.model
+        lookup_only = "embed" in sp.layers and not m.tie_embeddings
+        table = padded_vocab(m.vocab_size, layout.tp) // layout.tp * m.hidden_size if lookup_only else 0
+        return 2.0 * (sp.matrices - table)
+    return 0.0
 
 
 def _norm_bytes(cfg: Config) -> float:

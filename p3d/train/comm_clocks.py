@@ -176,7 +176,7 @@ class CommClocks:
 
 def running_dims(plan) -> list[str]:
     """The dimensions with more than one rank, whose collectives exist (dp: the dp x cp holders of the parameters,
-    which reduce their gradients)."""
+    which reduce their gradients), and dp always: ``dp_comm_s`` is in every step's metrics, 0 with one replica."""
     sizes = {dim: getattr(plan, dim, 1) or 1 for dim in DIMS}
     sizes["dp"] *= sizes["cp"]
-    return [dim for dim in DIMS if sizes[dim] > 1]
+    return [dim for dim in DIMS if dim == "dp" or sizes[dim] > 1]

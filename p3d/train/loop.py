@@ -176,7 +176,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 device,
                 stats if reads_data else None,
             )
-        tracer.write(trace, step_time_s=step_time, bubble=bubble, bubble_theory=bubble_theory, dp_comm_s=dp_comm)
+        tracer.write(trace, step_time_s=step_time, bubble=bubble, bubble_theory=bubble_theory, **comm)
         assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
         failed, fault_line, extra = policy.apply(gate.verdict)
         if experts is not None:  # every rank: the step's routing figures, and aux-loss-free balancing

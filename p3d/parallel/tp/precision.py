@@ -43,10 +43,9 @@ class _CastOnce(torch.autograd.Function):
 
 def compute_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` as a matmul under the current autocast would use it, cast once a step (module doc)."""
-    device_type = weight.device.type
-    if not torch.is_autocast_enabled(device_type) or torch.compiler.is_compiling():
+    dtype = autocast_dtype(weight.device.type)
+    if dtype is None or torch.compiler.is_compiling():
         return weight
-    dtype = torch.get_autocast_dtype(device_type)
     if weight.dtype == dtype or not weight.is_floating_point():
         return weight
     return _CastOnce.apply(weight, dtype)
@@ -60,5 +59,9 @@ def drop_weight_casts(module: nn.Module) -> None:
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast computes in here, or None outside autocast."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    """The dtype autocast computes in on ``device_type``, or None outside autocast (and on devices autocast does not
+    know: meta, the planner's FLOP counts)."""
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except RuntimeError:
+        return None

@@ -84,3 +84,12 @@ class Plan:
 
 def test_dp_runs_over_the_cp_holders_too():
     assert running_dims(Plan()) == ["dp", "tp", "cp"]
+
+
+def test_dp_is_always_reported():
+    """``dp_comm_s`` is in every step's metrics (0 with one replica): dashboards and p3d-report read it."""
+
+    class Single:
+        tp, pp, dp, ep, cp = 1, 2, 1, 1, 1
+
+    assert running_dims(Single()) == ["dp", "pp"]
