@@ -371,7 +371,9 @@ class PlanConfig:
     gemm_k_overhead: Optional[float] = None
     hbm_gbps: Optional[float] = None  # device memory bandwidth (GB/s) for memory-bound kernels; null: the datasheet's
     flash_attention: bool = True  # attention keeps O(s) per token (flash kernels); false: the s x s probabilities
-    overlap_dp: bool = False  # dp / ZeRO collectives overlap compute (DeepSpeed's pipeline engine: they do not)
+    # dp / ZeRO collectives overlap compute; null: as p3d's executor runs it (the torch schedules' and FSDP2's do,
+    # DeepSpeed's pipeline engine does not; docs/overlap.md); true / false: a published run's setting
+    overlap_dp: Optional[bool] = None
     overlap_tp: bool = False  # tp collectives overlap the matmuls (p3d's tp layers: they do not)
     overlap_pp: bool = False  # pipeline sends overlap compute (DeepSpeed's pipeline engine blocks on them)
     p2p_scatter: bool = False  # pipeline sends carry 1/tp of the activations (Megatron); p3d's send the full copy

@@ -46,6 +46,7 @@ class Prediction:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     ranking: list[Prediction] = field(default_factory=list)  # mesh=auto: the best layouts, best first
+    dp_traffic_s: float = 0.0  # the slowest tail's dp collectives, whole; breakdown["dp_comm"] is their exposed part
 
     # ---- figures
     @property
@@ -215,9 +216,10 @@ def evaluate(
     fill = layout.micro_batches * idle / (1 - idle)  # micro-batch times of fill and drain: idle = fill / (m + fill)
     tails = []
     for mem, t in zip(stages, times):
-        dp = step_time.dp_exposed(cfg, layout, mem.params, step_time.dp_seconds(cfg, layout, mem.params), t)
-        tails.append((dp + step_time.optimizer_seconds(cfg, layout, mem.params), dp))
-    tail, dp_exposed = max(tails)
+        traffic = step_time.dp_seconds(cfg, layout, mem.params)
+        dp = step_time.dp_exposed(cfg, layout, mem.params, traffic, t)
+        tails.append((dp + step_time.optimizer_seconds(cfg, layout, mem.params), dp, traffic))
+    tail, dp_exposed, dp_traffic = max(tails)
     tied = step_time.tied_seconds(cfg, layout)
     m = layout.micro_batches
     mach = machine_of(cfg)
@@ -244,7 +246,7 @@ def evaluate(
     for key, value in (("overhead", overhead), ("contention", contention)):
         if value > 0:  # a calibrated machine's executor overhead, and the cores' time-sharing on cpu
             breakdown[key] = value
-    report = Prediction(cfg, layout, stages, times, step, breakdown)
+    report = Prediction(cfg, layout, stages, times, step, breakdown, dp_traffic_s=dp_traffic)
     if check:
         report.warnings, report.notes = verdict(report, accepted)
         report.notes += mach.notes(layout)
@@ -254,7 +256,7 @@ def evaluate(
 def busy_seconds(
     layout: Layout,
     times: list[step_time.StageTime],
-    tails: list[tuple[float, float]],
+    tails: list[tuple[float, float, float]],
     tied: float,
     overhead: float,
 ) -> float:
@@ -263,7 +265,7 @@ def busy_seconds(
     blocked in a gloo receive or collective sleeps and gives its core away, so with more ranks than cores the step
     takes at least this over the cores (the work bound of list scheduling: Brent, 1974; docs/planner.md)."""
     ranks = layout.tp * layout.dp_cp
-    work = sum(layout.micro_batches * t.total + tail for t, (tail, _) in zip(times, tails))
+    work = sum(layout.micro_batches * t.total + tail for t, (tail, *_) in zip(times, tails))
     return ranks * work + (2 * tied if tied else 0.0) + layout.world_size * overhead
 
 

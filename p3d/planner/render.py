@@ -193,6 +193,7 @@ def render(report) -> str:
                 "kv_comm": f"  (cp={lay.cp} key/value {_KV_TRAFFIC[context.variant(cfg)]}, {kv_link(cfg, lay)}-node "
                 f"link, {_kv_hidden(cfg, lay):.0%} hidden)",
                 "contention": f"  ({lay.world_size} ranks' work over {machine_of(cfg).cores} cores)",
+                "dp_comm": _dp_overlap(report),
             }.get(key, "")
             out.append(f"  {key:<15} {b[key]:>10.4f}{link}")
     out.append(f"  {'step':<15} {report.step_time_s:>10.4f}")
@@ -214,7 +215,7 @@ def render(report) -> str:
         f"HBM {a['hbm_gbps']:g} GB/s, "
         f"links {a['intra_node_gbps']:g}/{a['inter_node_gbps']:g} GB/s x {a['comm_efficiency']:g}, "
         f"flash_attention={a['flash_attention']}, overlap tp/pp/dp={a['overlap_tp']}/{a['overlap_pp']}/"
-        f"{a['overlap_dp']}"
+        f"{'executor' if a['overlap_dp'] is None else a['overlap_dp']}"
     )
     if cfg.calibration:
         out.append(f"calibrated: {cfg.calibration} ({calibration.load(cfg.calibration).describe()})")
@@ -223,3 +224,18 @@ def render(report) -> str:
     for w in report.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)
+
+
+def _dp_overlap(report) -> str:
+    """The dp line's note: the exposed seconds' share of the dp traffic, and who hides the rest (docs/overlap.md)."""
+    total, exposed = report.dp_traffic_s, report.breakdown.get("dp_comm", 0.0)
+    if total <= 0:
+        return ""
+    who = (
+        "DeepSpeed's engine reduces after the last backward"
+        if exposed >= total
+        else "issued in the last backward"
+        if report.cfg.plan.overlap_dp is None
+        else "plan.overlap_dp=true"
+    )
+    return f"  (exposed, of {total:.4f} s of dp traffic: overlap {1 - exposed / total:.0%}; {who})"

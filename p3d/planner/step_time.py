@@ -54,6 +54,7 @@ Gradients reduce over the dp x cp holders of the parameters (the torch executor:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -381,11 +382,21 @@ def dp_exposed(cfg: Config, layout: Layout, st: StageParams, total: float, t: St
     Megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the traffic is chunked by
     layers (by the layers of a virtual stage when pp > 1) and one chunk stays exposed, the last gradients' reduction
     and the first weights' gather (Megatron-Bridge docs, "Communication Overlap"), and what exceeds one micro batch's
-    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 2 and 3: ``fsdp_exposed``."""
-    if not cfg.plan.overlap_dp or total <= 0.0:
+    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 2 and 3: ``fsdp_exposed``.
+
+    ``plan.overlap_dp`` null (the default) models p3d's executors (docs/overlap.md): DeepSpeed's 1F1B exposes it all;
+    the torch executor's ZeRO 0/1 all-reduce buckets of ``zero.bucket_mb`` fp32 gradients, each issued during the
+    step's last backward as soon as its gradients are final (p3d.train.executors.grad_buckets), so the last bucket
+    stays exposed and what outlasts that backward (its recompute included): max(total / buckets, total - hide);
+    FSDP2 reduce-scatters each unit in the last backward and prefetches its gathers (``fsdp_exposed``)."""
+    stated = cfg.plan.overlap_dp  # None: as p3d runs it
+    if total <= 0.0 or not (stated or (stated is None and layout.torch_executor)):
         return total
     if layout.zero >= 2:
         return fsdp_exposed(layout, st, fsdp_seconds(cfg, layout, st), t)
+    if stated is None:  # the torch executor's buckets
+        buckets = max(1, math.ceil(4.0 * st.total / (cfg.zero.bucket_mb * 2**20)))
+        return max(total / buckets, total - (t.backward_compute + t.recompute))
     chunks = max(1, st.blocks if layout.pp == 1 else layout.virtual_stages)
     return max(total / chunks, total - (t.forward_compute + t.backward_compute))
 

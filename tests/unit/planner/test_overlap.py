@@ -73,8 +73,25 @@ def test_dp_overlap_leaves_one_chunk_exposed(make_cfg, mesh, chunks):
     st = StageParams(matrices=1000, vectors=10, blocks=32 // layout.pp)
     assert dp_exposed(cfg, layout, st, 1.0, stage_time(1e6)) == pytest.approx(1 / chunks)
     assert dp_exposed(cfg, layout, st, 1.0, stage_time(0.5)) == pytest.approx(0.5)  # 1 s over a 0.5 s window
-    off = make_cfg(*H100, "cluster.nodes=1", "mesh.tp=1", *mesh, "zero=stage1")
+    off = make_cfg(*H100, "cluster.nodes=1", "mesh.tp=1", *mesh, "zero=stage1", "plan.overlap_dp=false")
     assert dp_exposed(off, layout, st, 1.0, stage_time(1e6)) == 1.0
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_torch_executor_hides_all_but_its_last_bucket_behind_the_last_backward(make_cfg, zero):
+    """plan.overlap_dp unset models p3d's executors. Its torch schedules (ZeRO 0/1): buckets of zero.bucket_mb fp32
+    gradients issued in the last backward, so one bucket stays exposed, and what outlasts one micro batch's backward;
+    DeepSpeed's 1F1B exposes it all."""
+    mesh = ("mesh.pp=2", "mesh.dp=4", f"zero=stage{zero}", "zero.bucket_mb=1")
+    cfg = make_cfg(*H100, "cluster.nodes=1", "mesh.tp=1", *mesh, "schedule.pipeline=interleaved_1f1b")
+    layout = layout_of(cfg)
+    st = StageParams(matrices=2**20, vectors=0, blocks=16)  # 4 MB of fp32 gradients: 4 buckets of 1 MB
+    assert layout.torch_executor
+    assert dp_exposed(cfg, layout, st, 1.0, stage_time(1e6)) == pytest.approx(1 / 4)
+    assert dp_exposed(cfg, layout, st, 1.0, stage_time(1.0)) == pytest.approx(0.5)  # backward 0.5 s: 1 - 0.5
+    deepspeed = make_cfg(*H100, "cluster.nodes=1", "mesh.tp=1", *mesh)
+    assert not layout_of(deepspeed).torch_executor
+    assert dp_exposed(deepspeed, layout_of(deepspeed), st, 1.0, stage_time(1e6)) == 1.0
 
 
 @pytest.mark.parametrize("stage", [2, 3])
