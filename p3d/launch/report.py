@@ -46,7 +46,7 @@ def _fmt(value: Any, kind: str) -> str:
     return {"int": f"{value:,.0f}", "pct": f"{value:.1%}", "gb": f"{value:.2f}", "loss": f"{value:.4f}"}[kind]
 
 
-METRICS_HEADER = ("tokens/s", "MFU", "peak GB", "bubble", "final loss", "steps")
+METRICS_HEADER = ("tokens/s", "MFU", "peak GB", "bubble", "comm hidden", "final loss", "steps")
 NUMERIC_AXES = ("world_size", "dp", "pp", "tp", "cp", "ep", "zero_stage", "v")
 
 
@@ -84,6 +84,7 @@ def table(rows: list[Row]) -> str:
                 _fmt(r.mfu, "pct"),
                 _fmt(r.peak_mem_gb, "gb"),
                 _fmt(r.bubble, "pct"),
+                _fmt(r.comm_hidden, "pct"),
                 _fmt(r.final_loss, "loss"),
                 steps,
                 status,

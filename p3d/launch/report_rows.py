@@ -34,6 +34,9 @@ class Row:
     mfu: float | None = None
     peak_mem_gb: float | None = None
     bubble: float | None = None
+    comm_s: float | None = None  # every dimension's communication in a step, its own time (median over steps)
+    comm_exposed_s: float | None = None  # the part of it the step waited for (median over steps)
+    comm_hidden: float | None = None  # 1 - comm_exposed_s / comm_s: the overlap ratio
     final_loss: float | None = None
     steps: int | None = None
     total_steps: int | None = None
@@ -143,6 +146,7 @@ def read_point(point: Path, name: str) -> Row:
         row.tokens_per_s = _median([r.get("tokens_per_s") for r in steady])
         row.mfu = _median([r.get("mfu") for r in steady])
         row.bubble = _median([r.get("bubble") for r in steady])
+        row.comm_s, row.comm_exposed_s, row.comm_hidden = comm_figures(steady)
         mems = [r["peak_mem_gb"] for r in records if isinstance(r.get("peak_mem_gb"), (int, float))]
         row.peak_mem_gb = max(mems) if mems else None
         row.final_loss = records[-1].get("loss")
@@ -162,6 +166,22 @@ def read_point(point: Path, name: str) -> Row:
     elif row.status == "done" and not complete:
         row.status = "incomplete"
     return row
+
+
+def comm_figures(records: list[dict]) -> tuple[float | None, float | None, float | None]:
+    """(own, exposed, hidden share) of the steps' communication over every dimension (``<dim>_comm_s`` and
+    ``<dim>_comm_exposed_s``, p3d.train.comm_clocks): medians over steps; None where no step timed any."""
+    own = _median([_dims_sum(r, "_comm_s") for r in records])
+    exposed = _median([_dims_sum(r, "_comm_exposed_s") for r in records])
+    if own is None or exposed is None:
+        return None, None, None
+    return own, exposed, (max(0.0, 1.0 - exposed / own) if own > 0 else None)
+
+
+def _dims_sum(record: dict, suffix: str) -> float | None:
+    """The sum of a record's figures named ``<dim><suffix>`` ("dp_comm_exposed_s" does not end in "_comm_s")."""
+    values = [v for k, v in record.items() if k.endswith(suffix) and isinstance(v, (int, float))]
+    return sum(values) if values else None
 
 
 def _point_key(path: Path):

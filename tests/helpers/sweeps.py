@@ -27,8 +27,10 @@ def make_point(
     v=1,
     recompute="none",
     overrides=None,
+    comm=None,
 ):
-    """A point's directory; ``overrides`` (a list of strings): its .hydra/overrides.yaml, as a sweep writes it."""
+    """A point's directory; ``overrides`` (a list of strings): its .hydra/overrides.yaml, as a sweep writes it;
+    ``comm``: the communication figures of every step (``{"dp_comm_s": 1.0, "dp_comm_exposed_s": 0.2}``)."""
     d = root / name
     d.mkdir(parents=True)
     spec = {
@@ -53,6 +55,7 @@ def make_point(
         }
         if bubble is not None:
             rec["bubble"] = bubble
+        rec.update(comm or {})
         lines.append(json.dumps(rec))
     if lines:
         (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")

@@ -42,9 +42,10 @@ def test_rows_from_spec_metrics_and_status(tmp_path):
     text = table(rows)
     assert text.splitlines()[:2] == [
         "every point: dp1 pp2 cp1 ep1, ZeRO-0, 1f1b v=1, recompute none",  # what no two points differ in
-        "point  mesh     ranks  tp  tokens/s   MFU  peak GB  bubble  final loss  steps  status",  # what they differ in
+        # what they differ in
+        "point  mesh     ranks  tp  tokens/s   MFU  peak GB  bubble  comm hidden  final loss  steps  status",
     ]
-    assert re.search(r"^1\s+pp2\s+4\s+2\s+6,000\s+6.0%\s+0.30\s+-\s+4.0000\s+3/3\s+done$", text, re.M), text
+    assert re.search(r"^1\s+pp2\s+4\s+2\s+6,000\s+6.0%\s+0.30\s+-\s+-\s+4.0000\s+3/3\s+done$", text, re.M), text
     assert re.search(r"^3\s+tp8_pp1\s+-\s+-.*skipped: mesh.tp=8 must divide model.n_heads=8$", text, re.M), text
     assert text.splitlines()[-1] == (
         "fastest: point 1, pp2 (4 ranks: dp1 pp2 tp2 cp1 ep1, ZeRO-0, 1f1b v=1, recompute none): 6,000 tokens/s"
@@ -189,3 +190,19 @@ def test_points_apart_in_no_axis_show_their_overrides(tmp_path):
     assert re.search(r"^point\s+mesh\s+overrides\s+tokens/s", text, re.M), text
     assert re.search(r"^1\s+pp2\s+zero.shard_size=2\s+2,500", text, re.M), text
     assert len(set(_lines_less_the_point(text))) == 2, text
+
+
+def test_the_communication_hidden_behind_compute_is_a_column_and_in_the_csv(tmp_path, capsys):
+    """Every dimension's own and exposed communication (metrics.jsonl's <dim>_comm_s, <dim>_comm_exposed_s, issue 54):
+    their sums' medians over the steps after the first, and 1 - exposed / own as the share hidden."""
+    comm = {"dp_comm_s": 1.0, "dp_comm_exposed_s": 0.2, "tp_comm_s": 1.0, "tp_comm_exposed_s": 1.0}
+    make_point(tmp_path, "0", comm=comm, status={"status": "done", "returncode": 0})
+    make_point(tmp_path, "1", tp=2, status={"status": "done", "returncode": 0})  # no figures: a run from before
+    r0, r1 = collect(tmp_path)
+    assert (r0.comm_s, r0.comm_exposed_s, r0.comm_hidden) == (2.0, 1.2, pytest.approx(0.4))
+    assert (r1.comm_s, r1.comm_exposed_s, r1.comm_hidden) == (None, None, None)
+    text = table([r0, r1])
+    assert re.search(r"^0\s+pp2\s+2\s+1\s+.*\s40.0%\s+4.0000\s+3/3\s+done$", text, re.M), text
+    assert main([str(tmp_path), "--no-plot"]) == 0
+    with open(tmp_path / "report.csv") as f:
+        assert float(next(csv.DictReader(f))["comm_hidden"]) == pytest.approx(0.4)
