@@ -11,8 +11,10 @@ Written by one rank only (last stage, dp 0, tp 0), where the loss is known. Figu
 - bubble: measured share of the step the stages spend blocked on pipeline neighbours (mean over
   ranks, p3d.train.timing); bubble_theory: the same idle share in theory, (p-1)/(m+p-1)
   (p3d.layout.geometry.pipeline_bubble, the number p3d-plan reports as bubble).
-- dp_comm_s: seconds of the step blocked in data-parallel collectives that compute did not hide (mean over
-  ranks, p3d.train.timing): the dp reduction, and ZeRO's gathers and reduce-scatters.
+- dp_comm_s / dp_comm_exposed_s: the data-parallel collectives' own seconds in the step (the union of their
+  issue-to-completion intervals) and the seconds the step was blocked in them, compute not hiding them (mean over
+  ranks, p3d.train.comm_clocks): the dp reduction, and ZeRO's gathers and reduce-scatters. The same pair for tp,
+  pp (its p2p waits), cp and ep where they run (docs/overlap.md); 1 - exposed / own is the overlap ratio.
 - stage_compute_s: forward + backward seconds of the step per pipeline stage (mean over its ranks): a
   measured bubble above theory with unequal stage figures is imbalance, not fill and drain.
 - MoE models: moe_aux_loss, moe_aux_loss_layers, moe_load_imbalance, moe_dropped (p3d.parallel.experts.balance);
