@@ -38,6 +38,7 @@ SERIAL = (
     "tests/workers/test_bubble_schedules.py",  # sleep-timed blocks against each schedule's theory
     "tests/workers/test_calibrate.py",  # the probes time the machine
     "tests/workers/test_dp_collectives.py",  # the dp clocks' own and exposed seconds
+    "tests/workers/test_overlap.py",  # sleep-timed blocks: the exposed share of the dp reduction
     "tests/e2e/test_observe.py::test_time_blocked_in_dp_collectives_is_measured",  # a slowed rank's seconds
     "tests/e2e/test_trace.py",  # a traced step's span and waits against step_time_s and the bubble, within 5%
     "tests/e2e/test_run_lock.py::test_ctrl_c",  # Ctrl-C at chosen delays
