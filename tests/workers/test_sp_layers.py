@@ -8,6 +8,8 @@ input, and compares outputs and every gradient with this rank's part of the twin
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,6 +51,41 @@ def _check_mappings(rank, world):
     torch.testing.assert_close(x.grad, g, **TOL)
 
 
+@contextlib.contextmanager
+def _forward_order():
+    """The order of all-gathers issued, waited for, and matmuls run (aten's mm family) inside the block."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    order: list[str] = []
+    issue = dist.all_gather_into_tensor
+
+    class Waited:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *args, **kwargs):
+            order.append("gather waited")
+            return self.work.wait(*args, **kwargs)
+
+    def gather(*args, **kwargs):
+        order.append("gather issued")
+        work = issue(*args, **kwargs)
+        return Waited(work) if work is not None else None
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "matmul"):
+                order.append("matmul")
+            return func(*args, **(kwargs or {}))
+
+    dist.all_gather_into_tensor = gather
+    try:
+        with Matmuls():
+            yield order
+    finally:
+        dist.all_gather_into_tensor = issue
+
+
 def _check_column(rank, world):
     from p3d.parallel.tp.layers import ColumnParallelLinear
 
@@ -58,7 +95,11 @@ def _check_column(rank, world):
     shard = ColumnParallelLinear(12, sizes, mesh, keys, 0.1, SEED, sequence_parallel=True)
     x_full = same_inputs(2, S, 12).requires_grad_()
     x = _seq_block(x_full, rank, world).requires_grad_()  # (b, s/tp, in)
-    y_full, y = full(x_full), shard(x)  # y: the whole sequence, this rank's columns
+    with _forward_order() as order:
+        y = shard(x)
+    # the other blocks' all-gather is issued, this rank's block multiplied while it travels, then waited for
+    assert order[:3] == ["gather issued", "matmul", "gather waited"], order
+    y_full = full(x_full)  # y: the whole sequence, this rank's columns
     torch.testing.assert_close(y, column_shard(y_full.detach(), sizes, rank, world, dim=-1), **TOL)
     g = same_inputs(2, S, 32)
     (y_full * g).sum().backward()

@@ -215,10 +215,12 @@ def gather_seq_values(x: torch.Tensor, group) -> torch.Tensor:
 class _GatheredLinear(torch.autograd.Function):
     """y = gather_seq(x) W^T for a column-parallel layer under sequence parallelism.
 
-    Keeps only this rank's (b, s/tp, in) block for backward and all-gathers it again there, so the
-    full-sequence input is never held between forward and backward (what makes sequence parallelism
-    divide the norms' activations by tp). backward: dx = reduce_scatter(dy W), dW = dy^T gather_seq(x), each
-    collective hidden behind a matmul: the all-gather of x runs during dy W, the reduce-scatter of dx during dW.
+    forward: the all-gather of the other ranks' blocks is issued first and runs while this rank's own block is
+    multiplied (x W^T, (b, s/tp, out/tp)); then each other block's rows, and the blocks in sequence order. Keeps only
+    this rank's (b, s/tp, in) block for backward and all-gathers it again there, so the full-sequence input is
+    never held between forward and backward (what makes sequence parallelism divide the norms' activations by tp).
+    backward: dx = reduce_scatter(dy W), dW = dy^T gather_seq(x), each collective hidden behind a matmul: the
+    all-gather of x runs during dy W, the reduce-scatter of dx during dW.
     Under autocast (bf16 over fp32 weights: the torch executor) the forward's matmul runs in bf16, so the
     backward's do too, in the gradient's dtype, and each gradient returns in its input's dtype.
     """
@@ -227,7 +229,14 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, group):
         ctx.group = group
         ctx.save_for_backward(x, weight)
-        return torch.nn.functional.linear(_gather_seq(x, group), weight)  # (b, s, out/tp)
+        size, me = _size(group), dist.get_rank(group)
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # (tp b, s/tp, in): rank r's block at r b
+        gathering = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=True)
+        mine = torch.nn.functional.linear(x, weight)  # (b, s/tp, out/tp), while the other blocks travel
+        gathering.wait()
+        blocks = out.unflatten(0, (size, x.shape[0]))  # (tp, b, s/tp, in)
+        ys = [mine if r == me else torch.nn.functional.linear(blocks[r], weight) for r in range(size)]
+        return torch.cat(ys, dim=1)  # (b, s, out/tp), rank r's rows at r s/tp
 
     @staticmethod
     def backward(ctx, grad):
