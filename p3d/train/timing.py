@@ -181,7 +181,7 @@ class StepClocks:
         """Each running dimension's ``<dim>_comm_s`` (own) and ``<dim>_comm_exposed_s`` since the last call
         (p3d.train.comm_clocks); pp's add the seconds blocked on neighbours of the last ``take`` (call it first)."""
         figures = self.comm.take(running)
-        if "pp" in figures:
+        if "pp_comm_s" in figures:
             figures["pp_comm_s"] += self.waited_s
             figures["pp_comm_exposed_s"] += self.waited_s
         return figures

@@ -93,3 +93,15 @@ def test_dp_is_always_reported():
         tp, pp, dp, ep, cp = 1, 2, 1, 1, 1
 
     assert running_dims(Single()) == ["dp", "pp"]
+
+
+def test_pp_figures_are_the_seconds_blocked_on_neighbours():
+    """pp is not a collective: the waits that ``take`` read (p2p and the drain) are its own and exposed time."""
+    from p3d.train.timing import StepClocks
+
+    clocks = StepClocks()
+    clocks.wait.spans.append((0.0, 0.25))
+    assert clocks.take() == 0.25
+    got = clocks.take_comm(["dp", "pp"])
+    assert got["pp_comm_s"] == got["pp_comm_exposed_s"] == 0.25
+    assert got["dp_comm_s"] == got["dp_comm_exposed_s"] == 0.0
