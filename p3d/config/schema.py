@@ -190,6 +190,14 @@ class ScheduleConfig:
     # null: derived from the pipeline (its fewest: 2 for the interleaved and V schedules, else 1)
     virtual_stages: int | None = None
     pipeline: Pipeline = Pipeline["1f1b"]  # the executor; see Pipeline above
+    # Uneven layouts (heterogeneous clusters, docs/clusters.md): [] leaves the choice to schedule.partition and an even
+    # split of the global batch. stage_blocks: transformer blocks per pipeline piece (mesh.pp x chunks per rank, in
+    # chunk order; the embedding rides with the first, the final norm and the head with the last); with cluster.groups
+    # the planner fills it in proportion to each stage's device speed.
+    stage_blocks: list[int] = field(default_factory=list)
+    # micro batches of each dp replica (mesh.dp of them; their sum x micro_batch_size = global_batch_size): replicas on
+    # faster devices run more; the loss and gradients are weighted so that a step is the even split's step
+    replica_micro_batches: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -209,6 +217,20 @@ class ElasticConfig:
     # the global batch kept) while at least N remain, below that stop (exit_codes.NODES_LOST)
     min_nodes: Optional[int] = None
     vary: ElasticVary = ElasticVary.dp  # dp: only dp follows the nodes; any: the planner picks the layout
+
+
+@dataclass
+class ClusterGroup:
+    """One group of a heterogeneous cluster (``cluster.groups``, docs/clusters.md): ``nodes`` nodes of one device.
+    Groups take the nodes in their order, so the ranks of the first group's nodes come first."""
+
+    device: Optional[str] = None  # a preset of p3d/config/devices.py; required
+    nodes: int = 1
+    peak_tflops: Optional[float] = None  # null: the device preset's; set to describe a slower or faster part
+    memory_gb: Optional[float] = None  # null: the device preset's
+    calibration: Optional[str] = None  # a p3d-plan calibrate file of this group's nodes (null: the preset's rates)
+    partition: Optional[str] = None  # Slurm: this group's --partition (null: cluster.partition)
+    constraint: Optional[str] = None  # Slurm: the node features that pick this group's nodes (--constraint)
 
 
 @dataclass
@@ -241,6 +263,9 @@ class ClusterConfig:
     max_requeues: int = 20  # a job requeues itself at most this many times
     recipe: str = "recipes/slurm/train.sbatch"  # the batch script p3d-train submits (relative: p3d's own, p3d/recipes/)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)  # continue on the nodes left after a lost node
+    # A heterogeneous cluster: groups of nodes, each of one device, e.g. [{device: h100_sxm, nodes: 1}, {device:
+    # a100_80gb, nodes: 1}]; cluster.nodes is their sum. [] : every node is cluster.device (docs/clusters.md)
+    groups: list[ClusterGroup] = field(default_factory=list)
 
 
 @dataclass

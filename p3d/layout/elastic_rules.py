@@ -24,10 +24,11 @@ def check_elastic(cfg: Config, world: int) -> None:
     """``world``: the ranks of the run at ``cluster.nodes`` (the mesh's)."""
     c = cfg.cluster
     nodes, least = c.nodes, c.elastic.min_nodes
-    if c.launcher == Launcher.local and nodes != 1 and least is None:
+    if c.launcher == Launcher.local and nodes != 1 and least is None and not c.groups:
         raise P3DConfigError(
             f"cluster.nodes={nodes} with cluster.launcher=local: local runs use one machine; simulated nodes "
-            "(worker groups) are for elastic runs: add cluster.elastic.min_nodes=1, or try cluster.nodes=1"
+            "(worker groups) are for elastic runs and cluster.groups: add cluster.elastic.min_nodes=1, or try "
+            "cluster.nodes=1"
         )
     if least is None:
         return
