@@ -28,15 +28,31 @@ train: $(STAMP)
 	$(BIN)/p3d-train $(ARGS)
 
 # The suite less its slow tier (variants of paths it runs, marked slow where defined); test-all: all of it.
+# Two tests at a time on the machine's two cores (pytest-xdist, work stealing): a test's processes leave cores idle
+# while they start, write and wait, and another test's fill them. Then, one at a time, the tests marked serial in
+# tests/conftest.py: those that time their processes or race a signal against them, and tests/cluster/ (one Slurm
+# cluster). PYTEST_ARGS given: one run of exactly those, one test at a time.
+PAIRED := $(BIN)/python -m pytest -q -n 2 --dist worksteal tests
+ALONE := $(BIN)/python -m pytest -q tests
 test: $(STAMP)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(PAIRED) -m "not slow and not serial"
+	$(ALONE) -m "not slow and serial"
+else
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+endif
 
 test-all: $(STAMP)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(PAIRED) -m "not serial"
+	$(ALONE) -m "serial"
+else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+endif
 
 # tests/unit/: in-process; a test there that starts a process fails (tests/conftest.py).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 tests/unit -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -56,7 +72,7 @@ gpu-check:
 	bash bench/gpu_check.sh $(ARGS)
 
 dry-run: $(STAMP)
-	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b dry_run=true
+	$(BIN)/p3d-train mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large dry_run=true
 
 clean:
 	rm -rf outputs multirun .pytest_cache

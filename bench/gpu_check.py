@@ -18,11 +18,13 @@ Steps (each in its own time limit; one that fails is reported and the next one r
      the step's clocks on the device), bf16, ``model=small`` for 20 steps against the fp32 CPU reference.
   f, g. FSDP2 (a whole chunk, ZeRO-3, one-rank NCCL mesh) and an MoE layer in bf16 on the GPU against their fp32
      twins on the CPU (bench/gpu_layers.py).
+  h. cp = 2 attention: each rank's fused kernels and log-sum-exp merge in bf16 on the GPU against SDPA on the
+     whole sequence in fp32 on the CPU, and the kernels it ran (bench/gpu_layers.py).
   Then it writes the figures to docs/gpu.md (and to --out, so they come back from a device lease).
 
 Without a CUDA device (or with --dry) it prints that it found none and which steps it would run, checks each
 training step's config the way p3d-train would (``dry_run=true``) and p3d-plan's prediction, so a config error
-shows up here and not in the lease, and runs the layer steps (f, g) with the CPU as the device. A machine with an
+shows up here and not in the lease, and runs the layer steps (f, g, h) with the CPU as the device. A machine with an
 NVIDIA GPU whose chosen Python has no CUDA fails at once with the reason (a dry pass there would hide it).
 Exit status: 0 every step that ran passed, 1 not.
 """
@@ -327,6 +329,7 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         Step("e", f"the torch executor on one rank (zero=stage3), model=small bf16 vs fp32 CPU, rtol {BF16_RTOL}"),
         Step("f", "FSDP2: a model=tiny chunk under ZeRO-3 on a one-rank mesh, bf16 vs its fp32 CPU twin"),
         Step("g", "an MoE layer (moe_tiny) in bf16 vs its fp32 CPU twin: output and gradients"),
+        Step("h", "cp = 2 attention, each rank's fused kernels and LSE merge, bf16 vs SDPA fp32 on the CPU (2k)"),
     ]
     runs = [
         lambda s, t: step_sdpa(s, dry),
@@ -336,9 +339,10 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         lambda s, t: step_bf16(s, gpu, out, dry, t, TORCH_EXECUTOR, "e_torch_executor"),
         lambda s, t: step_layer(s, "fsdp2", dry),
         lambda s, t: step_layer(s, "moe", dry),
+        lambda s, t: step_layer(s, "cp", dry),
     ]
     deadline = time.monotonic() + args.budget_s
-    shares = (0.04, 0.36, 0.2, 0.15, 0.15, 0.05, 0.05)
+    shares = (0.04, 0.34, 0.2, 0.15, 0.15, 0.04, 0.04, 0.04)
     for step, run, share in zip(steps, runs, shares, strict=True):
         print(f"gpu-check step {step.name}: {step.what}", flush=True)
         # a dry step only composes configs, slowly on a loaded CPU machine: no budget to keep there

@@ -5,7 +5,11 @@ executor runs, each in bf16 on the device against its fp32 twin on the host's CP
          one-rank device mesh (NCCL on a GPU), bf16 mixed precision: one forward and backward of a batch, the loss
          and every gradient (gathered) against the unsharded chunk in fp32 on the CPU;
   moe:   one ``model=moe_tiny`` MoE feed-forward (router, routed and shared experts, the dispatch) under bf16
-         autocast: the output and the input's and weights' gradients against the fp32 layer on the CPU.
+         autocast: the output and the input's and weights' gradients against the fp32 layer on the CPU;
+  cp:    context-parallel attention, every rank of cp = 2 in turn on the one device (``one_rank_attention``: the
+         per-chunk fused kernels and their log-sum-exp merge that each rank runs between its collectives), bf16,
+         llama3_1b's heads (32 over 8, head dim 64) at 2k tokens: the output and q/k/v gradients against SDPA on
+         the whole sequence in fp32 on the CPU, and the attention kernels the device ran.
 
 Each returns its figures: relative errors ``|got - want| / |want|`` (norms over the whole tensor or model). Without
 a GPU (gpu-check's dry mode) the same steps run with the CPU as the device, in bf16 autocast: that checks the code
@@ -120,7 +124,43 @@ def moe(device: torch.device) -> dict:
     }
 
 
-STEPS = {"fsdp2": fsdp2, "moe": moe}
+def cp(device: torch.device, cp: int = 2) -> dict:
+    import torch.nn.functional as F
+
+    from p3d.parallel.context.attention import one_rank_attention
+    from p3d.parallel.context.chunks import take_local, to_global_order
+
+    s = 2048 if device.type == "cuda" else 512  # the dry mode's CPU run checks the path, at a quarter of the length
+    g = torch.Generator().manual_seed(SEED)
+    q, k, v, up = (torch.randn(1, n, s, 64, generator=g) for n in (32, 8, 8, 32))
+    want_q, want_k, want_v = (t.clone().requires_grad_() for t in (q, k, v))
+    want = F.scaled_dot_product_attention(want_q, want_k, want_v, is_causal=True, enable_gqa=True)
+    want.backward(up)
+    outs, dqs = [], []
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    kernels: set[str] = set()
+    for rank in range(cp):  # what each cp rank computes between its all-gather and its reduce-scatter
+        q_r = take_local(q, cp, rank, dim=2).to(device, torch.bfloat16).requires_grad_()
+        k_all, v_all = (t.to(device, torch.bfloat16).requires_grad_() for t in (k, v))
+        with torch.profiler.profile() as prof:
+            out = one_rank_attention(q_r, k_all, v_all, cp, rank)
+            out.backward(take_local(up, cp, rank, dim=2).to(device, torch.bfloat16))
+        fused = ("flash", "efficient", "cudnn")
+        kernels |= {e.name for e in prof.events() if "attention" in e.name and any(f in e.name for f in fused)}
+        outs.append(out.float().cpu())
+        dqs.append(q_r.grad.float().cpu())
+        dk += k_all.grad.float().cpu()
+        dv += v_all.grad.float().cpu()
+    return {
+        "out_rel": relative(to_global_order(outs, dim=2), want),
+        "dq_rel": relative(to_global_order(dqs, dim=2), want_q.grad),
+        "dk_rel": relative(dk, want_k.grad),
+        "dv_rel": relative(dv, want_v.grad),
+        "kernels": ", ".join(sorted(kernels))[:200] or "no fused attention kernel",
+    }
+
+
+STEPS = {"fsdp2": fsdp2, "moe": moe, "cp": cp}
 
 
 def check(name: str, device: torch.device) -> dict:

@@ -1,7 +1,9 @@
-"""Expert parallelism on CPU: tokens/s, the all-to-all's share of the step, and the load imbalance (issue 34).
+"""Expert parallelism on CPU: tokens/s, the all-to-all's share of the step, and the load imbalance (issue 34); and
+one MoE layer's grouped GEMM against the loop over experts it replaced (issue 53, ``--layer``).
 
     .venv/bin/python bench/moe.py                          # moe_tiny scaled up: h 256, 8 experts of 512, top-2
     .venv/bin/python bench/moe.py --layouts dp2:1 dp2:2 --steps 6
+    .venv/bin/python bench/moe.py --layer                  # one layer, 64 experts top-6, grouped vs loop; E 8 vs 64
 
 A layout is ``mesh:ep`` (dp2:2 = mesh=dp2 mesh.ep=2). Each runs in its own gloo worker processes, built as p3d-train
 builds them, on the same seeded init and data; every layout runs on the torch executor (torch's Schedule1F1B),
@@ -116,14 +118,75 @@ def one(layout: str, torch_executor: bool, args) -> dict:
         return json.loads(out.read_text())
 
 
+LAYER = ("model=moe_tiny", "model.hidden_size=256", "model.moe.expert_ffn_size=128", "model.moe.top_k=6")
+
+
+def _layer_step(n_experts: int, loop: bool, tokens: int, reps: int) -> list[float]:
+    """Seconds of ``reps`` forward+backward passes of one MoE feed-forward (one process, fp32) of ``LAYER`` with
+    ``n_experts``; ``loop``: its routed experts computed by the per-expert loop (tests/helpers/moe_loop.py)."""
+    import torch
+
+    from p3d.model.moe import MoEFeedForward
+    from p3d.parallel.mesh import Mesh
+    from tests.helpers.moe_loop import use_loop
+    from tests.helpers.runs import compose_config
+
+    cfg = compose_config(*LAYER, f"model.moe.n_experts={n_experts}").model
+    moe = MoEFeedForward(cfg, Mesh(tp=1, pp=1, dp=1), 1, seed=3).train()
+    if loop:
+        use_loop(moe)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, tokens, cfg.hidden_size, generator=gen).requires_grad_()
+    dy = torch.randn(1, tokens, cfg.hidden_size, generator=gen)
+    times = []
+    for _ in range(reps + 1):  # the first warms up
+        t0 = time.perf_counter()
+        (moe(x) * dy).sum().backward()
+        times.append(time.perf_counter() - t0)
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+    return times[1:]
+
+
+def layer_bench(args) -> None:
+    """``--layer``: tokens/s of one MoE layer, grouped GEMM against the loop, E = 64 and E = 8 at equal active
+    parameters (top-6 experts of the same width: E changes only the parameters a token does not use); the four
+    take turns ``--passes`` times, each pass ``--steps`` timed repetitions; medians."""
+    import torch
+
+    torch.set_num_threads(1)
+    cases = [(64, False), (64, True), (8, False), (8, True)]
+    times: dict[tuple[int, bool], list[float]] = {c: [] for c in cases}
+    for n in range(args.passes):
+        for case in cases if n % 2 == 0 else cases[::-1]:
+            times[case] += _layer_step(*case, args.tokens, args.steps)
+    print(f"{' '.join(LAYER)}, {args.tokens} tokens, fp32, 1 thread; {args.passes} passes x {args.steps} "
+          f"forward+backward; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    print(f"{'experts':>7} {'compute':<8} {'step ms':>8} {'tokens/s':>9} {'grouped vs loop':>15}")
+    for n_experts in (64, 8):
+        grouped = statistics.median(times[(n_experts, False)])
+        loop = statistics.median(times[(n_experts, True)])
+        for name, t in (("grouped", grouped), ("loop", loop)):
+            ratio = f"{loop / grouped:>14.2f}x" if name == "grouped" else ""
+            print(f"{n_experts:>7} {name:<8} {t * 1e3:>8.1f} {args.tokens / t:>9,.0f} {ratio}")
+    g64, g8 = (statistics.median(times[(e, False)]) for e in (64, 8))
+    l64, l8 = (statistics.median(times[(e, True)]) for e in (64, 8))
+    print(f"E=64 / E=8 step time at equal active parameters: grouped {g64 / g8:.2f}x, loop {l64 / l8:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layer", action="store_true", help="one MoE layer: grouped GEMM vs the loop (issue 53)")
+    ap.add_argument("--tokens", type=int, default=1024, help="--layer: tokens per forward")
     ap.add_argument("--layouts", nargs="+", default=["dp2:1", "dp2:2", "dp2_pp2:1", "dp2_pp2:2"])
     ap.add_argument("--steps", type=int, default=5, help="steps per run; the first is dropped")
     ap.add_argument("--passes", type=int, default=2, help="passes over the layouts, every other one reversed")
     ap.add_argument("--deepspeed", action="store_true", help="also run the ep1 layouts on DeepSpeed's engine")
     ap.add_argument("--set", nargs="*", default=None, help=f"overrides (default: {' '.join(BENCH)})")
     args = ap.parse_args()
+    if args.layer:
+        layer_bench(args)
+        return
     args.set = list(BENCH if args.set is None else args.set)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     runs = [(layout, True) for layout in args.layouts]

@@ -65,6 +65,7 @@ from p3d.compat.deepspeed_internals import (
     relink_optimizer_states,
     wrapped_optimizer,
 )
+from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.zero.fsdp import is_sharded, local, my_rows, piece_of, sharded_like
 
 FORMAT = "p3d-checkpoint-2"
@@ -276,19 +277,28 @@ def reader(path: Path, meta: dict):
 def _local_states(path: Path, meta: dict, module, mesh, bounds: list[int], stage: int, source=None):
     """name -> this rank's {master, exp_avg, exp_avg_sq} for ``module``, stage ``stage`` of ``bounds``. The
     saving layout's own coordinate when tp and the stage boundaries are unchanged; else assembled from the
-    saved shards (``source``, a ShardedCheckpoint, shared by a rank's chunks) and re-cut for this mesh."""
+    saved shards (``source``, a ShardedCheckpoint, shared by a rank's chunks) and re-cut for this mesh. A routed
+    experts' stacked weight is saved with every expert of its layer: this ep rank's share is cut from it."""
     from p3d.checkpoint.reshard import ShardedCheckpoint, shard_from_full
 
     read = reader(path, meta)
+    experts = {name for name, p in module.named_parameters() if is_expert_param(p)}
+
+    def ep_share(name: str, states: dict) -> dict:
+        if name not in experts or mesh.ep == 1:
+            return states
+        return {k: v.chunk(mesh.ep, dim=0)[mesh.ep_rank] for k, v in states.items()}
+
     same_layout = meta["mesh"]["tp"] == mesh.tp and meta["stage_bounds"] == list(bounds)
     if same_layout:
         optim = read("optim", stage, mesh.tp_rank)
-        return lambda name: optim[name]
+        return lambda name: ep_share(name, optim[name])
     source = source or ShardedCheckpoint(path, meta, read)
     specs = shard_specs(module)
 
     def resharded(name: str) -> dict:
-        return {k: shard_from_full(v, specs[name], mesh.tp, mesh.tp_rank) for k, v in source.optim(name).items()}
+        states = {k: shard_from_full(v, specs[name], mesh.tp, mesh.tp_rank) for k, v in source.optim(name).items()}
+        return ep_share(name, states)
 
     return resharded
 

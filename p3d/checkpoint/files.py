@@ -203,17 +203,32 @@ def coordinate_reader(path: Path, meta: dict):
     {name: spec}}; ``optim`` -> {name: {master, exp_avg, exp_avg_sq}}, whole over dp (joined from
     every dp (and cp) rank's fragments)."""
     if meta.get("format") == LEGACY_FORMAT:
-        return lambda kind, pp, tp: read_legacy(path / kind / f"pp{pp}_tp{tp}.pt")
+        return lambda kind, pp, tp: _stacked(kind, read_legacy(path / kind / f"pp{pp}_tp{tp}.pt"), path)
     dp, cp = meta["mesh"]["dp"], meta["mesh"].get("cp", 1)
     holders = [f"dp{d}" + (f"_cp{c}" if cp > 1 else "") for d in range(dp) for c in range(cp)]  # the writers' names
 
     def read(kind: str, pp: int, tp: int) -> dict:
         joined, entries = _joined(path, [path / kind / f"pp{pp}_tp{tp}_{h}.safetensors" for h in holders])
         if kind == "model":
-            return {
-                "params": {name: t["param"] for name, t in joined.items()},
-                "shard": {name: e["shard"] for name, e in entries.items()},
-            }
-        return joined
+            return _stacked(
+                kind,
+                {
+                    "params": {name: t["param"] for name, t in joined.items()},
+                    "shard": {name: e["shard"] for name, e in entries.items()},
+                },
+                path,
+            )
+        return _stacked(kind, joined, path)
 
     return read
+
+
+def _stacked(kind: str, read: dict, path: Path) -> dict:
+    """A coordinate as today's model names it: the per-expert tensors of a checkpoint written before the routed
+    experts were stacked, stacked (p3d.checkpoint.per_expert)."""
+    from p3d.checkpoint.per_expert import stacked
+
+    if kind == "model":
+        params, specs = stacked(read["params"], read["shard"], str(path))
+        return {**read, "params": params, "shard": specs}
+    return stacked(read, None, str(path))[0]

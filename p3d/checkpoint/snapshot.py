@@ -107,6 +107,17 @@ def holder_slices(named: list[tuple[str, torch.Tensor]], sharded: bool, mesh) ->
     return out
 
 
+def ep_placement(p: torch.Tensor, mesh) -> tuple[int, list[int]]:
+    """(offset, shape) of this rank's parameter ``p`` (whole over dp, as FSDP2 shows it) in the checkpoint's logical
+    tensor. A routed experts' stacked weight (p3d.model.experts) holds E / ep experts' rows: the logical tensor
+    stacks every expert of the layer, all ep shares in ep rank order, so this rank's share starts ``ep_rank``
+    shares in; any other parameter is its own logical tensor (offset 0)."""
+    shape = list(p.shape)
+    if mesh.ep > 1 and is_expert_param(p):
+        return mesh.ep_rank * p.numel(), [shape[0] * mesh.ep, *shape[1:]]
+    return 0, shape
+
+
 BUFFER_ENTRY = {"start": 0, "keys": ["param"], "shard": {"kind": "replicated"}, "buffer": True}
 
 
@@ -161,21 +172,23 @@ class Snapshot:
             for name, buf in persistent_buffers(module):
                 self.params[f"{name}/param"] = host.copy(f"{key}model/{name}/param", buf.reshape(-1))
                 self.params_index[name] = BUFFER_ENTRY | {"shape": list(buf.shape)}
+        placed = {name: ep_placement(p, mesh) for name, p in named}  # (offset, logical shape)
         for (name, p), (start, numel) in zip(named, slices):
             if numel:
+                offset, shape = placed[name]
                 self.params[f"{name}/param"] = host.copy(
                     f"{key}model/{name}/param", p.reshape(-1)[start : start + numel]
                 )
                 self.params_index[name] = {
-                    "start": start,
-                    "shape": list(p.shape),
+                    "start": offset + start,
+                    "shape": shape,
                     "keys": ["param"],
                     "shard": specs[name],
                 }
         if sharded:
             for name, p in named:
-                self._add_piece(host, key, name, p, held.optimizer.state.get(p, {}), specs[name])
-        elif has_hp_mapping(module):  # the fragments this rank's ZeRO / bf16 partition holds
+                self._add_piece(host, key, name, p, held.optimizer.state.get(p, {}), specs[name], placed[name])
+        elif has_hp_mapping(module):  # the fragments this rank's ZeRO / bf16 partition holds (DeepSpeed: ep = 1)
             for name, p in named:
                 frag = hp_fragment(p, ADAM_KEYS)
                 if frag is not None and frag[1] > 0:
@@ -184,21 +197,23 @@ class Snapshot:
             for name, p in named:
                 if id(p) in held.owns:
                     raw = held.optimizer.state.get(p, {})
-                    self._add(
-                        host, key, name, 0, list(p.shape), {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}}
-                    )
+                    offset, shape = placed[name]
+                    states = {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}}
+                    self._add(host, key, name, offset, shape, states)
         else:  # every replica holds everything: each writes its even part, like the parameters
             for (name, p), (start, numel) in zip(named, slices):
                 raw = held.optimizer.state.get(p, {})
                 states = {"master": p, **{k: raw[k] for k in ADAM_KEYS if k in raw}}
                 if numel:
+                    offset, shape = placed[name]
                     parts = {k: t.reshape(-1)[start : start + numel] for k, t in states.items()}
-                    self._add(host, key, name, start, list(p.shape), parts)
+                    self._add(host, key, name, offset + start, shape, parts)
         host.ready()
         self.rng = rng_state()
 
-    def _add_piece(self, host: HostBuffers, key: str, name: str, p, raw: dict, spec: dict) -> None:
-        """A sharded parameter's piece (its dim-0 rows on this dp rank: one flat range) and its Adam moments'."""
+    def _add_piece(self, host: HostBuffers, key: str, name: str, p, raw: dict, spec: dict, placed) -> None:
+        """A sharded parameter's piece (its dim-0 rows on this dp rank: one flat range) and its Adam moments';
+        ``placed``: (offset, shape) of ``p`` in the logical tensor (``ep_placement``)."""
         pieces, index, replica = piece_of(p)
         start, numel = flat_range(p, pieces, index)
         piece = local(p)
@@ -206,10 +221,11 @@ class Snapshot:
             raise RuntimeError(f"{name}: this dp rank holds {piece.numel()} elements, torch.chunk's cut {numel}")
         if not numel or replica:  # HSDP: the first replica of each piece writes it
             return
+        offset, shape = placed
         self.params[f"{name}/param"] = host.copy(f"{key}model/{name}/param", piece.reshape(-1))
-        self.params_index[name] = {"start": start, "shape": list(p.shape), "keys": ["param"], "shard": spec}
+        self.params_index[name] = {"start": offset + start, "shape": shape, "keys": ["param"], "shard": spec}
         states = {"master": piece, **{k: local(raw[k]) for k in ADAM_KEYS if k in raw}}
-        self._add(host, key, name, start, list(p.shape), {k: t.reshape(-1) for k, t in states.items()})
+        self._add(host, key, name, offset + start, shape, {k: t.reshape(-1) for k, t in states.items()})
 
     def _add(self, host: HostBuffers, key: str, name: str, start: int, shape: list[int], states: dict) -> None:
         for k, t in states.items():

@@ -2,7 +2,7 @@
 
     p3d-train                                   # tiny Llama on dp2_pp2_tp2, 8 CPU processes
     p3d-train mesh=tp2_pp2 train.steps=50
-    p3d-train mesh=tp8_pp8 model=llama70b dry_run=true
+    p3d-train mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large dry_run=true
     p3d-train -m mesh=dp2,tp2,pp2               # one run per mesh
 
 Exit status: 0 done; 2 a config error (one line naming the field and the fix, before any worker

@@ -72,6 +72,28 @@ def set_pipeline_instruction_map(engine, table: dict) -> None:
     engine._INSTRUCTION_MAP = table
 
 
+def deepspeed_pass_order(micro_batches: int, stages: int, stage_id: int) -> list[str]:
+    """The forward and backward passes DeepSpeed's ``TrainSchedule`` runs on stage ``stage_id``, in its order, in
+    torch's notation (``0F3``: stage 0's forward of micro batch 3). The micro batch of each is the schedule's own
+    (its private ``_step_to_micro_batch``: the instructions carry only a buffer id)."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+
+    schedule = TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+    order = []
+    for step_id, cmds in enumerate(schedule.steps()):
+        micro_batch, _ = schedule._step_to_micro_batch(step_id)
+        for cmd in cmds:
+            if isinstance(cmd, (ForwardPass, BackwardPass)):
+                order.append(f"{stage_id}{'F' if isinstance(cmd, ForwardPass) else 'B'}{micro_batch}")
+    return order
+
+
+def engine_pass_order(engine) -> list[str]:
+    """:func:`deepspeed_pass_order` of this pipeline engine's stage (``micro_batches``, ``num_stages``,
+    ``stage_id``)."""
+    return deepspeed_pass_order(engine.micro_batches, engine.num_stages, engine.stage_id)
+
+
 def skip_backward_allreduce(engine) -> None:
     """Skip the pipeline engine's dp gradient all-reduce (``pipeline_enable_backward_allreduce``)."""
     engine.pipeline_enable_backward_allreduce = False
@@ -223,6 +245,17 @@ TOUCHPOINTS = (
         "PipelineEngine._INSTRUCTION_MAP",
         "p3d.train.timing",
         lambda: isinstance(getattr(_pipe_engine(), "_INSTRUCTION_MAP", None), dict),
+    ),
+    Touchpoint(
+        "TrainSchedule._step_to_micro_batch; PipelineEngine.micro_batches / num_stages / stage_id",
+        "p3d.train.timing (traces)",
+        lambda: (
+            _source_has("deepspeed.runtime.pipe.schedule:TrainSchedule", "def _step_to_micro_batch(self, step_id)")
+            and all(
+                _source_has("deepspeed.runtime.pipe.engine:PipelineEngine", f"self.{name} =")
+                for name in ("micro_batches", "num_stages", "stage_id")
+            )
+        ),
     ),
     Touchpoint(
         "TrainSchedule: ReduceTiedGrads first after the last BackwardPass",

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from p3d.compat.pipelining_internals import Touchpoint
 
 # The collectives p3d's dp paths reach: FSDP2 (all_gather_single, reduce_scatter_single; all_reduce under HSDP),
-# ZeroRedundancyOptimizer (broadcast), p3d's flat dp all-reduce; the rest for the ones these are built on.
+# ZeroRedundancyOptimizer (broadcast), p3d's flat dp all-reduce; the rest for the ones these are built on, and the
+# experts' token dispatch (all_to_all_single), which a traced step's timeline shows (p3d.train.trace).
 COLLECTIVES = (
     "all_reduce",
     "all_gather_single",
@@ -41,6 +42,8 @@ COLLECTIVES = (
     "all_gather",
     "reduce_scatter",
     "reduce",
+    "all_to_all_single",
+    "all_to_all",
 )
 DEEPSPEED_GATHER_MODULES = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.bf16_optimizer")
 DEEPSPEED_GATHER = "all_gather_dp_groups"

@@ -79,6 +79,30 @@ def timed_p2p_waits(timing: Callable[[], contextlib.AbstractContextManager]) -> 
         schedules._wait_batch_p2p = original
 
 
+def torch_pass_order(schedule, pp_rank: int) -> list[str]:
+    """The passes (F, B, I, W) torch's ``schedule`` plans for pipeline rank ``pp_rank``, in its order, as torch
+    writes its actions (``1F3``: chunk 1's forward of micro batch 3): the compute actions of its undocumented
+    ``pipeline_order`` (a DualPipeV ``OVERLAP_F_B`` action: its forward, then its backward, as the runtime runs it),
+    but for the last rank of ``Schedule1F1B``, whose plan is off by one (its ``_n_microbatches``, ``_num_stages``)."""
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    if isinstance(schedule, Schedule1F1B) and pp_rank == schedule._num_stages - 1:
+        # torch's 1F1B plan numbers the last rank's forwards from 1 (F1 B0 F2 B1 ... F<m>: its counter starts at the
+        # last warm-up forward's index, 0 also when there is none); its runtime runs each forward, then its backward
+        m = schedule._n_microbatches
+        return [f"{pp_rank}{kind}{i}" for i in range(m) for kind in "FB"]
+    passes = (Kind.FORWARD, Kind.FULL_BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+    order = []
+    for action in (schedule.pipeline_order or {}).get(pp_rank, []):
+        if action is None:
+            continue
+        for a in action.sub_actions or () if action.computation_type == Kind.OVERLAP_F_B else (action,):
+            if a.computation_type in passes:
+                order.append(f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}")
+    return order
+
+
 @contextlib.contextmanager
 def forward_only_order(schedule) -> Iterator[None]:
     """While inside, a multi-stage schedule runs only its forward actions and their sends and receives: each rank's
@@ -271,6 +295,21 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                 "torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "__init__", "_fsdp_param_groups"
             )
             and hasattr(__import__("torch.distributed.fsdp", fromlist=["fully_shard"]).fully_shard, "state")
+        ),
+    ),
+    Touchpoint(
+        f"{PIPELINING} schedules' pipeline_order (rank -> _Action(stage_index, computation_type, microbatch_index)), "
+        "_num_stages, _n_microbatches",
+        "p3d.compat.pipelining_internals.torch_pass_order",
+        lambda: (
+            _source_has(f"{PIPELINING}.schedules", "PipelineScheduleSingle", "__init__", "self.pipeline_order")
+            and _source_has(f"{PIPELINING}.schedules", "PipelineScheduleMulti", "__init__", "self.pipeline_order")
+            and _source_has(f"{PIPELINING}.schedules", "PipelineScheduleSingle", "__init__", "self._num_stages")
+            and _source_has(f"{PIPELINING}.schedules", "_PipelineSchedule", "__init__", "self._n_microbatches")
+            and all(
+                f in _schedules()._Action._fields
+                for f in ("stage_index", "computation_type", "microbatch_index", "sub_actions")
+            )
         ),
     ),
     Touchpoint(

@@ -3,7 +3,10 @@
 ``cluster.device`` names one of these; every ``cluster.*`` number left unset (null) is filled from
 it when the run spec is frozen, and any can be overridden (``cluster.peak_tflops=700``).
 Bandwidths are GB/s per GPU, one direction: intra-node over NVLink, inter-node over the NICs.
-Sources: NVIDIA A100, H100, H200 and DGX B200 datasheets (dense, no sparsity).
+Sources: NVIDIA A100, H100, H200 and DGX B200 datasheets (dense, no sparsity). SMs: A100 108 (NVIDIA A100 Tensor Core
+GPU Architecture whitepaper), H100 SXM5 and H200 132 (NVIDIA H100 Tensor Core GPU Architecture whitepaper; H200 is the
+same GH100 die with HBM3e), B200 148 (the device query quoted in pytorch/ao pull request 4002, "update b200 peak memory
+bandwidth": "Number of SMs: 148").
 """
 
 from __future__ import annotations
@@ -21,15 +24,22 @@ class Device:
     intra_node_gbps: float
     inter_node_gbps: float
     hbm_gbps: float  # device memory bandwidth, datasheet (cpu: a DDR4/5 socket)
-    # Achieved fraction of peak_tflops in a transformer block's matmuls: the planner's one fitted constant
-    # per device generation, the median of the efficiencies at which the planner reproduces each published run
-    # of that generation (tests/helpers/published.py: 20 A100 runs, 8 H100; a test recomputes it).
-    # docs/planner.md quotes each run's error with the constant fitted on the others. H200 / B200: H100's figure,
-    # no reference run.
+    # GPUs: the fraction of peak_tflops a large, well-shaped GEMM reaches, e of the planner's GEMM model
+    # (p3d/planner/gemms.py: each GEMM's time from its tiles, waves and bytes); cpu: the flat fraction of its nominal
+    # peak in every matmul. One of the two constants per device generation fitted on half the published runs of
+    # tests/helpers/published.py (the other half is the held-out check, docs/planner.md). H200 / B200: H100's, no
+    # reference run.
     matmul_efficiency: float
+    # GPUs: the streaming multiprocessors a GEMM's tiles are spread over (its waves); None: no shape model (cpu)
+    sms: int | None = None
+    # GPUs: k0 of the GEMM model, a tile's fixed cost (prologue, epilogue) in k-steps of work: the other fitted constant
+    gemm_k_overhead: float = 0.0
 
 
-def _gpu(peak: float, memory: float, nvlink: float, nic: float, hbm: float, efficiency: float) -> Device:
+def _gpu(
+    peak: float, memory: float, nvlink: float, nic: float, hbm: float, sms: int, fit: tuple[float, float]
+) -> Device:
+    efficiency, k_overhead = fit
     return Device(
         peak_tflops=peak,
         memory_gb=memory,
@@ -38,15 +48,23 @@ def _gpu(peak: float, memory: float, nvlink: float, nic: float, hbm: float, effi
         inter_node_gbps=nic,
         hbm_gbps=hbm,
         matmul_efficiency=efficiency,
+        sms=sms,
+        gemm_k_overhead=k_overhead,
     )
 
 
+# (e, k0) of each generation's GEMMs, fitted on the fit half of tests/helpers/published.py (test_published checks they
+# are the fit's optimum); H200 and B200 take H100's
+A100_GEMMS = (0.735, 0.0)
+H100_GEMMS = (0.542, 0.0)
+
+
 DEVICES: dict[str, Device] = {
-    "a100_40gb": _gpu(312.0, 40.0, nvlink=300.0, nic=25.0, hbm=1555.0, efficiency=0.721),
-    "a100_80gb": _gpu(312.0, 80.0, nvlink=300.0, nic=25.0, hbm=2039.0, efficiency=0.721),
-    "h100_sxm": _gpu(989.0, 80.0, nvlink=450.0, nic=50.0, hbm=3350.0, efficiency=0.522),
-    "h200": _gpu(989.0, 141.0, nvlink=450.0, nic=50.0, hbm=4800.0, efficiency=0.522),
-    "b200": _gpu(2250.0, 180.0, nvlink=900.0, nic=50.0, hbm=8000.0, efficiency=0.522),
+    "a100_40gb": _gpu(312.0, 40.0, nvlink=300.0, nic=25.0, hbm=1555.0, sms=108, fit=A100_GEMMS),
+    "a100_80gb": _gpu(312.0, 80.0, nvlink=300.0, nic=25.0, hbm=2039.0, sms=108, fit=A100_GEMMS),
+    "h100_sxm": _gpu(989.0, 80.0, nvlink=450.0, nic=50.0, hbm=3350.0, sms=132, fit=H100_GEMMS),
+    "h200": _gpu(989.0, 141.0, nvlink=450.0, nic=50.0, hbm=4800.0, sms=132, fit=H100_GEMMS),
+    "b200": _gpu(2250.0, 180.0, nvlink=900.0, nic=50.0, hbm=8000.0, sms=148, fit=H100_GEMMS),
     # One CPU worker process: a nominal fp32 figure so MFU is defined on laptops; the world runs on one node.
     "cpu": Device(
         peak_tflops=0.1,

@@ -49,6 +49,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "schedule.*": (Rule.CHANGES, "micro batches, recompute and stage cuts of the steps to come"),
     "schedule.global_batch_size": (Rule.CHANGES, "the next step reads the samples after the last one trained"),
     "schedule.pipeline": (Rule.CHANGES, "the executor of the steps to come; checkpoints are cut by layer name"),
+    "context.*": (Rule.CHANGES, "how the attention of the steps to come reaches the other cp ranks' keys"),
     "zero.*": (Rule.CHANGES, "optimizer states are saved whole and re-partitioned"),
     "cluster.*": (Rule.CHANGES, "where and how the workers run"),
     "data.*": (Rule.REFUSED, _DATA),
@@ -83,6 +84,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "train.straggler_factor": (Rule.CHANGES, _FAULTS),
     "train.straggler_steps": (Rule.CHANGES, _FAULTS),
     "train.max_restarts": (Rule.CHANGES, "restarts of this launch"),
+    "train.trace_steps": (Rule.CHANGES, "which of the steps to come are traced"),
     "run.*": (Rule.QUIET, "where this launch writes"),
     "plan.*": (Rule.QUIET, "options of the pre-launch memory check"),
     "tokenizer.*": (Rule.QUIET, "options of p3d-tokenizer"),
@@ -98,6 +100,14 @@ def rule(field: str) -> tuple[Rule, str]:
     if field in RULES:
         return RULES[field]
     return RULES[field.split(".", 1)[0] + ".*"]
+
+
+def refuses(field: str) -> bool:
+    """Whether a resume refuses a change of ``field`` (``model.seq_len``: yes; a field no rule covers: no)."""
+    try:
+        return rule(field)[0] == Rule.REFUSED
+    except KeyError:
+        return False
 
 
 def flatten(body: dict, prefix: str = "") -> dict[str, Any]:

@@ -92,6 +92,13 @@ class ElasticVary(Choice):
     any = "any"  # the planner picks a layout for the nodes left (p3d.planner.best_layout)
 
 
+class ContextAttention(Choice):
+    """How a cp rank's attention reaches the other ranks' keys and values (docs/context.md, "All-gather or ring")."""
+
+    allgather = "allgather"  # all-gathered over the cp group once a layer, then attended (Llama 3)
+    ring = "ring"  # passed around the cp group, one rank's block a step, while the previous block computes
+
+
 class DataSource(Enum):
     stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
     files = "files"  # local text / json / jsonl / parquet files or globs
@@ -175,6 +182,13 @@ class MeshConfig:
     dp: Any = "auto"  # an int, or "auto": world size / (tp * pp)
     ep: int = 1  # expert parallelism: the experts of each MoE layer split over ep ranks carved from dp (divides dp)
     cp: int = 1  # context parallelism: each sequence split over cp ranks (2 cp chunks, head-tail), docs/context.md
+
+
+@dataclass
+class ContextConfig:
+    """Context parallelism's options (``mesh.cp`` sets its degree): p3d.parallel.context, docs/context.md."""
+
+    attention: ContextAttention = ContextAttention.allgather
 
 
 @dataclass
@@ -332,6 +346,7 @@ class TrainConfig:
     on_spike: OnSpike = OnSpike.warn
     straggler_factor: float = 2.0  # name a rank whose forward+backward time is above this x the median; 0: off
     straggler_steps: int = 3  # ... for this many steps in a row
+    trace_steps: list[int] = field(default_factory=list)  # steps whose timeline is written (traces/, docs/timeline.md)
     max_restarts: int = 0  # a worker killed by a signal or a hang: restart all from the newest checkpoint, N times
     async_save: Optional[bool] = None  # write checkpoints in the background (None: on under nccl, off on CPU)
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
@@ -371,9 +386,11 @@ class PlanConfig:
     """Options of the analytic planner (p3d-plan, and the pre-flight check of p3d-train)."""
 
     force: bool = False  # launch even when the planner predicts the layout does not fit device memory
-    efficiency: Optional[float] = (
-        None  # achieved fraction of cluster.peak_tflops in matmuls; null: the device's default
-    )
+    # GPUs: the fraction of cluster.peak_tflops a large, well-shaped GEMM reaches (e of the GEMM model, each GEMM timed
+    # from its shape); cpu: the fraction reached in every matmul; null: the device's fitted default
+    efficiency: Optional[float] = None
+    # GPUs: k0 of the GEMM model, a tile's fixed cost in k-steps (short reductions run slower); null: the device's
+    gemm_k_overhead: Optional[float] = None
     hbm_gbps: Optional[float] = None  # device memory bandwidth (GB/s) for memory-bound kernels; null: the datasheet's
     flash_attention: bool = True  # attention keeps O(s) per token (flash kernels); false: the s x s probabilities
     overlap_dp: bool = False  # dp / ZeRO collectives overlap compute (DeepSpeed's pipeline engine: they do not)
@@ -388,6 +405,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -492,6 +510,7 @@ BOUNDS: dict[str, Bound] = {
     "prepare.slices": AT_LEAST_1,
     "plan.efficiency": Bound(0, 1, open_low=True),
     "plan.hbm_gbps": POSITIVE,
+    "plan.gemm_k_overhead": NON_NEGATIVE,
     "plan.top": AT_LEAST_1,
 }
 

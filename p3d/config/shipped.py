@@ -1,7 +1,8 @@
 """The files p3d ships inside its package, found through ``importlib.resources`` so that an editable install, a
 wheel and a checkout all find the same ones (nothing is found relative to the repository):
 
-    p3d/conf/      the Hydra config groups (model, mesh, schedule, zero, cluster, data, logger, hydra/launcher)
+    p3d/conf/      the Hydra config groups (model, mesh, schedule, zero, cluster, data, logger, hydra/launcher); the
+                   checkout's ``conf/`` is a link to it
     p3d/recipes/   the batch and launch scripts (slurm/train.sbatch, slurm/prepare.sbatch, torchrun.sh); the
                    checkout's ``recipes/`` is a link to it, for ``sbatch recipes/slurm/train.sbatch``
 """

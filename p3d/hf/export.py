@@ -170,6 +170,14 @@ def _write_tokenizer(tmp: Path, tokenizer, max_length: int) -> dict[str, dict]:
     return tokenizer_configs(tok, tok_config, max_length)
 
 
+def hf_tensors(name: str, full: torch.Tensor, spec: dict, n_layers: int) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of the whole p3d tensor ``full`` of parameter ``name`` (shard spec ``spec``): fused blocks
+    (q|k|v, gate|up) split, a stacked routed experts' weight split by expert as well (p3d.hf.names)."""
+    names = hf_names(name, n_layers, range(spec["experts"]) if "experts" in spec else None)
+    parts = full.split(spec["blocks"], dim=0) if spec["kind"] == "rows" else full.chunk(len(names), dim=0)
+    return list(zip(names, parts, strict=True))
+
+
 def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: float) -> tuple[list[str], float]:
     from p3d.checkpoint import checkpointer as checkpoint
     from p3d.checkpoint.reshard import ShardedCheckpoint
@@ -180,7 +188,8 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
     writer = _ShardWriter(tmp, max_shard_gb * 1e9)
     L = cfg.model.n_layers
     for name in src.names():
-        if not hf_names(name, L):  # a router's selection bias (a buffer): Mixtral has none
+        spec = src.spec(name)
+        if not hf_names(name, L, range(spec.get("experts", 0))):  # a router's selection bias: Mixtral has none
             if src.param(name).any():
                 raise ExportError(
                     f"{name} holds non-zero selection biases (model.moe.bias_update_rate="
@@ -188,10 +197,7 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
                     "score alone); only runs with model.moe.bias_update_rate=0 export; nothing was written"
                 )
             continue
-        full = src.master(name)
-        spec = src.spec(name)
-        parts = full.split(spec["blocks"], dim=0) if spec["kind"] == "rows" else [full]
-        for hf_name, tensor in zip(hf_names(name, L), parts):
+        for hf_name, tensor in hf_tensors(name, src.master(name), spec, L):
             writer.add(hf_name, tensor.float())
     files = writer.close()
     ids = special_ids(tok)

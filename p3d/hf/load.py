@@ -99,24 +99,35 @@ class SafetensorsDir:
         return self._file(name).get_tensor(name)
 
 
-def local_from_hf(src: SafetensorsDir, name: str, spec: dict, n_layers: int, tp: int, rank: int) -> torch.Tensor:
-    """This rank's shard of p3d parameter ``name``, read slice by slice from the HF tensors."""
+def local_from_hf(
+    src: SafetensorsDir, name: str, spec: dict, n_layers: int, tp: int, rank: int, experts: range | None = None
+) -> torch.Tensor:
+    """This rank's shard of p3d parameter ``name``, read slice by slice from the HF tensors (of a stacked routed
+    experts' weight: only the ``experts`` this rank holds, one HF tensor each)."""
     import torch
     import torch.nn.functional as F
 
-    parts = hf_names(name, n_layers)
+    parts = hf_names(name, n_layers, experts)
     if spec["kind"] == "replicated":
         return src.whole(parts[0])
     if spec["kind"] == "cols":
         width = src.shape(parts[0])[1] // tp
-        return src.cols(parts[0], rank * width, (rank + 1) * width)
+        return torch.cat([src.cols(part, rank * width, (rank + 1) * width) for part in parts])
     out = []
-    for part, real, padded in zip(parts, spec["blocks"], spec["padded"]):
+    for part, real, padded in zip(parts, spec["blocks"], spec["padded"]):  # an expert's blocks: every expert's
         per_rank = padded // tp
         start, stop = rank * per_rank, min((rank + 1) * per_rank, real)
         rows = src.rows(part, start, max(start, stop))
         out.append(F.pad(rows, (0, 0, 0, per_rank - rows.shape[0])))  # vocab padding rows are zero
     return torch.cat(out, dim=0)
+
+
+def held_experts(spec: dict, mesh) -> range | None:
+    """The global experts a stacked routed experts' weight of this ep rank holds; None for any other weight."""
+    if "experts" not in spec:
+        return None
+    local = spec["experts"] // mesh.ep
+    return range(mesh.ep_rank * local, (mesh.ep_rank + 1) * local)
 
 
 def load_into(module: torch.nn.Module, hf_dir: str | Path, n_layers: int, mesh, twin: bool = False) -> int:
@@ -133,10 +144,11 @@ def load_into(module: torch.nn.Module, hf_dir: str | Path, n_layers: int, mesh, 
     with torch.no_grad():
         for name, p in module.named_parameters():
             gname = global_name(name) if twin else name
-            local = local_from_hf(src, gname, specs[name], n_layers, mesh.tp, mesh.tp_rank)
+            experts = held_experts(specs[name], mesh)
+            local = local_from_hf(src, gname, specs[name], n_layers, mesh.tp, mesh.tp_rank, experts)
             if tuple(local.shape) != tuple(p.shape):
                 raise HFImportError(
-                    f"model.init_from={hf_dir}: {hf_names(gname, n_layers)} gives {tuple(local.shape)} "
+                    f"model.init_from={hf_dir}: {hf_names(gname, n_layers, experts)} gives {tuple(local.shape)} "
                     f"for {gname}, this rank needs {tuple(p.shape)}"
                 )
             p.copy_(local.to(p.dtype))

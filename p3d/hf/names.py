@@ -14,12 +14,16 @@ on the right):
     <i+1>.mlp.w_gate_up.weight (gate | up)          mlp.{gate,up}_proj.weight                (Llama)
     <i+1>.mlp.w_down.weight                         mlp.down_proj.weight                     (Llama)
     <i+1>.mlp.router.weight                         block_sparse_moe.gate.weight             (Mixtral)
-    <i+1>.mlp.experts.<j>.w_gate_up.weight (g | u)  block_sparse_moe.experts.<j>.{w1,w3}.weight  (Mixtral)
-    <i+1>.mlp.experts.<j>.w_down.weight             block_sparse_moe.experts.<j>.w2.weight   (Mixtral)
+    <i+1>.mlp.experts.w_gate_up.weight              block_sparse_moe.experts.<j>.{w1,w3}.weight  (Mixtral)
+        (g_0 | u_0 | g_1 | u_1 ...: every expert)
+    <i+1>.mlp.experts.w_down.weight                 block_sparse_moe.experts.<j>.w2.weight   (Mixtral)
+        (d_0 ; d_1 ...: every expert's rows)
     <i+1>.mlp.router.expert_bias (a buffer)         none: import leaves it zero, export refuses a non-zero one
     <L+1>.weight                                    model.norm.weight
     <L+2>.weight (untied)                           lm_head.weight
 
+p3d stacks an MoE block's routed experts (one tensor per projection, p3d.model.experts), Mixtral keeps one tensor
+per expert: the stacked tensor's HF names are every expert's in expert order (``hf_names`` with ``experts``).
 Mixtral's names are those of the Hub's checkpoints (mistralai/Mixtral-8x7B-v0.1), which transformers 5 also
 writes (``save_pretrained``) though its module holds each layer's experts as fused 3-D tensors
 (``mlp.experts.gate_up_proj``); a directory holding those fused tensors is refused with how to convert it.
@@ -27,6 +31,8 @@ No torch here: the launcher checks HF directories without it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from p3d.config.schema import MoEConfig, RouterScore
 
@@ -43,7 +49,7 @@ _BLOCK = {
     "mlp.router.weight": ["block_sparse_moe.gate.weight"],
     "mlp.router.expert_bias": [],  # aux-loss-free balancing: Mixtral has no such tensor
 }
-_EXPERT = {"w_gate_up.weight": ["w1.weight", "w3.weight"], "w_down.weight": ["w2.weight"]}
+_EXPERT = {"mlp.experts.w_gate_up.weight": ["w1.weight", "w3.weight"], "mlp.experts.w_down.weight": ["w2.weight"]}
 FUSED_EXPERTS = ".mlp.experts.gate_up_proj"  # transformers 5's module name, not its files'
 
 
@@ -51,8 +57,9 @@ class HFImportError(ValueError):
     """A HF checkpoint p3d cannot import; the message names the file or field."""
 
 
-def hf_names(name: str, n_layers: int) -> list[str]:
-    """HF tensor names, in block order, of the p3d parameter (or buffer) ``name``; [] if HF has none."""
+def hf_names(name: str, n_layers: int, experts: Sequence[int] | None = None) -> list[str]:
+    """HF tensor names, in block order, of the p3d parameter (or buffer) ``name``; [] if HF has none. A stacked
+    routed experts' weight: those of the ``experts`` (global indices) it holds, expert by expert."""
     if name == "tied_modules.embed.weight" or name == "0.weight":
         return ["model.embed_tokens.weight"]
     head, rest = name.split(".", 1)
@@ -62,9 +69,10 @@ def hf_names(name: str, n_layers: int) -> list[str]:
     if layer == n_layers + 2:
         return ["lm_head.weight"]
     prefix = f"model.layers.{layer - 1}."
-    if rest.startswith("mlp.experts."):
-        j, part = rest.removeprefix("mlp.experts.").split(".", 1)
-        return [f"{prefix}block_sparse_moe.experts.{j}.{p}" for p in _EXPERT[part]]
+    if rest in _EXPERT:
+        if experts is None:
+            raise ValueError(f"{name} stacks experts: hf_names needs which experts it holds")
+        return [f"{prefix}block_sparse_moe.experts.{j}.{p}" for j in experts for p in _EXPERT[rest]]
     if rest not in _BLOCK:  # shared experts: export refuses their models first (export_problem)
         raise HFImportError(f"{name} has no Hugging Face {LLAMA} or {MIXTRAL} tensor")
     return [prefix + part for part in _BLOCK[rest]]

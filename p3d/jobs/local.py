@@ -1,9 +1,11 @@
 """Start tp*pp*dp worker processes on this machine and watch them.
 
 Each worker is ``python -m p3d.cli.worker <run_spec.yaml>`` with RANK/WORLD_SIZE/LOCAL_RANK set and a
-file-store rendezvous in the run directory (no fixed port to collide). Worker output goes to
-``<run.dir>/logs/rank<N>.log``; the logging rank's output is also copied to this console. If one
-worker exits with an error, the others are stopped at once and the rank is named.
+file-store rendezvous in the run directory (no fixed port to collide). Worker output is appended to
+``<run.dir>/logs/rank<N>.log``, after a header line for this attempt (p3d.rundir.attempts: the logs of every
+earlier launch of the run are kept); the logging rank's output is also copied to this console. If one
+worker exits with an error, the others are stopped at once and the rank is named; the survivors of a lost node
+fail with a lost connection, which the console leaves out: it names the node.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from p3d.jobs.stop import StopSignals
 from p3d.parallel import hang
 from p3d.parallel.mesh import Mesh
 from p3d.parallel.rendezvous import MARKER, file_url, store_path
+from p3d.rundir.attempts import current_attempt, start_attempt
 from p3d.rundir.files import logs as run_logs
 
 POLL_S = 0.1
@@ -54,25 +57,40 @@ def worker_env(plan, rank: int, store: Path) -> dict[str, str]:
 
 
 class Console:
-    """The logging rank's log, followed onto the console (p3d.jobs.follow) while the workers run."""
+    """The logging rank's log from ``offset`` (this attempt's start), followed onto the console (p3d.jobs.follow)
+    while the workers run; its failure report, if it writes one, is held back until :meth:`drain` decides."""
 
-    def __init__(self, log: Path, console):
+    def __init__(self, log: Path, console, offset: int = 0):
         self._done = threading.Event()
-        self._thread = threading.Thread(target=follow, args=(log, self._done.is_set, console, FOLLOW_S), daemon=True)
+        self._console = console
+        self.held: list[str] = []  # the logging rank's failure report, once it began one
+        self._thread = threading.Thread(
+            target=follow, args=(log, self._done.is_set, console, FOLLOW_S, offset, self.held), daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
 
-    def drain(self) -> None:
-        """Copy the rest of the log (the workers have ended, or are being stopped) and stop following."""
+    def drain(self, show_failure: bool = True) -> bool:
+        """Copy the rest of the log (the workers have ended, or are being stopped) and stop following; the logging
+        rank's failure report too unless ``show_failure`` is false (it stays in its log). True when it wrote one."""
         self._done.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        report, self.held[:] = "".join(self.held), []
+        if report and show_failure:
+            try:
+                self._console.write(report)
+                self._console.flush()
+            except (OSError, ValueError):  # the console went away: the log keeps it
+                pass
+        return bool(report)
 
 
 def _tail(path: Path, n: int = 20) -> str:
+    """The last ``n`` lines this attempt wrote to a rank log."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(current_attempt(path.read_text(errors="replace")).splitlines()[-n:])
     except OSError:
         return "(no log)"
 
@@ -162,10 +180,14 @@ def _lost_nodes(procs: dict[int, forked.Worker], plan) -> dict[int, list[int]]:
 
 
 def _report_lost_nodes(procs, plan, lost: dict[int, list[int]], console, shown: Console, failure: dict) -> int:
-    """Stop the others and say in one line which nodes were lost (the elastic decision follows: p3d.jobs.restart)."""
+    """Stop the others and say in one line which nodes were lost (the elastic decision follows: p3d.jobs.restart).
+    The survivors' errors, their lost connections to the nodes lost, stay in their logs: the logging rank's is not
+    shown."""
     others = sum(1 for p in procs.values() if p.poll() is None)
+    on_lost = {r for ranks in lost.values() for r in ranks}
+    survivors_failed = sorted(r for r, p in procs.items() if r not in on_lost and p.poll() not in (None, 0))
     _stop(procs)
-    shown.drain()
+    shown.drain(show_failure=False)
     names = [str(n) for n in lost]
     killed = "; ".join(
         f"{'rank' if len(ranks) == 1 else 'ranks'} {'-'.join(map(str, sorted({ranks[0], ranks[-1]})))} killed by "
@@ -176,7 +198,14 @@ def _report_lost_nodes(procs, plan, lost: dict[int, list[int]], console, shown: 
     alive = plan.world_size // plan.procs_per_node - len(lost)
     failure.update(restartable=True, cause=cause, lost_nodes=names, alive_nodes=alive)
     stopped = f"; stopped the other {others} running workers" if others else ""
-    print(f"p3d: {cause}{stopped}", file=console, flush=True)
+    many = len(survivors_failed) > 1
+    with_it = (
+        f"; rank{'s' * many} {', '.join(map(str, survivors_failed))} lost {'their' if many else 'its'} connection"
+        f"{'s' * many} to it (in {'their logs' if many else 'its log'})"
+        if survivors_failed
+        else ""
+    )
+    print(f"p3d: {cause}{with_it}{stopped}", file=console, flush=True)
     return exit_codes.WORKER_FAILED
 
 
@@ -206,12 +235,12 @@ def launch_local(
     console = console or sys.stdout
     run_dir = spec_path.parent
     logs = run_logs(run_dir)
-    logs.mkdir(parents=True, exist_ok=True)
-    for old in logs.glob(f"rank*{hang.REPORT_SUFFIX}"):  # an earlier launch's hang reports
-        old.unlink()
+    # each rank log gets this attempt's header; the hang reports of the one before are set aside, kept
+    start_attempt(logs, plan.world_size, f"{plan.world_size} worker{'s' if plan.world_size != 1 else ''} here")
     store = store_path(run_dir, f".rendezvous-{os.getpid()}-{uuid.uuid4().hex[:16]}")  # absolute, for file://
     procs: dict[int, forked.Worker] = {}
-    shown = Console(logs / f"rank{plan.logging_rank}.log", console)
+    shown_log = logs / f"rank{plan.logging_rank}.log"
+    shown = Console(shown_log, console, offset=shown_log.stat().st_size)
     fork = forked.can_fork(plan.backend)
     if fork:  # ``imports``: what the workers import beyond torch (forked.worker_imports), imported once here
         forked.preload(imports)  # before the signal handlers: a Ctrl-C here is the launcher's KeyboardInterrupt
@@ -223,7 +252,7 @@ def launch_local(
     received = signals.received
     try:
         for rank in range(plan.world_size):
-            with open(logs / f"rank{rank}.log", "wb") as log:  # each worker writes its own log
+            with open(logs / f"rank{rank}.log", "ab") as log:  # each worker appends to its own log
                 if fork:
                     procs[rank] = forked.fork_worker(spec_path, worker_env(plan, rank, store), log.fileno())
                 else:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.jobs import elastic
+from p3d.rundir.attempts import current_attempt
 from p3d.rundir.files import logs as run_logs
 from p3d.rundir.files import read_metrics
 
@@ -92,19 +93,36 @@ STATE = "slurm_restarts.json"  # in <run dir>/logs/: this start's restarts so fa
 TASK_LINE = re.compile(r"task (\d+): (.+)$")
 
 
-SRUN_MARK = "p3d: srun start"  # the recipe appends it to every rank log before each srun: what follows is this one's
 LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError")
+FAILED = "worker failed:"  # p3d.train.worker's line when a worker raises
+
+
+def _failures(run_dir: Path) -> list[tuple[Path, str, str]]:
+    """(rank log, its first failure line, what the current attempt wrote to it) of every rank whose worker raised
+    in the current attempt (what follows the log's last attempt header, p3d.rundir.attempts)."""
+    found = []
+    for log in sorted(run_logs(run_dir).glob("rank*.log"), key=lambda p: (len(p.name), p.name)):
+        text = current_attempt(log.read_text(errors="replace"))
+        line = next((ln.strip() for ln in text.splitlines() if FAILED in ln), None)
+        if line is not None:
+            found.append((log, line, text))
+    return found
 
 
 def raised_error(run_dir: Path) -> str | None:
     """The first error a worker of the last srun raised that is not the lost connection to a peer that died
     (what every survivor of a SIGKILL raises), as ``rank N: <error>``."""
-    for log in sorted(run_logs(run_dir).glob("rank*.log")):
-        text = log.read_text(errors="replace").rsplit(SRUN_MARK, 1)[-1]
-        for line in text.splitlines():
-            if "worker failed:" in line and not LOST_PEER.search(line):
-                return line.strip()
-    return None
+    return next((line for _, line, _ in _failures(run_dir) if not LOST_PEER.search(line)), None)
+
+
+def failed_tail(run_dir: Path, n: int = 20) -> str | None:
+    """The last ``n`` lines the current attempt wrote to the log of the rank that failed, headed by its name: a
+    rank that raised an error of its own before one that lost a peer; None when no worker raised."""
+    found = sorted(_failures(run_dir), key=lambda f: bool(LOST_PEER.search(f[1])))
+    if not found:
+        return None
+    log, _, text = found[0]
+    return f"p3d: last lines of {log}:\n" + "\n".join(text.splitlines()[-n:])
 
 
 def slurm_cause(run_dir: Path, srun_err: Path) -> str | None:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from p3d.console import say
 from p3d.launch.compose import given_overrides
 from p3d.layout.elastic_rules import is_elastic
+from p3d.layout.fixes import Pins
 from p3d.layout.run_plan import P3DConfigError, build_plan, check_config, fill_derived
 from p3d.rundir.files import METRICS, holds_run
 
@@ -26,8 +27,20 @@ def tokenizer_vocab(data_cfg) -> int:
         raise P3DConfigError(str(exc)) from None
 
 
-def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True):
-    """The typed Config with the device preset filled in and ``mesh=auto`` resolved by the planner."""
+def command_pins(overrides: list[str], resuming: bool = False) -> Pins:
+    """What a refusal's suggested fix cannot move on this command line (p3d.layout.fixes): the dotted fields it
+    sets, and on a resume the fields that may not change (p3d.config.resume_rules)."""
+    from p3d.config.resume_rules import refuses
+    from p3d.launch.compose import config_groups
+    from p3d.launch.resume_base import named_on_the_command_line
+
+    _, fields = named_on_the_command_line(overrides, config_groups())
+    return Pins(frozenset(fields), refuses if resuming else None)
+
+
+def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True, pins: Pins | None = None):
+    """The typed Config with the device preset filled in and ``mesh=auto`` resolved by the planner. ``pins``: what a
+    suggested fix cannot move (default: the fields this command line sets)."""
     from omegaconf.errors import OmegaConfBaseException
 
     from p3d.rundir.paths import resolve_config_paths
@@ -41,7 +54,8 @@ def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True):
     if cfg.model.init_from:
         cfg = with_hf_shape(cfg)
     cfg = with_tokenizer(cfg)
-    check_config(cfg)  # field bounds and the model's shape: what p3d-plan cannot compute either
+    # field bounds and the model's shape: what p3d-plan cannot compute either
+    check_config(cfg, pins if pins is not None else command_pins(given_overrides()))
     if cfg.calibration:  # a file of another machine or software is refused before the planner uses it
         from p3d.planner.calibration import check_file
 
@@ -123,15 +137,27 @@ def with_tokenizer(cfg):
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
 
 
-def prepare(cfg_node: DictConfig):
+def prepare(cfg_node: DictConfig, overrides: list[str] | None = None):
     """Typed config and run plan, or P3DConfigError. A resume starts from the resumed run's spec
-    (p3d.launch.resume_base)."""
+    (p3d.launch.resume_base), and its refusals name that spec as the source of the values it gave. ``overrides``:
+    the command line's (default: Hydra's)."""
     from p3d.launch.compose import config_groups
     from p3d.launch.resume_base import resume_node
 
-    cfg = typed_config(resume_node(cfg_node, given_overrides(), config_groups()))
+    overrides = given_overrides() if overrides is None else overrides
+    node, resumed = resume_node(cfg_node, overrides, config_groups())
+    try:
+        return _prepared(node, command_pins(overrides, resuming=resumed is not None))
+    except P3DConfigError as exc:
+        if resumed is None:
+            raise
+        raise P3DConfigError(resumed.sourced(str(exc))) from None
+
+
+def _prepared(node: DictConfig | dict, pins: Pins):
+    cfg = typed_config(node, pins=pins)
     vocab = tokenizer_vocab(cfg.data)
-    plan = build_plan(cfg, vocab, for_training=not cfg.dry_run)
+    plan = build_plan(cfg, vocab, for_training=not cfg.dry_run, pins=pins)
     if is_elastic(cfg):
         from p3d.jobs.elastic import refit
         from p3d.layout.elastic import check_floor, pinned
@@ -145,24 +171,14 @@ def preflight(cfg, run_plan) -> None:
     """Refuse a layout the planner predicts not to fit device memory (plan.force=true skips this); the planner
     models ``run_plan``, the run plan already built for ``cfg``."""
     from p3d.planner import predict
+    from p3d.planner.verdict import fit_refusal
 
     report = predict(cfg, run_plan)
-    if report.fits or cfg.plan.force:
+    refused = fit_refusal(report)
+    if refused is None:
         return
     print(report.render(), file=sys.stderr)
-    mem = report.to_json()["memory_gb"]
-    lay = report.layout
-    need = (
-        f"{mem['all_ranks']:.3g} GB for its {lay.world_size} workers together"
-        if report.shared_host
-        else f"{mem['total']:.3g} GB on its most loaded device"
-    )
-    raise P3DConfigError(
-        f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
-        f"more than cluster.memory_gb={cfg.cluster.memory_gb}: see the breakdown above "
-        "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
-        "or plan.force=true"
-    )
+    raise P3DConfigError(refused)
 
 
 def check_run(cfg, multirun: bool = False, quiet: bool = False):

@@ -1,8 +1,9 @@
 """Compose with Hydra once, in the launching process, and report config errors in one line.
 
 ``run_hydra(task)`` runs ``task(cfg_node) -> exit status`` under ``hydra.main`` and returns the status:
-the task's own, 2 for a config Hydra cannot compose (unknown group option, bad override, wrong type),
-or a sweep's (``p3d.exit_codes.SweepNotDone``).
+the task's own, 2 for a config Hydra cannot compose (unknown group option, bad override, wrong type: a value its
+field cannot hold is refused in one line before Hydra runs, p3d.launch.override_types), or a sweep's
+(``p3d.exit_codes.SweepNotDone``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from p3d import exit_codes
 from p3d.config.schema import register_configs
 from p3d.config.shipped import conf_dir
 from p3d.console import error
+from p3d.launch.override_types import wrong_type
 
 CONFIG_PATH = str(conf_dir())
 
@@ -36,14 +38,30 @@ def given_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def with_source(message: str) -> str:
-    """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'."""
+def message_field(message: str) -> str | None:
+    """The one field a refusal starts with ('mesh.tp=4 must ...' -> 'mesh.tp'), None if it names none (tp*pp*dp)
+    or already says where it was set."""
     head, _, rest = message.partition(" ")
-    colon = ":" if head.endswith(":") else ""  # 'model.init_from=/x: no config.json there'
-    head = head.removesuffix(":")
+    head = head.removesuffix(":")  # 'model.init_from=/x: no config.json there'
     field = head.split("=", 1)[0]
-    if "=" not in head or not re.fullmatch(r"[a-z_]+(\.[a-z0-9_]+)+", field) or not HydraConfig.initialized():
-        return message  # not one field (e.g. tp*pp*dp), or no Hydra to ask
+    if "=" not in head or not re.fullmatch(r"[a-z_]+(\.[a-z0-9_]+)+", field) or rest.startswith("("):
+        return None
+    return field
+
+
+def insert_source(message: str, where: str) -> str:
+    """'mesh.tp=4 must ...' -> 'mesh.tp=4 (<where>) must ...'."""
+    head, _, rest = message.partition(" ")
+    colon = ":" if head.endswith(":") else ""
+    return f"{head.removesuffix(':')} ({where}){colon} {rest}"
+
+
+def with_source(message: str) -> str:
+    """Insert where the offending field was set: 'mesh.tp=4 (mesh/tp4.yaml) must divide ...'. A resume's refusal
+    names the resumed spec itself where that gave the value (p3d.launch.resume_base.Resumed.sourced)."""
+    field = message_field(message)
+    if field is None or not HydraConfig.initialized():
+        return message  # not one field (e.g. tp*pp*dp), its source said already, or no Hydra to ask
     hc = HydraConfig.get()
     if any(o.lstrip("+~").startswith(f"{field}=") for o in hc.overrides.task):
         where = "command line"
@@ -51,7 +69,7 @@ def with_source(message: str) -> str:
         group = field.split(".", 1)[0]
         choice = hc.runtime.choices.get(group)
         where = f"{group}/{choice}.yaml" if choice else "config.yaml"
-    return f"{head} ({where}){colon} {rest}"
+    return insert_source(message, where)
 
 
 def report_error(message: str, status: int = exit_codes.CONFIG_ERROR, prefix: str = "p3d") -> int:
@@ -111,7 +129,7 @@ def _default_choice(group: str) -> str:
 def run_hydra(task: Callable[[DictConfig], int], writes_outputs: bool = True) -> int:
     """Compose with Hydra, run ``task``; its exit status (the worst of a sweep's points, or the sweep's)."""
     argv = sys.argv[1:]
-    refused = moe_field_of_a_dense_model(argv)
+    refused = moe_field_of_a_dense_model(argv) or wrong_type(argv)  # before Hydra's own reports of several lines
     if refused:
         return report_error(f"config error: {refused}")
     multirun = any(a in ("-m", "--multirun") for a in argv)

@@ -6,7 +6,9 @@ of each stage and the exact parameter count of each rank, and checks that the sh
 closed-form count of the model. An MoE model's ranks also show their routed experts' share (E / ep experts of
 each MoE block; the ep ranks of dp hold the others, as many) beside the dense parameters. Last, each stage's memory
 per rank as the planner models it (p3d.planner.memory.stage_memory, p3d-plan's table): the same on every dp, cp
-and tp rank of a stage, with cp > 1 for s / cp tokens of each sequence.
+and tp rank of a stage, with cp > 1 for s / cp tokens of each sequence; and whether it fits, the verdict of the
+launch's pre-flight (p3d.planner.verdict.fit_refusal): a layout the launch refuses, its dry run refuses too, with
+the same line and exit status.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.mesh import Mesh
 from p3d.parallel.pipeline.specs import layer_specs_of
 from p3d.parallel.tp.layers import owned_by_tp_rank
-from p3d.planner.memory import GB, StageMemory, stage_memory
+from p3d.planner import predict
+from p3d.planner.memory import StageMemory
+from p3d.planner.predict import Prediction
 from p3d.planner.render import memory_table, memory_unit
-from p3d.planner.shapes import layout_of_run_plan
+from p3d.planner.verdict import fit_refusal
 
 if TYPE_CHECKING:
     from p3d.config.schema import Config
@@ -50,6 +54,12 @@ class DryRunReport:
     experts: dict[tuple[int, int], int] = field(default_factory=dict)  # (pp, tp) -> routed experts' parameters
     node_names: list[str] = field(default_factory=list)  # node index -> hostname, inside a Slurm allocation
     memory: list[StageMemory] = field(default_factory=list)  # per stage, one rank's bytes (p3d.planner.memory)
+    prediction: Prediction | None = None  # the planner's model of the run, as the launch's pre-flight makes it
+
+    @property
+    def refusal(self) -> str | None:
+        """The line the launch would refuse this layout with (predicted not to fit), or None."""
+        return fit_refusal(self.prediction) if self.prediction is not None else None
 
     @property
     def total(self) -> int:
@@ -134,9 +144,17 @@ class DryRunReport:
             f"rank of a stage{tokens}{room})",
             *memory_table(self.memory, self.memory, scale),
         ]
-        if capacity is not None and gpus:
-            verdict = "fits" if worst.total <= capacity * GB else "DOES NOT FIT"
-            out.append(f"  -> {verdict}: {worst.total / scale:.2f} {unit} of {capacity:g} GB on the most loaded rank")
+        p = self.prediction
+        if p is not None:
+            verdict = "fits" if p.fits else "DOES NOT FIT"
+            if not p.fits and cfg.plan.force:
+                verdict += " (plan.force=true: p3d-train launches it anyway)"
+            need = p.all_ranks_bytes if p.shared_host else p.worst.total  # what the pre-flight compares
+            need_unit, need_scale = memory_unit(need)
+            where = f"{need / need_scale:.2f} {need_unit} of {capacity:g} GB " + (
+                f"for the {plan.world_size} workers together" if p.shared_host else "on the most loaded rank"
+            )
+            out.append(f"  -> {verdict}: {where}")
         return out
 
 
@@ -214,7 +232,8 @@ def dry_run(cfg, plan) -> DryRunReport:
                     owned += routed * (plan.ep - 1)
             report.params[(pp, tp)], report.padding[(pp, tp)], report.owned[(pp, tp)] = n, pad, owned
             report.experts[(pp, tp)] = experts
-    report.memory = stage_memory(cfg, layout_of_run_plan(cfg, plan))
+    report.prediction = predict(cfg, plan)  # the pre-flight's model of this run plan
+    report.memory = report.prediction.stages
     return report
 
 

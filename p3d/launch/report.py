@@ -1,9 +1,12 @@
 """``p3d-report <sweep dir>``: which layout is fastest. One row per sweep point (or one run dir):
 
-    point  mesh  dp x pp x tp  schedule  tokens/s  MFU  peak GB  bubble  final loss  steps  status
+    every point: dp2 pp1 tp1 ep1, ZeRO-0, 1f1b v=1, recompute none
+    point  mesh  ranks  cp  tokens/s  MFU  peak GB  bubble  final loss  steps  status
 
+(the axes of the layout that differ between the points in columns, the rest on the line above: report_rows.AXES)
 read from each point's ``run_spec.yaml``, ``metrics.jsonl`` and ``p3d_status.json``; printed, and
-written to ``<sweep dir>/report.csv`` and ``<sweep dir>/report.png`` (throughput per layout).
+written to ``<sweep dir>/report.csv`` and ``<sweep dir>/report.png`` (throughput per layout), and the picture of each
+traced step of each point (``train.trace_steps``: p3d.launch.timeline), whose path the report prints.
 tokens/s, MFU and bubble are medians over the steps after the first (which pays for warm-up); peak
 memory is the largest step's; the final loss is the last step's. ``p3d-train -m`` prints this at the
 end of every sweep (:class:`SweepCallback`, registered in conf/config.yaml).
@@ -15,11 +18,9 @@ directory, or the CSV or plot cannot be written there.
 from __future__ import annotations
 
 import csv
-import statistics
-import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,9 +28,9 @@ from hydra.experimental.callback import Callback
 
 from p3d import exit_codes
 from p3d.console import error, say
-from p3d.layout.elastic import record_text
-from p3d.rundir.files import METRICS, SPEC, STATUS, read_json_lines, read_status, write_status
-from p3d.rundir.spec import RUN_PLAN_KEY
+from p3d.launch.report_plot import plot
+from p3d.launch.report_rows import AXES, Row, collect, has_layout, layout_text, mesh_label, varying_axes
+from p3d.rundir.files import read_status, write_status
 
 STATUS_BY_CODE = {
     exit_codes.OK: "done",
@@ -39,155 +40,46 @@ STATUS_BY_CODE = {
 }
 
 
-@dataclass
-class Row:
-    point: str
-    mesh: str
-    dp: int | None = None
-    pp: int | None = None
-    tp: int | None = None
-    schedule: str = "-"  # the pipeline schedule: 1f1b, or a torch schedule with its chunks per rank
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    peak_mem_gb: float | None = None
-    bubble: float | None = None
-    final_loss: float | None = None
-    steps: int | None = None
-    total_steps: int | None = None
-    status: str = "?"
-    reason: str = ""
-    run_dir: str = ""
-    layout_changes: int = 0  # an elastic run's re-fits (p3d.jobs.elastic): the records with layout_change
-    time_lost_s: float | None = None  # their time lost together
-    changes: list[str] = field(default_factory=list)  # each as a line (p3d.layout.elastic.record_text); not in the CSV
-
-
-def mesh_label(task_cfg) -> str:
-    """'tp2_pp2 (tp=2 pp=2 dp=auto)' from a composed config; '?' when it cannot be read."""
-    try:
-        m = task_cfg.mesh
-        return f"{m.name} (tp={m.tp} pp={m.pp} dp={m.dp})"
-    except Exception:
-        return "?"
-
-
-def schedule_label(schedule: dict) -> str:
-    """'1f1b', 'interleaved_1f1b v=2', 'zbv v=2' (as p3d-plan names them) from a run spec's ``schedule``."""
-    name, v = schedule.get("pipeline", "1f1b"), schedule.get("virtual_stages") or 1
-    return name if v == 1 and name in ("1f1b", "gpipe") else f"{name} v={v}"
-
-
-def _median(values: list[Any]) -> float | None:
-    values = [v for v in values if isinstance(v, (int, float))]
-    return statistics.median(values) if values else None
-
-
-def slurm_state(job_id: str) -> str | None:
-    """The job's state from sacct (the last run of a requeued job), or None."""
-    try:
-        out = subprocess.run(
-            ["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True, timeout=15
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    states = [s.split()[0] for s in out.stdout.split("\n") if s.strip()]
-    return states[-1] if out.returncode == 0 and states else None
-
-
-def read_point(point: Path, name: str) -> Row:
-    from omegaconf import ListConfig, OmegaConf
-
-    status = read_status(point)
-    row = Row(point=name, mesh=status.get("mesh", "?"), run_dir=str(point))
-    spec_path = point / SPEC
-    if spec_path.is_file():
-        spec = cast(dict, OmegaConf.to_container(OmegaConf.load(spec_path)))
-        plan, mesh = spec.get(RUN_PLAN_KEY, {}), spec.get("mesh", {})
-        row.dp, row.pp, row.tp = plan.get("dp"), plan.get("pp"), plan.get("tp")
-        row.mesh = mesh.get("name", "?")
-        row.total_steps = spec.get("train", {}).get("steps")
-        row.schedule = schedule_label(spec.get("schedule", {}))
-    elif row.mesh == "?" and (point / ".hydra" / "overrides.yaml").is_file():
-        overrides = cast(ListConfig, OmegaConf.load(point / ".hydra" / "overrides.yaml"))  # a list of strings
-        row.mesh = " ".join(o for o in overrides if str(o).startswith("mesh")) or "?"
-    records = read_json_lines(point / METRICS) if (point / METRICS).is_file() else []
-    if records:
-        steady = records[1:] or records
-        row.tokens_per_s = _median([r.get("tokens_per_s") for r in steady])
-        row.mfu = _median([r.get("mfu") for r in steady])
-        row.bubble = _median([r.get("bubble") for r in steady])
-        mems = [r["peak_mem_gb"] for r in records if isinstance(r.get("peak_mem_gb"), (int, float))]
-        row.peak_mem_gb = max(mems) if mems else None
-        row.final_loss = records[-1].get("loss")
-        row.steps = records[-1].get("step")
-        changes = [r["layout_change"] for r in records if r.get("layout_change")]
-        row.layout_changes, row.changes = len(changes), [record_text(c) for c in changes]
-        lost = [c["time_lost_s"] for c in changes if c.get("time_lost_s") is not None]
-        row.time_lost_s = sum(lost) if lost else None
-    complete = bool(records) and row.total_steps is not None and row.steps == row.total_steps
-    row.status, row.reason = status.get("status", ""), status.get("reason", "") or ""
-    if row.status == "submitted":  # p3d-train cluster=slurm: ask Slurm how the job is doing
-        job = status.get("job_id")
-        state = slurm_state(job) if job else None
-        row.status = "done" if complete and state in (None, "COMPLETED") else f"job {job} {state or '?'}"
-    elif not row.status:
-        row.status = "done" if complete else ("incomplete" if records else "not run")
-    elif row.status == "done" and not complete:
-        row.status = "incomplete"
-    return row
-
-
-def _point_key(path: Path):
-    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
-
-
-def collect(sweep_dir: Path) -> list[Row]:
-    """Rows of every point under ``sweep_dir`` (or of the run in it), in sweep order."""
-    if (sweep_dir / SPEC).is_file() or (sweep_dir / STATUS).is_file():
-        return [read_point(sweep_dir, sweep_dir.name)]
-    points = [
-        d
-        for d in sweep_dir.iterdir()
-        if d.is_dir()
-        and not d.name.startswith(".")
-        and any((d / f).exists() for f in (SPEC, STATUS, METRICS, ".hydra"))
-    ]
-    return [read_point(d, d.name) for d in sorted(points, key=_point_key)]
-
-
 def _fmt(value: Any, kind: str) -> str:
     if value is None:
         return "-"
     return {"int": f"{value:,.0f}", "pct": f"{value:.1%}", "gb": f"{value:.2f}", "loss": f"{value:.4f}"}[kind]
 
 
-HEADER = (
-    "point",
-    "mesh",
-    "dp x pp x tp",
-    "schedule",
-    "tokens/s",
-    "MFU",
-    "peak GB",
-    "bubble",
-    "final loss",
-    "steps",
-    "status",
-)
+METRICS_HEADER = ("tokens/s", "MFU", "peak GB", "bubble", "final loss", "steps")
+NUMERIC_AXES = ("world_size", "dp", "pp", "tp", "cp", "ep", "zero_stage", "v")
+
+
+def _ambiguous(rows: list[Row]) -> bool:
+    """Two points that ran with the same value of every axis: what told them apart is not an axis (a
+    ``zero.shard_size`` or ``schedule.micro_batch_size`` sweep), so the table shows their overrides too."""
+    keys = [tuple(getattr(r, a) for a in AXES) for r in rows if has_layout(r)]
+    return len(set(keys)) < len(keys)
+
+
+def _own_overrides(rows: list[Row]) -> list[str]:
+    """Each row's overrides less those every row has."""
+    common = set.intersection(*(set(r.overrides.split()) for r in rows)) if rows else set()
+    return [" ".join(o for o in r.overrides.split() if o not in common) or "-" for r in rows]
 
 
 def table(rows: list[Row]) -> str:
-    lines = [HEADER]
-    for r in rows:
-        dims = f"{r.dp} x {r.pp} x {r.tp}" if r.dp is not None else "-"
+    """The layout of every point, its throughput, memory, loss and status. The axes (AXES) that vary between the
+    points get a column each and the rest one line above the table, so that two points never print the same row."""
+    axes = varying_axes(rows)
+    overrides = _own_overrides(rows) if _ambiguous(rows) else None
+    overrides = overrides if overrides and len(set(overrides)) > 1 else None  # none there: nothing to tell apart
+    header = ("point", "mesh", *(AXES[a] for a in axes), *(("overrides",) if overrides else ()), *METRICS_HEADER)
+    lines = [(*header, "status")]
+    for i, r in enumerate(rows):
         steps = f"{r.steps}/{r.total_steps}" if r.steps is not None else "-"
         status = r.status + (f": {r.reason}" if r.reason and r.status != "done" else "")
         lines.append(
             (
                 r.point,
                 r.mesh,
-                dims,
-                r.schedule,
+                *(str(getattr(r, a)) if has_layout(r) else "-" for a in axes),
+                *((overrides[i],) if overrides else ()),
                 _fmt(r.tokens_per_s, "int"),
                 _fmt(r.mfu, "pct"),
                 _fmt(r.peak_mem_gb, "gb"),
@@ -197,19 +89,23 @@ def table(rows: list[Row]) -> str:
                 status,
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER) - 1)]
-    right = {4, 5, 6, 7, 8, 9}
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    right = {i for i, h in enumerate(header) if h in METRICS_HEADER or h in {AXES[a] for a in NUMERIC_AXES}}
+    laid_out = [r for r in rows if has_layout(r)]
+    common = [a for a in AXES if a not in axes]
     out = []
+    if laid_out and common:
+        out.append(f"{'layout' if len(laid_out) == 1 else 'every point'}: {layout_text(laid_out[0], common)}")
     for line in lines:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
         out.append("  ".join(cells + [line[-1]]).rstrip())
     done = [r for r in rows if r.status == "done" and r.tokens_per_s]
     if done:
         best = max(done, key=lambda r: cast(float, r.tokens_per_s))  # set: done keeps rows with tokens_per_s
-        out.append(
-            f"fastest: point {best.point}, {best.mesh} (dp={best.dp} pp={best.pp} tp={best.tp}, {best.schedule}): "
-            f"{best.tokens_per_s:,.0f} tokens/s"
+        what = ", ".join(
+            t for t in (layout_text(best), overrides[rows.index(best)] if overrides else "") if t not in ("", "-")
         )
+        out.append(f"fastest: point {best.point}, {best.mesh} ({what}): {best.tokens_per_s:,.0f} tokens/s")
     return "\n".join(out)
 
 
@@ -240,10 +136,13 @@ def report(
     write_csv(rows, csv_path)
     written = [str(csv_path)]
     if make_plot:
-        from p3d.launch.report_plot import plot
-
         plot(rows, png_path, f"p3d sweep {sweep_dir}")
         written.append(str(png_path))
+        from p3d.launch.timeline import draw_run
+
+        for r in rows:  # each traced step's picture (train.trace_steps), linked from the report
+            for path in draw_run(r.run_dir) if r.run_dir else []:
+                print(f"timeline of point {r.point}: {path}", file=stream)
     say(f"wrote {', '.join(written)}", "p3d-report", stream=stream)
     return rows
 

@@ -21,6 +21,7 @@ What then differs from the checkpoint is printed and checked by ``p3d.config.res
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,14 +141,52 @@ def _elastic_resize(merged: dict, resumed: dict) -> bool:
     )
 
 
-def resume_node(cfg_node: DictConfig, overrides: list[str], groups: set[str]) -> DictConfig | dict:
-    """``cfg_node`` as it is for a fresh run, or laid over the spec of the run it resumes."""
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resume's values came from: the resumed run's ``spec``, but for ``taken``, the groups and dotted
+    fields this launch took from its own composition (as :func:`over_resumed_run` says)."""
+
+    spec: Path
+    taken: frozenset[str]
+
+    def gave(self, field: str) -> bool:
+        """Whether ``field``'s value came from the resumed run's spec."""
+        return not any(field == k or field.startswith(f"{k}.") for k in self.taken)
+
+    def sourced(self, message: str) -> str:
+        """A refusal naming a field whose value the resumed run's spec gave, with that spec as its source:
+        ``model.seq_len=36 (resumed run /runs/r1/run_spec.yaml) must be ...`` (not the group file this command
+        line would compose, which did not give it)."""
+        from p3d.launch.compose import insert_source, message_field
+
+        field = message_field(message)
+        return insert_source(message, f"resumed run {self.spec}") if field and self.gave(field) else message
+
+
+def _taken(merged: dict, resumed: dict, overrides: list[str], groups: set[str]) -> set[str]:
+    """What :func:`over_resumed_run` took from the command line's composition rather than the resumed spec."""
+    chosen, fields = named_on_the_command_line(overrides, groups)
+    taken = {*chosen, *fields, *THIS_LAUNCH}
+    for source, derived in FOLLOWS.items():
+        if _get(merged, source) != _get(resumed, source):
+            taken.update(key for key in derived if key not in fields)
+    if _elastic_resize(merged, resumed):
+        taken.update(("mesh.dp", "mesh.name"))
+    return taken
+
+
+def resume_node(
+    cfg_node: DictConfig, overrides: list[str], groups: set[str]
+) -> tuple[DictConfig | dict, Resumed | None]:
+    """``cfg_node`` as it is for a fresh run (and None), or laid over the spec of the run it resumes (and where
+    its values came from)."""
     from p3d.rundir.paths import absolute
 
     resume = str(cfg_node.train.resume)
     spec = resumed_spec_path(absolute(str(cfg_node.run.dir)), resume) if resume != "none" else None
     if spec is None:
-        return cfg_node
+        return cfg_node, None
     resumed = config_part(OmegaConf.to_container(OmegaConf.load(spec)))  # type: ignore[arg-type]
     composed = OmegaConf.to_container(cfg_node, resolve=True)
-    return over_resumed_run(composed, resumed, overrides, groups)  # type: ignore[arg-type]
+    merged = over_resumed_run(composed, resumed, overrides, groups)  # type: ignore[arg-type]
+    return merged, Resumed(spec, frozenset(_taken(merged, resumed, overrides, groups)))

@@ -27,7 +27,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from p3d import exit_codes
 from p3d.console import error, say
 from p3d.jobs.slurm.submit import check_fits, checked_time_limit, job_shape, partition_info, time_minutes
-from p3d.launch.report import mesh_label
+from p3d.launch.report_rows import mesh_label
 from p3d.layout.run_plan import P3DConfigError
 from p3d.rundir.files import write_status
 from p3d.rundir.lease import check_free

@@ -30,11 +30,12 @@ def train_task(cfg_node: DictConfig) -> int:
         if lease is not None:
             lease.release()
         return _refused(str(exc), multirun)
-    if cfg.dry_run:
+    if cfg.dry_run:  # what the launch would say: the stages, and the pre-flight's refusal of a layout that won't fit
         from p3d.launch.dryrun import dry_run
 
-        print(dry_run(cfg, plan).render(), flush=True)
-        return exit_codes.OK
+        report = dry_run(cfg, plan)
+        print(report.render(), flush=True)
+        return exit_codes.OK if report.refusal is None else _refused(report.refusal, multirun)
     try:
         return _launch(cfg, plan, lease)
     except P3DConfigError as exc:  # the Slurm partition cannot hold the job: nothing was submitted

@@ -31,17 +31,12 @@ def check_context(cfg: Config, tp: int) -> None:
             if multiple != 2 * cp
             else f"each sequence is cut into 2 x mesh.cp={2 * cp} equal chunks, two per cp rank"
         )
-        raise P3DConfigError(
-            f"model.seq_len={m.seq_len} must be a multiple of {multiple} with mesh.cp={cp} ({why}); "
-            f"try model.seq_len={fix}"
+        raise P3DConfigError(  # seq_len first; a resume, which may not change it, gets a smaller cp
+            f"model.seq_len={m.seq_len} must be a multiple of {multiple} with mesh.cp={cp} ({why})",
+            [f"model.seq_len={fix}", *(f"mesh.cp={c}" for c in range(cp - 1, 0, -1))],
         )
     if m.moe is not None:
         raise P3DConfigError(
             f"mesh.cp={cp} with model={m.name}, a mixture of experts: the balancing loss and the routing figures "
             "are computed per sequence, which p3d does not split over cp ranks; try mesh.cp=1"
-        )
-    if m.compile:
-        raise P3DConfigError(
-            f"model.compile=true with mesh.cp={cp}: the cp attention's key/value collectives run eagerly, "
-            "p3d does not compile them; try model.compile=false"
         )

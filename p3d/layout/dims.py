@@ -48,12 +48,24 @@ def resolve_dp(tp: int, pp: int, dp: object, nodes: int, gpus_per_node: int | No
             names = "mesh.tp*mesh.cp*mesh.pp" if cp > 1 else "mesh.tp*mesh.pp"
             raise P3DConfigError(
                 f"{names}={per_replica} must divide the world size {world} (cluster.nodes={nodes} x "
-                f"cluster.gpus_per_node={gpus_per_node}); try cluster.nodes={fit} or set mesh.dp"
+                f"cluster.gpus_per_node={gpus_per_node})",
+                [f"cluster.nodes={fit}", *degrees_that_fill(world, {"cp": cp, "pp": pp, "tp": tp})],
             )
         return world // per_replica
     if not _positive_int(dp):
         raise P3DConfigError(f"mesh.dp={dp!r} must be a positive integer or auto; try mesh.dp=auto")
     return dp  # type: ignore[return-value]  # checked just above
+
+
+def degrees_that_fill(world: int, degrees: dict[str, int], dp: int | None = None) -> list[str]:
+    """Fixes that make the mesh fill ``world`` ranks by lowering one degree (``mesh.cp=1``): the largest value
+    below the given one with which the product is ``world`` (``dp`` given) or divides it (dp auto)."""
+    fixes = []
+    for name, given in degrees.items():
+        rest = math.prod(v for k, v in degrees.items() if k != name) * (dp or 1)
+        fits = [v for v in range(given - 1, 0, -1) if (rest * v == world if dp else world % (rest * v) == 0)]
+        fixes += [f"mesh.{name}={fits[0]}"] if fits else []
+    return fixes
 
 
 def largest_divisor_at_most(n: int, limit: int, *also: int) -> int:

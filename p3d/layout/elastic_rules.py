@@ -25,10 +25,11 @@ def check_elastic(cfg: Config, world: int) -> None:
     c = cfg.cluster
     nodes, least = c.nodes, c.elastic.min_nodes
     if c.launcher == Launcher.local and nodes != 1 and least is None and not c.groups:
+        save = cfg.train.save_every or 100  # an elastic run resumes from its checkpoints (the rule below)
         raise P3DConfigError(
             f"cluster.nodes={nodes} with cluster.launcher=local: local runs use one machine; simulated nodes "
-            "(worker groups) are for elastic runs and cluster.groups: add cluster.elastic.min_nodes=1, or try "
-            "cluster.nodes=1"
+            "(worker groups) are for elastic runs and cluster.groups",
+            ["cluster.nodes=1", f"cluster.elastic.min_nodes=1 train.save_every={save}"],
         )
     if least is None:
         return

@@ -10,15 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import cast
 
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType
-from p3d.config.shipped import conf_dir
 from p3d.layout.context_rules import check_context
-from p3d.layout.dims import ParallelDims, largest_divisor_at_most, resolve_dp
+from p3d.layout.dims import ParallelDims, degrees_that_fill, largest_divisor_at_most, resolve_dp
 from p3d.layout.elastic_rules import check_elastic
 from p3d.layout.expert_rules import check_experts
+from p3d.layout.fixes import Pins, settle
 from p3d.layout.geometry import (
     PIECES_RULE,
     active_params,
@@ -29,6 +28,7 @@ from p3d.layout.geometry import (
     total_params,
 )
 from p3d.layout.hetero import check_group_ranks, fill_groups
+from p3d.layout.mesh_fixes import fewer_stages, finer_cuts, suggest_mesh
 from p3d.layout.schedule_rules import V_SHAPED, check_schedule, chunks_per_rank
 
 __all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
@@ -76,30 +76,6 @@ class RunPlan:
         )
 
 
-def _mesh_presets() -> dict[tuple[int, int, str], str]:
-    """(tp, pp, dp) -> preset name, read from conf/mesh/ to suggest a fix by name."""
-    from omegaconf import DictConfig, OmegaConf
-
-    presets: dict[tuple[int, int, str], str] = {}
-    for f in sorted((conf_dir() / "mesh").glob("*.yaml")):
-        vals = cast(DictConfig, OmegaConf.load(f))  # conf/mesh/*.yaml are mappings
-        try:
-            if vals["name"] != "auto":  # a placeholder for the planner's search, not a layout
-                presets[(int(vals["tp"]), int(vals["pp"]), str(vals["dp"]))] = f.stem
-        except (KeyError, ValueError, TypeError):
-            continue
-    return presets
-
-
-def suggest_mesh(tp: int, pp: int, dp: int | str = "auto") -> str:
-    """An override that sets this layout: a preset name where one exists."""
-    presets = _mesh_presets()
-    for key in ((tp, pp, str(dp)), (tp, pp, "auto"), (tp, pp, "1")):  # dp auto is 1 on one machine
-        if key in presets:
-            return f"mesh={presets[key]}"
-    return f"mesh.tp={tp} mesh.pp={pp}" + (f" mesh.dp={dp}" if dp != "auto" else "")
-
-
 def fill_derived(cfg: Config) -> Config:
     """The config with what follows from other fields filled in: the cluster numbers and dtype
     (:func:`fill_cluster`), and ``schedule.virtual_stages`` from the pipeline when unset."""
@@ -141,7 +117,7 @@ def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
     gpn = cluster.gpus_per_node
     world = None if gpn is None else cluster.nodes * gpn  # None on cpu: the mesh decides the world
     dp = resolve_dp(tp, pp, cfg.mesh.dp, cluster.nodes, gpn, cp)
-    if world is not None and tp * cp * pp * dp != world:
+    if gpn is not None and world is not None and tp * cp * pp * dp != world:
         names, values = (
             ("mesh.tp*mesh.cp*mesh.pp*mesh.dp", f"{tp}*{cp}*{pp}*{dp}")
             if cp > 1
@@ -150,9 +126,15 @@ def _world_size(cfg: Config, tp: int, pp: int) -> tuple[int, int]:
                 f"{tp}*{pp}*{dp}",
             )
         )
+        nodes = math.ceil(tp * cp * pp * dp / gpn)
         raise P3DConfigError(
             f"{names}={values}={tp * cp * pp * dp} must equal the world size {world} "
-            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={gpn}); try mesh.dp=auto"
+            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={gpn})",
+            [
+                "mesh.dp=auto",
+                *([f"cluster.nodes={nodes}"] if nodes * gpn == tp * cp * pp * dp else []),
+                *degrees_that_fill(world, {"cp": cp, "pp": pp, "tp": tp}, dp),
+            ],
         )
     return tp * cp * pp * dp, dp
 
@@ -213,12 +195,40 @@ def check_logger(cfg: Config) -> None:
             )
 
 
-def check_config(cfg: Config) -> None:
-    """What p3d-train and p3d-plan both refuse, whatever the layout: field bounds, the logger, the model's shape."""
+def check_config(cfg: Config, pins: Pins | None = None) -> None:
+    """What p3d-train and p3d-plan both refuse, whatever the layout: field bounds, the logger, the model's shape.
+    A refusal suggests the fixes the same command accepts (``pins``: what it cannot move; p3d.layout.fixes)."""
+    try:
+        _check_config(cfg)
+    except P3DConfigError as exc:
+        raise settle(exc, cfg, pins, _config_rules) from None
+
+
+def _check_config(cfg: Config) -> None:
     check_fields(cfg)
     check_logger(cfg)
     check_model(cfg)
     check_faults(cfg)
+    check_trace_steps(cfg)
+
+
+def check_trace_steps(cfg: Config) -> None:
+    """Every step of ``train.trace_steps`` is one the run trains: 1 .. train.steps."""
+    steps, last = list(cfg.train.trace_steps), cfg.train.steps
+    outside = [s for s in steps if not 1 <= s <= last]
+    if outside:
+        inside = sorted({s for s in steps if 1 <= s <= last}) or [min(2, last)]
+        raise P3DConfigError(
+            f"train.trace_steps={steps}: step {outside[0]} is not one of this run's steps 1..{last} "
+            f"(train.steps={last}); try train.trace_steps=[{','.join(map(str, inside))}]"
+        )
+
+
+def _config_rules(cfg: Config) -> None:
+    """check_config's rules and, with a layout given (not mesh=auto), the run plan's: what a fix must pass."""
+    _check_config(cfg)
+    if cfg.mesh.name != "auto":
+        _derive_plan(cfg, None, for_training=False)
 
 
 def check_faults(cfg: Config) -> None:
@@ -233,7 +243,10 @@ def check_faults(cfg: Config) -> None:
 def check_model(cfg: Config) -> None:
     m = cfg.model
     if m.hidden_size % m.n_heads:
-        raise P3DConfigError(f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size}")
+        raise P3DConfigError(
+            f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size}",
+            lambda: [f"model.n_heads={d}" for d in _nearest_divisors(m.hidden_size, m.n_heads)],
+        )
     if (m.hidden_size // m.n_heads) % 2:
         raise P3DConfigError(
             f"model.hidden_size/model.n_heads={m.hidden_size // m.n_heads} (head dim) must be even "
@@ -241,9 +254,15 @@ def check_model(cfg: Config) -> None:
         )
     if m.n_heads % m.n_kv_heads:
         raise P3DConfigError(
-            f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
-            f"(grouped-query attention); try model.n_kv_heads={math.gcd(m.n_heads, m.n_kv_heads)}"
+            f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (grouped-query attention)",
+            [f"model.n_kv_heads={d}" for d in _nearest_divisors(m.n_heads, m.n_kv_heads)],
         )
+
+
+def _nearest_divisors(n: int, given: int) -> list[int]:
+    """The divisors of ``n``, the nearest below ``given`` first, then the nearest above (a fix for a count that must
+    divide n; p3d.layout.fixes keeps those every other rule accepts)."""
+    return sorted((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (d > given, abs(d - given)))
 
 
 def check_mesh(cfg: Config, tp: int, pp: int) -> None:
@@ -263,18 +282,25 @@ def check_mesh(cfg: Config, tp: int, pp: int) -> None:
             f"mesh.tp={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}; "
             f"try {suggest_mesh(ok, pp, cfg.mesh.dp)}"
         )
-    if max_pieces(m.n_layers, s.partition) < pp:
+    pieces = max_pieces(m.n_layers, s.partition)
+    if pieces < pp:
         raise P3DConfigError(
             f"mesh.pp={pp} exceeds model.n_layers={m.n_layers}: schedule.partition={s.partition.value} cuts it into at "
-            f"most {max_pieces(m.n_layers, s.partition)} stages ({PIECES_RULE[s.partition]}); "
-            f"try {suggest_mesh(tp, largest_divisor_at_most(m.n_layers, pp), cfg.mesh.dp)}"
+            f"most {pieces} stages ({PIECES_RULE[s.partition]})",
+            lambda: _fewer_stages_or_finer_cuts(cfg, tp, pp, pieces),
         )
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and tp > gpn:
         raise P3DConfigError(
-            f"mesh.tp={tp} exceeds cluster.gpus_per_node={gpn}: a TP group must stay inside one node; "
-            f"try {suggest_mesh(gpn, pp * tp // gpn)}"
+            f"mesh.tp={tp} exceeds cluster.gpus_per_node={gpn}: a TP group must stay inside one node",
+            lambda: [suggest_mesh(gpn, pp * tp // gpn), suggest_mesh(gpn, pp), f"mesh.tp={gpn}"],
         )
+
+
+def _fewer_stages_or_finer_cuts(cfg: Config, tp: int, pp: int, pieces: int) -> list[str]:
+    """Fixes for more stages than pieces: fewer stages, a partition that cuts finer, more blocks (the model last)."""
+    finer, more_blocks = finer_cuts(cfg, pp)
+    return [*fewer_stages(cfg, tp, pieces), *finer, more_blocks]
 
 
 def check_sequence_parallel(cfg: Config, tp: int) -> None:
@@ -356,9 +382,24 @@ def check_data(cfg: Config, tokenizer_vocab: int | None) -> None:
         )
 
 
-def build_plan(cfg: Config, tokenizer_vocab: int | None = None, for_training: bool = True) -> RunPlan:
-    """Check every cross-group rule and derive the run plan. Raises P3DConfigError. ``cfg``: typed and its fields
-    checked (:func:`check_config`, which p3d.launch.check.typed_config runs once for every command)."""
+def build_plan(
+    cfg: Config, tokenizer_vocab: int | None = None, for_training: bool = True, pins: Pins | None = None
+) -> RunPlan:
+    """Check every cross-group rule and derive the run plan. Raises P3DConfigError, whose fix the same command
+    accepts (``pins``: what it cannot move; p3d.layout.fixes). ``cfg``: typed and its fields checked
+    (:func:`check_config`, which p3d.launch.check.typed_config runs once for every command)."""
+    try:
+        return _derive_plan(cfg, tokenizer_vocab, for_training)
+    except P3DConfigError as exc:
+
+        def rules(fixed: Config) -> None:
+            _check_config(fixed)
+            _derive_plan(fixed, tokenizer_vocab, for_training)
+
+        raise settle(exc, cfg, pins, rules) from None
+
+
+def _derive_plan(cfg: Config, tokenizer_vocab: int | None, for_training: bool) -> RunPlan:
     if cfg.model.arch != Arch.llama and for_training:
         raise P3DConfigError(
             f"model.arch={cfg.model.arch.value}: the trainer builds llama only "

@@ -14,6 +14,7 @@ import math
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import Config, Recompute
 from p3d.layout.geometry import PIECES_RULE, max_pieces
+from p3d.layout.mesh_fixes import fewer_stages, finer_cuts
 
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # loop placement, v >= 2
 V_SHAPED = ("zbv", "dualpipev")  # V placement, exactly 2 chunks per rank (schedules.py:3249, :3435)
@@ -111,6 +112,18 @@ def check_stage_blocks(cfg: Config, pp: int) -> None:
         )
 
 
+def fewer_chunks(cfg: Config, pp: int, per_rank: int) -> list[str]:
+    """Fixes for more chunks than the layer list has pieces (pp ranks x ``per_rank`` chunks): fewer chunks per rank
+    (interleaved schedules), a partition that cuts finer, fewer stages, or more blocks; p3d.layout.fixes keeps
+    those the command accepts."""
+    pieces, fixes = max_pieces(cfg.model.n_layers, cfg.schedule.partition), []
+    if pipeline_name(cfg) in INTERLEAVED:
+        fixes += [f"schedule.virtual_stages={k}" for k in range(min(pieces // pp, per_rank - 1), 1, -1)]
+    finer, more_blocks = finer_cuts(cfg, pp * per_rank)
+    fixes += [*finer, *fewer_stages(cfg, cfg.mesh.tp, pieces // per_rank)]
+    return [*fixes, more_blocks]  # the model's shape last: a resume may not change it
+
+
 def check_schedule(cfg: Config, dp: int, pp: int) -> int:
     """Batch arithmetic and the pipeline schedule's rules. Returns the number of micro batches per step per replica
     (with ``schedule.replica_micro_batches``: the largest)."""
@@ -198,11 +211,11 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
     chunks = pp * (2 if name in V_SHAPED else v)
     pieces, n_layers = max_pieces(cfg.model.n_layers, s.partition), cfg.model.n_layers
     if pieces < chunks:
-        fix = f"schedule.virtual_stages={max(2, n_layers // pp)}" if name in INTERLEAVED else "a smaller mesh.pp"
         raise P3DConfigError(
             f"mesh.pp x chunks per rank = {chunks} chunks of schedule.pipeline={name} exceed the {pieces} pieces "
             f"schedule.partition={s.partition.value} can cut model.n_layers={n_layers} into "
-            f"({PIECES_RULE[s.partition]}); try {fix}"
+            f"({PIECES_RULE[s.partition]})",
+            lambda: fewer_chunks(cfg, pp, chunks // pp),
         )
     if name in IW_SPLIT and s.recompute == Recompute.full:
         raise P3DConfigError(

@@ -8,7 +8,8 @@ gate|up column-parallel, down row-parallel.
 
 Context parallelism (``mesh.cp`` > 1): a rank holds s / cp tokens of each sequence (p3d.parallel.context.chunks),
 so every shape below reads s / cp for s; RoPE rotates each by its global position and the attention core
-all-gathers keys and values over the cp group (p3d.parallel.context.attention).
+reaches the other ranks' keys and values over the cp group, all-gathered or around a ring
+(p3d.parallel.context.attention, ``context.attention``).
 
 Sequence parallelism (``sequence_parallel``): between the TP regions (norms, residual adds) every
 tensor is this rank's block of the sequence, (b, s/tp, h); q|k|v and gate|up all-gather it, o and
@@ -92,17 +93,27 @@ def _attention_core(q, k, v, cos, sin, gqa: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (b, nh/tp, s, hd)
 
 
-def _context_parallel_core(q, k, v, cos, sin, group, cp: int, cp_rank: int) -> torch.Tensor:
+def _context_parallel_core(q, k, v, cos, sin, group, cp: int, cp_rank: int, variant: str) -> torch.Tensor:
     """``_attention_core`` of a cp rank: RoPE at the tokens' global positions (``cos``, ``sin`` are this rank's
-    rows), then attention over every cp rank's keys and values. q (b, nh/tp, s/cp, hd) -> the same shape."""
+    rows), then attention over every cp rank's keys and values (``variant``: allgather or ring).
+    q (b, nh/tp, s/cp, hd) -> the same shape."""
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return context_parallel_attention(q, k, v, group, cp, cp_rank)
+    return context_parallel_attention(q, k, v, group, cp, cp_rank, variant)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, mesh, prefix: str, seed: int, sequence_parallel: bool = False, recompute: bool = False):
+    def __init__(
+        self,
+        cfg,
+        mesh,
+        prefix: str,
+        seed: int,
+        sequence_parallel: bool = False,
+        recompute: bool = False,
+        cp_attention: str = "allgather",
+    ):
         super().__init__()
-        self.recompute = recompute
+        self.recompute, self.cp_attention = recompute, cp_attention
         self.head_dim = hd = cfg.hidden_size // cfg.n_heads
         self.local_heads = cfg.n_heads // mesh.tp
         self.local_kv_heads = cfg.n_kv_heads // mesh.tp
@@ -156,7 +167,13 @@ class Attention(nn.Module):
         # cos, sin are bound, not passed: checkpoint keeps what it is passed, and the tables are the module's
         if self.cp > 1:
             core = functools.partial(
-                _context_parallel_core, cos=cos, sin=sin, group=self.cp_group, cp=self.cp, cp_rank=self.cp_rank
+                _context_parallel_core,
+                cos=cos,
+                sin=sin,
+                group=self.cp_group,
+                cp=self.cp,
+                cp_rank=self.cp_rank,
+                variant=self.cp_attention,
             )
         else:
             core = functools.partial(_attention_core, cos=cos, sin=sin, gqa=self.local_heads != self.local_kv_heads)
@@ -220,12 +237,13 @@ class TransformerBlock(nn.Module):
         sequence_parallel: bool = False,
         recompute_attention: bool = False,
         recompute_swiglu: bool = False,
+        cp_attention: str = "allgather",
     ):
         super().__init__()
         prefix = f"block{layer_idx}"
         sp_group = mesh.tp_group if sequence_parallel else None
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
-        self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention)
+        self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention, cp_attention)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
         self.mlp: nn.Module
         if is_moe_layer(cfg, layer_idx):

@@ -12,6 +12,11 @@ runs on this rank's tokens (the whole sequence, or its block under SP), and its 
 like the tokens, so their gradient, partial over tp through the experts' partial outputs, is summed there.
 Every tp rank routes the same tokens identically and sends them within its own ep group.
 
+Experts (p3d.model.experts): the routed ones stacked, one weight per projection with the experts leading, and
+computed by grouped GEMM over rows sorted by expert; routing, counting and permutation run on the device without a
+host sync (p3d.parallel.experts.dispatch); the figures accumulate on the device and reach the host once per step
+(p3d.parallel.experts.balance).
+
 Routing: scores = softmax(logits) or sigmoid(logits) (fp32); the top-k by score (plus ``expert_bias`` with
 aux-loss-free balancing) are a token's experts, weighted by their scores, renormalised to sum 1 when
 ``norm_topk_prob`` (sigmoid: always), times ``route_scale``. Dropless unless ``capacity_factor``.
@@ -31,44 +36,11 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from p3d.parallel.experts.dispatch import Routed, dispatch_combine
-from p3d.parallel.experts.params import mark_expert
-from p3d.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, master_normal, on_meta
+from p3d.model.experts import RoutedExperts, SwiGLUExpert
+from p3d.parallel.experts.dispatch import Routed, dispatch_combine, slot_order
+from p3d.parallel.tp.layers import master_normal, on_meta
 from p3d.parallel.tp.mappings import copy_to_tp, gather_from_sp, gather_seq_values, reduce_from_tp, reduce_scatter_to_sp
-
-
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-class Expert(nn.Module):
-    """One SwiGLU, cut over tp like the dense one (``w_gate_up`` column-, ``w_down`` row-parallel weights) but
-    without their collectives: in (rows, h) replicated over tp, out (rows, h) partial over tp."""
-
-    def __init__(self, h: int, f: int, mesh, prefix: str, std: float, out_std: float, seed: int, recompute: bool):
-        super().__init__()
-        self.recompute = recompute
-        self.w_gate_up = ColumnParallelLinear(h, [f, f], mesh, [f"{prefix}.w_gate", f"{prefix}.w_up"], std, seed)
-        self.w_down = RowParallelLinear(f, h, mesh, f"{prefix}.w_down", out_std, seed)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up.split_output(F.linear(x, self.w_gate_up.weight))  # (rows, f/t) each
-        if self.recompute and torch.is_grad_enabled():
-            return F.linear(checkpoint(_swiglu, gate, up, use_reentrant=False), self.w_down.weight)
-        return F.linear(_swiglu(gate, up), self.w_down.weight)  # (rows, h), partial over tp
-
-
-class RoutedExperts(nn.ModuleDict):
-    """This rank's routed experts, keyed by their global index (checkpoints and HF files name expert j alike on
-    every mesh). A module with a forward of its own, so that ZeRO-2/3 can make it an FSDP2 unit (over edp)."""
-
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows grouped by local expert, ``counts[j]`` for the j-th; every expert runs, on zero rows if none came
-        (its weights then get a zero gradient, and the reductions over edp pair up on every rank)."""
-        outs = [expert(part) for expert, part in zip(self.values(), rows.split(counts))]
-        return torch.cat(outs) if outs else rows
 
 
 class Router(nn.Module):
@@ -138,15 +110,11 @@ class MoEFeedForward(nn.Module):
         self.loss_scale = 1.0  # 1 / micro batches per step: set by the executor (p3d.train.executors)
         self.router = Router(cfg, prefix, seed, self.tp_group if self.sp else None)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        make = functools.partial(Expert, std=cfg.init_std, out_std=out_std, seed=seed, recompute=recompute)
-        local = e.n_experts // mesh.ep
-        first = mesh.ep_rank * local
-        self.experts = RoutedExperts(
-            {str(j): make(h, f, mesh, f"{prefix}.experts.{j}") for j in range(first, first + local)}
-        )
-        for p in self.experts.parameters():
-            mark_expert(p)
-        self.shared = make(h, e.n_shared_experts * f, mesh, f"{prefix}.shared") if e.n_shared_experts else None
+        init = dict(std=cfg.init_std, out_std=out_std, seed=seed, recompute=recompute)
+        self.experts = RoutedExperts(h, f, e.n_experts, mesh, f"{prefix}.experts", **init)
+        self.shared = None
+        if e.n_shared_experts:  # one SwiGLU of S f_e
+            self.shared = SwiGLUExpert(h, e.n_shared_experts * f, mesh, f"{prefix}.shared", **init)
         # this step's routing figures, summed over its micro batches: [aux, micro batches, dropped, tokens per
         # expert (E)], each divided by tp where every tp rank holds the same (the world's sum is the step's)
         self.stats: torch.Tensor | None = None
@@ -165,19 +133,18 @@ class MoEFeedForward(nn.Module):
         x2, idx, weight = x_in.reshape(-1, h), idx.reshape(-1, k), weight.reshape(-1, k)
         n = x2.shape[0]
         capacity = math.ceil(self.capacity_factor * n * k / self.n_experts) if self.capacity_factor else None
+        slots = slot_order(idx, self.n_experts, capacity)  # counted on the device: no host sync
         y = dispatch_combine(
-            x2, Routed(idx, weight), self.n_experts, self.experts, self.ep_group, capacity, self.sent_rows
-        )
-        if self.shared is not None:
-            y = y + self.shared(x2)
+            x2, Routed(idx, weight), slots, self.experts, self.ep_group, capacity, self.shared, self.sent_rows
+        )  # (N, h): the routed experts' weighted sum plus the shared experts'
         y = y.view(b, -1, h)
         out = reduce_scatter_to_sp(y, g) if self.sp else reduce_from_tp(y, g)  # (b, s_here, h)
         if not (self.training and torch.is_grad_enabled()):
             return out
-        counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        counts = slots.counts
         # SP: probs are this rank's tokens' (its share of the sum over tp); else every tp rank has the whole
         aux = self.n_experts * (counts.float() / (n * k) * probs.sum(0) / n).sum()
-        dropped = (counts - capacity).clamp(min=0).sum() if capacity else counts.new_zeros(())
+        dropped = (counts - slots.kept).sum()
         # [aux, one micro batch, dropped, counts]: each tp rank's share of the sum over tp (under SP aux is already
         # this rank's part; the rest is the same on every tp rank)
         same_on_tp = torch.cat([counts.new_ones(1), dropped.view(1), counts]).double() / self.tp
@@ -189,9 +156,11 @@ class MoEFeedForward(nn.Module):
         self.stats = figures if self.stats is None else self.stats + figures
 
     def take_stats(self) -> torch.Tensor:
-        """This step's figures (zeros if no micro batch trained), and a fresh start for the next step."""
+        """This step's figures, on the device (zeros if no micro batch trained), and a fresh start for the next
+        step."""
         stats, self.stats = self.stats, None
-        return stats if stats is not None else torch.zeros(3 + self.n_experts, dtype=torch.float64)
+        device = self.router.expert_bias.device
+        return stats if stats is not None else torch.zeros(3 + self.n_experts, dtype=torch.float64, device=device)
 
 
 def moe_blocks(module: nn.Module) -> list[MoEFeedForward]:

@@ -6,8 +6,9 @@ peers that instruction needs); inside a phase, the stretch between two instructi
 all-reduces and broadcasts the loss there, after the schedule). When one of them
 lasts longer than ``cluster.timeout_s``, the thread writes one ``p3d-hang:`` JSON line (rank, what, where, on
 whom) and the Python stack of every thread (``faulthandler``) to the rank's log, the same JSON to
-``logs/rank<N>.hang.json`` (what the local launcher watches for), and, if nothing has stopped the process
-``EXIT_AFTER_S`` later, ends it with ``exit_codes.HUNG``. It does not exit at once: its peers, waiting on it,
+``logs/rank<N>.hang.json`` (what the local launcher watches for; the next attempt keeps it under another name,
+p3d.rundir.attempts), and, if nothing has stopped the process ``EXIT_AFTER_S`` later, ends it with
+``exit_codes.HUNG``. It does not exit at once: its peers, waiting on it,
 would fail with a lost connection before their own watches speak. The process group's own timeout is set
 later than that (``COLLECTIVE_MARGIN_S``), so the report, not a bare gloo/NCCL timeout error, is what a hang
 produces. A rank that is stopped (SIGSTOP), or stuck
@@ -34,17 +35,18 @@ from pathlib import Path
 from p3d import exit_codes
 from p3d.compat.deepspeed_internals import pipeline_instruction_map, set_pipeline_instruction_map
 from p3d.parallel.mesh import Mesh
+from p3d.rundir.attempts import HANG_SUFFIX, hang_report
 
 MARKER = "p3d-hang:"
 COLLECTIVE_MARGIN_S = 30  # the process group times out this much after cluster.timeout_s: the watch speaks first
 POLL_S = 0.5
 EXIT_AFTER_S = 20.0  # after its report, a hung worker that nobody stopped ends itself (torchrun, srun)
-REPORT_SUFFIX = ".hang.json"
+REPORT_SUFFIX = HANG_SUFFIX  # an earlier attempt's reports are set aside under another name (p3d.rundir.attempts)
 STOP_ENV = "P3D_TEST_STOP_AT"  # test hook "<rank>:<step>": that rank SIGSTOPs itself after the step's OptimizerStep
 
 
 def report_path(logs: Path, rank: int) -> Path:
-    return logs / f"rank{rank}{REPORT_SUFFIX}"
+    return hang_report(logs, rank)
 
 
 @dataclass

@@ -9,10 +9,10 @@ pairs sent to experts: k when dropless, k min(1, capacity_factor) under balanced
 What an MoE block's feed-forward keeps for backward, per token of a micro batch on one tp rank (what
 p3d/model/moe.py and p3d/parallel/experts/dispatch.py save; measured in tests/unit/planner/test_moe.py):
 
-    routed   r (3 c h + 4 c f_e / t + c + 16 [+ 8 with ep > 1])   each row as its expert reads it (grouped by expert,
-             after the dispatch all-to-all), as it comes back (before the weighted sum) and weighted (the
-             scatter-add keeps its source); its expert's gate|up, silu(gate) and product; its routing weight; the
-             int64 token and sort indices (and the regrouping's)
+    routed   r (2 c h + 4 c f_e / t + c + 16 [+ 8 with ep > 1])   each row as the grouped GEMM reads it (grouped
+             by expert, after the dispatch all-to-all) and as it comes back in (token, slot) order (the weighted sum
+             keeps it); its expert's gate|up, silu(gate) and product; its routing weight; the int64 sort order and
+             its inverse (and the regrouping's by local expert); per micro batch the int32 group ends (4 E / ep)
     shared   4 c S f_e / t    a dense SwiGLU of S f_e (+ c h under sequence parallelism: the gathered tokens it reads)
     router   ((4 h if c < 4) + 4 E + 8 k + (4 k + 4 when the top-k weights are renormalised) (+ 4 with sigmoid
              scores)) / sp: the fp32 copy of its input, the fp32 scores, the top-k indices and weights, (the scores'
@@ -56,15 +56,16 @@ def ffn_activation_bytes(cfg: Config, layout: Layout, recompute: Recompute) -> f
     f_e, k, shared = expert_ffn_size(m), moe.top_k, moe.n_shared_experts
     sp = t if sched.sequence_parallel else 1
     swiglu = 3 if recompute == Recompute.selective and sched.recompute_swiglu else 4  # of c f_e / t per row
-    routed = rows_per_token(cfg) * (3 * c * h + swiglu * c * f_e / t + c + 16 + (8 if layout.ep > 1 else 0))
+    routed = rows_per_token(cfg) * (2 * c * h + swiglu * c * f_e / t + c + 16 + (8 if layout.ep > 1 else 0))
     per_token = routed + swiglu * c * shared * f_e / t + (c * h if shared and sp > 1 else 0)
     if c < 4 and (not shared or sp > 1):  # the norm's output (c h / sp, in the norms' count): nothing here keeps it
         per_token -= c * h / sp
     sigmoid = moe.score.value == "sigmoid"
     renorm = moe.norm_topk_prob or sigmoid
     router = (4 * h if c < 4 else 0) + 4 * moe.n_experts + 8 * k + (4 * k + 4 if renorm else 0) + (4 if sigmoid else 0)
-    # per micro batch: the balancing loss's fp32 counts (E), and with c < 4 the router weight's fp32 copy (E h)
-    once = 4 * moe.n_experts * (1 + (h if c < 4 else 0))
+    # per micro batch: the balancing loss's fp32 counts (E), and with c < 4 the router weight's fp32 copy (E h);
+    # the grouped GEMMs' int32 group ends (E / ep)
+    once = 4 * moe.n_experts * (1 + (h if c < 4 else 0)) + 4 * moe.n_experts // layout.ep
     return b * s * (per_token + router / sp) + once
 
 

@@ -2,25 +2,30 @@
 
 ``machine_of(cfg)`` is the one place the step-time model gets a rate from:
 
-- ``DeviceTable``: the device preset's nominal figures (``cluster.peak_tflops`` x the matmul efficiency, the HBM
-  datasheet x 0.8, the links x 0.8 plus a latency, 32 bytes per optimizer element through HBM). Without
-  ``calibration=`` every prediction is this arithmetic, unchanged.
+- ``DeviceTable``: the device preset's nominal figures: each GEMM timed from its shape (p3d.planner.gemms: tiles and
+  waves over the SMs at the generation's fitted constants, which ``plan.efficiency`` and ``plan.gemm_k_overhead``
+  override, or its bytes at the HBM rate; a device without SMs, cpu: ``cluster.peak_tflops`` x one flat
+  efficiency), the HBM datasheet x 0.8, the links x 0.8 plus a
+  latency, 32 bytes per optimizer element through HBM. Without ``calibration=`` every prediction is this arithmetic.
 - ``Calibrated``: a file of ``p3d-plan calibrate`` (p3d.planner.calibration). A block or head probed at the layout's
   shape gives its measured fwd / bwd seconds; any other shape is FLOPs and bytes at the measured GEMM and memory
-  rates. Collectives inside a node use the fit of their (op, n); the optimizer its seconds per parameter. On a cpu
-  file ``cores`` is set: the step cannot be shorter than all ranks' work over the cores (p3d.planner.predict).
+  rates (every GEMM at the one measured rate). Collectives inside a node use the fit of their (op, n); the optimizer its
+  seconds per parameter. On a cpu file ``cores`` is set: the step cannot be shorter than all ranks' work over the
+  cores (p3d.planner.predict).
   When the layout has at least as many ranks as cores, the times measured with ``cores`` copies at once are used.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, cast
 
 from p3d.config.devices import DEVICES
 from p3d.config.schema import Config
 from p3d.layout.geometry import padded_vocab
-from p3d.planner import calibration, context
+from p3d.planner import calibration, context, gemms
 from p3d.planner.calibration import BlockKey, Calibration, Probed
+from p3d.planner.gemms import Gemm, GemmDevice
 from p3d.planner.memory import dtype_bytes
 from p3d.planner.shapes import Layout
 
@@ -31,7 +36,26 @@ OPTIMIZER_BYTES_PER_ELEMENT = 32.0  # Adam step: grad, fp32 master, m, v read + 
 
 
 def efficiency(cfg: Config) -> float:
+    """``plan.efficiency``, else the device's: a GPU's asymptotic GEMM efficiency (e of the GEMM model), cpu's flat
+    one."""
     return cfg.plan.efficiency or DEVICES[cfg.cluster.device].matmul_efficiency
+
+
+def gemm_device(cfg: Config) -> GemmDevice | None:
+    """The GEMM model's view of the device (its constants, or ``plan.efficiency`` / ``plan.gemm_k_overhead``), or None
+    where every matmul runs at one flat rate (a device without SMs: cpu)."""
+    dev = DEVICES[cfg.cluster.device]
+    if dev.sms is None:
+        return None
+    k_overhead = cfg.plan.gemm_k_overhead
+    return GemmDevice(
+        peak_flops=cast(float, cfg.cluster.peak_tflops) * 1e12,
+        sms=dev.sms,
+        efficiency=efficiency(cfg),
+        k_overhead=dev.gemm_k_overhead if k_overhead is None else k_overhead,
+        hbm_bytes_s=hbm_bytes_per_s(cfg),
+        element_bytes=dtype_bytes(cfg),
+    )
 
 
 def hbm_bytes_per_s(cfg: Config) -> float:
@@ -61,6 +85,7 @@ class Machine(Protocol):
     cores: int | None  # cpu with a calibration: the cores all ranks share; else None (no contention)
 
     def flops_s(self, layout: Layout) -> float: ...
+    def gemm(self, g: Gemm, layout: Layout) -> float: ...
     def mem_s(self, layout: Layout) -> float: ...
     def block(self, layout: Layout, moe: bool) -> dict[str, float] | None: ...
     def head(self, layout: Layout) -> tuple[float, float] | None: ...
@@ -81,8 +106,20 @@ class DeviceTable:
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
+    @functools.cached_property
+    def gemm_device(self) -> GemmDevice | None:
+        return gemm_device(self.cfg)
+
     def flops_s(self, layout: Layout) -> float:
+        """The flat matmul rate: peak x ``efficiency`` (the GEMM model's asymptote on a GPU)."""
         return cast(float, self.cfg.cluster.peak_tflops) * 1e12 * efficiency(self.cfg)
+
+    def gemm(self, g: Gemm, layout: Layout) -> float:
+        """Seconds of one GEMM: from its shape (p3d.planner.gemms), or its FLOPs at the flat rate."""
+        dev = self.gemm_device
+        if dev is None:
+            return g.flops / self.flops_s(layout)
+        return gemms.seconds(g, dev)
 
     def mem_s(self, layout: Layout) -> float:
         return hbm_bytes_per_s(self.cfg)
@@ -135,6 +172,10 @@ class Calibrated(DeviceTable):
 
     def flops_s(self, layout: Layout) -> float:
         return (self.cal.loaded_gemm_tflops if self.loaded(layout) else self.cal.gemm_tflops) * 1e12
+
+    def gemm(self, g: Gemm, layout: Layout) -> float:
+        """Every GEMM at the measured rate of the block's largest one (the probes time whole blocks where they can)."""
+        return g.flops / self.flops_s(layout)
 
     def mem_s(self, layout: Layout) -> float:
         return (self.cal.loaded_memory_gbps if self.loaded(layout) else self.cal.memory_gbps) * 1e9

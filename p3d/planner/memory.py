@@ -58,7 +58,12 @@ backward's fp32 gradient (and its cast to c bytes when c < 4). An MoE block keep
 Context parallelism: a rank holds s / cp tokens of each sequence (p3d.planner.context), so every s above, the rope
 tables' rows, the first and last stages' and the loss buffer's tokens read s / cp, and its attention keeps what flash
 attention keeps (the local rotated q and k, v, the output and the log-sum-exp) whatever ``plan.flash_attention``
-says: a block keeps exactly 1/cp of its cp = 1 flash bytes.
+says: a block keeps exactly 1/cp of its cp = 1 flash bytes. Beside them, one layer at a time, the cp attention's
+working set (the keys and values it gathers or passes round, its fp32 gradient sums:
+``context.attention_working_bytes``).
+
+On cpu every worker also holds its process and the data's shuffle pool (``host_bytes``): peak_mem_gb is the peak
+RSS there, and the workers share the host's memory.
 
 In flight: the micro batches whose activations a rank holds at its peak, per schedule (p stages, m micro
 batches, v chunks per rank, rank s 0-based; counted in chunks, each 1/v of the rank's layers; docs/planner.md):
@@ -82,13 +87,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from p3d.config.schema import Arch, Config, DType, Recompute
+from p3d.config.schema import Arch, Config, DataSource, DType, Recompute
 from p3d.layout.geometry import head_dims, padded_vocab
 from p3d.planner import experts
-from p3d.planner.context import local_tokens
+from p3d.planner.context import attention_working_bytes, local_tokens
 from p3d.planner.shapes import Layout, StageParams, dtype_bytes, stage_params
 
 GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables and of device datasheets
+# A cpu worker's resident memory before its model states and activations: the interpreter, torch, DeepSpeed, gloo,
+# the tokenizer and the data readers (peak_mem_gb is the peak RSS on cpu). Measured 2026-12-05 on this machine's
+# kind: p3d-train model=tiny model.seq_len=64 peaked at 0.317-0.320 GB (mesh=single) and 0.327-0.330 GB a rank
+# (mesh.cp=2, 4: the torch executor), with some 5 MB of states and activations in it.
+CPU_WORKER_BYTES = 0.32e9
+WINDOW_REFERENCE_BYTES = 8  # a token of the data's shuffle pool: one reference in a Python list (host_bytes)
 __all__ = ["GB", "dtype_bytes", "stage_memory", "state_bytes"]
 
 
@@ -207,6 +218,19 @@ def loss_buffer_bytes(cfg: Config, layout: Layout) -> float:
     return b * s * vpad / t * (c + 4 + (c if c < 4 else 0))
 
 
+def host_bytes(cfg: Config, layout: Layout) -> float:
+    """What a cpu worker holds beside its model states and activations, 0 on GPUs (their peak_mem_gb is CUDA's
+    max-allocated, and the host is not device memory): the process itself (``CPU_WORKER_BYTES``) and the data
+    reader's shuffle pool, data.shuffle_buffer windows of s + 1 tokens held as Python lists of ids, 8 bytes a token
+    (the byte tokenizer's ids are the interpreter's shared small ints; measured 35 MB for 1,024 windows of 4,097).
+    A prepared token store is read by index, no pool."""
+    if cfg.cluster.device != "cpu":
+        return 0.0
+    d = cfg.data
+    pool = 0 if d.source == DataSource.prepared else d.shuffle_buffer * (cfg.model.seq_len + 1) * WINDOW_REFERENCE_BYTES
+    return CPU_WORKER_BYTES + pool
+
+
 def in_flight_chunks(pipeline: str, p: int, m: int, v: int, stage: int) -> int:
     """Chunks (1/v of a rank's layers each) whose activations rank ``stage`` holds at its peak under ``pipeline``."""
     if pipeline == "1f1b":
@@ -242,16 +266,19 @@ class StageMemory:
     recompute_bytes: float  # one block's full activations while it is recomputed
     loss_bytes: float
     step_buffers: float = 0.0  # ZeRO-2/3: gathered weights and unsharded gradients during a step
+    attention_bytes: float = 0.0  # cp > 1: one layer's cp attention working set (context.attention_working_bytes)
+    host_bytes: float = 0.0  # cpu: the worker process and its data buffer (host_bytes); 0 on GPUs
     notes: list[str] = field(default_factory=list)
 
     @property
     def activations_total(self) -> float:
-        """In-flight activations + recompute working set + loss buffer."""
-        return self.activation_bytes * self.in_flight + self.recompute_bytes + self.loss_bytes
+        """In-flight activations + recompute working set + loss buffer + the cp attention's working set."""
+        return self.activation_bytes * self.in_flight + self.recompute_bytes + self.loss_bytes + self.attention_bytes
 
     @property
     def total(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.step_buffers + self.activations_total
+        states = self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.step_buffers
+        return states + self.activations_total + self.host_bytes
 
 
 def stage_memory(cfg: Config, layout: Layout, stages: list[StageParams] | None = None) -> list[StageMemory]:
@@ -266,6 +293,7 @@ def stage_memory(cfg: Config, layout: Layout, stages: list[StageParams] | None =
         for moe in kinds:
             kept = 0.0 if recompute == Recompute.full else per_block[moe]
             working[moe] = block_bytes(cfg, layout, Recompute.none, moe) - kept
+    host = host_bytes(cfg, layout)
     for s, sp in enumerate(stage_params(cfg, layout) if stages is None else stages):
         params, grads, opt = state_bytes(cfg, layout, sp)
         dense = sp.blocks - sp.moe_blocks
@@ -288,6 +316,8 @@ def stage_memory(cfg: Config, layout: Layout, stages: list[StageParams] | None =
                 rebuilt,
                 loss_buffer_bytes(cfg, layout) if last else 0.0,
                 step_buffers=step_buffer_bytes(cfg, layout, sp),
+                attention_bytes=attention_working_bytes(cfg, layout) if sp.blocks else 0.0,
+                host_bytes=host,
             )
         )
     return out

@@ -164,9 +164,9 @@ class Prediction:
             step_time.a2a_seconds(self.cfg, lay),
             step_time.a2a_link(self.cfg, lay),
         )
-        out["context"] = context.summary(
-            self.cfg, lay, step_time.kv_seconds(self.cfg, lay), step_time.kv_link(self.cfg, lay)
-        )
+        exposed, traffic = step_time.kv_traffic(self.cfg, lay)
+        hidden = 1 - exposed / traffic if traffic else 0.0
+        out["context"] = context.summary(self.cfg, lay, exposed, hidden, step_time.kv_link(self.cfg, lay))
         out["time_s"] = dict(self.breakdown)
         out["stages"] = [
             {
@@ -186,7 +186,7 @@ class Prediction:
             }
             for s, t in zip(self.stages, self.stage_times)
         ]
-        out["assumptions"] = assumptions(self.cfg)
+        out["assumptions"] = assumptions(self.cfg, self.layout)
         out["notes"] = list(self.notes)
         if self.ranking:
             out["ranking"] = [{**r.to_json()["layout"], **r.summary()} for r in self.ranking]

@@ -7,9 +7,10 @@ from p3d.layout.geometry import active_params, moe_layers, total_params
 from p3d.planner import calibration, context
 from p3d.planner.machine import machine_of
 from p3d.planner.memory import GB, StageMemory
-from p3d.planner.step_time import a2a_link, assumptions, kv_link, kv_seconds
+from p3d.planner.step_time import a2a_link, assumptions, kv_link, kv_seconds, kv_traffic
 
 MAX_STAGE_ROWS = 12
+_KV_TRAFFIC = {"allgather": "all-gathers", "ring": "ring sends"}
 
 
 def _stage_rows(report) -> list:
@@ -84,19 +85,29 @@ def memory_table(stages: list[StageMemory], shown: list[StageMemory], scale: flo
 
 
 def _context(report) -> list[str]:
-    """A cp layout's line: the tokens a GPU holds, the key/value bytes it sends per layer and micro batch, on which
-    link, and how much of it hides."""
+    """A cp layout's line: the tokens a GPU holds, how its keys and values travel, the bytes it sends per layer and
+    micro batch, on which link, and how much of it hides."""
     cfg, lay = report.cfg, report.layout
     if lay.cp == 1:
         return []
-    gathers, scatters = context.kv_collectives(Recompute(lay.recompute))
+    if context.variant(cfg) == "ring":
+        kvs, grads = context.ring_messages(lay)
+        how = f"passed round a ring, {kvs} sends of k, v + {grads} of dk, dv"
+    else:
+        gathers, scatters = context.kv_collectives(Recompute(lay.recompute))
+        how = f"{gathers} all-gathers + {scatters} reduce-scatter"
     sent = context.kv_bytes_sent(cfg, lay)
     return [
         f"  cp={lay.cp}: each GPU holds {context.local_tokens(cfg, lay):,.0f} of the {cfg.model.seq_len:,} tokens of a "
-        f"sequence (2 of its {2 * lay.cp} chunks); keys and values: {gathers} all-gathers + {scatters} reduce-scatter "
-        f"per layer and micro batch, {sent / 1e6:,.1f} MB sent per GPU in {kv_seconds(cfg, lay) * 1e3:.2f} ms over "
-        f"{context.kv_span(lay)} consecutive ranks ({kv_link(cfg, lay)}-node), {context.HIDDEN:.0%} hidden"
+        f"sequence (2 of its {2 * lay.cp} chunks); keys and values: {how} per layer and micro batch, "
+        f"{sent / 1e6:,.1f} MB sent per GPU, {kv_seconds(cfg, lay) * 1e3:.2f} ms exposed, over "
+        f"{context.kv_span(lay)} consecutive ranks ({kv_link(cfg, lay)}-node), {_kv_hidden(cfg, lay):.0%} hidden"
     ]
+
+
+def _kv_hidden(cfg, lay) -> float:
+    exposed, traffic = kv_traffic(cfg, lay)
+    return 1 - exposed / traffic if traffic else 0.0
 
 
 def render(report) -> str:
@@ -154,6 +165,12 @@ def render(report) -> str:
             f"  -> {verdict}: {report.worst.total / scale:.2f} {unit} of {cfg.cluster.memory_gb:g} GB on the "
             "most loaded GPU"
         )
+    w = report.worst
+    beside = [f"{w.host_bytes / scale:.2f} {unit} for the cpu worker process and its data buffer"] * (w.host_bytes > 0)
+    if w.attention_bytes > 0:
+        beside.append(f"{w.attention_bytes / scale:.2f} {unit} of cp attention working set ({context.variant(cfg)})")
+    if beside:
+        out.append(f"     the total includes {' and '.join(beside)}")
     b = report.breakdown
     out += ["", "time per step (s; slowest stage)"]
     for key in (
@@ -173,8 +190,8 @@ def render(report) -> str:
         if b.get(key, 0.0) > 0 or key in ("compute", "pipeline_idle"):
             link = {
                 "a2a_comm": f"  (ep={lay.ep} all-to-alls, {a2a_link(cfg, lay)}-node link)",
-                "kv_comm": f"  (cp={lay.cp} key/value all-gathers, {kv_link(cfg, lay)}-node link, "
-                f"{context.HIDDEN:.0%} hidden)",
+                "kv_comm": f"  (cp={lay.cp} key/value {_KV_TRAFFIC[context.variant(cfg)]}, {kv_link(cfg, lay)}-node "
+                f"link, {_kv_hidden(cfg, lay):.0%} hidden)",
                 "contention": f"  ({lay.world_size} ranks' work over {machine_of(cfg).cores} cores)",
             }.get(key, "")
             out.append(f"  {key:<15} {b[key]:>10.4f}{link}")
@@ -185,9 +202,15 @@ def render(report) -> str:
         f"(MFU {report.mfu:.1%}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
         f"bubble {report.bubble:.1%}",
     ]
-    a = assumptions(cfg)
+    a = assumptions(cfg, lay)
+    matmuls = (
+        f"GEMMs from their shapes at {a['efficiency']:.1%} of {a['peak_tflops']:g} TFLOP/s for a large one, "
+        f"k0 {a['gemm_k_overhead']:g} ({a['gemm_efficiency']:.1%} in a block's GEMMs here)"
+        if a["gemm_model"]
+        else f"{a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls"
+    )
     out.append(
-        f"assumed: {a['efficiency']:.0%} of {a['peak_tflops']:g} TFLOP/s in matmuls, "
+        f"assumed: {matmuls}, "
         f"HBM {a['hbm_gbps']:g} GB/s, "
         f"links {a['intra_node_gbps']:g}/{a['inter_node_gbps']:g} GB/s x {a['comm_efficiency']:g}, "
         f"flash_attention={a['flash_attention']}, overlap tp/pp/dp={a['overlap_tp']}/{a['overlap_pp']}/"

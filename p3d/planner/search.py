@@ -46,7 +46,8 @@ from p3d.planner.verdict import check_options
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 # cp > 1 is searched down to this many tokens of a sequence per rank: Llama 3 ran 131,072 tokens on cp = 16 (8,192
-# per rank); shorter local sequences make smaller matmuls, whose falling efficiency the planner does not model
+# per rank); shorter local sequences make smaller matmuls, whose falling efficiency the GEMM model charges only through
+# their tiles and waves
 MIN_TOKENS_PER_RANK = 4096
 
 

@@ -44,36 +44,37 @@ gradients reduce over dp, the routed experts' over edp = dp / ep (their Adam ste
 Context parallelism (p3d.planner.context): a rank computes s / cp tokens of each sequence, so every b s above reads
 b s / cp, and the attention FLOPs are 1/cp of the causal total (4 b s^2 q / t x 1/2 / cp: the head-tail chunks
 balance them; the cp attention is flash-like whatever ``plan.flash_attention`` says). Each block's keys and values
-cross the cp group per micro batch: ``context.kv_collectives`` all-gathers and reduce-scatters of b s 2 kv / t c bytes,
-(cp - 1) / cp of each leaving the rank, over the link of its tp x cp consecutive ranks, none hidden (``kv``).
+cross the cp group per micro batch (``kv``, ``kv_traffic``): all-gathered (``context.kv_collectives``, b s 2 kv / t c
+bytes each, the dK, dV reduce-scatter in fp32, (cp - 1) / cp of each leaving the rank, none hidden) or passed round a
+ring (``context.ring_messages``, each hidden behind a step's attention as far as it lasts), over the link of its
+tp x cp consecutive ranks.
 Gradients reduce over the dp x cp holders of the parameters (the torch executor: cp > 1 never runs on DeepSpeed's).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from p3d.config.schema import Arch, Config, Recompute
 from p3d.layout.geometry import (
-    attention_params,
-    block_matmul_params,
-    block_vector_params,
     chunk_to_rank,
     head_dims,
-    mlp_params,
     moe_layers,
     padded_vocab,
 )
 from p3d.layout.schedule_rules import V_SHAPED
 from p3d.planner import context, experts
+from p3d.planner.gemms import Gemm, block_gemms, head_gemm
 from p3d.planner.machine import (  # noqa: F401 - HBM_EFFICIENCY, COMM_EFFICIENCY, ...: importers read them here
     COMM_EFFICIENCY,
     HBM_EFFICIENCY,
     LATENCY_S,
     OPTIMIZER_BYTES_PER_ELEMENT,
     efficiency,
+    gemm_device,
     hbm_bytes_per_s,
     intra_node,
     machine_of,
@@ -102,15 +103,29 @@ class StageTime:
     backward_compute: float  # one micro batch's backward, what DP traffic may hide behind
     forward_compute: float
     a2a: float = 0.0  # the MoE blocks' all-to-alls (token dispatch), never hidden
-    kv: float = 0.0  # context parallelism: the blocks' key/value all-gathers and reduce-scatters, never hidden
+    kv: float = 0.0  # context parallelism: the blocks' key/value traffic, what is not hidden of it
 
     @property
     def total(self) -> float:
         return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.a2a + self.kv
 
 
-def _block_costs(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, float]:
-    """FLOPs and memory-bound bytes of one block's forward, and its TP collectives, per micro batch (``moe``: an
+@dataclass
+class BlockWork:
+    """One block's work per micro batch on one tp rank (``block_work``): its forward GEMMs (p3d.planner.gemms), the
+    bytes of its memory-bound kernels, its TP collectives' seconds (one all-gather, one reduce-scatter, and ``tp``:
+    all of one direction)."""
+
+    gemms: dict[str, list[Gemm]]
+    side_bytes: float  # norms, residual adds, rope, activation functions: read + written, forward
+    core_bytes: float  # attention's input and output (and without flash its probabilities)
+    ag: float
+    rs: float
+    tp: float
+
+
+def block_work(cfg: Config, layout: Layout, moe: bool = False) -> BlockWork:
+    """GEMMs and memory-bound bytes of one block's forward, and its TP collectives, per micro batch (``moe``: an
     MoE block, its active weights and its feed-forward's kernels). s: the rank's s / cp tokens; the attention's FLOPs
     are 1/cp of the whole sequence's causal total (the head-tail chunks give every cp rank the same share)."""
     m, sched = cfg.model, cfg.schedule
@@ -119,8 +134,6 @@ def _block_costs(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, fl
     q, kv = head_dims(m)
     sp = t if sched.sequence_parallel else 1
     flash = cfg.plan.flash_attention or layout.cp > 1
-    layer = moe_layers(m)[0] if moe else 0  # a block of the kind (block 0: dense, unless the model has no dense one)
-    attn_flops = 4.0 * b * m.seq_len**2 * q / t * (0.5 if flash else 1.0) / layout.cp
     core = (2 * q + 2 * kv) / t + (0 if flash else (2 if m.arch == Arch.llama else 4.5) * a * s / t)
     if m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up (MoE: the experts', the permutation)
         ffn = experts.ffn_side_elements(cfg, layout) if moe else 5 * f / t
@@ -130,44 +143,31 @@ def _block_costs(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, fl
     act_bytes = b * s * h * c
     ag, rs = ring(cfg, act_bytes, t, t, "all_gather"), ring(cfg, act_bytes, t, t, "reduce_scatter")
     # 2 all-reduces per direction (or, with sequence parallelism, 2 all-gathers + 2 reduce-scatters)
-    if sched.sequence_parallel:
-        tp_dir = 2 * (ag + rs)
-    else:
-        tp_dir = 2 * ring(cfg, act_bytes, t, t)
-    mlp = mlp_params(m, layer, t, active=True)
-    fc1 = mlp * (2 / 3 if m.arch == Arch.llama else 1 / 2)  # gate|up (2 f) or fc1 (f) of the feed-forward's 3 f or 2 f
-    return {
-        "gemm": 2.0 * b * s * (attention_params(m, t) + mlp),
-        # each GEMM's forward FLOPs and the collective paired with it under overlap_tp (_tp_exposed)
-        "qkv": 2.0 * b * s * h * (q + 2 * kv) / t,
-        "proj": 2.0 * b * s * h * q / t,
-        "fc1": 2.0 * b * s * fc1,
-        "fc2": 2.0 * b * s * (mlp - fc1),
-        "ag": ag,
-        "rs": rs,
-        "attn": attn_flops,
-        "attn_bwd": 2.5 if flash else 2.0,
-        "side_bytes": b * s * side * c,
-        "core_bytes": b * s * core * c,
-        "tp": tp_dir,
-    }
+    tp_dir = 2 * (ag + rs) if sched.sequence_parallel else 2 * ring(cfg, act_bytes, t, t)
+    return BlockWork(block_gemms(cfg, layout, moe), b * s * side * c, b * s * core * c, ag, rs, tp_dir)
 
 
-def _per_block(cfg: Config, k: dict[str, float], flops_s: float, mem_s: float) -> dict[str, float]:
-    """Seconds of one block per micro batch: forward, backward, recompute, exposed TP collectives."""
-    gemm_f = k["gemm"] / flops_s
-    attn_f = k["attn"] / flops_s + k["core_bytes"] / mem_s
-    side_f = k["side_bytes"] / mem_s
+GemmTimer = Callable[[Gemm], float]
+
+
+def _per_block(cfg: Config, k: BlockWork, gemm: GemmTimer, mem_s: float) -> dict[str, float]:
+    """Seconds of one block per micro batch: forward, backward, recompute, exposed TP collectives (``gemm``: the
+    machine's seconds of one GEMM)."""
+    weights = [g for name in ("qkv", "proj", "fc1", "fc2") for g in k.gemms[name]]
+    gemm_f = sum(gemm(g) for g in weights)
+    gemm_b = sum(gemm(d) + gemm(w) for d, w in (g.grads() for g in weights))
+    attn_f = sum(gemm(g) for g in k.gemms["attn"]) + k.core_bytes / mem_s
+    side_f = k.side_bytes / mem_s
     fwd = gemm_f + attn_f + side_f
-    bwd = 2 * gemm_f + k["attn_bwd"] * k["attn"] / flops_s + 2 * (k["core_bytes"] + k["side_bytes"]) / mem_s
+    bwd = gemm_b + sum(gemm(g) for g in k.gemms["attn_bwd"]) + 2 * (k.core_bytes + k.side_bytes) / mem_s
     rec = {Recompute.full: fwd, Recompute.selective: attn_f, Recompute.none: 0.0}[cfg.schedule.recompute]
-    tp_layer = 2 * k["tp"] + (k["tp"] if cfg.schedule.recompute == Recompute.full else 0.0)
+    tp_layer = 2 * k.tp + (k.tp if cfg.schedule.recompute == Recompute.full else 0.0)
     if cfg.plan.overlap_tp:
-        tp_layer = _tp_exposed(cfg, k, flops_s)
+        tp_layer = _tp_exposed(cfg, k, gemm)
     return {"fwd": fwd, "bwd": bwd, "both": fwd + bwd, "rec": rec, "tp": tp_layer}
 
 
-def _tp_exposed(cfg: Config, k: dict[str, float], flops_s: float) -> float:
+def _tp_exposed(cfg: Config, k: BlockWork, gemm: GemmTimer) -> float:
     """``plan.overlap_tp``: a block's TP collectives per micro batch left exposed when each one is pipelined with its
     GEMM (Megatron-Core's tp_comm_overlap with TransformerEngine userbuffers; Wang et al., ASPLOS'23): forward, the
     all-gather with the qkv GEMM, the reduce-scatter with the out-projection, the all-gather with fc1, the
@@ -175,8 +175,8 @@ def _tp_exposed(cfg: Config, k: dict[str, float], flops_s: float) -> float:
     bulk overlaps); a full recompute's forward once more. Each pair exposes max(0, t_collective - t_GEMM). Without
     sequence parallelism an all-reduce is taken as its reduce-scatter and all-gather halves, paired the same way.
     The SMs the communication kernels take from the GEMMs are not modelled."""
-    pairs = ((k["ag"], k["qkv"]), (k["rs"], k["proj"]), (k["ag"], k["fc1"]), (k["rs"], k["fc2"]))
-    one_pass = sum(max(0.0, coll - flops / flops_s) for coll, flops in pairs)
+    pairs = ((k.ag, "qkv"), (k.rs, "proj"), (k.ag, "fc1"), (k.rs, "fc2"))
+    one_pass = sum(max(0.0, coll - sum(gemm(g) for g in k.gemms[name])) for coll, name in pairs)
     return (3 if cfg.schedule.recompute == Recompute.full else 2) * one_pass
 
 
@@ -208,14 +208,28 @@ def a2a_link(cfg: Config, layout: Layout) -> str:
 
 
 def kv_seconds(cfg: Config, layout: Layout) -> float:
-    """Seconds of one block's key/value collectives per micro batch on one rank (0 with cp = 1): the all-gathers and
-    reduce-scatters of ``context.kv_collectives``, each of ``context.kv_bytes``, over the cp group's link."""
+    """Exposed seconds of one block's key/value traffic per micro batch on one rank (0 with cp = 1): ``kv_traffic``."""
+    return kv_traffic(cfg, layout)[0]
+
+
+def kv_traffic(cfg: Config, layout: Layout) -> tuple[float, float]:
+    """(exposed, all) seconds of one block's key/value traffic per micro batch on one rank, over the cp group's link:
+    allgather, the all-gathers and reduce-scatters of ``context.kv_collectives`` (blocking: all exposed); ring, its
+    p2p messages less what hides behind each step's attention (``context.ring_exposed``)."""
     if layout.cp == 1:
-        return 0.0
+        return 0.0, 0.0
+    cp, span = layout.cp, context.kv_span(layout)
+    if context.variant(cfg) == "ring":
+        mach = machine_of(cfg)
+        kv_s = mach.collective("send_recv", context.kv_bytes(cfg, layout) / cp, 2, span)
+        grad_s = mach.collective("send_recv", context.kv_grad_bytes(cfg, layout) / cp, 2, span)
+        attention_s = sum(mach.gemm(g, layout) for g in block_gemms(cfg, layout)["attn"])
+        return context.ring_exposed(layout, kv_s, grad_s, attention_s)
     gathers, scatters = context.kv_collectives(Recompute(layout.recompute))
-    nbytes, cp, span = context.kv_bytes(cfg, layout), layout.cp, context.kv_span(layout)
-    exposed = 1 - context.HIDDEN
-    return (gathers + scatters) * ring(cfg, nbytes, cp, span, "all_gather") * exposed  # a reduce-scatter: as a gather
+    gather = ring(cfg, context.kv_bytes(cfg, layout), cp, span, "all_gather")
+    scatter = ring(cfg, context.kv_grad_bytes(cfg, layout), cp, span, "all_gather")  # a reduce-scatter: as a gather
+    blocking = gathers * gather + scatters * scatter
+    return blocking, blocking
 
 
 def kv_link(cfg: Config, layout: Layout) -> str:
@@ -225,10 +239,14 @@ def kv_link(cfg: Config, layout: Layout) -> str:
 
 def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[StageTime]:
     m, mach = cfg.model, machine_of(cfg)
-    flops_s, mem_s = mach.flops_s(layout), mach.mem_s(layout)
-    dense = _probed(_per_block(cfg, _block_costs(cfg, layout), flops_s, mem_s), mach.block(layout, False))
+    mem_s = mach.mem_s(layout)
+
+    def gemm(g: Gemm) -> float:
+        return mach.gemm(g, layout)
+
+    dense = _probed(_per_block(cfg, block_work(cfg, layout), gemm, mem_s), mach.block(layout, False))
     moe = (
-        _probed(_per_block(cfg, _block_costs(cfg, layout, moe=True), flops_s, mem_s), mach.block(layout, True))
+        _probed(_per_block(cfg, block_work(cfg, layout, moe=True), gemm, mem_s), mach.block(layout, True))
         if moe_layers(m)
         else dense
     )
@@ -237,7 +255,8 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
     vpad = padded_vocab(m.vocab_size, t)
     act_bytes = b * s * m.hidden_size * c
-    head_gemm = 2.0 * b * s * m.hidden_size * vpad / t / flops_s
+    head = head_gemm(cfg, layout)
+    head_fwd, head_bwd = gemm(head), sum(gemm(g) for g in head.grads())
     loss_mem = b * s * vpad / t * (c + 16) / mem_s  # logits written, fp32 copy, shift, exp, softmax
     # pipeline neighbours are tp * dp ranks apart: some boundary leaves the node unless the whole world fits in one
     p2p = mach.collective("send_recv", p2p_bytes(cfg, layout, act_bytes), 2, layout.world_size)
@@ -262,8 +281,8 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
                 comp += probed_head[0] + probed_head[1]
                 back += probed_head[1]
             else:
-                comp += 3 * head_gemm + 2 * loss_mem
-                back += 2 * head_gemm + loss_mem
+                comp += head_fwd + head_bwd + 2 * loss_mem
+                back += head_bwd + loss_mem
             tp += ring(cfg, act_bytes, t, t) + 3 * ring(cfg, b * s * 4, t, t)  # head input grad; loss max/sum/target
         pp = 0.0
         if layout.pp > 1:
@@ -308,25 +327,42 @@ def _reduced_groups(layout: Layout, st: StageParams) -> list[tuple[int, int]]:
     return [(st.dense, layout.dp_cp), (st.experts, layout.edp)]
 
 
+def fsdp_seconds(cfg: Config, layout: Layout, st: StageParams) -> tuple[float, float]:
+    """ZeRO 2 and 3 (FSDP2, docs/zero.md): seconds of one all-gather of the stage's weights (c bytes) and of one
+    reduction of its gradients (fp32, reduce-scattered; under HSDP within shard groups, the pieces then all-reduced
+    across the replicas), over the dp x cp holders (the routed experts' over edp)."""
+    d, span = layout.dp_cp, layout.tp * layout.dp_cp
+    gather = reduce = 0.0
+    for n, g in _reduced_groups(layout, st):
+        s = cfg.zero.shard_size or g
+        shard_span = layout.tp * s if g == d else span  # a shard group: s adjacent dp x cp ranks; edp's: ep apart
+        reduce += ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
+        if s < g:
+            reduce += ring(cfg, n * 4.0 / s, g // s, span)
+        gather += ring(cfg, n * dtype_bytes(cfg), s, shard_span, "all_gather")
+    return gather, reduce
+
+
+def fsdp_gathers(layout: Layout) -> int:
+    """The weights' all-gathers of a step: ZeRO 2 once; ZeRO 3 for every micro batch's forward and once for the
+    backward (p3d's FSDP2 keeps a unit gathered from its first backward until the step's one reduction; counted in
+    tests/workers/test_zero_fsdp.py)."""
+    return 1 if layout.zero == 2 else layout.micro_batches + 1
+
+
 def dp_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     """Per-step seconds of one rank's data-parallel traffic (all of it, before any overlap), over the dp x cp ranks
     holding its parameters (tp x cp x dp consecutive ranks)."""
     d, zero = layout.dp_cp, cfg.zero.stage
     if d <= 1:
         return 0.0
+    if zero >= 2:
+        gather, reduce = fsdp_seconds(cfg, layout, st)
+        return fsdp_gathers(layout) * gather + reduce
     span = layout.tp * d
     total = 0.0
     for n, g in _reduced_groups(layout, st):
         nbytes = n * dtype_bytes(cfg)
-        if zero >= 2:  # FSDP2 (docs/zero.md): fp32 gradients reduce-scattered once a step, weights gathered in c bytes
-            gathers = 1 if zero == 2 else layout.micro_batches + 1  # counted: tests/workers/test_zero_fsdp.py
-            s = cfg.zero.shard_size or g  # HSDP: within shard groups, then the pieces all-reduced across the replicas
-            shard_span = layout.tp * s if g == d else span  # a shard group: s adjacent dp x cp ranks; edp's: ep apart
-            grads = ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
-            if s < g:
-                grads += ring(cfg, n * 4.0 / s, g // s, span)
-            total += grads + gathers * ring(cfg, nbytes, s, shard_span, "all_gather")
-            continue
         whole = None if optimizer_sharded(cfg) else machine_of(cfg).engine_reduce(layout, nbytes, g)
         if whole is not None:  # DeepSpeed's reduce probed whole on real ranks: its copies are in it
             return whole
@@ -345,17 +381,34 @@ def dp_exposed(cfg: Config, layout: Layout, st: StageParams, total: float, t: St
     Megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the traffic is chunked by
     layers (by the layers of a virtual stage when pp > 1) and one chunk stays exposed, the last gradients' reduction
     and the first weights' gather (Megatron-Bridge docs, "Communication Overlap"), and what exceeds one micro batch's
-    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 3 (FSDP2, prefetching) hides behind
-    the whole step's compute but the first block's gather: max(that gather, total - m x t_micro_batch)."""
+    forward + backward is exposed too: max(total / chunks, total - hide). ZeRO 2 and 3: ``fsdp_exposed``."""
     if not cfg.plan.overlap_dp or total <= 0.0:
         return total
-    if cfg.zero.stage >= 3:
-        m, s = cfg.model, cfg.zero.shard_size or layout.dp_cp
-        block = (block_matmul_params(m, layout.tp) + block_vector_params(m, layout.tp)) * dtype_bytes(cfg)
-        first = min(total, ring(cfg, block, s, layout.tp * s, "all_gather"))
-        return max(first, total - layout.micro_batches * t.total)
+    if layout.zero >= 2:
+        return fsdp_exposed(layout, st, fsdp_seconds(cfg, layout, st), t)
     chunks = max(1, st.blocks if layout.pp == 1 else layout.virtual_stages)
     return max(total / chunks, total - (t.forward_compute + t.backward_compute))
+
+
+def fsdp_exposed(layout: Layout, st: StageParams, traffic: tuple[float, float], t: StageTime) -> float:
+    """ZeRO 2 and 3 with prefetching (FSDP2's, DeepSpeed's): each block's collective runs behind its neighbour's
+    compute, one block at a time, in the pass that needs it. A pass of L blocks with x seconds of traffic and y of
+    compute per block exposes the first block's (the first gather, or the last reduction) and, where the traffic
+    outlasts the compute it hides behind, the excess: x + (L - 1) max(0, x - y). The forwards that gather (ZeRO 3:
+    every micro batch's; ZeRO 2: the first) have x = the gather per block; the backwards: the first gathers (ZeRO 3)
+    and the last reduce-scatters its gradients, each hidden behind a backward (its recompute included)."""
+    gather, reduce = (seconds / max(1, st.blocks) for seconds in traffic)
+    blocks, m = max(1, st.blocks), layout.micro_batches
+    fwd = t.forward_compute / blocks
+    bwd = (t.backward_compute + t.recompute) / blocks
+
+    def exposed(x: float, y: float) -> float:
+        return x + (blocks - 1) * max(0.0, x - y) if x > 0 else 0.0
+
+    forwards = (m if layout.zero >= 3 else 1) * exposed(gather, fwd)
+    if layout.zero >= 3 and m > 1:  # the first backward gathers, the last reduces
+        return forwards + exposed(gather, bwd) + exposed(reduce, bwd)
+    return forwards + exposed(reduce + (gather if layout.zero >= 3 else 0.0), bwd)
 
 
 def tied_seconds(cfg: Config, layout: Layout) -> float:
@@ -373,10 +426,26 @@ def optimizer_seconds(cfg: Config, layout: Layout, st: StageParams) -> float:
     return machine_of(cfg).optimizer_seconds(layout, n)
 
 
-def assumptions(cfg: Config) -> dict[str, Any]:
-    """The planner's fixed assumptions for this config (printed and in format=json)."""
+def gemm_efficiency(cfg: Config, layout: Layout) -> float:
+    """The fraction of peak one dense block's GEMMs reach together on this machine (forward and backward, attention's
+    included): what the GEMM model makes of the asymptotic efficiency at this layout's shapes."""
+    mach, work = machine_of(cfg), block_gemms(cfg, layout)
+    names = ("qkv", "proj", "fc1", "fc2")
+    every = [g for n in names for g in work[n]] + [d for n in names for g in work[n] for d in g.grads()]
+    every += work["attn"] + work["attn_bwd"]
+    seconds = sum(mach.gemm(g, layout) for g in every)
+    return sum(g.flops for g in every) / seconds / (cast(float, cfg.cluster.peak_tflops) * 1e12) if seconds else 0.0
+
+
+def assumptions(cfg: Config, layout: Layout | None = None) -> dict[str, Any]:
+    """The planner's fixed assumptions for this config (printed and in format=json); with ``layout``, also what its
+    block's GEMMs reach (``gemm_efficiency``)."""
+    gemm = gemm_device(cfg) if cfg.calibration is None else None
     return {
         "efficiency": efficiency(cfg),
+        "gemm_model": gemm is not None,  # each GEMM timed from its shape (p3d.planner.gemms)
+        "gemm_k_overhead": gemm.k_overhead if gemm else None,
+        "gemm_efficiency": gemm_efficiency(cfg, layout) if layout is not None else None,
         "hbm_gbps": hbm_bytes_per_s(cfg) / HBM_EFFICIENCY / 1e9,
         "peak_tflops": cfg.cluster.peak_tflops,
         "intra_node_gbps": cfg.cluster.intra_node_gbps,

@@ -74,6 +74,32 @@ def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
     return warnings, notes
 
 
+def fit_refusal(r) -> str | None:
+    """The one line with which p3d-train (its pre-flight, and its dry run alike) refuses prediction ``r``'s layout for
+    not fitting device memory; None when it fits, or when ``plan.force=true`` launches it anyway. cpu workers share
+    the host's memory (their sum is compared), a GPU has its own (the most loaded rank's)."""
+    if r.fits or r.cfg.plan.force:
+        return None
+    lay = r.layout
+    need = (
+        f"{_gb(r.all_ranks_bytes)} GB for its {lay.world_size} workers together"
+        if r.shared_host
+        else f"{_gb(r.worst.total)} GB on its most loaded device"
+    )
+    return (
+        f"the layout tp={lay.tp} pp={lay.pp} dp={lay.dp} is predicted to need {need}, "
+        f"more than cluster.memory_gb={r.cfg.cluster.memory_gb}: see the breakdown above "
+        "or p3d-plan; try more stages or tensor parallelism, schedule.recompute=full, zero=stage1, "
+        "or plan.force=true"
+    )
+
+
+def _gb(n_bytes: float) -> str:
+    """Bytes in GB to three digits, whole GB with separators from 1,000 on: 385, 4,276 (not 4.28e+03)."""
+    gb = n_bytes / GB
+    return f"{gb:.3g}" if gb < 1000 else f"{gb:,.0f}"
+
+
 def _expert_notes(r) -> list[str]:
     """An MoE layout's all-to-alls when they leave the node: their share of the step and how to keep them in."""
     cfg, lay = r.cfg, r.layout
@@ -93,10 +119,11 @@ def _context_notes(r) -> list[str]:
     if lay.cp == 1 or kv_link(cfg, lay) == "intra":
         return []
     kv = r.breakdown["kv_comm"]
+    what = "ring sends" if str(cfg.context.attention) == "ring" else "all-gathers"
     return [
-        f"the key/value all-gathers of mesh.cp={lay.cp} span tp x cp = {kv_span(lay)} consecutive ranks, more than a "
-        f"node of {cfg.cluster.gpus_per_node}: they take the inter-node link ({kv:.2f} s, {kv / r.step_time_s:.0%} of "
-        "the step, none hidden); a smaller mesh.cp or mesh.tp keeps them on the intra-node link"
+        f"the key/value {what} of mesh.cp={lay.cp} span tp x cp = {kv_span(lay)} consecutive ranks, more than a "
+        f"node of {cfg.cluster.gpus_per_node}: they take the inter-node link ({kv:.2f} s exposed, "
+        f"{kv / r.step_time_s:.0%} of the step); a smaller mesh.cp or mesh.tp keeps them on the intra-node link"
     ]
 
 

@@ -8,8 +8,12 @@ file in a run directory takes the name from here.
       p3d_status.json        the outcome of a run or sweep point (done / failed / skipped + why / ...)
       slurm_jobs.log         one line per submission, start, exit and requeue of a Slurm job
       run.lock               the lease of the run that holds the directory (p3d.rundir.lease)
-      logs/rank<N>.log       each worker's output
+      logs/rank<N>.log       each worker's output, every attempt after its header (p3d.rundir.attempts)
+      logs/rank<N>.hang.json a hang report of this attempt; rank<N>.hang.attempt<K>.json: attempt K's
       checkpoints/step_<N>/  checkpoints (p3d.checkpoint.checkpointer)
+      traces/step_<N>.json   the timeline of a step of train.trace_steps, Chrome trace format (p3d.rundir.traces);
+                             traces/step_<N>/rank<R>.json each rank's part until merged; step_<N>_timeline.png
+                             its picture (p3d-report)
       wandb/                 W&B's offline files
 """
 
@@ -29,6 +33,7 @@ JOBS_LOG = "slurm_jobs.log"
 LOCK = "run.lock"
 LOGS = "logs"
 CHECKPOINTS = "checkpoints"
+TRACES = "traces"
 
 
 def logs(run_dir: str | Path) -> Path:
@@ -37,6 +42,25 @@ def logs(run_dir: str | Path) -> Path:
 
 def rank_log(run_dir: str | Path, rank: int) -> Path:
     return logs(run_dir) / f"rank{rank}.log"
+
+
+def traces(run_dir: str | Path) -> Path:
+    return Path(run_dir) / TRACES
+
+
+def trace_path(run_dir: str | Path, step: int) -> Path:
+    """The merged timeline of a traced step (Chrome trace format)."""
+    return traces(run_dir) / f"step_{step}.json"
+
+
+def trace_part_path(run_dir: str | Path, step: int, rank: int) -> Path:
+    """One rank's events of a traced step, until the parts are merged into :func:`trace_path`."""
+    return traces(run_dir) / f"step_{step}" / f"rank{rank}.json"
+
+
+def timeline_path(run_dir: str | Path, step: int) -> Path:
+    """The picture p3d-report draws of a traced step."""
+    return traces(run_dir) / f"step_{step}_timeline.png"
 
 
 def read_json_lines(path: str | Path) -> list[dict]:

@@ -25,6 +25,7 @@ from p3d.train.executors import build_executor
 from p3d.train.faults import StepPolicy, fault_state, restore_fault_state
 from p3d.train.metrics import ExpertFigures, MetricsLogger, peak_memory_gb
 from p3d.train.timing import StragglerWatch
+from p3d.train.trace import StepTracer
 
 KILL_ENV = "P3D_TEST_KILL_AT"
 SKIPS = 5  # step_stats: the column of the data counts
@@ -86,6 +87,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl" else torch.device("cpu")
     ex = build_executor(cfg, plan, mesh, rank, device, run_dir)  # DeepSpeed's engine or a torch schedule
     timer, gate, hang = ex.timer, ex.gate, ex.hang
+    tracer = StepTracer(cfg, plan, mesh, run_dir, timer)  # the timelines of train.trace_steps (p3d.train.trace)
     stragglers = StragglerWatch(cfg.train.straggler_factor, cfg.train.straggler_steps, plan)
     policy = StepPolicy(cfg.train)
     start_step = start_sample = 0  # the data position is the samples consumed, whatever batch size made them
@@ -153,8 +155,8 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         lr = ex.get_lr()
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
         t0 = time.perf_counter()
-        with hang.phase("train_batch", step), device_checked(device):  # DeepSpeed's loss all-reduce included
-            loss = ex.train_batch(data)
+        with hang.phase("train_batch", step), device_checked(device), tracer.recording(step) as trace:
+            loss = ex.train_batch(data)  # DeepSpeed's loss all-reduce included
         step_time = time.perf_counter() - t0
         with hang.phase("the per-step all-gather", step), device_checked(device):
             stop, bubble, mem, compute, dp_comm = step_stats(
@@ -165,11 +167,12 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
                 device,
                 stats if reads_data else None,
             )
+        tracer.write(trace, step_time_s=step_time, bubble=bubble, bubble_theory=bubble_theory, dp_comm_s=dp_comm)
         assert gate.verdict is not None and gate.verdict.step == step, "the step gate did not run"
         failed, fault_line, extra = policy.apply(gate.verdict)
         if experts is not None:  # every rank: the step's routing figures, and aux-loss-free balancing
             with hang.phase("the routing figures' all-reduce", step), device_checked(device):
-                extra.update(experts.after_step(device))
+                extra.update(experts.after_step(device, discarded=gate.verdict.discarded))
         slow_fields, slow_lines = stragglers.update(compute)
         extra.update(slow_fields)
         for line in slow_lines if metrics else []:
@@ -219,6 +222,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         if stop:  # a stop at the last step leaves nothing to resume: the run is done
             status = exit_codes.PREEMPTED if step < cfg.train.steps else exit_codes.OK
             break
+    tracer.close()  # the logging rank's merges of the traced steps' parts finish
     checkpoints.wait()  # a background write in flight finishes (on every rank) before the run ends or exits 75
     if metrics:
         if stats.summary():

@@ -111,7 +111,8 @@ def _netrc_has_wandb() -> bool:
 
 class ExpertFigures:
     """A run's MoE routing figures: each step, on every rank, the figures of every MoE layer summed over the world
-    (one all-reduce), the selection biases moved (aux-loss-free balancing), and the metrics they give."""
+    (one all-reduce), the selection biases moved (aux-loss-free balancing) unless the step's update was discarded,
+    and the metrics they give."""
 
     def __init__(self, model_cfg, module):
         from p3d.layout.geometry import moe_layers
@@ -120,11 +121,14 @@ class ExpertFigures:
         self.moe = model_cfg.moe
         self.blocks, self.n_layers = moe_blocks(module), len(moe_layers(model_cfg))
 
-    def after_step(self, device) -> dict:
+    def after_step(self, device, discarded: bool) -> dict:
+        """The step's routing metrics. ``discarded``: the step gate threw the update away (train.on_nonfinite=skip,
+        train.on_spike=skip), so the biases stay as they were too: a discarded step changes no state at all."""
         from p3d.parallel.experts.balance import metrics, step_figures, update_expert_bias
 
         figures = step_figures(self.blocks, self.n_layers, self.moe.n_experts, device)
-        update_expert_bias(self.blocks, figures, self.moe.bias_update_rate)
+        if not discarded:
+            update_expert_bias(self.blocks, figures, self.moe.bias_update_rate)
         return metrics(figures)
 
 

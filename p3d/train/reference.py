@@ -9,6 +9,7 @@ batches, :func:`p3d.data.loader.validation_batches`); bench/overhead.py times it
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -48,9 +49,11 @@ def clip_exactly(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
+def reference_run(cfg, steps: int | None = None, batches=None, discard: Collection[int] = ()) -> list[dict]:
     """Per-step {step, loss, grad_norm, lr, step_time_s} of the unsharded model, with val_loss at the steps
-    p3d-train evaluates (``train.eval_every``)."""
+    p3d-train evaluates (``train.eval_every``). The steps in ``discard`` are the ones a run's step gate discarded
+    (p3d.train.faults: a skipped non-finite step or loss spike): their loss and gradient norm are computed, and
+    nothing changes: no update, no LR step, no move of the routers' selection biases."""
     torch.manual_seed(cfg.train.seed)
     model = to_sequential(cfg.model, padded_vocab(cfg.model.vocab_size, 1), cfg.train.seed)
     opt, sched = build_optimizer(model, cfg.train)
@@ -73,9 +76,10 @@ def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
             loss.backward()
             total += loss.item()
         grad_norm = clip_exactly(model.parameters(), cfg.train.grad_clip)
-        opt.step()
+        if step not in discard:
+            opt.step()
+            sched.step()
         opt.zero_grad(set_to_none=True)
-        sched.step()
         out.append(
             {
                 "step": step,
@@ -88,7 +92,8 @@ def reference_run(cfg, steps: int | None = None, batches=None) -> list[dict]:
         if blocks:  # the step's routing figures; aux-loss-free balancing moves the selection biases
             assert cfg.model.moe is not None
             figures = step_figures(blocks, len(moe_layers(cfg.model)), cfg.model.moe.n_experts)
-            update_expert_bias(blocks, figures, cfg.model.moe.bias_update_rate)
+            if step not in discard:
+                update_expert_bias(blocks, figures, cfg.model.moe.bias_update_rate)
             out[-1].update(moe_metrics(figures))
         if val and (step % every == 0 or step == cfg.train.steps):
             out[-1]["val_loss"] = val_loss(model, val, mbs)

@@ -29,6 +29,12 @@ Stragglers: the same wrappers time the ForwardPass and BackwardPass instructions
 (p3d.train.loop gathers it from every rank). Test hooks: ``P3D_TEST_SLOW_RANK=<rank>:<seconds>`` makes that
 rank sleep that long in each forward pass, a real straggler; ``P3D_TEST_BLOCK_SECONDS`` gives every block a fixed
 compute time (p3d.train.block_seconds).
+
+Traced steps (``train.trace_steps``, p3d.train.trace): while a ``StepTrace`` is attached (``begin_trace``), every
+interval of ``wait`` and ``compute`` is also an event of the step's timeline, with the same marks, labelled by the
+wrapper that times it (the pass, micro batch and chunk; the p2p instruction; the drain); what these clocks do not
+time (DeepSpeed's data loads and optimizer step, the torch executor's optimizer step) is wrapped for that step only.
+On other steps the wrappers test one attribute and nothing more runs.
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from p3d.compat.deepspeed_internals import pipeline_instruction_map, set_pipeline_instruction_map
+from p3d.compat.deepspeed_internals import engine_pass_order, pipeline_instruction_map, set_pipeline_instruction_map
+from p3d.train.trace_events import StepTrace, pass_event, traced_call
 
 PIPE_WAITS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
 DRAIN = "ReduceTiedGrads"  # the first instruction after the step's last backward
 DP_REDUCE = "ReduceGrads"  # the gradients' dp all-reduce (or ZeRO-1's reduction), after the step's last backward
 COMPUTE = ("ForwardPass", "BackwardPass")
+TRACED_ONLY = {"LoadMicroBatch": "data", "OptimizerStep": "optimizer"}  # instruction -> its kind, on traced steps
 SLOW_ENV = "P3D_TEST_SLOW_RANK"
 
 
@@ -78,18 +86,22 @@ class Seconds:
     """The seconds of one kind of work in a step: intervals between marks of a ``DeviceClock``, read and summed
     only when taken (``take``, once a step), plus host-measured seconds (``add``: a test hook's sleep)."""
 
-    def __init__(self, clock: DeviceClock):
+    def __init__(self, clock: DeviceClock, kind: str = "", name: str = ""):
         self.clock = clock
         self.spans: list[tuple[Any, Any]] = []
         self.host_s = 0.0
+        self.kind, self.name = kind, name  # an interval's event on a traced step, unless ``timing`` names another
+        self.trace: StepTrace | None = None  # a traced step's: each interval is one of its events too
 
     @contextlib.contextmanager
-    def timing(self) -> Iterator[None]:
+    def timing(self, kind: str = "", name: str = "", **args) -> Iterator[None]:
         start = self.clock.mark()
         try:
             yield
         finally:
             self.spans.append((start, self.clock.mark()))
+            if self.trace is not None:
+                self.trace.add(kind or self.kind, name or kind or self.name, self.spans[-1], **args)
 
     def add(self, seconds: float) -> None:
         self.host_s += seconds
@@ -110,7 +122,7 @@ def drain(pp_group, waits: Seconds) -> None:
     group; None, a pipeline of one stage: nothing), timed into ``waits``."""
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         return
-    with waits.timing():
+    with waits.timing("drain"):
         dist.barrier(group=pp_group)
 
 
@@ -126,7 +138,27 @@ class StepClocks:
 
     def __init__(self, device: torch.device | None = None):
         clock = DeviceClock(device)
-        self.wait, self.compute, self.dp_comm = Seconds(clock), Seconds(clock), Seconds(clock)
+        self.wait, self.compute, self.dp_comm = Seconds(clock, "wait", "p2p wait"), Seconds(clock), Seconds(clock)
+        self.trace: StepTrace | None = None  # set from begin_trace to end_trace: a traced step
+        self.planned: Any = None  # () -> the passes this rank's schedule plans, in order ("0F3", ...; traces)
+        self.traced_calls: list[tuple[Any, str, str]] = []  # (owner, method, kind): events on traced steps only
+        self._untraced: list[tuple[Any, str, Any]] = []
+
+    def begin_trace(self, trace: StepTrace) -> None:
+        """Record this step's timeline into ``trace``: the wait and compute intervals, and ``traced_calls``."""
+        self.trace = self.wait.trace = self.compute.trace = trace
+        for owner, method, kind in self.traced_calls:
+            self._untraced.append((owner, method, owner.__dict__.get(method)))
+            setattr(owner, method, traced_call(getattr(owner, method), trace, kind, method))
+
+    def end_trace(self) -> None:
+        self.trace = self.wait.trace = self.compute.trace = None
+        while self._untraced:
+            owner, method, before = self._untraced.pop()
+            if before is None:
+                delattr(owner, method)  # the class's method again
+            else:
+                setattr(owner, method, before)
 
     def take_compute(self) -> float:
         """Seconds in forward and backward passes since the last call."""
@@ -149,16 +181,20 @@ class StageTimer(StepClocks):
     def __init__(self, engine, rank: int = -1, pp_group=None, dp: int = 1, device: torch.device | None = None):
         super().__init__(device)
         self.delay_s = _test_delay(rank)
+        self.engine, self.stage = engine, dist.get_rank(pp_group) if pp_group is not None else 0
+        self.planned = lambda: engine_pass_order(engine)
+        self.passes: dict[str, int] = {}  # a traced step's forwards and backwards so far: the next one's micro batch
         timed = {}
         for instr, fn in pipeline_instruction_map(engine).items():
             if instr.__name__ in PIPE_WAITS:
-                timed[instr] = self._wrap(fn, self.wait)
+                timed[instr] = self._wrap(fn, self.wait, name=instr.__name__)
             elif instr.__name__ == DRAIN:
                 timed[instr] = self._after_drain(fn, pp_group)
             elif instr.__name__ == DP_REDUCE and dp > 1:
                 timed[instr] = self._wrap(fn, self.dp_comm)
             elif instr.__name__ in COMPUTE:
-                timed[instr] = self._wrap(fn, self.compute, self.delay_s if instr.__name__ == "ForwardPass" else 0.0)
+                delay_s = self.delay_s if instr.__name__ == "ForwardPass" else 0.0
+                timed[instr] = self._wrap(fn, self.compute, delay_s, instr.__name__)
             else:
                 timed[instr] = fn
         set_pipeline_instruction_map(engine, timed)  # this engine instance only
@@ -167,9 +203,40 @@ class StageTimer(StepClocks):
 
             timed_deepspeed_allgathers(self.dp_comm.timing)  # ZeRO-1 / bf16: the updated pieces' dp all-gather
 
-    def _wrap(self, fn: FunctionType, total: Seconds, delay_s: float = 0.0):
+    def begin_trace(self, trace: StepTrace) -> None:
+        """Also the instructions these clocks do not time (``TRACED_ONLY``), for this step only."""
+        super().begin_trace(trace)
+        self.passes = {}
+        table = pipeline_instruction_map(self.engine)
+        self._table = table
+        traced = {
+            i: traced_call(fn, trace, TRACED_ONLY[i.__name__], i.__name__, engine_method=True)
+            for i, fn in table.items()
+            if i.__name__ in TRACED_ONLY
+        }
+        set_pipeline_instruction_map(self.engine, {**table, **traced})
+
+    def end_trace(self) -> None:
+        super().end_trace()
+        set_pipeline_instruction_map(self.engine, self._table)
+
+    def _event(self, name: str) -> dict:
+        """A traced interval's label: the pass, micro batch and stage (TrainSchedule runs its forwards in micro batch
+        order, and its backwards: the k-th of a step is micro batch k), or the wait's instruction."""
+        if name not in COMPUTE:
+            return {"name": name}
+        kind = "F" if name == "ForwardPass" else "B"
+        micro_batch = self.passes[kind] = self.passes.get(kind, -1) + 1
+        return {
+            "kind": kind,
+            "name": f"{self.stage}{kind}{micro_batch}",
+            "micro_batch": micro_batch,
+            "chunk": self.stage,
+        }
+
+    def _wrap(self, fn: FunctionType, total: Seconds, delay_s: float = 0.0, name: str = ""):
         def timed(engine, *args, **kwargs):
-            with total.timing():
+            with total.timing(**self._event(name)) if self.trace is not None else total.timing():
                 if delay_s and engine.module.training:  # the test hook: a slow rank, training steps only
                     time.sleep(delay_s)
                 return fn(engine, *args, **kwargs)
@@ -234,11 +301,15 @@ class TorchStageTimer(StepClocks):
         self.training = False
         for stage in stages:  # wrapped on each instance: the schedule calls them as methods of the stage
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._wrap(getattr(stage, name), name == "forward_one_chunk"))
+                setattr(stage, name, self._wrap(getattr(stage, name), name, stage))
 
-    def _wrap(self, fn, forward: bool):
+    def _wrap(self, fn, method: str, stage):
+        forward = method == "forward_one_chunk"
+
         def timed(*args, **kwargs):
-            with self.compute.timing():
+            with (
+                self.compute.timing(**pass_event(method, stage, args, kwargs)) if self.trace else self.compute.timing()
+            ):
                 if forward and self.delay_s and self.training:
                     time.sleep(self.delay_s)
                 return fn(*args, **kwargs)

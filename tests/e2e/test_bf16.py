@@ -60,6 +60,9 @@ def fp32_reference() -> list[dict]:
 # slow tier (42 + 21 + 14 + 8 s): kept: dp2_pp2_tp2-zero1-sp-selective (ZeRO-1's fp32 accumulation), single (bf16
 # ZeRO-0); dp2_pp2-zbv-zero1: kept: pp2-interleaved_1f1b (a torch schedule's autocast) and the first (ZeRO-1)
 SLOW = ("dp2_pp2_tp2", "dp2_pp2_tp2-zero1", "single-zero1", "dp2_pp2-zbv-zero1")
+# and (80 + 14 s): single (the one-process path of the kept sp-selective case) and pp2-interleaved_1f1b (the torch
+# executor in bf16, kept in dp2_pp2-zero3)
+SLOW += ("single", "pp2-interleaved_1f1b")
 
 
 @pytest.mark.timeout(420)

@@ -42,10 +42,18 @@ def test_bad_override_exits_2_before_any_worker(args, needle, tmp_path):
     assert not (tmp_path / "logs").exists() and not (tmp_path / "run_spec.yaml").exists()
 
 
-def test_validation_error_is_one_line(tmp_path):
-    result = p3d_train("mesh=tp4", "model.n_kv_heads=2", f"run.dir={tmp_path}", timeout=60)
+@pytest.mark.parametrize(
+    "args,start",
+    [
+        (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4"),  # a rule across groups
+        (["mesh.cp=1.5"], "mesh.cp=1.5 (command line) must be an integer; try mesh.cp=1"),  # a type, before Hydra
+    ],
+)
+def test_validation_error_is_one_line(args, start, tmp_path):
+    result = p3d_train(*args, f"run.dir={tmp_path}", timeout=60)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("p3d: config error: mesh.tp=4"), result.stderr
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"p3d: config error: {start}"), result.stderr
 
 
 @pytest.mark.timeout(120)
@@ -92,11 +100,12 @@ def test_default_job_end_to_end(tmp_path):
 @pytest.mark.timeout(120)
 def test_dry_run_cli_is_fast_and_starts_nothing(tmp_path):
     t0 = time.monotonic()
-    result = p3d_train("mesh=tp8_pp8", "model=llama70b", "dry_run=true", f"run.dir={tmp_path}", timeout=100)
+    gpus = ("cluster=h100_sxm", "cluster.nodes=8", "schedule=large")  # 64 GPUs: the README's line
+    result = p3d_train("mesh=tp8_pp8", "model=llama70b", *gpus, "dry_run=true", f"run.dir={tmp_path}", timeout=100)
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - t0 < 60
     out = result.stdout
-    assert "rank    63: dp   0 pp   7 tp  7 -> node   0 device 63" in out
+    assert "rank    63: dp   0 pp   7 tp  7 -> node   7 device 7" in out
     assert "stage   7: block71..block79 (9 blocks), final_norm, head" in out
     assert "total from shards: 70,553,706,496 (70.55B); closed form: 70,553,706,496; match" in out
     assert not (tmp_path / "logs").exists()
@@ -157,6 +166,7 @@ def test_runs_as_worker_under_torchrun(tmp_path):
     assert (tmp_path / "run_spec.yaml").is_file()
 
 
+@pytest.mark.slow  # 33 s: every other test runs forked workers, this one fresh ones beside them
 def test_forked_and_fresh_workers_train_the_same_run(tmp_path):
     """On CPU the launcher imports torch once and forks its workers (p3d.jobs.forked); P3D_WORKER_START=exec
     starts each as a fresh interpreter, as GPU runs do. Both give the same losses and norms to the last bit,

@@ -113,7 +113,15 @@ def _resume_keeps_the_run(cwd: Path, result: subprocess.CompletedProcess) -> Non
     assert len(list((run / "wandb").glob("offline-run-*"))) == 2  # W&B logged the resumed segment too
 
 
-CHECKS = {"resume_keeps_the_run": _resume_keeps_the_run}
+def _traced_step_is_drawn(cwd: Path, result: subprocess.CompletedProcess) -> None:
+    """docs/timeline.md: the traced step's file, then the next line, ``p3d-report runs/traced``, draws it."""
+    assert (cwd / "runs" / "traced" / "traces" / "step_2.json").is_file()
+    done = run_line("p3d-report runs/traced", cwd)
+    assert done.returncode == 0 and "timeline of point traced:" in done.stdout, done.stdout[-2000:]
+    assert (cwd / "runs" / "traced" / "traces" / "step_2_timeline.png").is_file()
+
+
+CHECKS = {"resume_keeps_the_run": _resume_keeps_the_run, "traced_step_is_drawn": _traced_step_is_drawn}
 RUNNABLE = [cmd for cmd, case in CASES.items() if case.kind in ("run", "refused", "dry")]
 FOLLOWERS = {follower for case in CASES.values() for follower in case.then}
 

@@ -73,6 +73,35 @@ def test_a_lost_node_shrinks_to_dp1_and_a_resume_on_two_nodes_grows_back(tmp_pat
     )
 
 
+@pytest.mark.timeout(180)
+def test_a_survivors_lost_connection_is_one_line_and_every_attempts_log_is_kept(tmp_path):
+    """Issue 50, as reported: mesh=dp4 on two nodes, node 1 lost as step 3 starts. The logging rank (0) survives and
+    fails with a lost connection; the console said so with its traceback before the recovery that succeeded, and the
+    resumed attempt's workers overwrote every rank log. Now: one line naming the node, and each rank log holds both
+    attempts, the survivor's error in the first."""
+    proc = p3d_train(
+        f"run.dir={tmp_path}",
+        "model=tiny",
+        "mesh=dp4",
+        "cluster.nodes=2",
+        "cluster.elastic.min_nodes=1",
+        "train.save_every=2",
+        "train.steps=3",
+        env={"P3D_TEST_KILL_AT": "node1:3"},
+        timeout=160,
+    )
+    assert proc.returncode == 0, output_tail(proc)
+    out = proc.stdout + proc.stderr
+    assert "worker failed" not in out and "Traceback" not in out, output_tail(proc)
+    assert "p3d: node 1 lost (ranks 2-3 killed by SIGKILL); ranks 0, 1 lost their connections to it" in out
+    assert "p3d: elastic: node 1 lost at step 3; resumed step 2 on 1 node as dp2" in out, output_tail(proc)
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    first, second = log.split("] p3d: attempt 2: 2 workers here\n")
+    assert "p3d: attempt 1: 4 workers here" in first and "step     2/3" in first
+    assert "[rank 0] worker failed: RuntimeError" in first and "Connection" in first and "Traceback" in first
+    assert "step     3/3" in second and "worker failed" not in second
+
+
 @pytest.mark.slow  # a variant: make test runs the shrink-and-grow case above and the Slurm elastic test
 def test_below_min_nodes_stops_with_the_reason_and_keeps_the_checkpoint(tmp_path):
     proc = p3d_train(

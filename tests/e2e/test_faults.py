@@ -78,8 +78,8 @@ def test_huge_lr_stops_at_the_first_nonfinite_step(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(  # slow tier (18 s): kept: stage0, bf16 and interleaved
-    "zero", with_slow(["stage0", "stage1", "bf16", "interleaved"], ["stage1"])
+@pytest.mark.parametrize(  # slow tier (18 + 10 s): kept: stage0 and interleaved (the torch executor)
+    "zero", with_slow(["stage0", "stage1", "bf16", "interleaved"], ["stage1", "bf16"])
 )
 def test_skip_discards_the_update_bitwise(zero, tmp_path):
     """on_nonfinite=skip with an inf injected into stage 1's gradient at steps 3 and 4: those steps change no
@@ -107,6 +107,43 @@ def test_skip_discards_the_update_bitwise(zero, tmp_path):
     states = {s: _state(checkpoint.step_dir(run, s)) for s in (2, 3, 4, 5)}
     assert _bitwise_equal(states[2], states[3]) and _bitwise_equal(states[2], states[4])
     assert not _bitwise_equal(states[4], states[5])  # an applied step does change them
+
+
+MOE_SKIP_RUN = ("model=moe_tiny", "model.moe.bias_update_rate=0.01", "train.steps=5", "train.warmup_steps=2",
+                "train.on_nonfinite=skip")  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(  # slow tier: kept: DeepSpeed's engine; the torch executor's step ends in the same loop
+    "executor", with_slow(["deepspeed", "torch"], ["torch"])
+)
+def test_a_discarded_step_leaves_the_selection_biases_and_follows_the_reference(executor, tmp_path):
+    """Aux-loss-free balancing with an inf injected into stage 1's gradient at step 3 (on_nonfinite=skip): the
+    discarded step leaves every router's expert_bias bitwise as it was (with the parameters and Adam's state), an
+    applied step moves them, and the run follows the single-process reference that discards the same step."""
+    run = tmp_path / "run"
+    layout = {"deepspeed": ("mesh=pp2",), "torch": ("mesh=pp2", "schedule.pipeline=interleaved_1f1b")}[executor]
+    proc = p3d_train(
+        f"run.dir={run}", *layout, *MOE_SKIP_RUN, "train.save_every=1", "train.keep_last=0",
+        timeout=500, env={INJECT_ENV: "1:3"},
+    )  # fmt: skip
+    assert proc.returncode == exit_codes.OK, _out(proc)
+    got = read_metrics(run)
+    assert [r["skipped"] for r in got] == [0, 0, 1, 0, 0]
+    states = {s: _state(checkpoint.step_dir(run, s)) for s in (2, 3, 4)}
+    biases = {s: {k: v for k, v in state.items() if "expert_bias" in k} for s, state in states.items()}
+    assert len(biases[2]) == 3, sorted(states[2])  # moe_tiny: three MoE blocks, each router's bias saved
+    assert _bitwise_equal(biases[2], biases[3]) and _bitwise_equal(states[2], states[3])
+    assert not any(torch.equal(biases[3][k], biases[4][k]) for k in biases[3])  # an applied step moves each
+    from p3d.train.reference import reference_run
+    from tests.helpers.runs import typed
+
+    ref = reference_run(typed("mesh=single", *MOE_SKIP_RUN)[0], discard={3})
+    for r, g in zip(ref, got, strict=True):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), (r["step"], g["loss"], r["loss"])
+        if not g["skipped"]:
+            assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5), (r["step"], g["grad_norm"])
+            assert g["moe_load_imbalance"] == pytest.approx(r["moe_load_imbalance"], rel=1e-5), r["step"]
 
 
 # slow tier (8 s): kept: test_skip_discards_the_update_bitwise[bf16], the same overflow path of the bf16 optimizer

@@ -79,7 +79,14 @@ def assert_matches(got: list[dict], ref: list[dict]) -> None:
 
 # slow tier (about 15 s each); kept in make test: dp2_pp2-3+1-3+5 (uneven stages and micro batches on simulated
 # groups) and the resume below
-SLOW = ("pp2-3+1", "pp2-interleaved-3+1+1+1", "dp2-3+5", "dp2_pp2-interleaved-zero1", "dp2-3+5-zero3", "moe-dp2_pp2-3+5")
+SLOW = (
+    "pp2-3+1",
+    "pp2-interleaved-3+1+1+1",
+    "dp2-3+5",
+    "dp2_pp2-interleaved-zero1",
+    "dp2-3+5-zero3",
+    "moe-dp2_pp2-3+5",
+)
 
 
 @pytest.mark.timeout(300)
@@ -99,7 +106,11 @@ def test_uneven_layout_matches_single_process(case, tmp_path):
 
 HETERO = (GROUPS, "mesh=dp2_pp2", "schedule.stage_blocks=[3,1]", "schedule.replica_micro_batches=[3,5]")
 HOMOGENEOUS = ("cluster=local", "mesh=pp2")  # one node, an even split (the resume drops the uneven one)
-RESUME = ("train.warmup_steps=2", "train.decay=constant", "train.save_every=1")  # constant after the warmup: a segment's train.steps is moot
+RESUME = (
+    "train.warmup_steps=2",
+    "train.decay=constant",
+    "train.save_every=1",
+)  # constant after the warmup: a segment's train.steps is moot
 
 CHAINS = {
     "hetero-to-homogeneous": ((HETERO, 5), (HOMOGENEOUS, 10)),

@@ -124,6 +124,7 @@ def _pipeline_logits_match(rank, world, hf_dir):
     slice of its ep rank's experts, as TorchExecutor.init_from does; the same ids on both replicas."""
     from p3d.hf.load import load_into
     from p3d.layout.schedule_rules import chunks_per_rank, runs_on_deepspeed
+    from p3d.model.experts import RoutedExperts
     from p3d.parallel.mesh import Mesh
     from p3d.train.executors.torch_pipeline import TorchPipeline
 
@@ -138,7 +139,8 @@ def _pipeline_logits_match(rank, world, hf_dir):
     pipe = TorchPipeline(cfg, plan, mesh, cfg.schedule.pipeline.value, chunks_per_rank(cfg), prepare=init_from)
     (chunk,) = pipe.chunks  # pp = 1: the whole model
     first = 2 * mesh.ep_rank
-    assert {n.split(".")[3] for n, _ in chunk.named_parameters() if ".experts." in n} == {str(first), str(first + 1)}
+    routed = [m for m in chunk.modules() if isinstance(m, RoutedExperts)]  # each MoE block's stacked experts
+    assert routed and all((m.first, m.local) == (first, 2) for m in routed), [(m.first, m.local) for m in routed]
     ids = torch.randint(0, VOCAB, (cfg.schedule.micro_batch_size, 48), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = chunk.eval()(ids)  # (b, s, V/tp)

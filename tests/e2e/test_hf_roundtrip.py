@@ -418,7 +418,9 @@ def test_init_from_checks_the_vocab_against_the_tokenizer(exported, tmp_path):
 
 
 # ---- 5. every exported file gets the mode the umask gives, the weights too (issue 31)
-@pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
+@pytest.mark.parametrize(
+    "mask", [0o022, pytest.param(0o027, marks=pytest.mark.slow)], ids=["umask022", "umask027"]
+)  # slow tier: 027
 def test_export_files_get_the_mode_of_the_umask(work, tmp_path, mask):
     """safetensors writes 0600 whatever the umask; on shared storage teammates could not read the export."""
     from p3d.hf.export import export

@@ -3,16 +3,20 @@ bf16, and the routing metrics.
 
 The resume chain of the issue: 3 steps of model=moe_tiny on dp2_pp2 with ep2 (torch's Schedule1F1B), 3 more
 resumed with ep1 on DeepSpeed's 1f1b engine (tp2_pp2: the experts re-cut over tp), 3 more on dp4 with ep4 and
-ZeRO-1. Each expert is saved under its global name by the dp ranks that hold it, so each segment loads every
-expert whole whatever ep saved it. Aux-loss-free balancing is on: its selection biases (a buffer, not a
-parameter) travel in the checkpoint too. The 9 steps continue the single-process curve within 1e-5
-(``train.decay=constant`` after a 2-step warmup, so the segments' ``train.steps`` leave the LR alone).
+ZeRO-1. Each layer's routed experts are one stacked tensor in the checkpoint, each ep rank's share written at its
+offset by the dp ranks that hold it, so each segment reads every expert whatever ep saved it. Aux-loss-free
+balancing is on: its selection biases (a buffer, not a parameter) travel in the checkpoint too. The 9 steps continue
+the single-process curve within 1e-5 (``train.decay=constant`` after a 2-step warmup, so the segments'
+``train.steps`` leave the LR alone).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
+import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -48,13 +52,13 @@ def test_ep2_checkpoint_resumes_with_ep1_on_deepspeed_and_ep4_with_zero1(tmp_pat
         resume = ("train.resume=auto",) if i else ()
         proc = p3d_train(f"run.dir={tmp_path}", f"train.steps={3 * (i + 1)}", *resume, *COMMON, *layout, timeout=400)
         assert proc.returncode == 0, _out(proc)
-        if i == 0:  # ep2: dp rank d wrote the experts it holds (2d, 2d + 1 of block 2), each whole
+        if i == 0:  # ep2: dp rank d wrote the experts it holds (2d, 2d + 1 of block 2) at their place in the stack
             ckpt = checkpoint.step_dir(tmp_path, 3)
             for d in (0, 1):
                 _, index = read_tensors(ckpt / "model" / f"pp1_tp0_dp{d}.safetensors")
-                experts = {n.split(".")[3] for n in index if ".mlp.experts." in n}
-                assert experts == {str(2 * d), str(2 * d + 1)}, (d, sorted(index))
-                assert all(e["start"] == 0 for n, e in index.items() if ".mlp.experts." in n)
+                experts = {n: e for n, e in index.items() if ".mlp.experts." in n}
+                assert {n.split(".")[3] for n in experts} == {"w_gate_up", "w_down"}, (d, sorted(index))
+                assert all(e["start"] == d * math.prod(e["shape"]) // 2 for e in experts.values()), experts
             meta = json.loads((ckpt / "meta.json").read_text())
             assert meta["model"]["moe"]["n_experts"] == 4
     got, ref = read_metrics(tmp_path), reference(9)
@@ -74,6 +78,44 @@ def test_a_dense_run_refuses_an_moe_checkpoint_in_one_line(tmp_path):
     assert proc.returncode == 2, _out(proc)
     line = (proc.stdout + proc.stderr).strip().splitlines()[-1]
     assert "model.moe" in line and "resume with" in line, line
+
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "moe_checkpoint_per_expert.tar.gz"
+FIXTURE_MODEL = (  # the model the fixture trained (its run_spec.yaml): moe_tiny made smaller, the byte tokenizer
+    "model=moe_tiny",
+    "model.n_layers=3",
+    "model.hidden_size=8",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.ffn_hidden_size=16",
+    "model.vocab_size=257",
+    "model.tie_embeddings=true",
+    "model.moe.expert_ffn_size=8",
+    "data.tokenizer=byte",
+)
+
+
+# slow tier: the reading itself is tests/unit/checkpoint/test_per_expert.py's (in-process, make test)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_per_expert_tensors_loads_and_continues_the_curve(tmp_path):
+    """A run directory written before the routed experts were stacked (p3d.checkpoint.per_expert): 3 steps of
+    moe_tiny on dp2 with ep2, each expert a tensor of its own (``<i>.mlp.experts.<j>.w_gate_up.weight``), experts 0-1
+    in dp rank 0's file and 2-3 in dp rank 1's. Resumed on one process (stacked experts, all four), it continues the
+    single-process curve within 1e-5, steps 1-3 as written then and 4-6 trained now."""
+    with tarfile.open(FIXTURE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    _, index = read_tensors(checkpoint.step_dir(tmp_path, 3) / "model" / "pp0_tp0_dp1.safetensors")
+    assert "2.mlp.experts.3.w_down.weight" in index, "the fixture must hold per-expert tensors"
+    overrides = (*FIXTURE_MODEL, "train.dtype=fp32", "train.warmup_steps=2", "train.decay=constant")
+    proc = p3d_train(f"run.dir={tmp_path}", "train.steps=6", "train.resume=auto", *overrides, "mesh=single")
+    assert proc.returncode == 0, _out(proc)
+    cfg, _ = typed("mesh=single", "train.steps=6", *overrides)
+    got, ref = read_metrics(tmp_path), reference_run(cfg)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for r, g in zip(ref, got):
+        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {r['step']} loss"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
 
 
 BF16_STEPS = 20

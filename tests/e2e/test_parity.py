@@ -84,6 +84,9 @@ SLOW += ("dp2_pp2_tp2", "tp2_pp2", "tp2")
 # (sp: tp2_pp2-sp-selective-swiglu, dp2_pp2_tp2-sp-selective), tp2_pp2-selective and single-selective (selective:
 # the same two), tp2_pp2-tied (a tied head on another stage: pp2-cost-tied)
 SLOW += ("tp2-sp", "tp2_pp2-sp", "tp2_pp2-selective", "single-selective", "tp2_pp2-tied")
+# and (33 s): tp4-padded-vocab (the padding rows: tests/workers/test_tp_layers.py's vocab-parallel embedding and
+# loss at a vocabulary tp does not divide)
+SLOW += ("tp4-padded-vocab",)
 
 
 @pytest.mark.timeout(300)

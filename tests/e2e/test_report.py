@@ -21,9 +21,11 @@ def test_local_multirun_runs_points_in_sequence_skips_infeasible_and_reports(tmp
     assert "p3d: skipped this point, config error: mesh.tp=8 (mesh/tp8_pp1.yaml) must divide" in result.stderr
     assert result.stderr.rstrip().endswith("p3d: 1 of 3 sweep points not done (1 skipped: point 1); exit status 2")
     table_text = result.stdout[result.stdout.index("p3d-report:") :]
-    assert re.search(r"^0\s+single\s+1 x 1 x 1\s+[\d,]+.*2/2\s+done$", table_text, re.M), table_text
+    # the axes apart (ranks, pp) in columns, the rest in one line
+    assert "every point: dp1 tp1 cp1 ep1, ZeRO-0, 1f1b v=1, recompute none" in table_text, table_text
+    assert re.search(r"^0\s+single\s+1\s+1\s+[\d,]+.*2/2\s+done$", table_text, re.M), table_text
     assert re.search(r"^1\s+tp8_pp1 .*skipped: mesh.tp=8 \(mesh/tp8_pp1.yaml\) must divide", table_text, re.M)
-    assert re.search(r"^2\s+pp2\s+1 x 2 x 1\s+[\d,]+.*2/2\s+done$", table_text, re.M), table_text
+    assert re.search(r"^2\s+pp2\s+2\s+2\s+[\d,]+.*2/2\s+done$", table_text, re.M), table_text
     # in sequence: point 2 started after point 0 finished
     assert (sweep / "0" / "metrics.jsonl").stat().st_mtime <= (sweep / "2" / "run_spec.yaml").stat().st_mtime
     assert json.loads((sweep / "1" / "p3d_status.json").read_text())["status"] == "skipped"

@@ -98,9 +98,8 @@ CASES: dict[str, Case] = {
     "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2": Case("run"),
     # docs/moe.md; slow tier: kept: the zbv MoE parity case's variant runs in test-all, ep2 on dp2_pp2 in make test
     "p3d-train model=moe_tiny mesh=dp2_pp2 mesh.ep=2 schedule.pipeline=zbv": Case("run", slow=True),
-    "p3d-train model=mixtral_8x7b mesh.tp=4 mesh.pp=4 mesh.dp=4 mesh.ep=4 schedule.global_batch_size=64 dry_run=true": (
-        Case("run", extra=())
-    ),
+    "p3d-train model=mixtral_8x7b mesh.tp=4 mesh.pp=4 mesh.dp=4 mesh.ep=4 schedule.global_batch_size=64 "
+    "cluster=h100_sxm cluster.nodes=8 dry_run=true": Case("run", extra=()),
     "p3d-plan model=mixtral_8x7b cluster=h100_64 mesh=auto": Case("run", extra=()),
     # README and docs/context.md; slow tier: kept: e2e/test_cp_runs.py trains dp2 x cp2 through p3d-train first
     "p3d-train mesh=dp2 mesh.cp=2": Case("run", slow=True),
@@ -114,7 +113,9 @@ CASES: dict[str, Case] = {
     "p3d-train data=files data.path='/data/*.jsonl'": Case(
         "refused", expect=r"^p3d: (config|input) error: data.path=/data/\*.jsonl .*matches no file"
     ),
-    "p3d-train mesh=tp8_pp8 model=llama70b dry_run=true": Case("run", extra=()),
+    "p3d-train mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large dry_run=true": Case(
+        "run", extra=()
+    ),
     # slow tier: kept: e2e/test_token_store_runs.py prepares and trains
     "p3d-prepare data=files data.path='corpus/*.jsonl' prepare.out=store": Case(
         "run",
@@ -128,12 +129,11 @@ CASES: dict[str, Case] = {
     # README, docs/clusters.md: Slurm
     # slow tier: kept: cluster/slurm/test_slurm_jobs.py submits p3d-train cluster=slurm
     "p3d-train cluster=slurm mesh=tp2_pp2 train.steps=200": Case("slurm", slow=True),
-    "p3d-train cluster=h100_sxm cluster.nodes=8 mesh=tp8_pp8 model=llama70b cluster.partition=gpu "
+    "p3d-train cluster=h100_sxm cluster.nodes=8 mesh=tp8_pp8 model=llama70b schedule=large cluster.partition=gpu "
     "cluster.account=proj": Case("dry", extra=("dry_run=true",)),
     "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 run.dir=/shared/runs/exp1": Case("slurm"),
-    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch cluster=h100_sxm mesh=tp8_pp8 model=llama70b": Case(
-        "dry", extra=("cluster.nodes=8", "dry_run=true")
-    ),
+    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch cluster=h100_sxm mesh=tp8_pp8 model=llama70b "
+    "schedule=large": Case("dry", extra=("cluster.nodes=8", "dry_run=true")),
     # slow tier: kept: the sweep `p3d-train -m mesh=dp2,tp2,pp2 train.steps=20`, and the Slurm sweep through submitit
     # (tests/cluster/slurm/test_slurm_jobs.py)
     "p3d-train -m mesh=dp4,tp2_pp2,pp4 train.steps=50": Case("run", slow=True),
@@ -217,14 +217,26 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/sp_recompute.py --rounds 6",
             ".venv/bin/python bench/zero.py --passes 1",
             ".venv/bin/python bench/moe.py --deepspeed",
+            ".venv/bin/python bench/moe.py --layer --passes 3 --steps 5",
             ".venv/bin/python bench/cp.py",
+            ".venv/bin/python bench/cp_runs.py",
+            ".venv/bin/python bench/cp_runs.py --extra model=small",
+            ".venv/bin/python bench/cp_memory.py",
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    ),
+    # docs/context.md (issue 52)
+    ".venv/bin/python bench/cp_variants.py": Case(
+        "not_here", expect="the planner's key/value formulas over lengths; tests/unit/planner/test_context.py"
     ),
     # docs/planner.md, docs/benchmarks.md (issue 36)
     ".venv/bin/python bench/planner_published.py": Case(
         "not_here",
         expect="the table of tests/helpers/published.py, whose rows tests/unit/planner/test_published.py checks",
+    ),
+    ".venv/bin/python bench/planner_published.py --fit": Case(
+        "not_here",
+        expect="the fit of tests/helpers/published.py, whose result tests/unit/planner/test_published.py checks",
     ),
     **dict.fromkeys(
         (
@@ -236,6 +248,18 @@ CASES: dict[str, Case] = {
         ),
     ),
     "make gpu-check": Case("not_here", expect="needs a CUDA GPU; its dry mode is tests/e2e/test_gpu_check.py"),
+    # README, docs/timeline.md (issue 56); slow tier: kept: tests/e2e/test_trace.py (the same trace, checked in full)
+    "p3d-train train.trace_steps=[2] run.dir=runs/traced": Case(
+        "run", extra=("train.steps=2",), check="traced_step_is_drawn", slow=True
+    ),
+    "p3d-report runs/traced": Case("not_here", expect="run by the check of the p3d-train line above it"),
+    **dict.fromkeys(
+        (
+            ".venv/bin/python bench/schedule_timelines.py",
+            ".venv/bin/python bench/trace_overhead.py --baseline /tmp/p3d-base",
+        ),
+        Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    ),
     # docs/clusters.md: multi-node, on the two-node cluster of tests/cluster/multinode (the same lines, a few steps)
     "sbatch --nodes=2 --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=dp2_pp2_tp2 model=tiny": Case(
         "not_here", expect="tests/cluster/multinode/test_two_nodes.py runs it across two nodes"
@@ -249,9 +273,8 @@ CASES: dict[str, Case] = {
     # recipe headers
     # slow tier: kept: the sbatch line with run.dir; cluster/slurm/test_slurm_jobs.py
     "sbatch recipes/slurm/train.sbatch mesh=tp2_pp2 model=tiny": Case("slurm", slow=True),
-    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch mesh=tp8_pp8 model=llama70b cluster=h100_sxm": Case(
-        "dry", extra=("cluster.nodes=8", "dry_run=true")
-    ),
+    "sbatch --nodes=8 --gpus-per-node=8 recipes/slurm/train.sbatch mesh=tp8_pp8 model=llama70b cluster=h100_sxm "
+    "schedule=large": Case("dry", extra=("cluster.nodes=8", "dry_run=true")),
     # slow tier: kept: the same recipe line without --ntasks-per-node
     "sbatch --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=tp2_pp2 run.dir=/shared/runs/exp1": Case(
         "slurm", slow=True

@@ -50,10 +50,10 @@ def compose_config(*overrides: str):
 
 
 def typed(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
-    """(Config, RunPlan) exactly as p3d-train prepares them."""
+    """(Config, RunPlan) exactly as p3d-train prepares them from this command line."""
     from p3d.launch.check import prepare
 
-    return prepare(compose(*overrides, run_dir=run_dir))
+    return prepare(compose(*overrides, run_dir=run_dir), overrides=[f"run.dir={run_dir}", *overrides])
 
 
 def p3d_train(
@@ -93,6 +93,33 @@ def assert_refused_in_one_line(overrides: tuple[str, ...], message: str, fix: st
     assert "\n" not in text
     assert message in text
     assert fix in text
+
+
+def suggested_fixes(message: str) -> list[list[str]]:
+    """The overrides a refusal suggests (``...; try mesh=pp2, or mesh.pp=3``): one list per alternative, its
+    ``key=value`` words (prose around them left out)."""
+    starts = list(re.finditer(r"[;:] (?:try|add) ", message))
+    if not starts:
+        return []
+    tail = message[starts[-1].end() :]
+    alternatives = re.split(r",? or |, ", tail)
+    return [words for alt in alternatives if (words := [w for w in alt.split() if re.fullmatch(r"[a-z_.]+=\S+", w)])]
+
+
+def assert_fixes_accepted(overrides: tuple[str, ...] | list[str], **kwargs) -> None:
+    """Every fix the refusal of ``overrides`` suggests, appended to the same command line, is accepted (issue 50: a
+    suggestion is always one the same command accepts)."""
+    from p3d.config.errors import P3DConfigError
+
+    with pytest.raises(P3DConfigError) as err:
+        typed(*overrides, **kwargs)
+    fixes = suggested_fixes(str(err.value))
+    assert fixes, f"{' '.join(overrides)}: the refusal suggests no override: {err.value}"
+    for fix in fixes:
+        try:
+            typed(*overrides, *fix, **kwargs)
+        except P3DConfigError as exc:
+            raise AssertionError(f"{' '.join(overrides)}: the suggested {' '.join(fix)} is refused: {exc}") from None
 
 
 def output_tail(proc: subprocess.CompletedProcess, chars: int = 3000) -> str:

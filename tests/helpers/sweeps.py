@@ -20,15 +20,28 @@ def make_point(
     bubble=None,
     status=None,
     mesh="pp2",
+    cp=1,
+    ep=1,
+    zero=0,
+    pipeline="1f1b",
+    v=1,
+    recompute="none",
+    overrides=None,
 ):
+    """A point's directory; ``overrides`` (a list of strings): its .hydra/overrides.yaml, as a sweep writes it."""
     d = root / name
     d.mkdir(parents=True)
     spec = {
-        "mesh": {"name": mesh, "tp": tp, "pp": pp, "dp": dp},
+        "mesh": {"name": mesh, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep},
+        "schedule": {"pipeline": pipeline, "virtual_stages": v, "recompute": recompute},
+        "zero": {"stage": zero},
         "train": {"steps": steps},
-        "run_plan": {"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp},
+        "run_plan": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "world_size": tp * pp * dp * cp},
     }
     (d / "run_spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(spec)))
+    if overrides is not None:
+        (d / ".hydra").mkdir()
+        (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
     lines = []
     for step in range(1, done_steps + 1):
         rec = {

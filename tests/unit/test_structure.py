@@ -5,6 +5,7 @@ option (issue 10)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -13,37 +14,38 @@ from tests.helpers.runs import ROOT, compose
 PACKAGE = ROOT / "p3d"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """p3d module -> the p3d modules it imports anywhere in its body (function-local imports too).
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports anywhere in its body: at module level, inside a function, and
+    under ``if TYPE_CHECKING:`` too (issue 50: report.py and report_plot.py imported each other, one of them only for
+    the type checker, and a graph that left those imports out saw no cycle; such a cycle still ties the two files
+    together, and it breaks the moment the annotation is evaluated).
 
-    ``from p3d.a import b`` counts as an import of ``p3d.a.b`` when that is a module, else of ``p3d.a``.
-    Imports under ``if TYPE_CHECKING:`` are not executed and are left out."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    ``from p3d.a import b`` counts as an import of ``p3d.a.b`` when that is a module, else of ``p3d.a``; a relative
+    import is resolved against the importing module's package."""
+    top = package.name
+    modules = {_module_name(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        skip = {
-            id(n)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If)
-            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
-            for n in ast.walk(node)
-        }
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]  # the importing package
         deps: set[str] = set()
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("p3d")}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("p3d"):
+                deps |= {a.name for a in node.names if a.name.split(".")[0] == top}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # from . import x, from ..a import b
+                    base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+                if base.split(".")[0] != top:
+                    continue
                 for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    deps.add(sub if sub in modules else node.module)
+                    sub = f"{base}.{alias.name}"
+                    deps.add(sub if sub in modules else base)
         graph[name] = {d for d in deps if d in modules and d != name}
     return graph
 
@@ -75,7 +77,24 @@ def test_find_cycle_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def test_the_import_graph_counts_every_kind_of_import(tmp_path):
+    """A cycle made of a function-local import, a relative one or one the type checker alone reads is a cycle."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "sub/__init__.py", "plain.py"):
+        (pkg / f).write_text("")
+    (pkg / "rows.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.plot import x\n")
+    (pkg / "plot.py").write_text("def plot():\n    from pkg.rows import Row\n")
+    (pkg / "sub" / "a.py").write_text("from . import b\nfrom ..plain import y\nimport os\n")
+    (pkg / "sub" / "b.py").write_text("import pkg.sub.a\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.rows"] == {"pkg.plot"} and graph["pkg.plot"] == {"pkg.rows"}
+    assert graph["pkg.sub.a"] == {"pkg.sub.b", "pkg.plain"} and graph["pkg.sub.b"] == {"pkg.sub.a"}
+    assert find_cycle(graph) == ["pkg.plot", "pkg.rows", "pkg.plot"]
+
+
 def test_p3d_imports_form_a_tree():
+    """No two files of p3d import each other, directly or through others, by any kind of import."""
     graph = import_graph()
     assert len(graph) > 40 and graph["p3d.planner.search"] >= {"p3d.planner.predict"}
     cycle = find_cycle(graph)
@@ -155,6 +174,26 @@ def test_no_library_module_imports_the_cli():
         if not m.startswith("p3d.cli") and any(d.startswith("p3d.cli") for d in deps)
     )
     assert offenders == []
+
+
+# The checkout's top level as specified (issue 50): the groups and recipes are links into the package, which the wheel
+# ships (tests/e2e/test_wheel.py).
+TOP_LEVEL = ("pyproject.toml", "README.md", "conf", "p3d", "recipes", "tests", "Makefile")
+
+
+def test_the_checkout_has_its_specified_top_level():
+    from p3d.config.shipped import conf_dir, package_root
+
+    missing = [name for name in TOP_LEVEL if not (ROOT / name).exists()]
+    assert missing == [], f"the checkout's top level lacks {missing}"
+    for link, target in (("conf", conf_dir()), ("recipes", package_root() / "recipes")):
+        path = ROOT / link
+        assert path.is_symlink() and not Path(os.readlink(path)).is_absolute(), (
+            f"{link}/: a relative link, valid in a clone"
+        )
+        assert path.resolve() == target.resolve(), f"{link}/ -> {path.resolve()}, not the shipped {target}"
+    groups = {"model", "mesh", "schedule", "zero", "cluster", "data", "logger", "hydra"}
+    assert (ROOT / "conf" / "config.yaml").is_file() and groups <= {p.name for p in (ROOT / "conf").iterdir()}
 
 
 def test_plan_options_survive_the_run_spec(tmp_path):

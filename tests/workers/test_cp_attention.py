@@ -19,7 +19,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 LIMIT_S = 300
 
 
-def _check(rank, world, heads, kv_heads, seq):
+def _check(rank, world, heads, kv_heads, seq, variant):
     from p3d.parallel.context.attention import context_parallel_attention
     from p3d.parallel.context.chunks import take_local
 
@@ -37,7 +37,7 @@ def _check(rank, world, heads, kv_heads, seq):
         return take_local(t, world, rank, dim=2)
 
     ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, dist.group.WORLD, world, rank)
+    out = context_parallel_attention(ql, kl, vl, dist.group.WORLD, world, rank, variant)
     (out * mine(upstream)).sum().backward()
     torch.testing.assert_close(out, mine(ref.detach()), **TOL)
     for name, got, want in (("q", ql, qf), ("k", kl, kf), ("v", vl, vf)):
@@ -46,14 +46,27 @@ def _check(rank, world, heads, kv_heads, seq):
 
 @pytest.mark.timeout(LIMIT_S)
 @pytest.mark.parametrize(
-    "world,heads,kv_heads,seq",
+    "world,heads,kv_heads,seq,variant",
     [
-        (2, 3, 1, 16),
-        pytest.param(2, 6, 2, 8, marks=pytest.mark.slow),
-        pytest.param(4, 4, 4, 16, marks=pytest.mark.slow),
-        (4, 6, 3, 24),
+        (2, 3, 1, 16, "allgather"),
+        pytest.param(2, 6, 2, 8, "allgather", marks=pytest.mark.slow),
+        pytest.param(4, 4, 4, 16, "allgather", marks=pytest.mark.slow),
+        (4, 6, 3, 24, "allgather"),
+        pytest.param(2, 3, 1, 16, "ring", marks=pytest.mark.slow),
+        pytest.param(2, 6, 2, 8, "ring", marks=pytest.mark.slow),
+        pytest.param(4, 4, 4, 16, "ring", marks=pytest.mark.slow),
+        (4, 6, 3, 24, "ring"),
     ],
-    ids=["cp2-gqa3", "cp2-gqa3x2", "cp4-mha", "cp4-gqa2"],
+    ids=[
+        "cp2-gqa3",
+        "cp2-gqa3x2",
+        "cp4-mha",
+        "cp4-gqa2",
+        "ring-cp2-gqa3",
+        "ring-cp2-gqa3x2",
+        "ring-cp4-mha",
+        "ring-cp4-gqa2",
+    ],
 )
-def test_cp_attention_matches_unsharded(world, heads, kv_heads, seq):
-    run_distributed(_check, world, heads, kv_heads, seq, timeout=LIMIT_S - 30)
+def test_cp_attention_matches_unsharded(world, heads, kv_heads, seq, variant):
+    run_distributed(_check, world, heads, kv_heads, seq, variant, timeout=LIMIT_S - 30)

@@ -124,6 +124,9 @@ SLOW = (
 # and (6 + 5 s): interleaved_1f1b-pp2-v2 (kept: its -tied and -recompute on the same schedule and mesh),
 # interleaved_1f1b-dp2_pp2-v2-zero1 (kept: interleaved_1f1b-dp2_pp2_tp2-v2-zero1, the same with tp2)
 SLOW += ("interleaved_1f1b-pp2-v2", "interleaved_1f1b-dp2_pp2-v2-zero1")
+# and (64 + 32 s): pp4-v2 and pp2-v3 (more stages and more chunks of the kept pp2-v2-tied; pp4 runs in tests/e2e/
+# test_parity.py)
+SLOW += ("interleaved_1f1b-pp4-v2", "interleaved_1f1b-pp2-v3")
 
 
 @pytest.mark.timeout(600)

@@ -10,6 +10,9 @@ requeues itself and the next start resumes from the newest checkpoint.
 
     python -m p3d.cli.slurm layout <run_dir>   # the recipe: world, tasks per node, ... of the spec
     python -m p3d.cli.slurm resume <run_dir>   # the recipe after a requeue: train.resume=auto
+
+Every srun is an attempt of the run (p3d.rundir.attempts): the rank logs are appended to (``--open-mode=append``),
+each after a header line, and the hang reports of the srun before are kept under another name.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from pathlib import Path
 from p3d import exit_codes
 from p3d.jobs.follow import follow
 from p3d.jobs.slurm.submit import SLURM_TIMEOUT_S, job_shape
+from p3d.rundir.attempts import start_attempt
 from p3d.rundir.files import log_job, rank_log
 from p3d.rundir.files import logs as run_logs
+from p3d.rundir.lease import alive
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -114,11 +119,31 @@ def requeue(cfg, run_dir: Path) -> bool:
     return out.returncode == 0
 
 
+def start_srun_attempt(run_dir: str | Path, plan=None) -> int:
+    """Before an srun: its attempt header in every rank log and the hang reports of the srun before set aside
+    (p3d.rundir.attempts). Returns where the logging rank's log ends then: where this srun's output begins."""
+    if plan is None:
+        from p3d.rundir.spec import read_spec
+
+        _, plan = read_spec(run_dir)
+    job, start = os.environ.get("SLURM_JOB_ID", "?"), os.environ.get("SLURM_RESTART_COUNT", "0")
+    start_attempt(run_logs(run_dir), plan.world_size, f"srun of {plan.world_size} tasks, job {job} (start {start})")
+    return rank_log(run_dir, plan.logging_rank).stat().st_size
+
+
+def follow_srun(log: str, offset: str, pid: str) -> int:
+    """The recipe's console while srun (``pid``) runs: the logging rank's ``log`` from ``offset`` on, less a
+    failure report (p3d.jobs.follow): after a lost node or a killed worker the survivors' lost connections are
+    no failure of theirs, and after an error a rank raised the recipe prints that rank's last lines itself."""
+    follow(Path(log), lambda: not alive(int(pid)), sys.stdout, 0.5, int(offset), held=[])
+    return 0
+
+
 def run_step(cfg, plan, spec: Path) -> int:
     """Run the workers as one srun step of this allocation; returns srun's status (75: preempted)."""
     lay = job_shape(cfg, plan)
     run_dir = spec.parent
-    run_logs(run_dir).mkdir(parents=True, exist_ok=True)
+    start = start_srun_attempt(run_dir, plan)
     env = step_env(plan)
     cmd = srun_command(lay, spec)
     job = os.environ.get("SLURM_JOB_ID", "?")
@@ -142,7 +167,6 @@ def run_step(cfg, plan, spec: Path) -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
     log = rank_log(run_dir, plan.logging_rank)  # appended to by each step of the job (--open-mode=append)
-    start = log.stat().st_size if log.exists() else 0
     follower = threading.Thread(
         target=follow, args=(log, lambda: proc.poll() is not None, sys.stdout, 0.5, start), daemon=True
     )

@@ -1,18 +1,21 @@
-"""Causal attention across the cp ranks of a sequence: keys and values all-gathered, queries kept local.
+"""Causal attention across the cp ranks of a sequence, on torch's fused kernels: keys and values all-gathered
+(``allgather``, this module) or passed around the cp group (``ring``, p3d.parallel.context.ring).
 
-Shapes: b micro batch, nh query heads, nkv key/value heads (GQA: g = nh / nkv queries share one), hd head dim,
-s the whole sequence, sl = s / cp this rank's tokens (two chunks of c = s / (2 cp), ``chunks.chunk_ids``).
+Shapes: b micro batch, nh query heads, nkv key/value heads (GQA), hd head dim, s the whole sequence, sl = s / cp
+this rank's tokens (two chunks of c = s / (2 cp), ``chunks.chunk_ids``: head chunk r, tail chunk 2 cp - 1 - r).
 
-Forward: k and v (b, nkv, sl, hd) are all-gathered over the cp group into (b, nkv, s, hd) in global order; each of
-the rank's two query chunks, global chunk i, attends the keys of chunks 0..i, with the causal mask inside chunk i.
-The softmax is computed in fp32 with its log-sum-exp. Only the rank's own tensors are kept for backward: q, k, v,
-the output and the log-sum-exp, the inventory flash attention keeps at cp = 1, for sl tokens, so a block's saved
-activations fall by cp. The gathered keys and values are a working set of the forward, not kept.
+All-gather forward: k and v (b, nkv, sl, hd) are all-gathered over the cp group into (b, nkv, s, hd) in global
+order. Each of the rank's two query chunks, global chunk i, attends two blocks of keys (p3d.parallel.context.blocks):
+its own chunk, causal, and the keys of chunks 0..i-1, in full (none for chunk 0). Each block is one call of the
+fused kernel SDPA runs (flash on cpu and on cuda in bf16, memory-efficient on cuda in fp32), in the run's dtype;
+their outputs are merged by log-sum-exp in fp32. No score matrix is materialised: the kernels tile it. Saved for
+backward: the rank's own q, k, v, the merged output and its log-sum-exp (b, nh, sl) fp32, what flash attention
+saves at cp = 1 for sl tokens. The gathered keys and values are the forward's working set, not kept.
 
-Backward: k and v are gathered again; with P = exp(q k^T / sqrt(hd) - lse) and D = rowsum(dO * O),
-dV = P^T dO, dS = P * (dO V^T - D), dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd) (the flash-attention backward,
-Dao et al. 2022); dK and dV, (b, nkv, s, hd) partial on every rank, are reduce-scattered back to the ranks that
-hold each chunk. Why all-gather and not a ring: docs/context.md.
+All-gather backward: k and v are gathered again; each block's kernel backward runs with the merged output and
+log-sum-exp (the flash identity, p3d.compat.sdpa_kernels); dq sums over a chunk's blocks, and dK, dV, (b, nkv, s, hd)
+fp32 partial sums on every rank, accumulated in rank order, are reduce-scattered back to the ranks that hold each
+chunk. Which of the two variants wins where: docs/context.md.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from p3d.parallel.context.chunks import chunk_ids, to_global_order, to_rank_order
+from p3d.parallel.context.blocks import KVBlock, attend, block_backward
+from p3d.parallel.context.chunks import chunk_holder, chunk_ids, to_global_order
+from p3d.parallel.context.ring import ring_attention
+
+VARIANTS = ("allgather", "ring")
 
 
 def gather_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -32,32 +39,38 @@ def gather_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return to_global_order(parts, dim=2)
 
 
-def reduce_scatter_sequence(full: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """(b, heads, s, hd) partial sums on every cp rank -> this rank's (b, heads, sl, hd) of their sum."""
-    parts = to_rank_order(full, cp, dim=2)
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+def add_by_rank(dest: torch.Tensor, grad: torch.Tensor, first_chunk: int, c: int) -> None:
+    """Adds ``grad`` (b, heads, n c, hd), the gradient of global chunks first_chunk.. first_chunk + n - 1, into
+    ``dest`` (cp, b, heads, 2 c, hd): each rank's tokens at its index, in its local order (head, tail)."""
+    cp = dest.shape[0]
+    for i in range(grad.shape[2] // c):
+        rank, half = chunk_holder(first_chunk + i, cp)
+        dest[rank][:, :, half * c : (half + 1) * c] += grad[:, :, i * c : (i + 1) * c]
+
+
+def reduce_scatter_ranks(by_rank: torch.Tensor, group) -> torch.Tensor:
+    """(cp, b, heads, sl, hd) partial sums on every cp rank, rank r's tokens at index r -> this rank's (b, heads,
+    sl, hd) of their sum."""
+    out = torch.empty_like(by_rank[0])
+    dist.reduce_scatter_single(out, by_rank.flatten(0, 1), group=group)  # (cp b, ...): rank r's at rows r b..
     return out
 
 
-def _causal_block(c: int, device) -> torch.Tensor:
-    """(c, c) True above the diagonal: inside a query's own chunk, the keys after it."""
-    return torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
+def chunk_blocks(k_all: torch.Tensor, v_all: torch.Tensor, chunk: int, c: int) -> list[KVBlock]:
+    """The key blocks global query chunk ``chunk`` attends, out of the whole sequence's (b, nkv, s, hd): its own
+    chunk (causal), then chunks 0..chunk-1 (full; none for chunk 0)."""
+    own = slice(chunk * c, (chunk + 1) * c)
+    blocks = [KVBlock(k_all[:, :, own], v_all[:, :, own], True)]
+    if chunk:
+        blocks.append(KVBlock(k_all[:, :, : chunk * c], v_all[:, :, : chunk * c], False))
+    return blocks
 
 
-def _chunk_scores(q: torch.Tensor, k: torch.Tensor, chunk: int, c: int, scale: float) -> torch.Tensor:
-    """Scores of one query chunk (b, nkv, g, c, hd) against the keys of chunks 0..chunk (b, nkv, (chunk+1) c, hd):
-    (b, nkv, g, c, (chunk + 1) c) in fp32, the keys after each query at -inf."""
-    keys = k[:, :, : (chunk + 1) * c].unsqueeze(2)  # (b, nkv, 1, L, hd)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores[..., chunk * c :].masked_fill_(_causal_block(c, q.device), float("-inf"))
-    return scores
-
-
-def _grouped(x: torch.Tensor, nkv: int) -> torch.Tensor:
-    """(b, nh, sl, hd) -> (b, nkv, g, sl, hd): query head h = kv head h // g (SDPA's enable_gqa pairing)."""
-    b, nh, sl, hd = x.shape
-    return x.reshape(b, nkv, nh // nkv, sl, hd)
+def empty_output(q: torch.Tensor) -> torch.Tensor:
+    """(b, nh, sl, hd) stored as (b, sl, nh, hd), as flash attention stores its output: the block's (b, sl, nh hd)
+    view for the output projection is then this storage, not a copy kept beside it."""
+    b, nh, sl, hd = q.shape
+    return q.new_empty(b, sl, nh, hd).transpose(1, 2)
 
 
 class _AllGatherKVAttention(torch.autograd.Function):
@@ -67,51 +80,117 @@ class _AllGatherKVAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, cp: int, cp_rank: int):
         ctx.group, ctx.cp, ctx.cp_rank = group, cp, cp_rank
         with torch.autocast(q.device.type, enabled=False):
-            k_all, v_all = gather_sequence(k, group, cp).float(), gather_sequence(v, group, cp).float()
-            qf = _grouped(q.float(), k.shape[1])
-            c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-            outs, lses = [], []
-            for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
-                scores = _chunk_scores(qf[..., half * c : (half + 1) * c, :], k_all, chunk, c, scale)
-                lse = torch.logsumexp(scores, dim=-1)  # (b, nkv, g, c)
-                probs = (scores - lse.unsqueeze(-1)).exp_()
-                outs.append(torch.matmul(probs, v_all[:, :, : (chunk + 1) * c].unsqueeze(2)))
-                lses.append(lse)
-            out = torch.cat(outs, dim=3).reshape(q.shape).to(q.dtype)  # (b, nh, sl, hd)
-            # stored (b, sl, nh, hd) as flash attention stores it: the block's (b, sl, nh hd) view for the output
-            # projection is then this storage, not a copy that would be kept beside it
-            out = out.transpose(1, 2).contiguous().transpose(1, 2)
-            lse = torch.cat(lses, dim=3)  # (b, nkv, g, sl)
+            k_all, v_all = gather_sequence(k, group, cp), gather_sequence(v, group, cp)  # (b, nkv, s, hd)
+            out, lse, ctx.rng = _gathered_forward(q, k_all, v_all, cp, cp_rank)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, cp, cp_rank = ctx.group, ctx.cp, ctx.cp_rank
         with torch.autocast(q.device.type, enabled=False):
-            k_all, v_all = gather_sequence(k, group, cp).float(), gather_sequence(v, group, cp).float()
-            nkv = k.shape[1]
-            qf, do, of = (_grouped(t.float(), nkv) for t in (q, grad_out, out))
-            c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-            dq = torch.empty_like(qf)
-            dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
-            for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
-                rows, keys = slice(half * c, (half + 1) * c), (chunk + 1) * c
-                q_c, do_c = qf[..., rows, :], do[..., rows, :]
-                probs = (_chunk_scores(q_c, k_all, chunk, c, scale) - lse[..., rows].unsqueeze(-1)).exp_()
-                dv_all[:, :, :keys] += torch.matmul(probs.transpose(-1, -2), do_c).sum(2)
-                d_probs = torch.matmul(do_c, v_all[:, :, :keys].unsqueeze(2).transpose(-1, -2))
-                delta = (do_c * of[..., rows, :]).sum(-1, keepdim=True)  # (b, nkv, g, c, 1)
-                d_scores = probs.mul_(d_probs.sub_(delta))
-                dq[..., rows, :] = torch.matmul(d_scores, k_all[:, :, :keys].unsqueeze(2)) * scale
-                dk_all[:, :, :keys] += torch.matmul(d_scores.transpose(-1, -2), q_c).sum(2) * scale
-            dk = reduce_scatter_sequence(dk_all, group, cp)
-            dv = reduce_scatter_sequence(dv_all, group, cp)
-        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            dq, dk_by_rank, dv_by_rank = _gathered_backward(grad_out, q, k, v, out, lse, ctx)
+            dk = reduce_scatter_ranks(dk_by_rank, ctx.group).to(k.dtype)
+            del dk_by_rank  # one partial sum of the whole sequence at a time
+            dv = reduce_scatter_ranks(dv_by_rank, ctx.group).to(v.dtype)
+        return dq, dk, dv, None, None, None
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int, cp_rank: int):
+def _gathered_backward(grad_out, q, k, v, out, lse, ctx):
+    """dq (b, nh, sl, hd), and dK, dV of the whole sequence from this rank's queries, (cp, b, nkv, sl, hd) fp32 in
+    rank order (what the reduce-scatter takes, no copy). The gathered keys and values are freed on return."""
+    cp = ctx.cp
+    k_all, v_all = gather_sequence(k, ctx.group, cp), gather_sequence(v, ctx.group, cp)
+    return _blocks_backward(grad_out, q, k_all, v_all, out, lse, cp, ctx.cp_rank, ctx.rng)
+
+
+def _gathered_forward(q, k_all, v_all, cp: int, cp_rank: int):
+    """This rank's queries q (b, nh, sl, hd) over the whole sequence's k_all, v_all (b, nkv, s, hd) -> (out
+    (b, nh, sl, hd) in q's dtype, lse (b, nh, sl) fp32, the kernels' rng state)."""
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    out = empty_output(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # (b, nh, sl)
+    rng = ()
+    for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
+        rows = slice(half * c, (half + 1) * c)
+        out[:, :, rows], lse[:, :, rows], rng = attend(q[:, :, rows], chunk_blocks(k_all, v_all, chunk, c), scale)
+    return out, lse, rng
+
+
+def _blocks_backward(grad_out, q, k_all, v_all, out, lse, cp: int, cp_rank: int, rng):
+    """The backward of ``_gathered_forward``: dq (b, nh, sl, hd), dK, dV (cp, b, nkv, sl, hd) fp32 in rank order."""
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+    dq = torch.empty_like(q)
+    b, nkv, s, hd = k_all.shape
+    dk_by_rank = torch.zeros((cp, b, nkv, s // cp, hd), dtype=torch.float32, device=k_all.device)
+    dv_by_rank = torch.zeros_like(dk_by_rank)
+    for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
+        rows = slice(half * c, (half + 1) * c)
+        blocks = chunk_blocks(k_all, v_all, chunk, c)
+        dq[:, :, rows] = _chunk_grads(grad_out[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                      blocks, (chunk, 0), dk_by_rank, dv_by_rank, scale, rng)  # fmt: skip
+    return dq, dk_by_rank, dv_by_rank
+
+
+def _chunk_grads(do_c, q_c, out_c, lse_c, blocks, first_chunks, dk_by_rank, dv_by_rank, scale: float, rng):
+    """One query chunk's backward over its blocks: adds each block's dK, dV into the rank-ordered sums and returns
+    the chunk's dq (fp32). A function, so that each kernel's outputs are freed before the next chunk."""
+    c = q_c.shape[2]
+    dq_c = None
+    for block, first_chunk in zip(blocks, first_chunks):
+        dq_b, dk_b, dv_b = block_backward(do_c, q_c, out_c, lse_c, block, scale, rng)
+        dq_c = dq_b.float() if dq_c is None else dq_c.add_(dq_b)
+        add_by_rank(dk_by_rank, dk_b, first_chunk, c)
+        add_by_rank(dv_by_rank, dv_b, first_chunk, c)
+        del dq_b, dk_b, dv_b
+    return dq_c
+
+
+class _OneRankAttention(torch.autograd.Function):
+    """``one_rank_attention``: the all-gather variant's forward and backward with the sequence already whole."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, cp: int, cp_rank: int):
+        ctx.cp, ctx.cp_rank = cp, cp_rank
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse, ctx.rng = _gathered_forward(q, k_all, v_all, cp, cp_rank)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk_by_rank, dv_by_rank = _blocks_backward(grad_out, q, k_all, v_all, out, lse, ctx.cp, ctx.cp_rank,
+                                                          ctx.rng)  # fmt: skip
+            dk = to_global_order(list(dk_by_rank), dim=2).to(k_all.dtype)
+            dv = to_global_order(list(dv_by_rank), dim=2).to(v_all.dtype)
+        return dq, dk, dv, None, None
+
+
+def one_rank_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, cp: int, cp_rank: int):
+    """What cp rank ``cp_rank`` of ``cp`` computes, in one process and without a process group (checks on one
+    device, e.g. bench/gpu_layers.py): its queries q (b, nh, s / cp, hd) in local order (chunks.take_local) over the
+    whole sequence's k_all, v_all (b, nkv, s, hd), through the same blocks, fused kernels and log-sum-exp merge as
+    the all-gather variant, in the dtype they come in. Out: (b, nh, s / cp, hd). Backward: q's gradient, and k_all's
+    and v_all's from this rank's queries only (the sum over the cp ranks is the whole attention's, what the
+    reduce-scatter forms)."""
+    return _OneRankAttention.apply(q, k_all, v_all, cp, cp_rank)
+
+
+def context_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int, cp_rank: int, variant: str = "allgather"
+) -> torch.Tensor:
     """Causal attention of this rank's queries q (b, nh, sl, hd) over the whole sequence's keys and values, of
-    which this rank holds k, v (b, nkv, sl, hd); the cp ranks of ``group`` call it together. Out: (b, nh, sl, hd)."""
+    which this rank holds k, v (b, nkv, sl, hd); the cp ranks of ``group`` call it together. ``variant``: how the
+    keys travel, "allgather" or "ring" (docs/context.md). Under autocast the kernels run in its dtype (the run's
+    bf16), as SDPA would. Out: (b, nh, sl, hd)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if variant == "ring":
+        return ring_attention(q, k, v, group, cp, cp_rank)
+    if variant != "allgather":
+        raise ValueError(f"context-parallel attention {variant!r}: one of {', '.join(VARIANTS)}")
     return _AllGatherKVAttention.apply(q, k, v, group, cp, cp_rank)

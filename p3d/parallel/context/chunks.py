@@ -48,7 +48,7 @@ def to_global_order(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]  # every slot is filled above
 
 
-def to_rank_order(full: torch.Tensor, cp: int, dim: int) -> list[torch.Tensor]:
-    """The inverse of ``to_global_order``: (.., s, ..) -> each cp rank's (.., s / cp, ..) tokens, contiguous."""
-    chunks = full.chunk(2 * cp, dim=dim)
-    return [torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=dim).contiguous() for r in range(cp)]
+def chunk_holder(chunk: int, cp: int) -> tuple[int, int]:
+    """(cp rank, half) holding global chunk ``chunk``: rank ``chunk`` as its head (half 0) for the first cp chunks,
+    rank 2 cp - 1 - chunk as its tail (half 1) for the others."""
+    return (chunk, 0) if chunk < cp else (2 * cp - 1 - chunk, 1)

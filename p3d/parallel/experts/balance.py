@@ -16,8 +16,9 @@ AUX, CALLS, DROPPED, COUNTS = 0, 1, 2, 3  # the columns of a layer's figures (to
 
 
 def step_figures(blocks: list, n_layers: int, n_experts: int, device=None) -> torch.Tensor:
-    """(n_layers, 3 + E): every MoE layer's figures of the step, summed over the world (this rank's
-    ``blocks`` hold some of them); each block's are then reset."""
+    """(n_layers, 3 + E) on the host: every MoE layer's figures of the step, summed over the world (this rank's
+    ``blocks`` hold some of them); each block's are then reset. Gathered on ``device`` (where the blocks computed
+    them), all-reduced there, and copied to the host once: one reduction and one copy per step, none per block."""
     out = torch.zeros(n_layers, 3 + n_experts, dtype=torch.float64, device=device)  # summed on the device
     for block in blocks:
         out[block.moe_index] += block.take_stats().to(out.device, torch.float64)

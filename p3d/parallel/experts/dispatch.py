@@ -1,21 +1,24 @@
-"""Token dispatch to experts and the combine back: permutation by expert, and all-to-all over the ep group.
+"""Token dispatch to experts and the combine back: the permutation by expert, the all-to-alls over the ep group,
+and the shared experts computed while they travel. No host sync at ep = 1; one copy of the split sizes to the host
+per layer and micro batch at ep > 1 (docs/moe.md, "Dispatch and combine").
 
-Shapes: N tokens of one micro batch (b s, the whole sequence: with sequence parallelism the MoE block gathers
-it first), h hidden, k slots per token (top-k), E experts of the layer, ep ranks in the ep group, E_l = E / ep
-experts per rank; rank r of the ep group holds experts [r E_l, (r + 1) E_l).
+Shapes: N tokens of one micro batch (b s, the whole sequence: with sequence parallelism the MoE block gathers it
+first), h hidden, k slots per token (top-k), E experts of the layer, ep ranks in the ep group, E_l = E / ep experts
+per rank; rank r of the ep group holds experts [r E_l, (r + 1) E_l).
 
 One MoE layer's routed experts, forward (``dispatch_combine``):
-  1. permute: the N k (token, slot) pairs sorted by expert (stable, so each expert sees its tokens in order):
-     rows (N k, h), ``counts[e]`` of them for expert e; a capacity (``capacity``) drops each expert's rows
-     after its first ``capacity`` ones (in token order);
-  2. dispatch (ep > 1): the rows for the experts of ep rank r go to r (``all_to_all_rows``, uneven splits:
-     sum of counts over r's experts); what arrives is ordered by source rank, then by expert, and is regrouped
-     by local expert;
-  3. each local expert runs on its contiguous rows (every expert runs, on zero rows if none came, so every
-     expert weight gets a gradient, if zero: the dp reductions then pair up on every rank);
-  4. combine: the reverse regrouping and all-to-all bring each row's output back to its token's rank, where
-     the rows are weighted by their routing weight and summed per token (index_add).
-Backward runs the same steps in reverse (all-to-all's gradient is the all-to-all with the splits swapped).
+  1. permute (``slot_order``): the N k (token, slot) pairs sorted by expert (stable: each expert sees its tokens in
+     order), counted per expert by a scatter-add on the device; a capacity keeps each expert's first ``capacity``
+     pairs and sorts the rest after every expert (a static N k rows: no size that the host would have to read);
+  2. ep = 1: the rows (N k, h) through the local experts (p3d.parallel.experts.grouped), grouped by the kept counts;
+     ep > 1: the kept counts exchanged (a small all-to-all on the device) and copied to the host, the copy issued at
+     once and read after the rows are gathered; the kept rows sent to their experts' ranks by an all-to-all issued
+     asynchronously, the shared experts' first half (gate|up and SwiGLU) computed while it travels; what arrives
+     (by source rank, then expert) regrouped by local expert, computed, put back in arrival order and sent home by
+     the second all-to-all, during which the shared experts' second half (down) runs;
+  3. combine: each pair's output back in (token, slot) order, weighted by its routing weight, summed per token.
+Backward runs the same steps in reverse; each all-to-all's gradient is issued before, and waited for after, the
+backward of the shared experts' half that overlapped it in forward (p3d.parallel.experts.all_to_all).
 Only rows for experts on other ranks leave a rank: the block of the splits for this rank is a local copy.
 """
 
@@ -23,46 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-
-class _AllToAllRows(torch.autograd.Function):
-    """forward: all-to-all of rows (n, h) over ``group``: rows [sum(send[:r]), sum(send[:r+1])) go to rank r, and
-    ``recv[r]`` rows arrive from rank r, in rank order; backward: the all-to-all of the gradient with ``send``
-    and ``recv`` swapped (each row's gradient returns to the rank that sent it)."""
-
-    @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(
-            out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
-        )
-        return out, None, None, None
-
-
-def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """``_AllToAllRows``; the identity for a group of one rank (or None)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    return _AllToAllRows.apply(x, send, recv, group)
-
-
-def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """``counts`` (E,): this rank's rows per expert of the layer -> (ep, E_l): rows each rank of the ep group
-    sends to each of this rank's experts (no gradient; one small all-to-all)."""
-    ep = dist.get_world_size(group)
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts.contiguous(), group=group)  # even splits: E_l counts per rank
-    return recv.view(ep, counts.numel() // ep)
+from p3d.parallel.experts.all_to_all import HostCopy, exchange_counts, finish_all_to_all, start_all_to_all
+from p3d.parallel.experts.grouped import Groups
 
 
 @dataclass
@@ -74,53 +44,111 @@ class Routed:
     weight: torch.Tensor
 
 
-def slot_order(idx: torch.Tensor, n_experts: int, capacity: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, counts): the (token, slot) pairs (flattened, N k) sorted by expert, stable, less those over an
-    expert's ``capacity`` (its first ``capacity`` in token order are kept); rows kept per expert (E,)."""
+@dataclass
+class SlotOrder:
+    """The permutation of one micro batch's N k (token, slot) pairs: ``order`` (N k,) the pairs (flattened index
+    token k + slot) sorted by expert, each expert's kept ones in token order, the pairs a capacity dropped last;
+    ``counts`` (E,) pairs routed to each expert; ``kept`` (E,) those it computes (``counts`` when dropless)."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    kept: torch.Tensor
+
+
+def slot_order(idx: torch.Tensor, n_experts: int, capacity: int | None) -> SlotOrder:
+    """Sort the (token, slot) pairs of ``idx`` (N, k) by expert, counting them on the device (module doc, 1)."""
     flat = idx.reshape(-1)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
     if capacity is None:
-        return order, counts
+        return SlotOrder(order, counts, counts)
+    expert = flat.index_select(0, order)
     starts = torch.cumsum(counts, 0) - counts  # where each expert's run begins in the sorted order
-    position = torch.arange(order.numel(), device=idx.device) - starts[flat[order]]
-    keep = position < capacity
-    return order[keep], counts.clamp(max=capacity)
+    position = torch.arange(order.numel(), device=idx.device) - starts.index_select(0, expert)
+    key = torch.where(position < capacity, expert, n_experts)  # a dropped pair: after every expert
+    return SlotOrder(order.index_select(0, torch.argsort(key, stable=True)), counts, counts.clamp(max=capacity))
+
+
+class SharedExperts(Protocol):
+    """What ``dispatch_combine`` needs of the shared experts: their two halves, computed while the all-to-alls
+    travel."""
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, h) -> silu(gate) * up (N, S f_e / t)."""
+        ...
+
+    def project(self, a: torch.Tensor) -> torch.Tensor:
+        """(N, S f_e / t) -> (N, h), partial over tp."""
+        ...
 
 
 def dispatch_combine(
     x: torch.Tensor,
     routed: Routed,
-    n_experts: int,
-    run_local: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    slots: SlotOrder,
+    run_local: Callable[[torch.Tensor, Groups], torch.Tensor],
     ep_group=None,
     capacity: int | None = None,
+    shared: SharedExperts | None = None,
     sent_rows: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """The routed experts' output (N, h) for tokens ``x`` (N, h): see the module doc. ``run_local(rows, counts)``
-    runs this rank's E_l experts on rows grouped by local expert (``counts[j]`` rows for expert j, in order) and
-    returns their outputs (same shape as rows, partial over tp). ``sent_rows``: told how many rows this rank sends
-    to other ranks of the ep group (a test's count)."""
-    k = routed.idx.shape[1]
-    order, counts = slot_order(routed.idx, n_experts, capacity)
-    token = order // k  # the token of each kept (token, slot) pair, in expert order
-    rows = x.index_select(0, token)  # (kept, h), grouped by expert
+    """The routed experts' output plus the shared experts' (N, h) for tokens ``x`` (N, h) (module doc).
+    ``run_local(rows, groups)`` runs this rank's E_l experts on rows grouped by local expert and returns their
+    outputs (same shape, partial over tp). ``sent_rows``: told how many rows this rank sends to other ranks of the
+    ep group (a test's count)."""
+    n, k = routed.idx.shape
+    rows = x.index_select(0, slots.order // k)  # (N k, h), grouped by expert
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     if ep == 1:
-        out = run_local(rows, counts.tolist())
+        bound = n if capacity is None else min(n, capacity)  # a token picks an expert at most once
+        out = run_local(rows, Groups(slots.kept, bound, tail=capacity is not None))
+        extra = None if shared is None else shared.project(shared.hidden(x))
     else:
-        me = dist.get_rank(ep_group)
-        local = n_experts // ep
-        send = counts.view(ep, local).sum(1).tolist()  # rows for each rank's experts
-        from_each = exchange_counts(counts, ep_group)  # (ep, E_l): rows from each rank for each local expert
-        recv = from_each.sum(1).tolist()
-        if sent_rows is not None:
-            sent_rows(sum(send) - send[me])
-        arrived = all_to_all_rows(rows, send, recv, ep_group)  # ordered by source rank, then local expert
-        expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), from_each.reshape(-1))
-        regroup = torch.argsort(expert_of_row, stable=True)  # by local expert, then source rank
-        done = run_local(arrived.index_select(0, regroup), from_each.sum(0).tolist())
-        back = torch.empty_like(done).index_copy(0, regroup, done)  # undo the regrouping (differentiable)
-        out = all_to_all_rows(back, recv, send, ep_group)  # each row back to the rank of its token
-    weighted = out * routed.weight.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(x, dtype=out.dtype).index_add(0, token, weighted)  # (N, h)
+        out, extra = _across_ranks(x, rows, slots.kept, run_local, ep_group, shared, sent_rows)
+    y = _combine(out, slots.order, routed.weight)
+    return y if extra is None else y + extra
+
+
+def _across_ranks(x, rows, kept, run_local, group, shared, sent_rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 2 at ep > 1: (each pair's output (N k, h) in ``rows``' order, the dropped pairs' zero; the shared
+    experts' output or None)."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    n_experts = kept.numel()
+    local = n_experts // ep
+    from_each = exchange_counts(kept, group)  # (ep, E_l): rows from each rank for each of this rank's experts
+    host = HostCopy(torch.cat([kept, from_each.reshape(-1)]))  # the layer's one copy to the host, issued now
+    per_expert, sizes = from_each.sum(0), from_each.reshape(-1)  # device work while the copy lands
+    counts = host.values()
+    mine, theirs = counts[:n_experts], counts[n_experts:]
+    send = [sum(mine[r * local : (r + 1) * local]) for r in range(ep)]  # kept rows for each rank's experts
+    recv = [sum(theirs[r * local : (r + 1) * local]) for r in range(ep)]  # rows from each rank
+    bound = max(sum(theirs[r * local + j] for r in range(ep)) for j in range(local))
+    if sent_rows is not None:
+        sent_rows(sum(send) - send[me])
+    buffer, flight = start_all_to_all(rows[: sum(send)], send, recv, group)  # the dropped pairs stay home
+    hidden = None if shared is None else shared.hidden(x)  # while the rows travel
+    regroup = _by_local_expert(sizes, sum(recv), local)
+    arrived = finish_all_to_all(buffer, flight, send, recv, group)  # by source rank, then local expert
+    done = run_local(arrived.index_select(0, regroup), Groups(per_expert, bound))
+    back = torch.index_copy(torch.empty_like(done), 0, regroup, done)  # arrival order again
+    buffer, flight = start_all_to_all(back, recv, send, group)
+    extra = None if hidden is None else shared.project(hidden)  # while the outputs travel home
+    out = finish_all_to_all(buffer, flight, recv, send, group)
+    missing = rows.shape[0] - out.shape[0]  # the dropped pairs: zero outputs
+    return (torch.cat([out, out.new_zeros(missing, out.shape[1])]) if missing else out), extra
+
+
+def _by_local_expert(sizes: torch.Tensor, n_rows: int, local: int) -> torch.Tensor:
+    """(R,) the arrived rows' order by local expert, then source rank: ``sizes`` (ep E_l,) the rows of each (source
+    rank, local expert) block in arrival order, ``n_rows`` (host) their sum."""
+    ends = torch.cumsum(sizes, 0)
+    block = torch.searchsorted(ends, torch.arange(n_rows, device=sizes.device), right=True)  # source E_l + expert
+    return torch.argsort(block % local, stable=True)
+
+
+def _combine(out: torch.Tensor, order: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Step 3: ``out`` (N k, h) in ``order`` -> (N, h), each token's k outputs weighted by ``weight`` (N, k)."""
+    n, k = weight.shape
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    per_slot = out.index_select(0, inverse).view(n, k, -1)  # (N, k, h) in (token, slot) order
+    return (per_slot * weight.unsqueeze(-1).to(out.dtype)).sum(1)

@@ -79,12 +79,14 @@ def build_layer_specs(
     sequence_parallel: bool = False,
     recompute_attention: bool = False,
     recompute_swiglu: bool = False,
+    cp_attention: str = "allgather",
 ) -> list[LayerSpec]:
     """cfg: ModelConfig. The specs of every layer; PipelineModule builds only this stage's.
 
     ``sequence_parallel``: split the sequence over tp outside the TP regions (schedule.sequence_parallel);
     ``recompute_attention``: selective recompute of the attention core (schedule.recompute=selective);
-    ``recompute_swiglu``: silu(gate) * up too (schedule.recompute_swiglu)."""
+    ``recompute_swiglu``: silu(gate) * up too (schedule.recompute_swiglu); ``cp_attention``: how the attention
+    reaches the other cp ranks' keys with mesh.cp > 1 (context.attention)."""
     sp = sequence_parallel and mesh.tp > 1
     if cfg.tie_embeddings:
         embed = TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, sp, tied_weight_attr="weight")
@@ -103,7 +105,7 @@ def build_layer_specs(
         embed = LayerSpec(EmbeddingPipe, cfg, padded_vocab_size, mesh, seed, sp)
         head = LayerSpec(HeadPipe, cfg, padded_vocab_size, mesh, seed, sp)
     blocks = [
-        LayerSpec(TransformerBlock, cfg, mesh, i, seed, sp, recompute_attention, recompute_swiglu)
+        LayerSpec(TransformerBlock, cfg, mesh, i, seed, sp, recompute_attention, recompute_swiglu, cp_attention)
         for i in range(cfg.n_layers)
     ]
     final_norm = LayerSpec(FinalNorm, cfg, mesh.tp_group if sp else None)
@@ -175,6 +177,7 @@ def layer_specs_of(cfg, plan, mesh) -> list[LayerSpec]:
         sequence_parallel=cfg.schedule.sequence_parallel,
         recompute_attention=selective,
         recompute_swiglu=selective and cfg.schedule.recompute_swiglu,
+        cp_attention=str(cfg.context.attention),
     )
 
 

@@ -210,7 +210,7 @@ class TorchPipeline:
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             # torch runs the loss after the last chunk's forward_one_chunk; timed as compute, as DeepSpeed's is
-            with self.clocks.compute.timing() if self.clocks is not None else contextlib.nullcontext():
+            with self.clocks.compute.timing("loss") if self.clocks is not None else contextlib.nullcontext():
                 return loss(logits, labels) / divisor  # the reference's 1/m per micro batch; summed by autograd
 
         self.stages = [

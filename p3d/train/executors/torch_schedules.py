@@ -4,9 +4,12 @@ compute and p2p waits, the step gate runs between the schedule and the gradient 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from p3d.checkpoint.checkpointer import Checkpointer, OptimizerStates, updates_applied
+from p3d.compat.pipelining_internals import torch_pass_order
 from p3d.parallel.hang import HangWatch
 from p3d.parallel.mesh import Mesh
 from p3d.rundir.files import logs as run_logs
@@ -42,6 +45,8 @@ class TorchExecutor:
         add_block_seconds(self.module, rank_block_seconds(cfg.cluster, plan, rank))  # P3D_TEST_BLOCK_SECONDS
         self.timer = TorchStageTimer(self.pipe.stages, rank, device)
         self.pipe.clocks = self.timer  # the schedule's waits, the loss and the dp collectives: the same clocks
+        self.timer.planned = partial(torch_pass_order, self.pipe.schedule, mesh.pp_rank)  # a traced step's plan
+        self.timer.traced_calls.append((self.pipe, "clip_and_step", "optimizer"))  # on traced steps only
         self.gate = StepGate(None, self.module, mesh, plan, cfg.train, device)
         self.gate.measure_norm = self.pipe.norm_once_reduced
         self.hang = HangWatch(None, mesh, cfg.cluster.timeout_s, run_logs(run_dir))

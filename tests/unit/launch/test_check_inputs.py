@@ -9,7 +9,8 @@ import typing
 import pytest
 
 from p3d.config.schema import BOUNDS, Config
-from p3d.launch.report import Row, sweep_status
+from p3d.launch.report import sweep_status
+from p3d.launch.report_rows import Row
 from p3d.layout.run_plan import P3DConfigError
 from p3d.train.metrics import MetricsLogger, wandb_mode
 from tests.helpers.runs import typed

@@ -167,3 +167,37 @@ def test_dry_run_mixtral_on_64_ranks_with_ep_counts_dense_and_expert_parameters_
     assert "dp=4 (ep=4) x pp=4 x tp=4" in text and "2 of the 8 routed experts" in text
     assert "pp   0 tp  0:     821,624,832 = dense 116,981,760 + experts 704,643,072" in text
     assert "active per token (top-2 routed experts): 12,879,925,248 (12.88B)" in text
+
+
+# issue 50: 386 GB predicted for 2 workers sharing 24 (with issue 52, each worker's process and data pool)
+TOO_BIG = ("model=small", "mesh=dp2", "model.seq_len=65536")
+
+
+def test_a_dry_run_refuses_what_the_launch_refuses_in_the_same_line(capsys, tmp_path):
+    """The launch's pre-flight refuses a layout predicted not to fit (cpu workers: their sum against the host's
+    cluster.memory_gb); its dry run says the same: the memory table, the verdict, the launch's line and status 2.
+    With plan.force=true both go on."""
+    from p3d.launch.train import train_task
+    from tests.helpers.runs import compose
+
+    launch = train_task(compose(*TOO_BIG, run_dir=str(tmp_path / "a")))
+    refusal = capsys.readouterr().err.strip().splitlines()[-1]
+    assert launch == 2 and "predicted to need 386 GB for its 2 workers together" in refusal, refusal
+    dry = train_task(compose(*TOO_BIG, "dry_run=true", run_dir=str(tmp_path / "b")))
+    out = capsys.readouterr()
+    assert dry == 2 and out.err.strip().splitlines() == [refusal], out.err
+    assert "  -> DOES NOT FIT: 386.36 GB of 24 GB for the 2 workers together" in out.out.splitlines(), out.out
+    forced = train_task(compose(*TOO_BIG, "dry_run=true", "plan.force=true", run_dir=str(tmp_path / "c")))
+    out = capsys.readouterr()
+    assert forced == 0 and not out.err.strip(), out.err
+    assert "DOES NOT FIT (plan.force=true: p3d-train launches it anyway)" in out.out
+    assert not any(tmp_path.iterdir()), sorted(tmp_path.rglob("*"))  # refused or dry: nothing written
+
+
+def test_a_dry_run_that_fits_says_so_and_exits_0(capsys):
+    from p3d.launch.train import train_task
+    from tests.helpers.runs import compose
+
+    assert train_task(compose("model=small", "mesh=dp2", "dry_run=true")) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("  -> fits: ") and last.endswith("of 24 GB for the 2 workers together"), last

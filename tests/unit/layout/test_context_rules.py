@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from p3d.layout.dims import ParallelDims
-from tests.helpers.runs import assert_refused_in_one_line, typed
+from tests.helpers.runs import assert_fixes_accepted, assert_refused_in_one_line, typed
 
 RULES = [
     (("model=tiny", "mesh.cp=3"), "model.seq_len=64 must be a multiple of 6 with mesh.cp=3", "try model.seq_len=60"),
@@ -20,7 +20,6 @@ RULES = [
         "mesh.cp=2 with model=moe_tiny, a mixture of experts",
         "mesh.cp=1",
     ),
-    (("model=tiny", "mesh=single", "mesh.cp=2", "model.compile=true"), "model.compile=true with mesh.cp=2", "false"),
     (("model=tiny", "mesh=single", "mesh.cp=0"), "mesh.cp=0 must be at least 1", "try mesh.cp=1"),
     (
         ("model=tiny", "mesh=dp2", "mesh.cp=2", "zero=stage3", "zero.shard_size=3"),
@@ -30,7 +29,7 @@ RULES = [
     (
         ("model=llama3_8b", "cluster.device=h100_sxm", "mesh.tp=8", "mesh.pp=1", "mesh.cp=2", "mesh.dp=1"),
         "mesh.tp*mesh.cp*mesh.pp*mesh.dp=8*2*1*1=16 must equal the world size 8",
-        "try mesh.dp=auto",
+        "try mesh.cp=1, or mesh.tp=4",
     ),
 ]
 
@@ -38,6 +37,11 @@ RULES = [
 @pytest.mark.parametrize("overrides,message,fix", RULES, ids=[r[1][:40] for r in RULES])
 def test_each_cp_rule_names_field_value_and_fix(overrides, message, fix):
     assert_refused_in_one_line(overrides, message, fix)
+
+
+@pytest.mark.parametrize("overrides", [r[0] for r in RULES], ids=[r[1][:40] for r in RULES])
+def test_every_suggested_cp_fix_is_accepted_by_the_same_command(overrides):
+    assert_fixes_accepted(overrides)
 
 
 def test_dp_auto_divides_the_cluster_by_tp_cp_pp():
@@ -82,3 +86,10 @@ def test_seq_len_rule_allows_what_the_chunks_need():
     assert seen == list(range(cfg.model.seq_len))  # the cp ranks hold every token once
     assert local_positions(64, 4, 1).tolist()[:8] == list(range(8, 16))  # rank 1: chunk 1 then chunk 6
     assert local_positions(64, 4, 1).tolist()[8:] == list(range(48, 56))
+
+
+def test_cp_with_compile_is_allowed():
+    """Issue 52: the cp attention runs on fused kernels that torch.compile takes, so model.compile=true with cp is
+    no longer refused (its parity: tests/e2e/test_cp_parity.py, case cp2-compile)."""
+    cfg, plan = typed("model=tiny", "mesh=single", "mesh.cp=2", "model.compile=true")
+    assert cfg.model.compile and plan.cp == 2

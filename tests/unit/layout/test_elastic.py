@@ -68,7 +68,11 @@ def test_vary_any_lets_the_planner_choose_the_layout_on_the_nodes_left():
 
 
 RULES = [
-    (("cluster.nodes=2",), "cluster.nodes=2 with cluster.launcher=local", "add cluster.elastic.min_nodes=1"),
+    (
+        ("cluster.nodes=2",),
+        "cluster.nodes=2 with cluster.launcher=local",
+        "cluster.elastic.min_nodes=1 train.save_every=100",
+    ),
     (("cluster.elastic.min_nodes=0",), "cluster.elastic.min_nodes=0 must be at least 1", "min_nodes=null"),
     (
         (*ELASTIC, "mesh=dp2_pp2", "cluster.nodes=2", "cluster.elastic.min_nodes=3"),

@@ -9,7 +9,7 @@ from omegaconf.errors import OmegaConfBaseException
 from p3d.config.schema import Partition
 from p3d.layout.geometry import padded_vocab, stage_bounds, total_params
 from p3d.rundir.spec import read_spec, write_spec
-from tests.helpers.runs import CONF, assert_refused_in_one_line, compose, typed
+from tests.helpers.runs import CONF, assert_fixes_accepted, assert_refused_in_one_line, compose, typed
 
 GROUP_FILES = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
 # Valid companions so that each file composes into a config that passes validation.
@@ -69,6 +69,7 @@ def test_default_job_is_tiny_on_dp2_pp2_tp2():
         "cluster.device=h100",
         "logger.mode=ofline",
         "logger.progress=bars",
+        "context.attention=rign",
         "format=yaml",
     ],
 )
@@ -117,9 +118,9 @@ PIPELINE_RULES = [  # p3d/layout/schedule_rules.py, docs/schedules.md, Refusals
 RULES = [
     (["mesh=tp4", "model.n_kv_heads=2"], "mesh.tp=4 must divide model.n_heads=8 and model.n_kv_heads=2", "mesh=tp2"),
     (["mesh=tp2", "model.ffn_hidden_size=191"], "mesh.tp=2 must divide model.ffn_hidden_size=191", "mesh=single"),
-    (["mesh.pp=8", "mesh.tp=1", "mesh.dp=1"], "mesh.pp=8 exceeds model.n_layers=4", "mesh=pp4"),
+    (["mesh.pp=8", "mesh.tp=1", "mesh.dp=1"], "mesh.pp=8 exceeds model.n_layers=4", "try mesh.pp=4"),
     (["model.n_heads=6"], "model.n_heads=6 must divide model.hidden_size=64", ""),
-    (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=8", "model.n_kv_heads=1"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=8", "try model.n_kv_heads=2"),
     (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 must be a multiple of", "global_batch_size=12"),
     (
         ["schedule.global_batch_size=4"],
@@ -134,7 +135,7 @@ RULES = [
     (
         ["mesh=tp4", "cluster.gpus_per_node=2", "mesh.dp=auto"],
         "mesh.tp=4 exceeds cluster.gpus_per_node=2",
-        "mesh=tp2_pp2",
+        "try mesh=tp2",
     ),
     (["train.warmup_steps=-1"], "train.warmup_steps=-1 must be >= 0", "train.warmup_steps=20"),
     (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 must be at least 1", "train.eval_batches=2"),
@@ -173,6 +174,12 @@ RULES = [
     ),
     (["cluster.nodes=2"], "cluster.nodes=2 with cluster.launcher=local", "cluster.nodes=1"),
     (["train.spike_factor=0.5"], "train.spike_factor=0.5 flags every loss above 0.5 x", "train.spike_factor=1.5"),
+    (
+        ["train.steps=3", "train.trace_steps=[2,0]"],
+        "train.trace_steps=[2, 0]: step 0 is not one of this run's steps 1..3",
+        "train.trace_steps=[2]",
+    ),
+    (["train.steps=3", "train.trace_steps=[7]"], "step 7 is not one of this run's steps 1..3", "train.trace_steps=[2]"),
 ]
 
 
@@ -194,6 +201,30 @@ def test_virtual_stages_follow_from_the_pipeline_unless_given(pipeline, chunks):
 @pytest.mark.parametrize("overrides,message,fix", RULES, ids=[r[1][:40] for r in RULES])
 def test_each_rule_names_field_value_and_fix(overrides, message, fix):
     assert_refused_in_one_line(overrides, message, fix)
+
+
+# the suggestions issue 50 found refused by the same command, and the rules behind them
+FIXED_SUGGESTIONS = [
+    ["mesh=pp4", "schedule.pipeline=interleaved_1f1b"],  # suggested virtual_stages=2, its value already
+    ["mesh=pp4", "schedule.pipeline=interleaved_1f1b", "schedule.virtual_stages=3"],
+    ["mesh.pp=4", "mesh.tp=1", "mesh.dp=1", "schedule.pipeline=interleaved_1f1b"],  # a preset loses to mesh.pp=4
+    ["mesh=pp2", "schedule.pipeline=zbv", "model.n_layers=1", "schedule.partition=blocks"],  # more stages than blocks
+    ["mesh=pp2", "schedule.pipeline=zbv", "model.n_layers=2", "schedule.partition=blocks"],  # "a smaller mesh.pp"
+    ["mesh.pp=8", "mesh.tp=1", "mesh.dp=1"],  # suggested mesh=pp4, which mesh.pp=8 overrides
+    ["model.n_kv_heads=3"],  # suggested 1, which mesh.tp=2 does not divide
+    ["mesh=tp4", "cluster.gpus_per_node=2", "mesh.dp=auto"],  # suggested tp2_pp2: 4 ranks of 2
+]
+
+
+# slow tier: every other rule's suggestions (kept: the ones issue 50 found refused, above)
+SUGGESTING = [pytest.param(o, id=" ".join(o)) for o in FIXED_SUGGESTIONS] + [
+    pytest.param(r[0], id=" ".join(r[0]), marks=pytest.mark.slow) for r in RULES if r[0] not in FIXED_SUGGESTIONS
+]
+
+
+@pytest.mark.parametrize("overrides", SUGGESTING)
+def test_every_suggested_fix_is_accepted_by_the_same_command(overrides):
+    assert_fixes_accepted(overrides)
 
 
 def _busiest_rank(costs, bounds, pp, style="loop"):

@@ -20,11 +20,15 @@ MOE = ModelConfig(ffn_hidden_size=32, moe=MoEConfig(n_experts=4, top_k=2, expert
 def test_an_moe_blocks_tensors_have_mixtrals_names():
     layer = "model.layers.2.block_sparse_moe"
     assert hf_names("3.mlp.router.weight", 4) == [f"{layer}.gate.weight"]
-    assert hf_names("3.mlp.experts.7.w_gate_up.weight", 4) == [
+    assert hf_names("3.mlp.experts.w_gate_up.weight", 4, range(6, 8)) == [
+        f"{layer}.experts.6.w1.weight",
+        f"{layer}.experts.6.w3.weight",
         f"{layer}.experts.7.w1.weight",
         f"{layer}.experts.7.w3.weight",
     ]
-    assert hf_names("3.mlp.experts.7.w_down.weight", 4) == [f"{layer}.experts.7.w2.weight"]
+    assert hf_names("3.mlp.experts.w_down.weight", 4, [7]) == [f"{layer}.experts.7.w2.weight"]
+    with pytest.raises(ValueError, match="needs which experts"):
+        hf_names("3.mlp.experts.w_down.weight", 4)
     assert hf_names("3.mlp.router.expert_bias", 4) == []  # Mixtral has none
     assert hf_names("3.mlp.w_down.weight", 4) == ["model.layers.2.mlp.down_proj.weight"]  # dense: unchanged
     with pytest.raises(HFImportError, match="3.mlp.shared.w_down.weight has no Hugging Face"):
@@ -32,7 +36,7 @@ def test_an_moe_blocks_tensors_have_mixtrals_names():
 
 
 def test_twin_names_are_the_global_names_under_the_twins_prefixes():
-    for name, twin in [("tied_modules.embed.weight", "tied.embed.weight"), ("2.mlp.experts.1.w_down.weight", None)]:
+    for name, twin in [("tied_modules.embed.weight", "tied.embed.weight"), ("2.mlp.experts.w_down.weight", None)]:
         assert global_name(twin_name(name)) == name
         assert twin is None or twin_name(name) == twin
     assert twin_name("2.attn.wo.weight") == "layers.2.attn.wo.weight"
@@ -91,14 +95,14 @@ def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5):
     from safetensors.torch import save_file
 
     from p3d.checkpoint.checkpointer import shard_specs
+    from p3d.hf.export import hf_tensors
     from p3d.parallel.pipeline.specs import to_sequential
 
     twin = to_sequential(m, m.vocab_size, seed)
     specs = shard_specs(twin)
     tensors = {}
     for name, p in twin.named_parameters():
-        parts = p.split(specs[name]["blocks"]) if specs[name]["kind"] == "rows" else [p]
-        tensors |= {hf: t.contiguous() for hf, t in zip(hf_names(global_name(name), m.n_layers), parts)}
+        tensors |= {hf: t.contiguous() for hf, t in hf_tensors(global_name(name), p.detach(), specs[name], m.n_layers)}
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf_config(m)))
     return twin, tensors
@@ -121,17 +125,21 @@ def test_each_ranks_import_matches_unsharded(tmp_path, rank):
     """dp2_tp2 with ep=2: rank r holds experts 2 (r // 2) .. +1, each cut over tp as the dense SwiGLU."""
     from p3d.checkpoint.checkpointer import shard_specs
     from p3d.checkpoint.reshard import shard_from_full
-    from p3d.hf.load import sequential_from_hf
+    from p3d.hf.load import held_experts, sequential_from_hf
     from p3d.parallel.mesh import Mesh
 
     twin, _ = _hf_dir(tmp_path, MOE)
     mesh = Mesh(tp=2, pp=1, dp=2, ep=2, rank=rank)
     local = sequential_from_hf(tmp_path, mesh=mesh)
     specs, whole = shard_specs(local), dict(twin.named_parameters())
-    experts = {n.split(".")[4] for n, _ in local.named_parameters() if ".experts." in n}
-    assert experts == {str(2 * mesh.ep_rank), str(2 * mesh.ep_rank + 1)}
+    stacked = [n for n, _ in local.named_parameters() if ".experts." in n]
+    mine = range(2 * mesh.ep_rank, 2 * mesh.ep_rank + 2)
+    assert stacked and all(held_experts(specs[n], mesh) == mine for n in stacked)
     for name, p in local.named_parameters():
-        torch.testing.assert_close(p, shard_from_full(whole[name], specs[name], 2, mesh.tp_rank), rtol=0, atol=0)
+        want = shard_from_full(whole[name], specs[name], 2, mesh.tp_rank)
+        if name in stacked:  # every expert's rows, this ep rank's share of them
+            want = want.chunk(mesh.ep, dim=0)[mesh.ep_rank]
+        torch.testing.assert_close(p, want, rtol=0, atol=0)
 
 
 def test_fused_experts_are_refused_with_the_conversion(tmp_path):

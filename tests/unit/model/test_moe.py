@@ -20,9 +20,9 @@ def _model(*overrides):
     return cfg, MoEFeedForward(cfg, Mesh(tp=1, pp=1, dp=1), LAYER, seed=3)
 
 
-def _swiglu(expert, x):
-    gate, up = expert.w_gate_up.weight.chunk(2)
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), expert.w_down.weight)
+def _swiglu(w_gate_up, w_down, x):
+    gate, up = w_gate_up.chunk(2)
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), w_down)
 
 
 def _by_definition(moe, cfg, x, capacity=None):
@@ -41,8 +41,8 @@ def _by_definition(moe, cfg, x, capacity=None):
             taken[j] += 1
             if capacity is not None and taken[j] > capacity:
                 continue
-            out[t] += e.route_scale * w[slot] * _swiglu(moe.experts[str(j)], x[t])
-    return out + _swiglu(moe.shared, x)
+            out[t] += e.route_scale * w[slot] * _swiglu(*moe.experts.weights_of(j), x[t])
+    return out + _swiglu(moe.shared.w_gate_up.weight, moe.shared.w_down.weight, x)
 
 
 def test_output_is_the_weighted_sum_of_the_chosen_experts():

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from p3d.layout.geometry import block_matmul_params, block_vector_params
 from p3d.planner import evaluate
-from p3d.planner.shapes import StageParams, layout_of
-from p3d.planner.step_time import StageTime, _block_costs, _per_block, dp_exposed, ring
+from p3d.planner.shapes import StageParams, layout_of, stage_params
+from p3d.planner.step_time import StageTime, _per_block, block_work, dp_exposed, dp_seconds, fsdp_exposed, fsdp_seconds
 
 H100 = ("cluster.device=h100_sxm", "cluster.launcher=slurm", "train.dtype=bf16", "model=llama3_8b")
 TP8_SP = (*H100, "cluster.nodes=1", "mesh.tp=8", "mesh.pp=1", "mesh.dp=1", "schedule.sequence_parallel=true")
@@ -20,8 +19,17 @@ TP8_SP = (*H100, "cluster.nodes=1", "mesh.tp=8", "mesh.pp=1", "mesh.dp=1", "sche
 
 def tp_exposed(cfg, flops_s: float) -> tuple[float, float]:
     """(exposed, all) seconds of one block's TP collectives per micro batch at a GEMM rate of ``flops_s``."""
-    k = _block_costs(cfg, layout_of(cfg))
-    return _per_block(cfg, k, flops_s, 1e12)["tp"], (3 if cfg.schedule.recompute.value == "full" else 2) * k["tp"]
+    k = block_work(cfg, layout_of(cfg))
+    return _per_block(cfg, k, at_rate(flops_s), 1e12)["tp"], (3 if cfg.schedule.recompute.value == "full" else 2) * k.tp
+
+
+def at_rate(flops_s: float):
+    """A GEMM timer at one flat rate (the limits below do not depend on the GEMMs' shapes)."""
+    return lambda g: g.flops / flops_s
+
+
+def flops(k, name: str) -> float:
+    return sum(g.flops for g in k.gemms[name])
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -36,11 +44,12 @@ def test_tp_overlap_pairs_each_collective_with_its_own_gemm(make_cfg):
     """At a rate where only the smallest GEMM (llama3_8b: the out-projection, h q / t) is shorter than its
     collective, exactly that pair is exposed, in the forward and the backward: 2 (t_rs - t_proj)."""
     cfg = make_cfg(*TP8_SP, "plan.overlap_tp=true")
-    k = _block_costs(cfg, layout_of(cfg))
-    assert k["proj"] < min(k["qkv"], k["fc1"], k["fc2"])
-    assert k["rs"] == pytest.approx(k["ag"], rel=1e-12)
-    flops_s = (k["proj"] + min(k["qkv"], k["fc1"], k["fc2"])) / 2 / k["rs"]  # proj shorter than t_rs, the rest longer
-    assert _per_block(cfg, k, flops_s, 1e12)["tp"] == pytest.approx(2 * (k["rs"] - k["proj"] / flops_s), rel=1e-9)
+    k = block_work(cfg, layout_of(cfg))
+    proj, others = flops(k, "proj"), min(flops(k, n) for n in ("qkv", "fc1", "fc2"))
+    assert proj < others
+    assert k.rs == pytest.approx(k.ag, rel=1e-12)
+    flops_s = (proj + others) / 2 / k.rs  # proj shorter than t_rs, the rest longer
+    assert _per_block(cfg, k, at_rate(flops_s), 1e12)["tp"] == pytest.approx(2 * (k.rs - proj / flops_s), rel=1e-9)
 
 
 def test_tp_overlap_off_keeps_every_collective(make_cfg):
@@ -68,15 +77,46 @@ def test_dp_overlap_leaves_one_chunk_exposed(make_cfg, mesh, chunks):
     assert dp_exposed(off, layout, st, 1.0, stage_time(1e6)) == 1.0
 
 
-def test_zero3_overlap_exposes_the_first_blocks_gather(make_cfg):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_overlap_exposes_each_pass_first_block_and_all_without_compute(make_cfg, stage):
+    """ZeRO 2 / 3 with prefetching: behind long compute each pass that communicates exposes one block's traffic (ZeRO
+    3: every micro batch's forward gathers, the first backward gathers and the last one reduces; ZeRO 2: the first
+    forward gathers, the last backward reduces); without compute every byte is exposed (``dp_seconds``)."""
     cfg = make_cfg(
-        *H100, "cluster.nodes=2", "mesh.tp=1", "mesh.pp=1", "mesh.dp=16", "plan.overlap_dp=true", "zero=stage3"
+        *H100,
+        "cluster.nodes=2",
+        "mesh.tp=1",
+        "mesh.pp=1",
+        "mesh.dp=16",
+        "plan.overlap_dp=true",
+        f"zero=stage{stage}",
+        "schedule.global_batch_size=64",
+        "schedule.micro_batch_size=1",
     )
     layout = layout_of(cfg)
-    block = (block_matmul_params(cfg.model) + block_vector_params(cfg.model)) * 2
-    gather = ring(cfg, block, 16, 16, "all_gather")
+    (st,) = stage_params(cfg, layout)
+    gather, reduce = fsdp_seconds(cfg, layout, st)
+    m, blocks = layout.micro_batches, st.blocks
+    assert m > 1 and blocks == 32
+    passes = (m + 1) * gather + reduce if stage == 3 else gather + reduce
+    assert dp_exposed(cfg, layout, st, 1.0, stage_time(1e6)) == pytest.approx(passes / blocks)
+    assert dp_exposed(cfg, layout, st, 1.0, stage_time(0.0)) == pytest.approx(dp_seconds(cfg, layout, st))
+
+
+def test_zero3_traffic_outlasting_a_blocks_compute_is_exposed_block_by_block(make_cfg):
+    """A block's gather can hide only behind its neighbour's forward: at 1.5 x a block's forward, the excess is
+    exposed in every block of the forward, though the step's compute outlasts the step's traffic (the whole-step
+    overlap before issue 50 hid it all); the backward's gather and reduction fit behind its longer compute."""
+    one = ("schedule.global_batch_size=8", "schedule.micro_batch_size=1")
+    cfg = make_cfg(*H100, "cluster.nodes=1", "mesh.tp=1", "mesh.pp=1", "mesh.dp=8", "zero=stage3", *one)
+    layout = layout_of(cfg)
     st = StageParams(matrices=1000, vectors=10, blocks=32)
-    assert dp_exposed(cfg, layout, st, 10.0, stage_time(1e6)) == pytest.approx(gather)
+    t = StageTime(3.2, 0.0, 0.0, 0.0, 2.4, 0.8)  # per block: 0.025 s forward, 0.075 s backward
+    g, r = 0.0375 * 32, 0.01 * 32  # per block: 0.0375 s gather, 0.01 s reduce
+    first = layout.micro_batches * (0.0375 + 31 * 0.0125)  # every forward: its first gather and the excess
+    assert layout.micro_batches == 1
+    assert fsdp_exposed(layout, st, (g, r), t) == pytest.approx(first + 0.0475)  # backward: gather + reduce hidden
+    assert 2 * g + r < t.total  # the step's traffic is shorter than its compute
 
 
 def test_p2p_scatter_sends_one_tp_share(make_cfg):

@@ -104,9 +104,13 @@ def test_slurm_cause_is_the_first_task_srun_saw_end_by_a_signal(tmp_path):
     err.write_text("srun: error: vm: task 0: Exited with exit code 1\nsrun: error: vm: task 1: Killed\n")
     log0 = tmp_path / "logs" / "rank0.log"
     lost = "[rank 0] worker failed: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1\n"
-    log0.write_text("[rank 0] worker failed: ValueError: bad data\n[p3d job 1] p3d: srun start\n" + lost)
+
+    def srun(attempt: int) -> str:  # the header p3d.rundir.attempts writes before each srun
+        return f"[p3d 2025-01-01 12:00:00] p3d: attempt {attempt}: srun of 2 tasks, job 1 (start 0)\n"
+
+    log0.write_text("[rank 0] worker failed: ValueError: bad data\n" + srun(2) + lost)
     assert slurm_cause(tmp_path, err) == "rank 1 ended: Killed"  # in any order; the survivor lost its peer
-    log0.write_text(log0.read_text() + "[p3d job 1] p3d: srun start\n[rank 0] worker failed: ValueError: bad data\n")
+    log0.write_text(log0.read_text() + srun(3) + "[rank 0] worker failed: ValueError: bad data\n")
     assert slurm_cause(tmp_path, err) is None  # rank 0 raised an error of its own: srun's --wait killed rank 1
     log0.unlink()
     err.write_text("srun: error: Node failure on node7\n")

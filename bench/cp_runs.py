@@ -1,0 +1,76 @@
+"""Context parallelism's memory in a whole run, as a user meets it (issue 52): p3d-train at 4,096 tokens on one
+process, then split over 2 and 4 cp ranks, each run's peak_mem_gb (the largest peak RSS of its ranks) against cp1's,
+and p3d-plan's per-rank figure for the same command beside it.
+
+    .venv/bin/python bench/cp_runs.py                      # the issue's command (model=tiny), cp 1, 2, 4
+    .venv/bin/python bench/cp_runs.py --cp 1 2 --extra model=small
+
+What a rank holds beside its share of the activations is the floor cp cannot divide: the worker process itself
+(torch's and the data readers' resident memory, ``p3d.planner.memory.host_bytes``), the weights, their gradients
+and Adam's states (every cp rank holds the whole model), and the embedding and head's vocab-sized tensors. The
+floor printed is the planner's count of those at cp = 1 less its activations and loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COMMAND = ("model.seq_len=4096", "mesh=single", "schedule.global_batch_size=2", "schedule.micro_batch_size=1",
+           "train.steps=2")  # fmt: skip
+
+
+def measured_peak_gb(overrides: list[str]) -> float:
+    """The run's peak_mem_gb (its last step's record: the largest over the ranks, peak RSS on cpu)."""
+    with tempfile.TemporaryDirectory(prefix="p3d-bench-cp-runs-") as tmp:
+        cmd = [sys.executable, "-m", "p3d.cli", *overrides, f"run.dir={tmp}", "logger=none"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        return max(r["peak_mem_gb"] for r in records if isinstance(r.get("peak_mem_gb"), (int, float)))
+
+
+def planned(overrides: list[str]) -> tuple[float, float, float]:
+    """p3d-plan's per-rank (total, activations with the loss and the cp attention's working set, that working set),
+    in GB."""
+    from p3d.planner import predict
+    from tests.helpers.runs import typed
+
+    cfg, _ = typed(*overrides)
+    w = predict(cfg).worst
+    return w.total / 1e9, w.activations_total / 1e9, w.attention_bytes / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cp", nargs="+", type=int, default=[1, 2, 4])
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides added to the issue's command")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    base = [*COMMAND, *args.extra]
+    print(f"p3d-train {' '.join(base)} mesh.cp=N: peak_mem_gb (max over ranks) and p3d-plan's per-rank GB")
+    print(f"{'cp':>3} {'measured GB':>11} {'vs cp1':>7} {'planned GB':>10} {'plan/meas':>9} {'act+loss':>9} "
+          f"{'attn ws':>8}")  # fmt: skip
+    first = None
+    for cp in args.cp:
+        overrides = [*base, f"mesh.cp={cp}"]
+        peak = measured_peak_gb(overrides)
+        total, act, attn = planned(overrides)
+        first = first or peak
+        print(f"{cp:>3} {peak:>11.3f} {peak / first:>6.2f}x {total:>10.3f} {total / peak:>9.2f} {act:>9.3f} "
+              f"{attn:>8.3f}", flush=True)  # fmt: skip
+        if cp == 1:
+            print(f"    floor (planned total less activations and loss at cp1): {total - act:.3f} GB")
+
+
+if __name__ == "__main__":
+    main()
