@@ -99,6 +99,16 @@ def test_uneven_micro_batches_with_expert_parallelism_are_refused():
     )
 
 
+def test_uneven_micro_batches_with_zero3_are_refused():
+    """ZeRO-3 all-gathers each chunk's parameters over dp in every forward: replicas with 3 and 5 micro batches
+    would pair unlike collectives (measured before this rule: step 1's loss off by 2e-4 on gloo)."""
+    assert_refused_in_one_line(
+        ("mesh=dp2", "zero=stage3", "schedule.replica_micro_batches=[3,5]"),
+        "with zero.stage=3: FSDP2 gathers the parameters over dp in every micro batch's forward",
+        "zero.stage=2",
+    )
+
+
 def test_uneven_micro_batches_run_on_the_torch_executor():
     """DeepSpeed's engine averages over dp with one accumulation count: uneven replicas go to torch's 1F1B; uneven
     stages alone stay on DeepSpeed's engine, which takes the plan's bounds."""
