@@ -46,6 +46,7 @@ class Prediction:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     ranking: list[Prediction] = field(default_factory=list)  # mesh=auto: the best layouts, best first
+    hetero: Any = None  # cluster.groups: the split on the groups (p3d.planner.hetero.HeteroPlan)
 
     # ---- figures
     @property
@@ -135,6 +136,8 @@ class Prediction:
         lay = self.layout
         out = self.summary()
         out["warnings"] = list(self.warnings)
+        if self.hetero is not None:
+            out["heterogeneous"] = self.hetero.to_json()
         out["layout"] = {
             "tp": lay.tp,
             "pp": lay.pp,

@@ -150,3 +150,19 @@ def test_uneven_replicas_read_the_global_batch_in_order():
         got = [torch.cat([x, y[:, -1:]], 1) for micro in per_replica for x, y in micro]  # inputs + the last label
         assert torch.equal(torch.cat(got), batch)
     assert replica_rows(16, 2, 2, 1) == (8, 8)  # no split: the d-th slice of B / dp
+
+
+def test_a_group_twice_as_slow_sleeps_twice_as_long_per_block(monkeypatch):
+    """P3D_TEST_BLOCK_SECONDS on a simulated mixed cluster: the local launcher's nodes are the groups in order (ranks
+    block by block: dp2_pp2 puts stage 0's two ranks on node 0, stage 1's on node 1), and a rank on a group of half
+    the peak sleeps twice the seconds in each piece of each block; unset, nothing sleeps."""
+    from p3d.train.block_seconds import BLOCK_SECONDS_ENV, rank_block_seconds
+
+    cfg, plan = typed(CPU2, "mesh=dp2_pp2")
+    assert [plan.dims.coords_of(r)[1] for r in range(4)] == [0, 0, 1, 1]  # (dp, pp, tp): pp rank by node
+    monkeypatch.setenv(BLOCK_SECONDS_ENV, "0.01")
+    assert [rank_block_seconds(cfg.cluster, plan, r) for r in range(4)] == pytest.approx([0.01, 0.01, 0.02, 0.02])
+    cfg, plan = typed("mesh=dp2_pp2")  # one group: every rank the same
+    assert [rank_block_seconds(cfg.cluster, plan, r) for r in range(4)] == pytest.approx([0.01] * 4)
+    monkeypatch.delenv(BLOCK_SECONDS_ENV)
+    assert rank_block_seconds(cfg.cluster, plan, 3) == 0.0
