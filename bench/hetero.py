@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         # the ideal, measured: each group's homogeneous throughput (the uniform split on two nodes of that group),
         # weighted by its half of the ranks
         fast = train(overrides, uniform, s, args.steps, tmp / f"{name}-fast", SAME % ("", ""))
-        slow = train(overrides, uniform, s, args.steps, tmp / f"{name}-slow", SAME % ((", peak_tflops: 0.05",) * 2))
+        # P3D_TEST_BLOCK_SECONDS is the fastest group's seconds: on two slow nodes the slow group is the fastest, so
+        # its blocks take 2 s there, as they do on the mixed cluster's slow node
+        slow_groups = SAME % ((", peak_tflops: 0.05",) * 2)
+        slow = train(overrides, uniform, 2 * s, args.steps, tmp / f"{name}-slow", slow_groups)
         t_ideal = 1 / (0.5 / fast + 0.5 / slow)
         print(
             f"{name}: planned {planned[0].split('.')[1]} {planned[1].split('.')[1]}: step {t_planned:.3f} s "
