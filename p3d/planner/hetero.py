@@ -178,9 +178,9 @@ class Costs:
             for s, g in enumerate(groups[d]):
                 used[g] = max(used[g], self.stages(tuple(blocks), g, m)[2][s])
         out = []
-        for i, g in enumerate(self.cfg.cluster.groups):
+        for i, group in enumerate(self.cfg.cluster.groups):
             cap = float(self.group_cfgs[i].cluster.memory_gb or 0) * GB
-            out.append((f"{i}: {g.nodes} x {g.device}", used[i], cap))
+            out.append((f"{i}: {group.nodes} x {group.device}", used[i], cap))
         return out
 
 
