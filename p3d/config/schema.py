@@ -204,6 +204,14 @@ class ScheduleConfig:
     # null: derived from the pipeline (its fewest: 2 for the interleaved and V schedules, else 1)
     virtual_stages: int | None = None
     pipeline: Pipeline = Pipeline["1f1b"]  # the executor; see Pipeline above
+    # Uneven layouts (heterogeneous clusters, docs/clusters.md): [] leaves the choice to schedule.partition and an even
+    # split of the global batch. stage_blocks: transformer blocks per pipeline piece (mesh.pp x chunks per rank, in
+    # chunk order; the embedding rides with the first, the final norm and the head with the last); with cluster.groups
+    # the planner fills it in proportion to each stage's device speed.
+    stage_blocks: list[int] = field(default_factory=list)
+    # micro batches of each dp replica (mesh.dp of them; their sum x micro_batch_size = global_batch_size): replicas on
+    # faster devices run more; the loss and gradients are weighted so that a step is the even split's step
+    replica_micro_batches: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -226,6 +234,20 @@ class ElasticConfig:
     # the global batch kept) while at least N remain, below that stop (exit_codes.NODES_LOST)
     min_nodes: Optional[int] = None
     vary: ElasticVary = ElasticVary.dp  # dp: only dp follows the nodes; any: the planner picks the layout
+
+
+@dataclass
+class ClusterGroup:
+    """One group of a heterogeneous cluster (``cluster.groups``, docs/clusters.md): ``nodes`` nodes of one device.
+    Groups take the nodes in their order, so the ranks of the first group's nodes come first."""
+
+    device: Optional[str] = None  # a preset of p3d/config/devices.py; required
+    nodes: int = 1
+    peak_tflops: Optional[float] = None  # null: the device preset's; set to describe a slower or faster part
+    memory_gb: Optional[float] = None  # null: the device preset's
+    calibration: Optional[str] = None  # a p3d-plan calibrate file of this group's nodes (null: the preset's rates)
+    partition: Optional[str] = None  # Slurm: this group's --partition (null: cluster.partition)
+    constraint: Optional[str] = None  # Slurm: the node features that pick this group's nodes (--constraint)
 
 
 @dataclass
@@ -258,6 +280,9 @@ class ClusterConfig:
     max_requeues: int = 20  # a job requeues itself at most this many times
     recipe: str = "recipes/slurm/train.sbatch"  # the batch script p3d-train submits (relative: p3d's own, p3d/recipes/)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)  # continue on the nodes left after a lost node
+    # A heterogeneous cluster: groups of nodes, each of one device, e.g. [{device: h100_sxm, nodes: 1}, {device:
+    # a100_80gb, nodes: 1}]; cluster.nodes is their sum. [] : every node is cluster.device (docs/clusters.md)
+    groups: list[ClusterGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -378,6 +403,9 @@ class PlanConfig:
     overlap_pp: bool = False  # pipeline sends overlap compute (DeepSpeed's pipeline engine blocks on them)
     p2p_scatter: bool = False  # pipeline sends carry 1/tp of the activations (Megatron); p3d's send the full copy
     top: int = 5  # mesh=auto: how many ranked layouts to print
+    # sleep-timed blocks (P3D_TEST_BLOCK_SECONDS, p3d.train.block_seconds): each block's seconds per piece on the
+    # fastest group, added to the modelled compute (a simulated mixed cluster's plan, bench/hetero.py); null: none
+    block_seconds: Optional[float] = None
 
 
 @dataclass

@@ -5,7 +5,8 @@ windows of seq_len + 1 tokens (inputs = window[:-1], labels = window[1:]); docum
 borders as in standard LM pre-training, and no token is dropped or repeated within an epoch.
 Training windows pass a shuffle buffer seeded by (train.seed, epoch), then are numbered by a
 global sample index: each step consumes the next B = global_batch_size samples, and dp rank d takes
-the d-th contiguous slice of B / dp of them. So every TP and PP peer of a replica reads the same batch,
+the d-th contiguous slice of B / dp of them (with uneven micro batches per replica, its own count of micro batches
+after the replicas before it: ``replica_rows``). So every TP and PP peer of a replica reads the same batch,
 the samples of a step do not depend on the mesh, and the data position of a run is one number, the
 samples consumed so far (a checkpoint's ``samples``): a resumed run starts at exactly that sample,
 whatever batch size or mesh it resumes with.
@@ -14,13 +15,14 @@ whatever batch size or mesh it resumes with.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
 import torch
 
 from p3d.config.schema import DataSource
 from p3d.data.corpus import DataStats, iter_texts
+from p3d.data.order import replica_rows
 from p3d.data.tokenizer import load_tokenizer
 
 
@@ -95,10 +97,10 @@ def global_batches(
         yield torch.stack(list(islice(stream, global_batch_size)))
 
 
-def rank_slice(batch: torch.Tensor, micro_batch_size: int, dp: int, dp_rank: int):
-    """(inputs, labels) micro batches of one global batch for dp rank ``dp_rank``."""
-    per_rank = batch.shape[0] // dp
-    mine = batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+def rank_slice(batch: torch.Tensor, micro_batch_size: int, dp: int, dp_rank: int, split: Sequence[int] | None = None):
+    """(inputs, labels) micro batches of one global batch for dp rank ``dp_rank`` (``split``: see replica_rows)."""
+    first, rows = replica_rows(batch.shape[0], micro_batch_size, dp, dp_rank, split)
+    mine = batch[first : first + rows]
     for chunk in mine.split(micro_batch_size):
         yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
@@ -113,19 +115,21 @@ def micro_batches(
     seed: int,
     start_sample: int = 0,
     stats: DataStats | None = None,
+    split: Sequence[int] | None = None,
 ):
     """(inputs, labels), each (micro_batch_size, seq_len): this replica's micro batches, step after step,
     from global sample index ``start_sample`` (the samples a resumed run has consumed). From a token store
-    (``data=prepared``) only this replica's windows are read, found by arithmetic (p3d.data.prepared)."""
+    (``data=prepared``) only this replica's windows are read, found by arithmetic (p3d.data.prepared). ``split``:
+    the micro batches of each replica where they differ (``replica_rows``)."""
     if data_cfg.source == DataSource.prepared:
         from p3d.data.prepared import prepared_micro_batches
 
         yield from prepared_micro_batches(
-            data_cfg, seq_len, global_batch_size, micro_batch_size, dp, dp_rank, seed, start_sample
+            data_cfg, seq_len, global_batch_size, micro_batch_size, dp, dp_rank, seed, start_sample, split
         )
         return
     for batch in global_batches(data_cfg, seq_len, global_batch_size, seed, start_sample, stats=stats):
-        yield from rank_slice(batch, micro_batch_size, dp, dp_rank)
+        yield from rank_slice(batch, micro_batch_size, dp, dp_rank, split)
 
 
 def validation_batches(data_cfg, seq_len: int, global_batch_size: int, n_batches: int) -> list[torch.Tensor]:

@@ -11,12 +11,15 @@ source s gets ``quota_s`` (its weight x P, rounded by largest remainder), given 
 goes to the source furthest behind its share (weight x (i + 1) - taken so far; ties to the lower
 index), so every prefix of the order stays within one sample of the weights. The period repeats, so
 sample i's source and its index within that source are found from i // P and a table of P entries.
+
+:func:`replica_rows`: which rows of a step's global batch a dp replica reads.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -111,3 +114,15 @@ class Blend:
         period, r = samples // self.PERIOD, samples % self.PERIOD
         source = self.source[r]
         return source, period * self.quota[source] + self.before[r]
+
+
+def replica_rows(
+    global_batch_size: int, micro_batch_size: int, dp: int, dp_rank: int, split: Sequence[int] | None = None
+) -> tuple[int, int]:
+    """(first row, rows) of dp rank ``dp_rank``'s share of a global batch: the d-th contiguous slice of B / dp rows,
+    or with ``split`` (micro batches of each replica, schedule.replica_micro_batches) ``split[d]`` micro batches after
+    the rows of the replicas before it. Either way the replicas' rows, in replica order, are the global batch."""
+    if not split:
+        per_rank = global_batch_size // dp
+        return dp_rank * per_rank, per_rank
+    return sum(split[:dp_rank]) * micro_batch_size, split[dp_rank] * micro_batch_size

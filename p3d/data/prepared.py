@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from p3d.data.order import Blend, window_of
+from p3d.data.order import Blend, replica_rows, window_of
 from p3d.data.store import StoreError, TokenStore, tokenizer_identity
 
 
@@ -141,13 +141,16 @@ class PreparedSamples:
         return {name: round(int(c) / s.windows, 6) for name, c, s in zip(self.names, counts, self.sources)}
 
 
-def prepared_micro_batches(data_cfg, seq_len, global_batch_size, micro_batch_size, dp, dp_rank, seed, start_sample):
-    """This replica's micro batches from global sample ``start_sample``: only its own windows are read."""
+def prepared_micro_batches(
+    data_cfg, seq_len, global_batch_size, micro_batch_size, dp, dp_rank, seed, start_sample, split=None
+):
+    """This replica's micro batches from global sample ``start_sample``: only its own windows are read (``split``:
+    the micro batches of each replica where they differ, p3d.data.order.replica_rows)."""
     samples = PreparedSamples(data_cfg, seq_len, seed)
-    per_rank = global_batch_size // dp
+    offset, per_rank = replica_rows(global_batch_size, micro_batch_size, dp, dp_rank, split)
     step = 0
     while True:
-        first = start_sample + step * global_batch_size + dp_rank * per_rank
+        first = start_sample + step * global_batch_size + offset
         store, window = samples.locate(np.arange(first, first + per_rank))  # this replica's share of the step
         for m in range(0, per_rank, micro_batch_size):
             chunk = samples.read_windows(store[m : m + micro_batch_size], window[m : m + micro_batch_size])

@@ -61,9 +61,9 @@ def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True, pins: P
 
         check_file(cfg)
     if cfg.mesh.name == "auto" and resolve_auto:
-        from p3d.planner import apply_layout, best_layout
+        from p3d.planner.search import resolve_auto as planned_layout
 
-        cfg = apply_layout(cfg, best_layout(cfg))
+        cfg = planned_layout(cfg)  # the best layout (and on cluster.groups, its blocks and micro batches per group)
     return cfg
 
 

@@ -201,7 +201,8 @@ def dry_run(cfg, plan) -> DryRunReport:
         from p3d.layout.schedule_rules import V_SHAPED, chunks_per_rank
 
         v, style = chunks_per_rank(cfg), "v" if pipeline in V_SHAPED else "loop"
-        bounds = stage_bounds(cfg.model.n_layers, plan.pp, cfg.schedule.partition, cfg.model, v, style)
+        given = list(cfg.schedule.stage_blocks) if len(cfg.schedule.stage_blocks) == plan.pp * v else None
+        bounds = stage_bounds(cfg.model.n_layers, plan.pp, cfg.schedule.partition, cfg.model, v, style, given)
         chunks_of = [rank_chunks(plan.pp, v, style, pp) for pp in range(plan.pp)]
         report.rank_chunks = chunks_of
     report.stage_layers = [plan.layer_names[bounds[s] : bounds[s + 1]] for s in range(len(bounds) - 1)]

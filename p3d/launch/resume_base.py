@@ -40,7 +40,15 @@ FOLLOWS = {
         "cluster.inter_node_gbps",
         "train.dtype",
     ),
-    "schedule.pipeline": ("schedule.virtual_stages",),
+    "schedule.pipeline": ("schedule.virtual_stages", "schedule.stage_blocks"),
+    # an uneven layout belongs to the cluster and mesh it was planned for (a heterogeneous run resumed on a
+    # homogeneous cluster runs the even one; with cluster.groups the planner splits again: p3d.planner.hetero)
+    "cluster.groups": ("schedule.stage_blocks", "schedule.replica_micro_batches"),
+    "mesh.pp": ("schedule.stage_blocks",),
+    "schedule.virtual_stages": ("schedule.stage_blocks",),
+    "mesh.dp": ("schedule.replica_micro_batches",),
+    "schedule.global_batch_size": ("schedule.replica_micro_batches",),
+    "schedule.micro_batch_size": ("schedule.replica_micro_batches",),
 }
 THIS_LAUNCH = ("run.dir", "train.resume", "dry_run")
 

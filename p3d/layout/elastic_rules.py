@@ -24,11 +24,11 @@ def check_elastic(cfg: Config, world: int) -> None:
     """``world``: the ranks of the run at ``cluster.nodes`` (the mesh's)."""
     c = cfg.cluster
     nodes, least = c.nodes, c.elastic.min_nodes
-    if c.launcher == Launcher.local and nodes != 1 and least is None:
+    if c.launcher == Launcher.local and nodes != 1 and least is None and not c.groups:
         save = cfg.train.save_every or 100  # an elastic run resumes from its checkpoints (the rule below)
         raise P3DConfigError(
             f"cluster.nodes={nodes} with cluster.launcher=local: local runs use one machine; simulated nodes "
-            "(worker groups) are for elastic runs",
+            "(worker groups) are for elastic runs and cluster.groups",
             ["cluster.nodes=1", f"cluster.elastic.min_nodes=1 train.save_every={save}"],
         )
     if least is None:

@@ -103,6 +103,7 @@ def stage_bounds(
     model: ModelConfig | None = None,
     v: int = 1,
     style: str = "loop",
+    blocks: list[int] | None = None,
 ) -> list[int]:
     """Layer-index boundaries of the pp * v pieces (v = 1: DeepSpeed's pp stages; v > 1: the chunks of a torch
     schedule, chunk c on pp rank ``chunk_to_rank(pp, pp * v, style)[c]``) over ``layer_names(n_layers)``.
@@ -112,8 +113,18 @@ def stage_bounds(
     (as Llama 3 405B's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere).
     ``uniform``: all n_layers + 3 pipeline layers spread evenly, earlier pieces taking the extra.
     ``cost``: by ``layer_costs(model)``, the least loaded busiest rank given the placement (``_cost_bounds``).
+    ``blocks`` (``schedule.stage_blocks``, the planner's uneven split): the blocks of each piece as given, the
+    embedding with the first piece, the final norm and the head with the last; ``partition`` is not used.
     """
     n = pp * v
+    if blocks:
+        if len(blocks) != n or sum(blocks) != n_layers or min(blocks) < 0:
+            raise ValueError(f"stage blocks {blocks} do not cut {n_layers} blocks into {n} pieces")
+        bounds = [0, 1 + blocks[0]]
+        for b in blocks[1:]:
+            bounds.append(bounds[-1] + b)
+        bounds[-1] += 2  # final_norm and head
+        return bounds
     if not 1 <= n <= max_pieces(n_layers, partition):
         raise ValueError(f"{n} pieces of a {n_layers}-block model under partition={partition.value}")
     if partition == Partition.cost:

@@ -27,8 +27,9 @@ from p3d.layout.geometry import (
     stage_bounds,
     total_params,
 )
+from p3d.layout.hetero import check_group_ranks, fill_groups
 from p3d.layout.mesh_fixes import fewer_stages, finer_cuts, suggest_mesh
-from p3d.layout.schedule_rules import V_SHAPED, check_schedule
+from p3d.layout.schedule_rules import V_SHAPED, check_schedule, chunks_per_rank
 
 __all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
 
@@ -39,7 +40,7 @@ class RunPlan:
     tp: int
     pp: int
     dp: int
-    micro_batches: int  # per optimizer step, per dp replica
+    micro_batches: int  # per optimizer step, per dp replica (the largest replica's: replica_micro_batches)
     padded_vocab_size: int  # vocab rounded up to a multiple of tp; padded logits are masked
     tokens_per_step: int
     layer_names: list[str] = field(default_factory=list)  # the flat pipeline layer list
@@ -51,6 +52,22 @@ class RunPlan:
     ep: int = 1  # expert parallelism, carved from dp (p3d.layout.dims)
     n_active_params: int = 0  # what one token goes through (MoE: the top-k experts); = n_params for a dense model
     cp: int = 1  # context parallelism: each sequence split over cp ranks (p3d.parallel.context)
+    # micro batches of each dp replica (schedule.replica_micro_batches; [] in specs before them: micro_batches each)
+    replica_micro_batches: list[int] = field(default_factory=list)
+
+    def micro_batches_of(self, dp_rank: int) -> int:
+        """The micro batches replica ``dp_rank`` runs per step (``micro_batches`` on an even split)."""
+        return self.replica_micro_batches[dp_rank] if self.replica_micro_batches else self.micro_batches
+
+    @property
+    def mean_micro_batches(self) -> float:
+        """m: the micro batches per replica, on average over the replicas (the global batch's micro batches / dp).
+        Each micro batch's loss weighs 1 / m on its replica, and the replicas' gradients are averaged: every micro
+        batch of the step weighs 1 / (m dp), the single process's mean over the global batch, whatever each replica
+        runs (the even split's 1 / m exactly)."""
+        if not self.replica_micro_batches:
+            return float(self.micro_batches)
+        return sum(self.replica_micro_batches) / self.dp
 
     @property
     def dims(self) -> ParallelDims:
@@ -76,7 +93,7 @@ def fill_cluster(cfg: Config) -> Config:
     ``train.dtype=auto`` made fp32 on cpu, bf16 on GPUs."""
     from p3d.config.devices import DEVICES
 
-    c = cfg.cluster
+    c = fill_groups(cfg.cluster)  # a heterogeneous cluster: its groups' numbers, the nodes, the cluster-wide figures
     if c.device not in DEVICES:  # an Enum of DEVICES' keys: only a spec edited by hand gets here
         raise P3DConfigError(
             f"cluster.device={c.device} is not a known device; try one of: "
@@ -400,10 +417,12 @@ def _derive_plan(cfg: Config, tokenizer_vocab: int | None, for_training: bool) -
     check_train(cfg)
     check_data(cfg, tokenizer_vocab)
     check_elastic(cfg, world)  # also: several (simulated) nodes on the local launcher are for elastic runs only
+    check_group_ranks(cfg, world)
     backend = "gloo" if cfg.cluster.device == "cpu" else "nccl"
     dims = ParallelDims(tp, pp, dp, ep=cfg.mesh.ep, cp=cfg.mesh.cp)
     # cpu workers on several nodes: spread evenly (p3d.jobs.slurm.submit.job_shape refuses an uneven split)
     per_node = world // cfg.cluster.nodes if world % cfg.cluster.nodes == 0 else world
+    blocks = cfg.schedule.stage_blocks if chunks_per_rank(cfg) == 1 else None  # one chunk per rank: pp stages
     return RunPlan(
         world_size=world,
         tp=tp,
@@ -413,7 +432,7 @@ def _derive_plan(cfg: Config, tokenizer_vocab: int | None, for_training: bool) -
         padded_vocab_size=padded_vocab(cfg.model.vocab_size, tp),
         tokens_per_step=cfg.schedule.global_batch_size * cfg.model.seq_len,
         layer_names=layer_names(cfg.model.n_layers),
-        stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition, cfg.model),
+        stage_bounds=stage_bounds(cfg.model.n_layers, pp, cfg.schedule.partition, cfg.model, blocks=blocks),
         procs_per_node=cfg.cluster.gpus_per_node or per_node,
         logging_rank=dims.logging_rank,
         backend=backend,
@@ -421,4 +440,5 @@ def _derive_plan(cfg: Config, tokenizer_vocab: int | None, for_training: bool) -
         ep=cfg.mesh.ep,
         n_active_params=active_params(cfg.model),
         cp=cfg.mesh.cp,
+        replica_micro_batches=list(cfg.schedule.replica_micro_batches) or [micro_batches] * dp,
     )

@@ -32,7 +32,12 @@ def runs_on_deepspeed(cfg: Config) -> bool:
     refuses (FSDP2 shards over dp there: p3d.parallel.zero.fsdp), and with expert parallelism (mesh.ep > 1):
     DeepSpeed's engine reduces every gradient over the whole dp group and shards ZeRO-1 over it, and does it
     over expert groups only for its own MoE layer class and group registry (docs/moe.md); and with context
-    parallelism (mesh.cp > 1), whose gradients reduce over dp x cp ranks that its topology has no axis for."""
+    parallelism (mesh.cp > 1), whose gradients reduce over dp x cp ranks that its topology has no axis for; and
+    with uneven micro batches per replica (``schedule.replica_micro_batches``): DeepSpeed's engine scales the loss
+    by one accumulation count and averages the gradients over dp, which weighs a micro batch of a replica that runs
+    fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself)."""
+    if uneven_micro_batches(cfg):
+        return False
     return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1 and cfg.mesh.cp == 1
 
 
@@ -53,6 +58,65 @@ def chunks_per_rank(cfg: Config) -> int:
     return virtual_stages(cfg) if name in INTERLEAVED else 2 if name in V_SHAPED else 1
 
 
+def uneven_micro_batches(cfg: Config) -> bool:
+    """Whether ``schedule.replica_micro_batches`` gives the dp replicas different micro batch counts."""
+    return len(set(cfg.schedule.replica_micro_batches)) > 1
+
+
+def check_replica_micro_batches(cfg: Config, dp: int) -> list[int]:
+    """``schedule.replica_micro_batches``: one count per dp replica, each at least 1, that together make the global
+    batch. Returns the counts."""
+    s = cfg.schedule
+    counts, field = list(s.replica_micro_batches), "schedule.replica_micro_batches"
+    total = s.global_batch_size // s.micro_batch_size
+    even = [total // dp + (1 if d < total % dp else 0) for d in range(dp)] if total >= dp else [1] * dp
+    fix = f"try {field}=[{','.join(map(str, even))}]"
+    if len(counts) != dp:
+        named = f"{len(counts)} replica" + ("" if len(counts) == 1 else "s")
+        raise P3DConfigError(f"{field}={counts} names {named}, mesh.dp={dp} has {dp}; {fix}")
+    if min(counts) < 1:
+        raise P3DConfigError(f"{field}={counts}: every replica needs at least one micro batch; {fix}")
+    if sum(counts) * s.micro_batch_size != s.global_batch_size:
+        raise P3DConfigError(
+            f"{field}={counts} x schedule.micro_batch_size={s.micro_batch_size} = "
+            f"{sum(counts) * s.micro_batch_size} sequences, not schedule.global_batch_size={s.global_batch_size}; "
+            + (fix if s.global_batch_size % s.micro_batch_size == 0 else "the global batch must be whole micro batches")
+        )
+    if len(set(counts)) > 1 and cfg.mesh.ep > 1:
+        raise P3DConfigError(
+            f"{field}={counts} with mesh.ep={cfg.mesh.ep}: the ranks of an expert group exchange tokens at every micro "
+            "batch, so they must run as many; try mesh.ep=1 or an even split"
+        )
+    if len(set(counts)) > 1 and cfg.zero.stage >= 3:  # measured: gloo paired the mismatched calls, step 1 was wrong
+        raise P3DConfigError(
+            f"{field}={counts} with zero.stage={cfg.zero.stage}: FSDP2 gathers the parameters over dp in every micro "
+            "batch's forward, so the replicas must run as many; try zero.stage=2 or an even split"
+        )
+    return counts
+
+
+def check_stage_blocks(cfg: Config, pp: int) -> None:
+    """``schedule.stage_blocks``: the blocks of each of the mesh.pp x v pipeline pieces, in chunk order; they add up to
+    the model's blocks, and every piece but the first and the last (which hold the embedding and the head) has one."""
+    blocks, n_layers = list(cfg.schedule.stage_blocks), cfg.model.n_layers
+    if not blocks:
+        return
+    pieces, field = pp * chunks_per_rank(cfg), "schedule.stage_blocks"
+    base, extra = divmod(n_layers, pieces)
+    even = ",".join(str(base + (1 if i < extra else 0)) for i in range(pieces))
+    fix = f"try {field}=[{even}]" if base >= 1 else f"try {field}=[] ({pieces} pieces exceed the model's blocks)"
+    if len(blocks) != pieces:
+        what = "mesh.pp" if pieces == pp else f"mesh.pp x {chunks_per_rank(cfg)} chunks per rank"
+        raise P3DConfigError(f"{field}={blocks} names {len(blocks)} pipeline pieces, {what} = {pieces}; {fix}")
+    if sum(blocks) != n_layers:
+        raise P3DConfigError(f"{field}={blocks} holds {sum(blocks)} blocks, model.n_layers={n_layers}; {fix}")
+    if min(blocks) < 0 or (pieces > 2 and min(blocks[1:-1]) < 1) or (pieces == 1 and blocks[0] < 1):
+        raise P3DConfigError(
+            f"{field}={blocks}: every piece but the first and the last (the embedding's and the head's) needs a block; "
+            f"{fix}"
+        )
+
+
 def fewer_chunks(cfg: Config, pp: int, per_rank: int) -> list[str]:
     """Fixes for more chunks than the layer list has pieces (pp ranks x ``per_rank`` chunks): fewer chunks per rank
     (interleaved schedules), a partition that cuts finer, fewer stages, or more blocks; p3d.layout.fixes keeps
@@ -66,18 +130,35 @@ def fewer_chunks(cfg: Config, pp: int, per_rank: int) -> list[str]:
 
 
 def check_schedule(cfg: Config, dp: int, pp: int) -> int:
-    """Batch arithmetic and the pipeline schedule's rules. Returns the number of micro batches per step per replica."""
+    """Batch arithmetic and the pipeline schedule's rules. Returns the number of micro batches per step per replica
+    (with ``schedule.replica_micro_batches``: the largest)."""
     s = cfg.schedule
     per_round = s.micro_batch_size * dp
-    if s.global_batch_size < per_round or s.global_batch_size % per_round:
+    if s.replica_micro_batches:
+        counts = check_replica_micro_batches(cfg, dp)
+    elif s.global_batch_size < per_round or s.global_batch_size % per_round:
         ok = max(per_round * pp, math.ceil(s.global_batch_size / per_round) * per_round)
         raise P3DConfigError(
             f"schedule.global_batch_size={s.global_batch_size} must be a multiple of schedule.micro_batch_size x dp "
             f"= {s.micro_batch_size} x {dp} = {per_round}; try schedule.global_batch_size={ok}"
         )
-    micro_batches = s.global_batch_size // per_round
+    else:
+        counts = [s.global_batch_size // per_round]
     check_pipeline(cfg, pp, dp)
-    name = pipeline_name(cfg)
+    check_stage_blocks(cfg, pp)
+    for micro_batches in sorted(set(counts)):
+        _check_micro_batches(cfg, micro_batches, pp, per_round, uneven=len(set(counts)) > 1)
+    return max(counts)
+
+
+def _check_micro_batches(cfg: Config, micro_batches: int, pp: int, per_round: int, uneven: bool) -> None:
+    """One replica's micro batch count against the schedule's needs (``uneven``: the counts are the replicas' own)."""
+    s, name = cfg.schedule, pipeline_name(cfg)
+    where = (
+        f"schedule.replica_micro_batches={list(s.replica_micro_batches)} gives a replica {micro_batches} micro batches"
+        if uneven
+        else f"schedule.global_batch_size={s.global_batch_size} gives {micro_batches} micro batches per replica"
+    )
     need = 2 * pp if name == "dualpipev" else pp
     if micro_batches < need:
         why = (
@@ -85,21 +166,23 @@ def check_schedule(cfg: Config, dp: int, pp: int) -> int:
             if name == "dualpipev"
             else f"{'1F1B' if name == '1f1b' else name} needs at least pp to fill the pipeline"
         )
+        fix = f"give every replica at least {need}" if uneven else f"try schedule.global_batch_size={per_round * need}"
         raise P3DConfigError(
-            f"schedule.global_batch_size={s.global_batch_size} gives {micro_batches} micro batches per replica, fewer "
-            f"than {'2 x ' if name == 'dualpipev' else ''}mesh.pp={pp} stages: {why}; "
-            f"try schedule.global_batch_size={per_round * need}"
+            f"{where}, fewer than {'2 x ' if name == 'dualpipev' else ''}mesh.pp={pp} stages: {why}; {fix}"
         )
     if name in INTERLEAVED:
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
             ok = math.ceil(micro_batches / pp) * pp * per_round
-            raise P3DConfigError(
-                f"schedule.global_batch_size={s.global_batch_size} gives {micro_batches} micro batches per replica: "
-                f"{name} runs them in rounds of max(1, m // mesh.pp) = {rounds}, which must divide m "
-                f"(torch's rule, schedules.py:2934); try schedule.global_batch_size={ok} (m a multiple of mesh.pp)"
+            fix = (
+                "give every replica a multiple of mesh.pp"
+                if uneven
+                else f"try schedule.global_batch_size={ok} (m a multiple of mesh.pp)"
             )
-    return micro_batches
+            raise P3DConfigError(
+                f"{where}: {name} runs them in rounds of max(1, m // mesh.pp) = {rounds}, which must divide m "
+                f"(torch's rule, schedules.py:2934); {fix}"
+            )
 
 
 def check_pipeline(cfg: Config, pp: int, dp: int) -> None:

@@ -168,9 +168,10 @@ def moe_blocks(module: nn.Module) -> list[MoEFeedForward]:
     return [m for m in module.modules() if isinstance(m, MoEFeedForward)]
 
 
-def set_micro_batches(module: nn.Module, m: int) -> None:
+def set_micro_batches(module: nn.Module, m: float) -> None:
     """Each micro batch's balancing loss enters the gradient with weight aux_loss_coef / m, as its LM loss's 1 / m
-    (the mean over the step's micro batches, then over dp, as the LM loss)."""
+    (the mean over the step's micro batches, then over dp, as the LM loss); ``m`` the replicas' mean count where
+    they run different counts (p3d.layout.run_plan.RunPlan.mean_micro_batches)."""
     for block in moe_blocks(module):
         block.loss_scale = 1.0 / m
 

@@ -47,6 +47,7 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     ranking: list[Prediction] = field(default_factory=list)  # mesh=auto: the best layouts, best first
     dp_traffic_s: float = 0.0  # the slowest tail's dp collectives, whole; breakdown["dp_comm"] is their exposed part
+    hetero: Any = None  # cluster.groups: the split on the groups (p3d.planner.hetero.HeteroPlan)
 
     # ---- figures
     @property
@@ -136,6 +137,8 @@ class Prediction:
         lay = self.layout
         out = self.summary()
         out["warnings"] = list(self.warnings)
+        if self.hetero is not None:
+            out["heterogeneous"] = self.hetero.to_json()
         out["layout"] = {
             "tp": lay.tp,
             "pp": lay.pp,

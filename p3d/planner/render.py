@@ -223,6 +223,8 @@ def render(report) -> str:
         out.append(f"note: {n}")
     for w in report.warnings:
         out.append(f"warning: {w}")
+    if report.hetero is not None:  # cluster.groups: the split on the groups, each group's memory, the gap
+        out.append(report.hetero.render(m.seq_len))
     return "\n".join(out)
 
 

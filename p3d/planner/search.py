@@ -39,6 +39,7 @@ from p3d.layout.run_plan import (
 )
 from p3d.layout.schedule_rules import check_schedule
 from p3d.planner.context import LONG_SEQUENCE
+from p3d.planner.hetero import HeteroPlan, plan_groups, plan_layout
 from p3d.planner.predict import Prediction, apply_layout, evaluate
 from p3d.planner.shapes import Layout, StageParams, divisors, layout_of_run_plan, stage_params, world_size
 from p3d.planner.verdict import check_options
@@ -191,7 +192,31 @@ def predict(cfg: Config, run_plan=None) -> Prediction:
         return evaluate(cfg, layout_of_run_plan(cfg, run_plan), accepted=True)
     if cfg.mesh.name == "auto":
         ranked = search(cfg)
-        best = evaluate(apply_layout(cfg, ranked[0].layout))
+        if cfg.cluster.groups:  # a heterogeneous cluster: the best split of the best homogeneous layouts
+            plan = plan_groups(cfg, [r.layout for r in ranked])
+            best = evaluate(with_split(apply_layout(cfg, plan.layout), plan))
+            best.hetero = plan
+        else:
+            best = evaluate(apply_layout(cfg, ranked[0].layout))
         best.ranking = ranked[: max(1, cfg.plan.top)]
         return best
-    return evaluate(cfg)
+    report = evaluate(cfg)
+    if cfg.cluster.groups:
+        report.hetero = plan_layout(cfg, report.layout)
+    return report
+
+
+def with_split(cfg: Config, plan: HeteroPlan) -> Config:
+    """``cfg`` with the plan's blocks per stage and micro batches per replica (the even ones left empty)."""
+    blocks = plan.stage_blocks if len(set(plan.stage_blocks)) > 1 else []
+    counts = plan.replica_micro_batches if len(set(plan.replica_micro_batches)) > 1 else []
+    sched = dataclasses.replace(cfg.schedule, stage_blocks=list(blocks), replica_micro_batches=list(counts))
+    return dataclasses.replace(cfg, schedule=sched)
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """``mesh=auto`` as p3d-train runs it: the best layout, and on a heterogeneous cluster its split."""
+    if not cfg.cluster.groups:
+        return apply_layout(cfg, best_layout(cfg))
+    plan = plan_groups(cfg, [r.layout for r in search(cfg)])
+    return with_split(apply_layout(cfg, plan.layout), plan)

@@ -189,6 +189,11 @@ def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:
     Where the p v chunks would outnumber the layers (p3d-train refuses that), the rank's stage is modelled."""
     m, p, v = cfg.model, layout.pp, layout.virtual_stages
     names = layer_names(m.n_layers)
+    given = cfg.schedule.stage_blocks  # an uneven split (cluster.groups): the blocks of each piece, as p3d-train cuts
+    if given and len(given) == p * v and (v == 1 or layout.pipeline in (*INTERLEAVED, *V_SHAPED)):
+        style = "v" if layout.pipeline in V_SHAPED else "loop"
+        bounds = stage_bounds(m.n_layers, p, cfg.schedule.partition, m, v, style, blocks=list(given))
+        return [[n for c in rank_chunks(p, v, style, r) for n in names[bounds[c] : bounds[c + 1]]] for r in range(p)]
     if (
         v > 1
         and p * v <= max_pieces(m.n_layers, cfg.schedule.partition)

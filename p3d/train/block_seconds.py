@@ -9,6 +9,11 @@ the schedule's, not the machine's time-sharing. Under DeepSpeed's 1F1B and the o
 B and W run together (2 s per backward); under ``interleaved_zero_bubble``, ``zbv`` and ``dualpipev`` torch's
 W pass runs the W sleep later, on its own.
 
+On a heterogeneous cluster (``cluster.groups``, docs/clusters.md) the value is the fastest group's seconds: a rank
+on a group k times slower (by the groups' nominal speeds, ``p3d.layout.hetero.slowdown``) sleeps k times as long in
+each piece. The local launcher maps its simulated nodes to the groups in order, so a CPU machine runs the timeline
+of a mixed cluster (the tests and bench/hetero.py).
+
 The W piece is a hook on one of the block's weights (its attention norm's): autograd runs a weight's hooks
 when it computes that weight's gradient, which is in torch's weight pass (``stage_backward_weight``) and
 never in its input pass (``stage_backward_input``). Nothing else changes: losses, gradients and checkpoints
@@ -47,6 +52,14 @@ def block_seconds() -> float:
     """The hook's seconds per piece (0: off)."""
     value = os.environ.get(BLOCK_SECONDS_ENV, "")
     return float(value) if value else 0.0
+
+
+def rank_block_seconds(cluster, plan, rank: int) -> float:
+    """This rank's seconds per piece: ``P3D_TEST_BLOCK_SECONDS`` times its node's group's slowdown (0: off)."""
+    from p3d.layout.hetero import slowdown
+
+    base = block_seconds()
+    return base * slowdown(cluster, plan.dims.node_of(rank)) if base > 0 else 0.0
 
 
 def add_block_seconds(module: nn.Module, seconds: float | None = None) -> int:

@@ -18,6 +18,7 @@ from p3d import exit_codes
 from p3d.data.corpus import DataStats
 from p3d.data.loader import micro_batches, validation_batches
 from p3d.layout.geometry import schedule_bubble
+from p3d.layout.hetero import micro_batches_text
 from p3d.parallel.device_check import device_checked
 from p3d.parallel.mesh import Mesh
 from p3d.train.comm_clocks import running_dims
@@ -119,6 +120,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             cfg.train.seed,
             start_sample,
             stats,
+            split=plan.replica_micro_batches,
         )
         if reads_data
         else None
@@ -140,7 +142,7 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
         resumed = f", resumed from step {start_step} after {start_sample} samples" if start_step else ""
         metrics.print(
             f"training {cfg.model.name} ({plan.n_params / 1e6:.2f}M params) on {mesh.describe()}, "
-            f"{plan.micro_batches} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
+            f"{micro_batches_text(plan)} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
             f"{cfg.train.steps} steps{resumed}"
         )
     running = running_dims(plan)  # the dimensions whose communication metrics.jsonl reports

@@ -59,6 +59,8 @@ def check_ran(command: str, cwd: Path, started: float, result: subprocess.Comple
             assert "mesh=auto: 5 best" in out, out[-2000:]
             if "moe" in command or "mixtral" in command:
                 assert " ep " in out and "active per token" in out, out[-2000:]
+            elif "cluster=mixed" in command:  # a heterogeneous cluster: the split, each group's memory, the gap
+                assert "heterogeneous plan:" in out and "1 x a100_80gb" in out and "gap to the ideal" in out, out
             else:  # a long sequence: the search tries cp, and the best layout splits the sequence
                 assert " cp " in out and "tokens of a sequence" in out, out[-2000:]
         else:

@@ -101,6 +101,9 @@ CASES: dict[str, Case] = {
     "p3d-train model=mixtral_8x7b mesh.tp=4 mesh.pp=4 mesh.dp=4 mesh.ep=4 schedule.global_batch_size=64 "
     "cluster=h100_sxm cluster.nodes=8 dry_run=true": Case("run", extra=()),
     "p3d-plan model=mixtral_8x7b cluster=h100_64 mesh=auto": Case("run", extra=()),
+    # docs/clusters.md, heterogeneous clusters; slow tier: kept: tests/unit/planner/test_hetero_plan.py plans and
+    # renders the same config in-process
+    "p3d-plan cluster=mixed_h100_a100 model=llama3_8b mesh=auto": Case("run", extra=(), slow=True),
     # README and docs/context.md; slow tier: kept: e2e/test_cp_runs.py trains dp2 x cp2 through p3d-train first
     "p3d-train mesh=dp2 mesh.cp=2": Case("run", slow=True),
     # docs/context.md; slow tier: kept: e2e/test_cp_runs.py trains tp2 x pp2 x cp2 with SP, interleaved, in make test

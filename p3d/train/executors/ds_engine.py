@@ -20,7 +20,7 @@ from p3d.parallel.hang import HangWatch
 from p3d.parallel.mesh import Mesh
 from p3d.parallel.pipeline.specs import P3DPipelineModule, VocabParallelLoss, layer_specs_of
 from p3d.rundir.files import logs as run_logs
-from p3d.train.block_seconds import add_block_seconds
+from p3d.train.block_seconds import add_block_seconds, rank_block_seconds
 from p3d.train.executors.deepspeed_config import deepspeed_config
 from p3d.train.faults import StepGate
 from p3d.train.optim import build_optimizer, norm_once_reduced, resume_schedule
@@ -82,7 +82,7 @@ class DeepSpeedExecutor:
     def __init__(self, cfg, plan, mesh: Mesh, rank: int, device: torch.device, run_dir):
         self.cfg, self.plan, self.mesh = cfg, plan, mesh
         self.engine, self.module, self.scheduler = build_engine(cfg, plan, mesh)
-        add_block_seconds(self.module)  # the P3D_TEST_BLOCK_SECONDS test hook (off unless set)
+        add_block_seconds(self.module, rank_block_seconds(cfg.cluster, plan, rank))  # P3D_TEST_BLOCK_SECONDS
         self.gate = StepGate(self.engine, self.module, mesh, plan, cfg.train, device)
         self.gate.measure_norm = lambda: norm_once_reduced(
             param_gradients(self.engine, self.module), tied_weights(self.module), mesh

@@ -9,7 +9,10 @@ embeddings and the vocab-parallel loss are unchanged; only the executor differs.
 One optimizer step (``TorchPipeline.train_step``):
   1. ``schedule.step``: m micro batches of this dp replica, loss = VocabParallelLoss / m on the last chunk,
      ``scale_grads=False`` (the schedule would divide per stage, twice for a module two stages share);
-     afterwards every ``.grad`` holds d(mean loss of the replica)/d(param), summed over the micro batches;
+     afterwards every ``.grad`` holds d(mean loss of the replica)/d(param), summed over the micro batches. Replicas
+     with their own counts m_r (``schedule.replica_micro_batches``) each build their schedule for m_r and divide by
+     the mean count M / dp (M the global batch's micro batches), so that after the mean over dp every micro batch
+     weighs 1 / M, the single process's mean (``RunPlan.mean_micro_batches``);
   2. tied embeddings under loop placement: the two copies' grads summed over the two holders (DeepSpeed's
      ``TiedLayerSpec`` rule); under V placement one module serves both ends and autograd sums;
   3. dp: all grads flattened into one fp32 buffer, all-reduced (SUM; gloo has no AVG) over dp, divided by dp
@@ -42,6 +45,7 @@ from p3d.compat.pipelining_internals import (
     timed_p2p_waits,
 )
 from p3d.config.schema import DType, Recompute
+from p3d.data.order import replica_rows
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.moe import moe_blocks, set_micro_batches
 from p3d.parallel.context.chunks import take_local
@@ -140,9 +144,12 @@ class TorchPipeline:
         check_recompute(schedule, cfg.schedule.recompute)
         self.style = "loop" if schedule == TORCH_1F1B else SCHEDULE_CLASSES[schedule][1]
         self.n_chunks = mesh.pp * self.v
-        self.m = plan.micro_batches
+        self.m = plan.micro_batches_of(mesh.dp_rank)  # this replica's; its pp, tp and cp ranks run as many
         self.device = device or torch.device("cpu")
-        self.bounds = stage_bounds(cfg.model.n_layers, mesh.pp, cfg.schedule.partition, cfg.model, self.v, self.style)
+        blocks = cfg.schedule.stage_blocks if len(cfg.schedule.stage_blocks) == self.n_chunks else None
+        self.bounds = stage_bounds(
+            cfg.model.n_layers, mesh.pp, cfg.schedule.partition, cfg.model, self.v, self.style, blocks
+        )
         self.chunk_rank = chunk_to_rank(mesh.pp, self.n_chunks, self.style)
         self.chunk_ids = rank_chunks(mesh.pp, self.v, self.style, mesh.pp_rank)
         torch.manual_seed(cfg.train.seed)  # as reference_run; the weights come from seeded masters anyway
@@ -156,9 +163,12 @@ class TorchPipeline:
             ChunkModule(specs, self.bounds[c], self.bounds[c + 1], tied, recompute=recompute, autocast_dtype=autocast)
             for c in self.chunk_ids
         ]
+        # each micro batch's loss weighs 1 / m, m the replicas' mean count (plan.mean_micro_batches): with the mean over
+        # dp below, 1 / (micro batches of the global batch) on every replica, however many this one runs
+        self.loss_divisor = plan.mean_micro_batches
         for chunk in self.chunks:
             chunk.to(self.device)
-            set_micro_batches(chunk, self.m)  # each micro batch's balancing loss weighs 1 / m, as its LM loss
+            set_micro_batches(chunk, self.loss_divisor)  # a micro batch's balancing loss weighs as its LM loss
         if prepare is not None:  # before sharding: it writes whole tensors
             prepare(self.chunks)
         # ZeRO-2/3: FSDP2 over the dp (x cp) holders of the parameters, which reduces the grads itself
@@ -200,12 +210,12 @@ class TorchPipeline:
                 mark_pipe_replicated(p)  # the marker optim.counts_in_norm reads
 
         loss = VocabParallelLoss(cfg.model, plan.padded_vocab_size, mesh)
-        m = self.m
+        divisor = self.loss_divisor
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             # torch runs the loss after the last chunk's forward_one_chunk; timed as compute, as DeepSpeed's is
             with self.clocks.compute.timing("loss") if self.clocks is not None else contextlib.nullcontext():
-                return loss(logits, labels) / m  # the reference's 1/m per micro batch; summed over m by autograd
+                return loss(logits, labels) / divisor  # the reference's 1/m per micro batch; summed by autograd
 
         self.stages = [
             pipelining.PipelineStage(chunk, c, self.n_chunks, self.device, group=mesh.pp_group)
@@ -218,7 +228,7 @@ class TorchPipeline:
                 split_backward_on_gathered_weights(stage)
         cls = pipelining.Schedule1F1B if schedule == TORCH_1F1B else schedule_class(schedule)
         stages = self.stages[0] if schedule in ("gpipe", TORCH_1F1B) else self.stages  # one stage per rank
-        self.schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = cls(stages, n_microbatches=self.m, loss_fn=loss_fn, scale_grads=False)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer, self.lr_scheduler = build_torch_optimizer(self.module, cfg, mesh)
         self.overflow = False
@@ -289,8 +299,9 @@ class TorchPipeline:
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This dp replica's rows of the global batch (gbs, s + 1), as ``loader.rank_slice`` takes them."""
-        per = batch.shape[0] // self.mesh.dp
-        return batch[self.mesh.dp_rank * per : (self.mesh.dp_rank + 1) * per]
+        mbs, split = self.cfg.schedule.micro_batch_size, self.plan.replica_micro_batches
+        first, rows = replica_rows(batch.shape[0], mbs, self.mesh.dp, self.mesh.dp_rank, split)
+        return batch[first : first + rows]
 
     def local_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """This cp rank's tokens of inputs or labels (rows, s) -> (rows, s / cp): chunks cp_rank and

@@ -14,7 +14,7 @@ from p3d.compat.pipelining_internals import torch_pass_order
 from p3d.parallel.hang import HangWatch
 from p3d.parallel.mesh import Mesh
 from p3d.rundir.files import logs as run_logs
-from p3d.train.block_seconds import add_block_seconds
+from p3d.train.block_seconds import add_block_seconds, rank_block_seconds
 from p3d.train.executors.torch_optim import ExpertZero1
 from p3d.train.executors.torch_pipeline import TorchPipeline
 from p3d.train.faults import StepGate
@@ -43,7 +43,7 @@ class TorchExecutor:
             cfg, plan, mesh, s.pipeline.value, s.virtual_stages, device=device, prepare=self.init_from
         )
         self.module, self.scheduler = self.pipe.module, self.pipe.lr_scheduler
-        add_block_seconds(self.module)  # the P3D_TEST_BLOCK_SECONDS test hook (off unless set)
+        add_block_seconds(self.module, rank_block_seconds(cfg.cluster, plan, rank))  # P3D_TEST_BLOCK_SECONDS
         self.timer = TorchStageTimer(self.pipe.stages, rank, device)
         self.pipe.clocks = self.timer  # the schedule's waits, the loss and the dp collectives: the same clocks
         self.timer.planned = partial(torch_pass_order, self.pipe.schedule, mesh.pp_rank)  # a traced step's plan

@@ -24,6 +24,7 @@ COMPANIONS = {
     ("data", "prepared"): ["data.path=/tmp/store"],
     ("mesh", "auto"): ["cluster.device=h100_sxm", "model=llama3_8b", "schedule=large"],  # one 8-GPU node
     ("cluster", "h100_64"): ["mesh=tp8_pp8", "model=llama70b", "schedule=large"],  # 64 GPUs: tp8 x pp8 x dp1
+    ("cluster", "mixed_h100_a100"): ["mesh=tp4_pp2", "model=llama3_8b", "schedule=large"],  # 16 GPUs, 2 groups
     # gpt shapes are for p3d-plan (published runs); the trainer builds llama only, a dry run composes them
     ("model", "gpt_175b"): ["dry_run=true"],
     ("model", "gpt_530b"): ["dry_run=true"],
