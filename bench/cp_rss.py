@@ -8,8 +8,8 @@ of the run, what ``malloc_trim(0)`` hands back to the kernel. Beside them p3d-pl
     .venv/bin/python bench/cp_rss.py                                 # model=tiny, cp 1
     .venv/bin/python bench/cp_rss.py --cp 1 2 4 --extra model=small
 
-A sample every 5 ms can miss the exact peak by a few ms of allocations: the figures are a reading, not a count.
-glibc only (mallinfo2, malloc_trim).
+The most in use is the largest of the samples, and a sample every 5 ms can miss the exact peak by a few ms of
+allocations: the figures are a reading, not a count. glibc only (mallinfo2, malloc_trim).
 """
 
 from __future__ import annotations
@@ -63,14 +63,16 @@ def watch_worker(out_prefix: str):
     inner = loop.train
 
     def train(cfg, plan, run_dir, rank):
-        libc, seen, stop = _libc(), {"rss": 0}, threading.Event()
+        libc, seen, stop = _libc(), {"rss": 0, "max_in_use": 0}, threading.Event()
 
         def sample():
             while not stop.is_set():
                 rss = rss_bytes()
+                used, free = heap(libc)
                 if rss > seen["rss"]:
-                    used, free = heap(libc)
                     seen.update(rss=rss, in_use=used, free=free)
+                if used > seen["max_in_use"]:
+                    seen.update(max_in_use=used, rest=rss - used - free)  # rest: libraries, stacks, not malloc's
                 time.sleep(0.005)
 
         thread = threading.Thread(target=sample, daemon=True)
@@ -119,9 +121,10 @@ def main() -> None:
         print(json.dumps(run([*COMMAND, *args.extra, f"mesh.cp={args.cp[0]}"])))
         return
     print("GB per rank (the rank of the highest peak RSS): peak RSS; at it, malloc's bytes in use and free in its")
-    print("heap, the rest (libraries, stacks); malloc_trim's release at the end; p3d-plan's total")
-    print(f"{'cp':>3} {'peak RSS':>9} {'in use':>7} {'free':>6} {'rest':>6} {'trimmed':>8} {'planned':>8} "
-          f"{'plan/RSS':>8} {'plan/(RSS-free)':>15}")  # fmt: skip
+    print("heap; the most malloc had in use at once and the rest of the RSS then (libraries, stacks); malloc_trim's")
+    print("release at the end; p3d-plan's total against the RSS and against the peak in use + the rest")
+    print(f"{'cp':>3} {'peak RSS':>9} {'in use':>7} {'free':>6} {'max in use':>10} {'rest':>6} {'trimmed':>8} "
+          f"{'planned':>8} {'plan/RSS':>8} {'plan/used':>9}")  # fmt: skip
     for cp in args.cp:
         overrides = [*COMMAND, *args.extra, f"mesh.cp={cp}"]
         child = [sys.executable, __file__, "--one", "--cp", str(cp), "--extra", *args.extra]
@@ -131,9 +134,9 @@ def main() -> None:
         r = json.loads(done.stdout.strip().splitlines()[-1])
         total = planned(overrides)[0]
         peak, used, free = r["maxrss"] / 1e9, r["in_use"] / 1e9, r["free"] / 1e9
-        print(f"{cp:>3} {peak:>9.3f} {used:>7.3f} {free:>6.3f} {r['rss'] / 1e9 - used - free:>6.3f} "
-              f"{r['trimmed'] / 1e9:>8.3f} {total:>8.3f} {total / peak:>8.2f} {total / (peak - free):>15.2f}",
-              flush=True)  # fmt: skip
+        most, rest = r["max_in_use"] / 1e9, r["rest"] / 1e9
+        print(f"{cp:>3} {peak:>9.3f} {used:>7.3f} {free:>6.3f} {most:>10.3f} {rest:>6.3f} {r['trimmed'] / 1e9:>8.3f} "
+              f"{total:>8.3f} {total / peak:>8.2f} {total / (most + rest):>9.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
