@@ -223,6 +223,7 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/cp_runs.py --extra model=small",
             ".venv/bin/python bench/cp_memory.py",
             ".venv/bin/python bench/cp_rss.py --cp 1 2 4",
+            ".venv/bin/python bench/cp_rss.py --cp 1 2 4 --extra model.seq_len=16384",
             ".venv/bin/python bench/cp_rss.py --cp 1 2 4 --extra model=small",
         ),
         Case("not_here", expect="a benchmark (minutes of timing), never a test"),
