@@ -521,6 +521,7 @@ BOUNDS: dict[str, Bound] = {
     "plan.hbm_gbps": POSITIVE,
     "plan.gemm_k_overhead": NON_NEGATIVE,
     "plan.top": AT_LEAST_1,
+    "plan.block_seconds": NON_NEGATIVE,
 }
 
 
