@@ -137,13 +137,27 @@ def single_process_curve(*overrides: str) -> list[dict]:
     return reference_run(cfg)
 
 
-def assert_follows_curve(got: list[dict], ref: list[dict], rtol: float) -> None:
-    """Every step of ``got`` has ``ref``'s loss and gradient norm within ``rtol`` (and clipping was exercised)."""
+def assert_follows_curve(
+    got: list[dict],
+    ref: list[dict],
+    rtol: float,
+    norm_rtol: float | None = None,
+    lr: bool = False,
+    extra: tuple[str, ...] = (),
+) -> None:
+    """Every step of ``got`` has ``ref``'s loss and gradient norm within ``rtol`` (``norm_rtol`` for the norm, if
+    given) and clipping was exercised; ``lr``: its learning rate too (1e-12); ``extra``: the figures named there
+    within ``rtol`` where ``ref`` has them (the last step's val_loss, a mixture's moe_aux_loss)."""
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     assert any(r["grad_norm"] > 1.0 for r in ref), "clipping must be exercised"
     for r, g in zip(ref, got):
         assert g["loss"] == pytest.approx(r["loss"], rel=rtol), f"step {r['step']} loss"
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=rtol), f"step {r['step']} grad norm"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=norm_rtol or rtol), f"step {r['step']} grad norm"
+        if lr:
+            assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), f"step {r['step']} lr"
+        for key in extra:
+            if key in r:
+                assert g[key] == pytest.approx(r[key], rel=rtol), f"step {r['step']} {key}"
 
 
 def start_p3d_train(run_dir, *overrides: str, cwd: Path = ROOT, new_session: bool = False) -> subprocess.Popen:
