@@ -298,6 +298,9 @@ def dispatch(cfg, plan, spec: Path, lease=None) -> int:
         lease.hand_to_job(job_id)
     lay = job_shape(cfg, plan)
     gpus = f", {lay.gpus_per_node} GPUs each" if lay.gpus_per_node else ""
+    warning = group_placement_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     print(
         f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh {plan.dims.degrees()}, "
         f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}\n"
@@ -306,3 +309,18 @@ def dispatch(cfg, plan, spec: Path, lease=None) -> int:
         flush=True,
     )
     return exit_codes.OK
+
+
+def group_placement_warning(cfg) -> str | None:
+    """cluster.groups on Slurm: the job is one ordinary allocation (no hetjob yet, docs/clusters.md), so Slurm
+    chooses which nodes hold which ranks; the split still trains the same model, at the planned pace only if the
+    nodes come in the groups' order."""
+    groups = cfg.cluster.groups
+    if not groups:
+        return None
+    named = ", ".join(f"{g.nodes} x {g.device}" for g in groups)
+    return (
+        f"p3d: warning: cluster.groups ({named}) on Slurm: submitted as one ordinary job, not a heterogeneous "
+        "one, so Slurm may give a group's ranks another group's nodes (the same model, at another pace); to pin "
+        "them, submit by hand with one hetjob component per group (docs/clusters.md, Heterogeneous clusters)"
+    )
