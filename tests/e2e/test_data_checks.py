@@ -41,7 +41,7 @@ def _disagreeing_readers(rank, world):
 
     stats = DataStats(skipped_records=3, failed_files=1 if rank == 1 else 0)  # a file failed on rank 1 only
     with pytest.raises(RuntimeError, match="data-reading ranks skipped different records or files"):
-        step_stats(Stopper(), 0.0, 0.0, 0.0, torch.device("cpu"), stats if rank < 2 else None)
+        step_stats(Stopper(), 0.0, 0.0, {"dp_comm_s": 0.0}, torch.device("cpu"), stats if rank < 2 else None)
 
 
 def test_ranks_whose_data_streams_drift_apart_stop_the_run():
