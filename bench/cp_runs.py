@@ -4,6 +4,13 @@ and p3d-plan's per-rank figure for the same command beside it.
 
     .venv/bin/python bench/cp_runs.py                      # the issue's command (model=tiny), cp 1, 2, 4
     .venv/bin/python bench/cp_runs.py --cp 1 2 --extra model=small
+    .venv/bin/python bench/cp_runs.py --host-memory keep release   # both CPU heap policies, run by run
+
+``train.host_memory`` (p3d.train.host_memory) decides what the CPU peak RSS holds: ``keep`` (the default, fast)
+leaves freed memory resident in the heap, so the peak holds the heap's reach, holes included; ``release`` hands
+freed blocks back, so the peak is the live bytes' (CUDA's ``max_memory_allocated`` counterpart, which is what
+p3d-plan predicts). With several policies each cp's runs are taken in turn, and the step column is the median
+step time of the run's steps after the first (its cost).
 
 What a rank holds beside its share of the activations is the floor cp cannot divide: the worker process itself
 (torch's and the data readers' resident memory, ``p3d.planner.memory.host_bytes``), the weights, their gradients
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,15 +36,18 @@ COMMAND = ("model.seq_len=4096", "mesh=single", "schedule.global_batch_size=2", 
            "train.steps=2")  # fmt: skip
 
 
-def measured_peak_gb(overrides: list[str]) -> float:
-    """The run's peak_mem_gb (its last step's record: the largest over the ranks, peak RSS on cpu)."""
+def measured(overrides: list[str]) -> tuple[float, float]:
+    """The run's peak_mem_gb (the largest over its records and ranks, peak RSS on cpu) and its median step seconds
+    after the first step (all steps if it ran one)."""
     with tempfile.TemporaryDirectory(prefix="p3d-bench-cp-runs-") as tmp:
         cmd = [sys.executable, "-m", "p3d.cli", *overrides, f"run.dir={tmp}", "logger=none"]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
         if done.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        return max(r["peak_mem_gb"] for r in records if isinstance(r.get("peak_mem_gb"), (int, float)))
+        steps = [r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float))]
+        peak = max(r["peak_mem_gb"] for r in records if isinstance(r.get("peak_mem_gb"), (int, float)))
+        return peak, statistics.median(steps[1:] or steps)
 
 
 def planned(overrides: list[str]) -> tuple[float, float, float]:
@@ -54,20 +65,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cp", nargs="+", type=int, default=[1, 2, 4])
     ap.add_argument("--extra", nargs="*", default=[], help="overrides added to the issue's command")
+    ap.add_argument("--host-memory", nargs="+", default=["keep"], choices=["keep", "release"],
+                    help="train.host_memory policies, each a run per cp")  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = [*COMMAND, *args.extra]
-    print(f"p3d-train {' '.join(base)} mesh.cp=N: peak_mem_gb (max over ranks) and p3d-plan's per-rank GB")
-    print(f"{'cp':>3} {'measured GB':>11} {'vs cp1':>7} {'planned GB':>10} {'plan/meas':>9} {'act+loss':>9} "
-          f"{'attn ws':>8}")  # fmt: skip
-    first = None
+    print(
+        f"p3d-train {' '.join(base)} mesh.cp=N train.host_memory=H: peak_mem_gb (max over ranks), p3d-plan's "
+        "per-rank GB"
+    )
+    print(f"{'cp':>3} {'heap':>7} {'measured GB':>11} {'vs cp1':>7} {'planned GB':>10} {'plan/meas':>9} "
+          f"{'act+loss':>9} {'attn ws':>8} {'step s':>7}")  # fmt: skip
+    first: dict[str, float] = {}
     for cp in args.cp:
-        overrides = [*base, f"mesh.cp={cp}"]
-        peak = measured_peak_gb(overrides)
-        total, act, attn = planned(overrides)
-        first = first or peak
-        print(f"{cp:>3} {peak:>11.3f} {peak / first:>6.2f}x {total:>10.3f} {total / peak:>9.2f} {act:>9.3f} "
-              f"{attn:>8.3f}", flush=True)  # fmt: skip
+        total, act, attn = planned([*base, f"mesh.cp={cp}"])
+        for heap in args.host_memory:
+            peak, step = measured([*base, f"mesh.cp={cp}", f"train.host_memory={heap}"])
+            first.setdefault(heap, peak)
+            print(f"{cp:>3} {heap:>7} {peak:>11.3f} {peak / first[heap]:>6.2f}x {total:>10.3f} {total / peak:>9.2f} "
+                  f"{act:>9.3f} {attn:>8.3f} {step:>7.2f}", flush=True)  # fmt: skip
         if cp == 1:
             print(f"    floor (planned total less activations and loss at cp1): {total - act:.3f} GB")
 

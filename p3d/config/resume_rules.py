@@ -40,6 +40,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "model.*": (Rule.REFUSED, _SHAPE),
     "model.compile": (Rule.CHANGES, "how the blocks run, not what they compute"),
     "train.adamw_impl": (Rule.CHANGES, "which kernels run AdamW; its moments are kept"),
+    "train.host_memory": (Rule.CHANGES, "how a CPU worker's heap hands freed memory back, not what it computes"),
     "train.tf32": (Rule.CHANGES, "the precision of fp32 matmuls of the steps to come (GPUs)"),
     "model.name": (Rule.QUIET, "a label; the shape fields decide what the model is"),
     "model.seq_len": (Rule.REFUSED, "the data position counts windows of model.seq_len + 1 tokens"),

@@ -66,6 +66,11 @@ class AdamWImpl(Enum):
     fused = "fused"  # one fused kernel per parameter group (CUDA and CPU)
 
 
+class HostMemory(Enum):
+    keep = "keep"  # CPU workers keep freed memory in their heap for the next step (fast; peak_mem_gb counts it)
+    release = "release"  # freed blocks over 128 KiB go back to the kernel: peak_mem_gb is the live peak (~10 % slower)
+
+
 class LRDecay(Enum):
     cosine = "cosine"
     linear = "linear"
@@ -352,6 +357,7 @@ class TrainConfig:
     trace_steps: list[int] = field(default_factory=list)  # steps whose timeline is written (traces/, docs/timeline.md)
     max_restarts: int = 0  # a worker killed by a signal or a hang: restart all from the newest checkpoint, N times
     async_save: Optional[bool] = None  # write checkpoints in the background (None: on under nccl, off on CPU)
+    host_memory: HostMemory = HostMemory.keep  # CPU runs: keep | release freed memory (p3d.train.host_memory)
     resume: str = "none"  # none | auto (the newest complete checkpoint in run.dir, if any) | a checkpoint dir
 
 

@@ -64,7 +64,9 @@ working set (the keys and values it gathers or passes round, its fp32 gradient s
 ``context.attention_working_bytes``).
 
 On cpu every worker also holds its process and the data's shuffle pool (``host_bytes``): peak_mem_gb is the peak
-RSS there, and the workers share the host's memory.
+RSS there, and the workers share the host's memory. The figure predicted is the live peak: what the RSS peaks at
+under ``train.host_memory=release``; the default ``keep`` leaves freed blocks resident in the heap, which the plan
+does not count (p3d.train.host_memory, docs/context.md).
 
 In flight: the micro batches whose activations a rank holds at its peak, per schedule (p stages, m micro
 batches, v chunks per rank, rank s 0-based; counted in chunks, each 1/v of the rank's layers; docs/planner.md):

@@ -7,7 +7,9 @@ Written by one rank only (last stage, dp 0, tp 0), where the loss is known. Figu
 - tokens_per_s: global batch tokens / step wall time.
 - tflops_per_device: model FLOPs per step (p3d.layout.geometry: 6 x matmul parameters + attention, no
   recompute) / step time / devices; mfu: that over cluster.peak_tflops.
-- peak_mem_gb: the largest, over all ranks, of CUDA max-allocated (GPU) or peak RSS (CPU), in GB.
+- peak_mem_gb: the largest, over all ranks, of CUDA max-allocated (GPU) or peak RSS (CPU), in GB. The CPU figure
+  holds the heap's freed blocks under train.host_memory=keep (the default); =release makes it the live peak
+  (p3d.train.host_memory).
 - bubble: measured share of the step the stages spend blocked on pipeline neighbours (mean over
   ranks, p3d.train.timing); bubble_theory: the same idle share in theory, (p-1)/(m+p-1)
   (p3d.layout.geometry.pipeline_bubble, the number p3d-plan reports as bubble).

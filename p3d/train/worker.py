@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from p3d import exit_codes
-from p3d.train.host_memory import keep_freed_memory
+from p3d.train.host_memory import set_host_memory
 
 PROCESS_NAME = "p3d-rank"  # + the rank (p3d.jobs.forked, tests' worker_pids)
 
@@ -25,21 +25,21 @@ def skip_cpu_shm_build() -> None:
     disable_cpu_shm_comm()
 
 
-def set_up_cpu_worker() -> None:
-    """A CPU (gloo) worker's process settings, before its first step."""
+def set_up_cpu_worker(host_memory: str = "keep") -> None:
+    """A CPU (gloo) worker's process settings, before its first step. ``host_memory``: ``train.host_memory``."""
     import torch
 
     torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
-    keep_freed_memory()  # no page faults for the next step's activations (p3d.train.host_memory)
+    set_host_memory(host_memory)  # keep: no page faults for the next step's activations (p3d.train.host_memory)
     skip_cpu_shm_build()
 
 
-def init_process_group(plan, rank: int, timeout_s: int, tf32: bool = False) -> None:
+def init_process_group(plan, rank: int, timeout_s: int, tf32: bool = False, host_memory: str = "keep") -> None:
     """gloo on CPU, nccl on GPUs; a file store when the local launcher gives one, else env://."""
     import torch
 
     if plan.backend == "gloo":
-        set_up_cpu_worker()
+        set_up_cpu_worker(host_memory)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # train.tf32: fp32 matmuls (and convolutions) on tensor cores, 10-bit mantissa; bf16 runs do not care
@@ -108,7 +108,7 @@ def run(spec_path: str | Path, cfg=None, plan=None) -> int:
             f"(mesh dp={plan.dp} x pp={plan.pp} x tp={plan.tp})"
         )
     os.environ.setdefault("LOCAL_RANK", "0")
-    init_process_group(plan, rank, cfg.cluster.timeout_s, cfg.train.tf32)
+    init_process_group(plan, rank, cfg.cluster.timeout_s, cfg.train.tf32, cfg.train.host_memory.value)
     log_placement(plan, rank)
     import torch.distributed as dist
 

@@ -51,3 +51,34 @@ def test_a_cpu_worker_faults_no_page_in_for_a_steps_activations():
     # raised, no mmap (what p3d.train.worker sets on gloo): the heap serves those steps without a fault (measured:
     # 0; with the thresholds alone the 48 MiB gradient's own mmap faulted 12,288 pages a step)
     assert sum(kept[-6:]) < 200, kept
+
+
+# A heap that keeps its holes: eight 16 MiB blocks, every other one freed (64 MiB live, 64 MiB of holes), then a
+# 96 MiB block that fits no hole. The live peak is 160 MiB above the start; prints the peak RSS's growth in MiB.
+HOLES = """
+import os, resource, sys
+import torch
+from p3d.train.host_memory import set_host_memory
+assert set_host_memory(sys.argv[1]), "not glibc"
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+start = rss_mib()
+blocks = [torch.empty(4 << 20).fill_(1.0) for _ in range(8)]  # 16 MiB each
+del blocks[::2]
+big = torch.empty(24 << 20).fill_(1.0)  # 96 MiB
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - start)
+"""
+
+
+def peak_growth_mib(policy: str) -> float:
+    proc = subprocess.run([sys.executable, "-c", HOLES, policy], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def test_release_makes_the_peak_rss_the_live_peak():
+    """train.host_memory=release: the peak RSS grows by the live bytes' peak (160 MiB), not the heap's reach."""
+    kept, released = peak_growth_mib("keep"), peak_growth_mib("release")
+    assert kept > 200, kept  # keep: the holes stay resident beside the new block (measured: 225 MiB)
+    assert 150 < released < 175, released  # release: freed blocks were unmapped (measured: 161 MiB)

@@ -13,9 +13,11 @@ def test_other_c_libraries_are_left_alone(monkeypatch):
     musl = types.SimpleNamespace(mallopt=lambda *args: calls.append(args) or 1)
     monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: musl)
     assert host_memory.keep_freed_memory() is False and calls == []
+    assert host_memory.release_freed_memory() is False and calls == []
 
     def no_libc(name):
         raise OSError("no C library to load")
 
     monkeypatch.setattr(host_memory.ctypes, "CDLL", no_libc)
     assert host_memory.keep_freed_memory() is False
+    assert host_memory.set_host_memory("release") is False
