@@ -1,0 +1,87 @@
+"""A cluster of groups on the two-node Slurm cluster (issue 55): ``p3d-train cluster.groups=...`` submits one
+heterogeneous job, a component per group, each group's nodes picked by its constraint (the node features on_n1 and
+on_n2 of .ci/slurm/two-node-slurm.sh). The groups are given in the order n2, n1, the reverse of the nodes' names, so
+that ranks sitting on their groups' nodes is the hetjob's doing, not Slurm's default order."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from p3d.layout.dims import ParallelDims
+from p3d.layout.hetero import group_of_node
+from tests.helpers.runs import assert_follows_curve, p3d_train, typed
+from tests.helpers.slurm import client_env, placements
+
+from .conftest import slurm
+
+STEPS = 3
+# group 0, the fast one, on n2; group 1, half its peak, on n1
+GROUPS = (
+    "cluster.groups=[{device: cpu, nodes: 1, constraint: on_n2}, "
+    "{device: cpu, nodes: 1, peak_tflops: 0.05, constraint: on_n1}]"
+)
+GROUP_NODE = ("n2", "n1")
+TRAIN = ("model=tiny", f"train.steps={STEPS}", "train.warmup_steps=2", f"train.eval_every={STEPS}")
+SLURM = ("cluster=slurm", "cluster.time=30", "cluster.signal_s=60")
+
+
+def components(job: str) -> list[dict[str, str]]:
+    """``scontrol show job -o``'s fields of each component of the job, in offset order."""
+    lines = slurm("scontrol", "show", "job", "-o", job).stdout.splitlines()
+    rows = [dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line)) for line in lines if line.strip()]
+    return sorted(rows, key=lambda r: int(r.get("HetJobOffset", "0")))
+
+
+@pytest.mark.timeout(420)
+def test_groups_run_as_a_hetjob_with_each_ranks_on_its_groups_node_and_the_single_process_losses(two_nodes, tmp_path):
+    """dp2_pp2 with 3 + 1 blocks and 3 + 5 micro batches: stage 0 (both replicas) on group 0's node n2, stage 1 on
+    group 1's n1; the losses, gradient norms and learning rates are the single process's within 1e-5."""
+    from p3d.train.metrics import read_metrics
+    from p3d.train.reference import reference_run
+
+    run_dir = tmp_path / "run"
+    layout = ("mesh=dp2_pp2", "schedule.stage_blocks=[3,1]", "schedule.replica_micro_batches=[3,5]")
+    result = p3d_train(*SLURM, GROUPS, *layout, *TRAIN, f"run.dir={run_dir}", timeout=120, env=client_env())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "p3d: warning: cluster.groups" not in result.stderr, result.stderr[-2000:]
+    match = re.search(r"submitted Slurm job (\d+): .* 2 node\(s\) x 2 tasks; a heterogeneous job", result.stdout)
+    assert match, result.stdout
+    job = match.group(1)
+    state = two_nodes.wait(job, timeout=360)
+    log = (run_dir / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    parts = components(job)  # the job is a hetjob: one component per group, on its group's node
+    assert [(p["HetJobId"], p["HetJobOffset"], p["NodeList"], p["Features"]) for p in parts] == [
+        (job, "0", "n2", "on_n2"),
+        (job, "1", "n1", "on_n1"),
+    ], parts
+    assert "srun 4 tasks (2 node(s) x 2, 2 hetjob components: n2 + n1)" in log, log[-3000:]
+
+    cfg, _ = typed(*SLURM, GROUPS, *layout, *TRAIN)
+    dims = ParallelDims(tp=1, pp=2, dp=2, procs_per_node=2)
+    placed = placements(run_dir)
+    assert {r: p[0] for r, p in placed.items()} == {
+        r: GROUP_NODE[group_of_node(cfg.cluster, dims.node_of(r))] for r in range(4)
+    }
+    assert {r: p[0] for r, p in placed.items()} == {0: "n2", 1: "n2", 2: "n1", 3: "n1"}  # the same, spelled out
+    assert {p[0] for p in placed.values() if p[2] == 0} == {"n2"}  # pp stage 0 on the fast group
+
+    ref_cfg, _ = typed("mesh=single", *TRAIN)
+    assert_follows_curve(read_metrics(run_dir), reference_run(ref_cfg), 1e-5, lr=True)
+
+
+# slow tier (about 3 s): kept in make test: the unit test of the same refusal (tests/unit/jobs/test_hetjob.py)
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_group_whose_feature_no_node_has_is_refused_in_one_line_before_anything_is_submitted(two_nodes, tmp_path):
+    groups = GROUPS.replace("on_n1", "on_n3")
+    before = slurm("squeue", "-h", "-o", "%i").stdout.split()
+    result = p3d_train(*SLURM, groups, "mesh=dp2", *TRAIN, f"run.dir={tmp_path / 'run'}", timeout=120, env=client_env())
+    assert result.returncode != 0
+    assert (
+        "cluster.groups[1].constraint=on_n3: no node of partition two has that feature (its features: on_n1, on_n2)"
+        in result.stderr
+    ), result.stderr[-2000:]
+    assert slurm("squeue", "-h", "-o", "%i").stdout.split() == before
