@@ -27,6 +27,11 @@ TRAIN = ("model=tiny", f"train.steps={STEPS}", "train.warmup_steps=2", f"train.e
 SLURM = ("cluster=slurm", "cluster.time=30", "cluster.signal_s=60")
 
 
+def complete_checkpoints(run_dir) -> list[str]:
+    root = run_dir / "checkpoints"
+    return sorted(d.name for d in root.glob("step_*") if (d / "meta.json").is_file()) if root.is_dir() else []
+
+
 def components(job: str) -> list[dict[str, str]]:
     """``scontrol show job -o``'s fields of each component of the job, in offset order."""
     lines = slurm("scontrol", "show", "job", "-o", job).stdout.splitlines()
@@ -85,3 +90,45 @@ def test_a_group_whose_feature_no_node_has_is_refused_in_one_line_before_anythin
         in result.stderr
     ), result.stderr[-2000:]
     assert slurm("squeue", "-h", "-o", "%i").stdout.split() == before
+
+
+# slow tier (about 40 s): kept in make test: the hetjob above; the time-limit requeue of an ordinary job
+# (tests/cluster/slurm/test_slurm_jobs.py)
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_hetjob_signalled_before_its_time_limit_requeues_every_component_and_resumes(two_nodes, tmp_path):
+    """The time-limit signal (sent at once with scancel --batch) reaches the batch shell on component 0's node; the
+    workers on both components checkpoint and exit 75, the job requeues itself (every component, same id) and the
+    next start resumes on the same groups' nodes to the single process's losses."""
+    from p3d.train.metrics import read_metrics
+    from p3d.train.reference import reference_run
+    from tests.helpers.slurm import steps_done, wait_for
+
+    steps, run_dir = 12, tmp_path / "run"
+    train = ("model=tiny", f"train.steps={steps}", "train.warmup_steps=2", f"train.eval_every={steps}")
+    slurm_opts = ("cluster=slurm", "cluster.time=10", "cluster.signal_s=60")
+    result = p3d_train(*slurm_opts, GROUPS, "mesh=dp2", *train, f"run.dir={run_dir}", timeout=120, env=client_env())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    job = re.search(r"submitted Slurm job (\d+)", result.stdout).group(1)  # type: ignore[union-attr]
+    wait_for(lambda: len(steps_done(run_dir)) >= 2, 180, "two training steps")
+    assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0
+    state = two_nodes.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
+    log_path = run_dir / f"slurm-{job}.out"
+    assert state == "PENDING", log_path.read_text()[-3000:]
+    assert [p["JobState"] for p in components(job)] == ["PENDING", "PENDING"]
+    stopped_at = complete_checkpoints(run_dir)
+    assert stopped_at, "no complete checkpoint after the stop signal"
+    k = int(stopped_at[-1].split("_")[1])
+    assert 2 <= k < steps
+    two_nodes.release_requeued(job)
+    state = two_nodes.wait(job, timeout=240)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    jobs_log = (run_dir / "slurm_jobs.log").read_text()
+    assert f"{job} exit 75 after SIGUSR1" in jobs_log and f"{job} requeue after restart 0" in jobs_log
+    assert f"{job} start (restart 1) on n2 + n1" in jobs_log and f"{job} exit 0" in jobs_log
+    second = log[log.index("(restart 1)") :]
+    first_step = re.search(r"step\s+(\d+)/", second)
+    assert first_step and int(first_step.group(1)) == k + 1, second[:3000]
+    ref_cfg, _ = typed("mesh=single", *train)
+    assert_follows_curve(read_metrics(run_dir), reference_run(ref_cfg), 1e-5, lr=True)
