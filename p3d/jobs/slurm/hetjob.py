@@ -11,6 +11,7 @@ node p3d.layout.hetero gives it. Pure functions; the partition check and the sub
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 HETJOB_SEPARATOR = ":"  # between the components on sbatch's command line
@@ -75,3 +76,17 @@ def refusal_fields(c, message: str) -> str | None:
             if named:
                 return ", ".join(named)
     return None
+
+
+def step_rank(node: str | None, task: int, env: Mapping[str, str], hostnames: Callable[[str], list[str]]) -> int:
+    """The rank of srun's ``task`` on ``node`` in its failure lines ("srun: error: n1: task 0: Killed"). In a
+    heterogeneous job (``SLURM_HET_SIZE`` in ``env``) srun numbers each component's tasks from 0 there, so the rank is
+    ``task`` plus the tasks of the components before the node's (``SLURM_JOB_NODELIST_HET_GROUP_k``, expanded by
+    ``hostnames``; ``SLURM_NTASKS_HET_GROUP_k``); in an ordinary job, ``task`` itself."""
+    size = int(env.get("SLURM_HET_SIZE") or 0)
+    before = 0
+    for k in range(size):
+        if node is not None and node in hostnames(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{k}", "")):
+            return before + task
+        before += int(env.get(f"SLURM_NTASKS_HET_GROUP_{k}") or 0)
+    return task

@@ -132,3 +132,36 @@ def test_a_hetjob_signalled_before_its_time_limit_requeues_every_component_and_r
     assert first_step and int(first_step.group(1)) == k + 1, second[:3000]
     ref_cfg, _ = typed("mesh=single", *train)
     assert_follows_curve(read_metrics(run_dir), reference_run(ref_cfg), 1e-5, lr=True)
+
+
+# slow tier (about 25 s): kept in make test: the hetjob above; the killed worker's restart of an ordinary job
+# (tests/cluster/slurm/test_slurm_restarts.py)
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_worker_killed_in_a_hetjob_is_named_by_its_rank_and_every_worker_restarts_in_the_allocation(
+    two_nodes, tmp_path
+):
+    """Rank 1, group 1's on n1, SIGKILLs itself as step 5 starts (once): srun reports it as component 1's task 0, the
+    restart names rank 1, every worker resumes from step 3's checkpoint on both components, the losses are the
+    single process's."""
+    from p3d.train.loop import KILL_ENV
+    from p3d.train.metrics import read_metrics
+    from p3d.train.reference import reference_run
+
+    run_dir = tmp_path / "run"
+    train = ("model=tiny", "train.steps=8", "train.warmup_steps=2", "train.eval_every=8", "train.save_every=3")
+    result = p3d_train(
+        *SLURM, GROUPS, "mesh=dp2", *train, "train.max_restarts=2", f"run.dir={run_dir}",
+        timeout=120, env=client_env(**{KILL_ENV: "1:5:once"}),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    job = re.search(r"submitted Slurm job (\d+)", result.stdout).group(1)  # type: ignore[union-attr]
+    state = two_nodes.wait(job, timeout=360)
+    log = (run_dir / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert "n1: task 0: Killed" in log, log[-4000:]
+    assert "p3d: restart 1 of 2: rank 1 ended: Killed at step 5" in log, log[-4000:]
+    assert "resumed from step 3" in log, log[-4000:]
+    assert f"{job} restart in the allocation after exit" in (run_dir / "slurm_jobs.log").read_text()
+    ref_cfg, _ = typed("mesh=single", *train)
+    assert_follows_curve(read_metrics(run_dir), reference_run(ref_cfg), 1e-5, lr=True)

@@ -140,3 +140,30 @@ def test_sbatchs_refusal_of_a_feature_or_partition_names_the_groups_that_set_it(
     )
     assert refusal_fields(cfg.cluster, "sbatch refused the job: Invalid account or account/partition") is None
     assert refusal_fields(cfg.cluster, "Job violates accounting/QOS policy") is None
+
+
+def test_srun_numbers_each_components_tasks_from_0_and_the_rank_adds_the_components_before():
+    """srun's failure line in a hetjob: "srun: error: n1: task 0: Killed" is rank 2 when component 0 holds ranks
+    0-1 (seen on the two-node cluster: the killed rank 1 of a dp2 hetjob was reported as task 0 on n1)."""
+    from p3d.jobs.slurm.hetjob import step_rank
+
+    def expand(nodelist: str) -> list[str]:  # scontrol show hostnames, for the lists below
+        return {"n[3-4]": ["n3", "n4"]}.get(nodelist, [nodelist])
+
+    env = {
+        "SLURM_HET_SIZE": "3",
+        "SLURM_JOB_NODELIST_HET_GROUP_0": "n2",
+        "SLURM_NTASKS_HET_GROUP_0": "2",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "n1",
+        "SLURM_NTASKS_HET_GROUP_1": "2",
+        "SLURM_JOB_NODELIST_HET_GROUP_2": "n[3-4]",
+        "SLURM_NTASKS_HET_GROUP_2": "4",
+    }
+    assert [step_rank(n, t, env, expand) for n, t in [("n2", 1), ("n1", 0), ("n1", 1), ("n3", 0), ("n4", 3)]] == [
+        1,
+        2,
+        3,
+        4,
+        7,
+    ]
+    assert step_rank("n1", 1, {}, expand) == 1  # an ordinary job: srun's task ids are the ranks
