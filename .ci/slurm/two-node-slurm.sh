@@ -79,6 +79,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# heterogeneous jobs start only in a backfill pass: every second here, not Slurm's 30 s
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
@@ -88,8 +90,9 @@ KillWait=5
 MailProg=/bin/true
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-NodeName=n1 NodeHostname=n1 NodeAddr=$NET.2 CPUs=$CPUS RealMemory=4000 State=UNKNOWN
-NodeName=n2 NodeHostname=n2 NodeAddr=$NET.3 CPUs=$CPUS RealMemory=4000 State=UNKNOWN
+# node features, so that a job can ask for either node (--constraint=on_n2; a hetjob component per group)
+NodeName=n1 NodeHostname=n1 NodeAddr=$NET.2 CPUs=$CPUS RealMemory=4000 Features=on_n1 State=UNKNOWN
+NodeName=n2 NodeHostname=n2 NodeAddr=$NET.3 CPUs=$CPUS RealMemory=4000 Features=on_n2 State=UNKNOWN
 PartitionName=two Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
   if ! cmp -s "$CONF.new" "$CONF"; then mv "$CONF.new" "$CONF"; return 0; fi

@@ -10,6 +10,7 @@ is never retried, and neither is a failure that repeats the previous one: the sa
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.jobs import elastic
+from p3d.jobs.slurm.hetjob import step_rank
+from p3d.jobs.slurm.step import hostnames
 from p3d.rundir.attempts import current_attempt
 from p3d.rundir.files import logs as run_logs
 from p3d.rundir.files import read_metrics
@@ -90,7 +93,7 @@ def run_with_restarts(
 
 # ---- the Slurm recipe (recipes/slurm/train.sbatch): the same rule within one allocation
 STATE = "slurm_restarts.json"  # in <run dir>/logs/: this start's restarts so far and the last failure
-TASK_LINE = re.compile(r"task (\d+): (.+)$")
+TASK_LINE = re.compile(r"(?:(\S+): )?task (\d+): (.+)$")  # srun's "srun: error: <node>: task <id>: <how it ended>"
 
 
 LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError")
@@ -144,9 +147,17 @@ def slurm_cause(run_dir: Path, srun_err: Path) -> str | None:
         if "node failure" in line.lower():
             return f"a lost node ({line.strip()})"
         m = TASK_LINE.search(line)
-        if m and not m.group(2).startswith("Exited with exit code"):
-            return f"rank {m.group(1)} ended: {m.group(2).strip()}"
+        if m and not m.group(3).startswith("Exited with exit code"):
+            return f"rank {srun_rank(m.group(1), int(m.group(2)))} ended: {m.group(3).strip()}"
     return None
+
+
+def srun_rank(node: str | None, task: int) -> int:
+    """The rank of srun's task ``task`` on ``node`` in this job (a heterogeneous job numbers each component's tasks
+    from 0: p3d.jobs.slurm.hetjob.step_rank)."""
+    if not os.environ.get("SLURM_HET_SIZE"):
+        return task
+    return step_rank(node, task, os.environ, hostnames)
 
 
 def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[..., int], console=None) -> int:

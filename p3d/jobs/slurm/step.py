@@ -28,7 +28,7 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.jobs.follow import follow
-from p3d.jobs.slurm.submit import SLURM_TIMEOUT_S, job_shape
+from p3d.jobs.slurm.submit import SLURM_TIMEOUT_S, group_placement_warning, job_shape
 from p3d.rundir.attempts import start_attempt
 from p3d.rundir.files import log_job, rank_log
 from p3d.rundir.files import logs as run_logs
@@ -158,6 +158,9 @@ def run_step(cfg, plan, spec: Path) -> int:
         f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}; logs in {run_dir / 'logs'}",
         flush=True,
     )
+    warning = group_placement_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     link_job_log(run_dir, job)
     proc = subprocess.Popen(cmd, env=env)
 

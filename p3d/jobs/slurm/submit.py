@@ -4,8 +4,9 @@
 
 - outside an allocation: submits ``recipes/slurm/train.sbatch`` with ``--nodes``,
   ``--ntasks-per-node`` (one task per GPU) and ``--gpus-per-node`` derived from the mesh and the
-  cluster config (:func:`sbatch_args`), after checking the partition can hold it (``sinfo``), and
-  prints the job id and its log;
+  cluster config (:func:`sbatch_args`; with ``cluster.groups``, one heterogeneous job of a component per
+  group, p3d.jobs.slurm.hetjob), after checking the partition can hold it (``sinfo``; each group's
+  partition and constraint), and prints the job id and its log;
 - inside an allocation (a sweep job of the submitit launcher, or ``salloc``): starts the workers
   right there as one ``srun`` step (:mod:`p3d.jobs.slurm.step`).
 
@@ -15,6 +16,7 @@ talks to Slurm goes through ``sbatch``, ``sinfo`` and ``scontrol`` with a timeou
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.config.shipped import shipped
+from p3d.jobs.slurm.hetjob import Component, components, hetjob_args, refusal_fields
 from p3d.layout.run_plan import P3DConfigError
 from p3d.rundir.files import log_job, write_status
 from p3d.rundir.lease import FREEZE_ONLY_ENV  # set by the recipe: p3d-train freezes the spec and returns
@@ -120,23 +123,27 @@ def checked_time_limit(c) -> int | None:
 
 
 def sbatch_args(cfg, lay: JobShape, run_dir: str | Path) -> list[str]:
-    """The sbatch options of this run's job; they override the recipe's #SBATCH header."""
+    """The sbatch options of this run's job; they override the recipe's #SBATCH header. With ``cluster.groups``:
+    one component per group, separated by ':' (p3d.jobs.slurm.hetjob.hetjob_args)."""
     c = cfg.cluster
-    args = [f"--job-name={c.job_name}", f"--nodes={lay.nodes}", f"--ntasks-per-node={lay.ntasks_per_node}"]
+    job_wide = [f"--job-name={c.job_name}"]
+    if checked_time_limit(c) is not None:
+        job_wide.append(f"--time={c.time}")
+    job_wide.append("--requeue" if c.requeue else "--no-requeue")
+    if c.elastic.min_nodes is not None:  # a lost node leaves the job running on the others (p3d.jobs.elastic)
+        job_wide.append("--no-kill")
+    if c.signal_s > 0:  # to the batch shell, which forwards it to the workers (see the recipe)
+        job_wide.append(f"--signal=B:USR1@{c.signal_s}")
+    job_wide += ["--open-mode=append", f"--output={Path(run_dir).resolve()}/slurm-%j.out"]
+    job_wide += c.extra_sbatch  # last: the user's lines win
+    if c.groups:
+        return hetjob_args(c, lay, job_wide)
+    args = [f"--nodes={lay.nodes}", f"--ntasks-per-node={lay.ntasks_per_node}"]
     if lay.gpus_per_node:
         args.append(f"--gpus-per-node={lay.gpus_per_node}")
     if lay.cpus_per_task:
         args.append(f"--cpus-per-task={lay.cpus_per_task}")
-    if checked_time_limit(c) is not None:
-        args.append(f"--time={c.time}")
-    args += placement_args(c)
-    args.append("--requeue" if c.requeue else "--no-requeue")
-    if c.elastic.min_nodes is not None:  # a lost node leaves the job running on the others (p3d.jobs.elastic)
-        args.append("--no-kill")
-    if c.signal_s > 0:  # to the batch shell, which forwards it to the workers (see the recipe)
-        args.append(f"--signal=B:USR1@{c.signal_s}")
-    args += ["--open-mode=append", f"--output={Path(run_dir).resolve()}/slurm-%j.out"]
-    return args + list(c.extra_sbatch)  # last: the user's lines win
+    return args + placement_args(c) + job_wide
 
 
 def placement_args(c) -> list[str]:
@@ -166,30 +173,66 @@ def parse_gres_gpus(gres: str) -> int:
     return total
 
 
-def parse_sinfo(text: str, partition: str | None) -> Partition:
-    """Rows of ``sinfo -h -N -o '%N|%c|%G|%P'``: nodes of ``partition``, or of the default one (marked *)."""
-    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 3]
+def parse_sinfo(text: str, partition: str | None, field: str = "cluster.partition") -> Partition:
+    """Rows of ``sinfo -h -N -o '%N|%c|%G|%P'`` (or with ``|%f``, the features, after them): nodes of ``partition``,
+    or of the default one (marked *). ``field``: the config field that named the partition, for the error."""
+    rows = [line.split("|") for line in text.splitlines() if line.count("|") in (3, 4)]
     if partition is None:
         rows = [r for r in rows if r[3].endswith("*")]
     else:
         rows = [r for r in rows if r[3].rstrip("*") == partition]
     if not rows:
-        which = f"cluster.partition={partition}" if partition else "cluster.partition=null (the default partition)"
-        raise P3DConfigError(f"{which}: Slurm lists no nodes there; see `sinfo` and set cluster.partition")
-    name = rows[0][3].rstrip("*")
-    nodes = {r[0] for r in rows}
+        which = f"{field}={partition}" if partition else f"{field}=null (the default partition)"
+        raise P3DConfigError(f"{which}: Slurm lists no nodes there; see `sinfo` and set {field}")
+    return _partition(rows)
+
+
+def _partition(rows: list[list[str]]) -> Partition:
     return Partition(
-        name=name,
-        nodes=len(nodes),
+        name=rows[0][3].rstrip("*"),
+        nodes=len({r[0] for r in rows}),
         cpus_per_node=min(int(r[1]) for r in rows),
         gpus_per_node=min(parse_gres_gpus(r[2]) for r in rows),
     )
 
 
+def component_partition(text: str, comp: Component) -> Partition:
+    """The nodes a hetjob component may take: its partition's (``sinfo`` rows with features), less those without
+    its constraint when that names one feature. Raises P3DConfigError naming the group's field."""
+    part = parse_sinfo(text, comp.partition, f"{comp.field}.partition")
+    feature = comp.feature
+    if feature is None:
+        return part
+    rows = [
+        r
+        for r in (line.split("|") for line in text.splitlines() if line.count("|") == 4)
+        if r[3].rstrip("*") == part.name
+    ]
+    with_it = [r for r in rows if feature in r[4].split(",")]
+    if not with_it:
+        known = sorted({f for r in rows for f in r[4].split(",") if f and f != "(null)"})
+        raise P3DConfigError(
+            f"{comp.field}.constraint={comp.constraint}: no node of partition {part.name} has that feature "
+            f"(its features: {', '.join(known) or 'none'}); set {comp.field}.constraint to one of them, or null"
+        )
+    found = _partition(with_it)
+    if comp.nodes > found.nodes:
+        raise P3DConfigError(
+            f"{comp.field}.nodes={comp.nodes} exceeds the {found.nodes} node(s) of partition {part.name} with feature "
+            f"{feature}; try {comp.field}.nodes={found.nodes}"
+        )
+    return found
+
+
 def partition_info(partition: str | None) -> Partition:
+    return parse_sinfo(sinfo_nodes(), partition)
+
+
+def sinfo_nodes() -> str:
+    """``sinfo``'s nodes: name|CPUs|GRES|partition|features, one a line."""
     try:
         out = subprocess.run(
-            ["sinfo", "-h", "-N", "-o", "%N|%c|%G|%P"], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
+            ["sinfo", "-h", "-N", "-o", "%N|%c|%G|%P|%f"], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise P3DConfigError(
@@ -197,7 +240,7 @@ def partition_info(partition: str | None) -> Partition:
         ) from None
     if out.returncode:
         raise P3DConfigError(f"cluster.launcher=slurm but `sinfo` failed: {out.stderr.strip()}; try cluster=local")
-    return parse_sinfo(out.stdout, partition)
+    return out.stdout
 
 
 def check_fits(lay: JobShape, part: Partition, plan) -> None:
@@ -251,13 +294,25 @@ def inside_allocation() -> bool:
 
 def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
     """sbatch the recipe on the frozen spec; returns (job id, job log). Raises P3DConfigError when the
-    job cannot fit the partition, RuntimeError when sbatch refuses it."""
+    job cannot fit the partition (with groups: a group its partition or constraint), RuntimeError when sbatch
+    refuses it."""
     run_dir = spec.parent.resolve()
     lay = job_shape(cfg, plan)
     args = sbatch_args(cfg, lay, run_dir)
     recipe = recipe_path(cfg)
-    check_fits(lay, partition_info(cfg.cluster.partition), plan)
-    job_id = sbatch(cfg.cluster, args, recipe, [], P3D_RUN_DIR=str(run_dir))
+    nodes = sinfo_nodes()
+    if cfg.cluster.groups:
+        for comp in components(cfg.cluster):
+            check_fits(dataclasses.replace(lay, nodes=comp.nodes), component_partition(nodes, comp), plan)
+    else:
+        check_fits(lay, parse_sinfo(nodes, cfg.cluster.partition), plan)
+    try:
+        job_id = sbatch(cfg.cluster, args, recipe, [], P3D_RUN_DIR=str(run_dir))
+    except RuntimeError as exc:
+        fields = refusal_fields(cfg.cluster, str(exc)) if cfg.cluster.groups else None
+        if fields is None:
+            raise
+        raise P3DConfigError(f"{fields}: {str(exc).splitlines()[0]}; check them against `sinfo -o '%P %f'`") from None
     log_job(run_dir, f"{job_id} submitted: {' '.join(args)}")
     write_status(run_dir, "submitted", None, job_id=job_id)
     return job_id, run_dir / f"slurm-{job_id}.out"
@@ -298,12 +353,12 @@ def dispatch(cfg, plan, spec: Path, lease=None) -> int:
         lease.hand_to_job(job_id)
     lay = job_shape(cfg, plan)
     gpus = f", {lay.gpus_per_node} GPUs each" if lay.gpus_per_node else ""
-    warning = group_placement_warning(cfg)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    comps = components(cfg.cluster)
+    sizes = " + ".join(f"{c.nodes}" for c in comps)
+    het = f"; a heterogeneous job, one component per group ({sizes} node(s))" if comps else ""
     print(
         f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh {plan.dims.degrees()}, "
-        f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}\n"
+        f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}{het}\n"
         f"p3d: run dir {spec.parent}\np3d: job log {log}\n"
         f"p3d: watch it with: squeue -j {job_id}; tail -f {log}",
         flush=True,
@@ -312,15 +367,16 @@ def dispatch(cfg, plan, spec: Path, lease=None) -> int:
 
 
 def group_placement_warning(cfg) -> str | None:
-    """cluster.groups on Slurm: the job is one ordinary allocation (no hetjob yet, docs/clusters.md), so Slurm
-    chooses which nodes hold which ranks; the split still trains the same model, at the planned pace only if the
-    nodes come in the groups' order."""
+    """cluster.groups run inside an ordinary allocation (a sweep job, salloc): one job of cluster.nodes nodes, so Slurm
+    chose which nodes hold which group's ranks; the split still trains the same model, at the planned pace only if the
+    nodes came in the groups' order. None without groups, and inside a heterogeneous job (``SLURM_HET_SIZE``), whose
+    components are the groups (p3d-train outside an allocation submits one: p3d.jobs.slurm.hetjob)."""
     groups = cfg.cluster.groups
-    if not groups:
+    if not groups or os.environ.get("SLURM_HET_SIZE"):
         return None
     named = ", ".join(f"{g.nodes} x {g.device}" for g in groups)
     return (
-        f"p3d: warning: cluster.groups ({named}) on Slurm: submitted as one ordinary job, not a heterogeneous "
-        "one, so Slurm may give a group's ranks another group's nodes (the same model, at another pace); to pin "
-        "them, submit by hand with one hetjob component per group (docs/clusters.md, Heterogeneous clusters)"
+        f"p3d: warning: cluster.groups ({named}) inside the ordinary Slurm job {os.environ.get('SLURM_JOB_ID', '?')}: "
+        "Slurm may have given a group's ranks another group's nodes (the same model, at another pace); to pin them, "
+        "run p3d-train outside an allocation, which submits one hetjob component per group (docs/clusters.md)"
     )
