@@ -6,6 +6,12 @@ decision's ``event``), ``stop`` (fewer nodes than ``cluster.elastic.min_nodes``:
 checkpoint kept) or ``same`` (not an elastic run: today's restart rule). The arithmetic and the lines are
 p3d.layout.elastic's. A node-loss restart does not count against ``train.max_restarts``: each one loses a node, so
 the node count bounds them.
+
+On a cluster of groups (``cluster.groups``, p3d.layout.hetero) the lost node's own group shrinks by one
+(p3d.layout.hetero.groups_left: the launcher names the node by its index in the run's node order) and the split over
+the groups left is planned again (p3d.planner.search.planned_split, the code mesh=auto chooses it with; the even split
+on one group), the global batch kept. A split the run was given by hand belongs to the groups it was made for, which
+are gone: it is re-planned too, and the line says it was not the planner's.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from p3d.checkpoint import find as checkpoint
-from p3d.config.schema import Config, ElasticVary
-from p3d.layout.elastic import fit_dp, largest_fit, loss_line, pinned, resize_line, stop_line, summary
+from p3d.config.errors import P3DConfigError
+from p3d.config.schema import ClusterGroup, Config, ElasticVary
+from p3d.layout.elastic import fit_dp, largest_fit, loss_line, pinned, resize_line, split_text, stop_line, summary
 from p3d.layout.elastic_rules import is_elastic
+from p3d.layout.hetero import describe_groups, first_nodes, group_of_node, groups_left
 from p3d.layout.run_plan import RunPlan
 from p3d.rundir.files import METRICS
 
@@ -34,17 +42,93 @@ class Decision:
 
 def refit(cfg: Config, nodes: int) -> Config:
     """``cfg`` (``cluster.gpus_per_node`` pinned) re-planned for ``nodes`` nodes: ``vary=dp`` changes dp only;
-    ``vary=any`` takes the planner's fastest layout that fits (p3d.planner.best_layout)."""
-    if cfg.cluster.elastic.vary == ElasticVary.any:
-        from p3d.planner import apply_layout, best_layout
+    ``vary=any`` takes the planner's fastest layout that fits (p3d.planner.best_layout). With ``cluster.groups`` (those
+    of the nodes left, :func:`with_groups_left`): the groups of the first ``nodes`` nodes, and the split over them
+    planned again (p3d.planner.search.planned_split; with vary=any the planner's layout and split together)."""
+    from p3d.planner import apply_layout, best_layout
+    from p3d.planner.search import planned_split, resolve_auto
 
+    c = cfg.cluster
+    if c.groups:
+        if nodes > sum(g.nodes for g in c.groups):
+            raise P3DConfigError(
+                f"{nodes} nodes are more than cluster.groups hold ({describe_groups(c)}): which group a node that "
+                "came back belongs to is not known; resume naming the groups (p3d-train train.resume=auto "
+                "cluster.groups=[...])"
+            )
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(c, groups=first_nodes(c.groups, nodes)))
+    if cfg.cluster.elastic.vary == ElasticVary.any:
+        even = dataclasses.replace(cfg.schedule, stage_blocks=[], replica_micro_batches=[])
         there = dataclasses.replace(
             cfg,
             cluster=dataclasses.replace(cfg.cluster, nodes=nodes),
             mesh=dataclasses.replace(cfg.mesh, name="auto", dp="auto"),
+            schedule=even if cfg.cluster.groups else cfg.schedule,
         )
+        if len(there.cluster.groups) > 1:
+            return resolve_auto(there)  # the best layout's split on the groups (mesh=auto's)
         return apply_layout(there, best_layout(there))
-    return fit_dp(cfg, nodes)
+    fitted = fit_dp(cfg, nodes)
+    return planned_split(fitted) if cfg.cluster.groups else fitted
+
+
+def with_groups_left(cfg: Config, lost: list[int]) -> Config:
+    """``cfg`` with ``cluster.groups`` those of the nodes left after the nodes ``lost`` (indices in the run's node
+    order): p3d.layout.hetero.groups_left. Unchanged without groups."""
+    if not cfg.cluster.groups:
+        return cfg
+    left = groups_left(cfg.cluster, lost)
+    nodes = sum(g.nodes for g in left)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, groups=left, nodes=nodes))
+
+
+def node_indices(lost: list[str]) -> list[int]:
+    """The indices of the lost nodes in the run's node order: the local launcher names its simulated nodes by them."""
+    return [int(name) for name in lost]
+
+
+def host_indices(run_dir: Path, lost: list[str], first: list[str]) -> list[int]:
+    """Slurm: the indices, in the order of the nodes the run had, of the hosts ``lost`` this time. ``first``: the
+    job's nodes (``SLURM_JOB_NODELIST``, which keeps those lost before, so ``lost`` names them again); the hosts an
+    earlier re-fit of the run recorded as lost (its segments' ``layout_change``) had left the run already."""
+    from omegaconf import OmegaConf
+
+    from p3d.rundir.files import SPEC
+    from p3d.rundir.spec import LAYOUT_CHANGE
+
+    raw = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / SPEC))
+    segments = raw.get("segments") or [] if isinstance(raw, dict) else []
+    before = {n for seg in segments for n in ((seg.get(LAYOUT_CHANGE) or {}).get("lost_nodes") or [])} & set(lost)
+    had = [h for h in first if h not in before]
+    return [had.index(h) for h in lost if h not in before]
+
+
+def with_groups(cfg: Config, event: dict[str, Any] | None) -> Config:
+    """``cfg`` with the groups a loss left (``event["groups_left"]``, :func:`after_loss`); unchanged without them."""
+    if not event or event.get("groups_left") is None:
+        return cfg
+    groups = [ClusterGroup(**g) for g in event["groups_left"]]
+    nodes = sum(g.nodes for g in groups)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, groups=groups, nodes=nodes))
+
+
+def split_note(cfg: Config, lost: list[int], new_cfg: Config) -> str:
+    """What the re-plan did on a cluster of groups, for the loss line: the group each lost node was in, the groups
+    left, the new split and whether the old one was the planner's (a split given by hand is re-planned too: the
+    groups it was made for are gone)."""
+    from p3d.planner.search import planned_split
+
+    c = cfg.cluster
+    groups = [(i, group_of_node(c, i)) for i in lost]
+    owners = ", ".join(f"node {i} was group {g}'s ({c.groups[g].nodes} x {c.groups[g].device})" for i, g in groups)
+    ours = planned_split(cfg).schedule
+    by_hand = (ours.stage_blocks, ours.replica_micro_batches) != (
+        cfg.schedule.stage_blocks,
+        cfg.schedule.replica_micro_batches,
+    )
+    was = f"was {split_text(cfg)}{', set by hand' if by_hand else ''}"
+    left = describe_groups(new_cfg.cluster)
+    return f"{owners}; groups left {left}, split re-planned: {split_text(new_cfg)} ({was})"
 
 
 def newest_step(run_dir: Path) -> int | None:
@@ -59,19 +143,27 @@ def last_logged(run_dir: Path) -> float | None:
     return path.stat().st_mtime if path.is_file() else None
 
 
-def after_loss(run_dir: Path, lost: list[str], alive: int, at_step: int) -> Decision:
-    """What to do after the nodes ``lost`` were lost with ``alive`` nodes left, in step ``at_step``."""
+def after_loss(
+    run_dir: Path, lost: list[str], alive: int, at_step: int, lost_index: list[int] | None = None
+) -> Decision:
+    """What to do after the nodes ``lost`` were lost with ``alive`` nodes left, in step ``at_step``. ``lost_index``:
+    their indices in the run's node order, for a cluster of groups (None: the names are the indices, as the local
+    launcher names its simulated nodes)."""
     from p3d.rundir.spec import read_spec
 
     cfg, plan = read_spec(run_dir)
     if not is_elastic(cfg):
         return Decision("same", cfg.cluster.nodes, "")
     resumed = newest_step(run_dir)
-    got = largest_fit(pinned(cfg, plan), alive, refit)
+    index = (node_indices(lost) if lost_index is None else lost_index) if cfg.cluster.groups else []
+    got = largest_fit(with_groups_left(pinned(cfg, plan), index), alive, refit)
     if isinstance(got, str):
         return Decision("stop", alive, stop_line(lost, at_step, got, resumed))
-    nodes, _, new_plan = got
-    old, new = summary(cfg.cluster.nodes, plan), summary(nodes, new_plan)
+    nodes, new_cfg, new_plan = got
+    old, new = summary(cfg.cluster.nodes, plan, cfg), summary(nodes, new_plan, new_cfg)
+    line = loss_line(lost, at_step, resumed, new, alive)
+    if cfg.cluster.groups:
+        line += f"; {split_note(cfg, index, new_cfg)}"
     event = {
         "kind": "shrink",
         "cause": f"{'node' if len(lost) == 1 else 'nodes'} {', '.join(lost)} lost",
@@ -83,7 +175,10 @@ def after_loss(run_dir: Path, lost: list[str], alive: int, at_step: int) -> Deci
         "new": new,
         "since": last_logged(run_dir),
     }
-    return Decision("resize", nodes, loss_line(lost, at_step, resumed, new, alive), event)
+    if cfg.cluster.groups:  # which group each lost node was in; the groups the run goes on with (resume_spec's)
+        event["lost_groups"] = [group_of_node(cfg.cluster, i) for i in index]
+        event["groups_left"] = [dataclasses.asdict(g) for g in new_cfg.cluster.groups]
+    return Decision("resize", nodes, line, event)
 
 
 def at_start(cfg: Config, plan: RunPlan) -> Decision | None:

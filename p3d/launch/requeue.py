@@ -28,10 +28,10 @@ def resume_spec(run_dir: str, nodes: int | None = None, event: dict | None = Non
     )
     try:
         if nodes is not None:
-            from p3d.jobs.elastic import refit
+            from p3d.jobs.elastic import refit, with_groups
             from p3d.layout.elastic import pinned
 
-            cfg = refit(pinned(cfg, plan), nodes)
+            cfg = refit(with_groups(pinned(cfg, plan), event), nodes)  # on cluster.groups: the groups the loss left
             plan = build_plan(cfg, tokenizer_vocab(cfg.data))
         cfg = check_run(cfg, quiet=nodes is not None)
     except P3DConfigError as exc:

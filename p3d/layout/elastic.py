@@ -92,9 +92,17 @@ def mesh_text(plan: RunPlan) -> str:
     return f"dp{plan.dp} x pp{plan.pp}{cp} x tp{plan.tp}"
 
 
-def summary(nodes: int, plan: RunPlan) -> dict[str, Any]:
-    """One layout as the record keeps it."""
-    return {
+def split_text(cfg: Config) -> str:
+    """A cluster of groups' split: ``schedule.stage_blocks=[3, 1] schedule.replica_micro_batches=[5, 3]`` (the uneven
+    fields), or ``the even split``."""
+    s = cfg.schedule
+    fields = (("stage_blocks", s.stage_blocks), ("replica_micro_batches", s.replica_micro_batches))
+    return " ".join(f"schedule.{name}={list(value)}" for name, value in fields if value) or "the even split"
+
+
+def summary(nodes: int, plan: RunPlan, cfg: Config | None = None) -> dict[str, Any]:
+    """One layout as the record keeps it; on a cluster of groups (``cfg.cluster.groups``) its groups and split too."""
+    out: dict[str, Any] = {
         "nodes": nodes,
         "dp": plan.dp,
         "pp": plan.pp,
@@ -103,6 +111,13 @@ def summary(nodes: int, plan: RunPlan) -> dict[str, Any]:
         "micro_batches": plan.micro_batches,
         "mesh": mesh_text(plan),
     }
+    if len(set(plan.replica_micro_batches)) > 1:  # uneven counts: micro_batches is the largest replica's
+        out["replica_micro_batches"] = list(plan.replica_micro_batches)
+    if cfg is not None and cfg.cluster.groups:
+        out["groups"] = " + ".join(f"{g.nodes} x {g.device}" for g in cfg.cluster.groups)
+        out["stage_blocks"] = list(cfg.schedule.stage_blocks)
+        out["split"] = split_text(cfg)
+    return out
 
 
 def _nodes(n: int) -> str:
@@ -117,10 +132,13 @@ def _resumed(resumed_step: int | None) -> str:
     return f"resumed step {resumed_step}" if resumed_step is not None else "restarted from step 0 (no checkpoint yet)"
 
 
+def _per_replica(new: dict[str, Any]) -> str:
+    """``8``, or ``5 + 3`` where the replicas run different counts."""
+    return " + ".join(map(str, new.get("replica_micro_batches") or [new["micro_batches"]]))
+
+
 def _as(new: dict[str, Any]) -> str:
-    return (
-        f"on {new['nodes']} {_nodes(new['nodes'])} as {new['mesh']}, {new['micro_batches']} micro batches per replica"
-    )
+    return f"on {new['nodes']} {_nodes(new['nodes'])} as {new['mesh']}, {_per_replica(new)} micro batches per replica"
 
 
 def loss_line(lost: list[str], at_step: int, resumed_step: int | None, new: dict[str, Any], alive: int) -> str:
@@ -153,8 +171,10 @@ def record_text(change: dict[str, Any]) -> str:
         f"step {change['at_step']}: {old['mesh']} on {old['nodes']} {_nodes(old['nodes'])} -> {new['mesh']} on "
         f"{new['nodes']} {_nodes(new['nodes'])}{lost}",
         f"resumed from step {change['resumed_step']}" if change.get("resumed_step") is not None else "from step 0",
-        f"{new['micro_batches']} micro batches per replica",
+        f"{_per_replica(new)} micro batches per replica",
     ]
+    if new.get("split"):
+        parts.insert(-1, f"groups {new['groups']}, {new['split']}")
     if change.get("time_lost_s") is not None:
         parts.append(f"{change['time_lost_s']:.1f} s lost")
     if change.get("steps_redone") is not None:

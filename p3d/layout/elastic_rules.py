@@ -33,12 +33,6 @@ def check_elastic(cfg: Config, world: int) -> None:
         )
     if least is None:
         return
-    if c.groups:
-        raise P3DConfigError(
-            f"cluster.elastic.min_nodes={least} with cluster.groups: an elastic run does not yet re-plan a "
-            "heterogeneous split on the nodes left after a loss (docs/clusters.md, Heterogeneous clusters)",
-            ["cluster.elastic.min_nodes=null", "cluster.groups=[]"],
-        )
     if least > nodes:
         raise P3DConfigError(
             f"cluster.elastic.min_nodes={least} exceeds cluster.nodes={nodes}: an elastic run continues on at most "

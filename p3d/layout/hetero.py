@@ -106,6 +106,33 @@ def group_of_node(c: ClusterConfig, node: int) -> int:
     return groups[node] if groups else 0
 
 
+def groups_left(c: ClusterConfig, lost: list[int]) -> list[ClusterGroup]:
+    """The groups of the nodes left once the nodes ``lost`` (their indices in the run's node order) are gone: each
+    lost node's own group one node smaller, a group left with none dropped. The nodes left keep their order when the
+    run starts again (the local launcher numbers its surviving simulated nodes 0, 1, ... in it; srun takes the
+    allocation's nodes in it), so the groups left, in their order, take the nodes left as the groups took them:
+    losing node 0 of ``[2 x fast, 1 x slow]`` leaves ``[1 x fast, 1 x slow]``, not two fast nodes."""
+    owners = node_groups(c)
+    counts = [g.nodes for g in c.groups]
+    for node in lost:
+        if not 0 <= node < len(owners):
+            raise ValueError(f"node {node} is not one of the {len(owners)} nodes of cluster.groups")
+        counts[owners[node]] -= 1
+    return [dataclasses.replace(g, nodes=k) for g, k in zip(c.groups, counts) if k > 0]
+
+
+def first_nodes(groups: list[ClusterGroup], nodes: int) -> list[ClusterGroup]:
+    """The groups of the first ``nodes`` nodes of ``groups`` (an elastic re-fit on fewer nodes than are left runs on
+    the first ones: the local launcher's lowest simulated nodes, srun's first nodes of the allocation)."""
+    out, left = [], nodes
+    for g in groups:
+        if left <= 0:
+            break
+        out.append(dataclasses.replace(g, nodes=min(g.nodes, left)))
+        left -= g.nodes
+    return out
+
+
 def nominal_tflops(g: ClusterGroup) -> float:
     """A group's nominal matmul rate per device: its peak x its device's matmul efficiency (the planner's device
     table: p3d.planner.machine), TFLOP/s."""

@@ -41,7 +41,15 @@ from p3d.layout.schedule_rules import check_schedule
 from p3d.planner.context import LONG_SEQUENCE
 from p3d.planner.hetero import HeteroPlan, plan_groups, plan_layout
 from p3d.planner.predict import Prediction, apply_layout, evaluate
-from p3d.planner.shapes import Layout, StageParams, divisors, layout_of_run_plan, stage_params, world_size
+from p3d.planner.shapes import (
+    Layout,
+    StageParams,
+    divisors,
+    layout_of,
+    layout_of_run_plan,
+    stage_params,
+    world_size,
+)
 from p3d.planner.verdict import check_options
 
 RECOMPUTE = ("none", "selective", "full")
@@ -212,6 +220,18 @@ def with_split(cfg: Config, plan: HeteroPlan) -> Config:
     counts = plan.replica_micro_batches if len(set(plan.replica_micro_batches)) > 1 else []
     sched = dataclasses.replace(cfg.schedule, stage_blocks=list(blocks), replica_micro_batches=list(counts))
     return dataclasses.replace(cfg, schedule=sched)
+
+
+def planned_split(cfg: Config) -> Config:
+    """``cfg`` with its mesh kept and ``schedule.stage_blocks`` / ``schedule.replica_micro_batches`` chosen again for
+    its groups by the code that chooses them for mesh=auto (:func:`p3d.planner.hetero.plan_layout`, the even split
+    where an uneven one is not faster); the even split on one group or none (an elastic run's re-plan,
+    p3d.jobs.elastic)."""
+    even = dataclasses.replace(cfg.schedule, stage_blocks=[], replica_micro_batches=[])
+    cfg = dataclasses.replace(cfg, schedule=even)
+    if len(cfg.cluster.groups) < 2:
+        return cfg
+    return with_split(cfg, plan_layout(cfg, layout_of(cfg)))
 
 
 def resolve_auto(cfg: Config) -> Config:

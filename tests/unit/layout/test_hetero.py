@@ -57,18 +57,8 @@ def test_simulated_groups_on_the_local_launcher():
         (("cluster.groups=[{device: cpu, peak_tflops: -1}]",), "peak_tflops=-1.0 must be positive", "=null"),
         (("cluster.groups=[{device: cpu}, {device: h100_sxm}]",), "different GPUs per node", "cluster.gpus_per_node"),
         (("mesh=dp2", "cluster.groups=[{device: cpu, nodes: 3}]"), "do not fill the 3 nodes", "multiple of 3"),
-        (
-            (
-                "mesh=dp2",
-                "cluster.groups=[{device: cpu}, {device: cpu}]",
-                "cluster.elastic.min_nodes=1",
-                "train.save_every=5",
-            ),
-            "does not yet re-plan a heterogeneous split",
-            "cluster.elastic.min_nodes=null",
-        ),
     ],
-    ids=["no-device", "unknown-device", "no-nodes", "negative-peak", "mixed-node-size", "ranks-per-node", "elastic"],
+    ids=["no-device", "unknown-device", "no-nodes", "negative-peak", "mixed-node-size", "ranks-per-node"],
 )
 def test_bad_groups_are_refused_in_one_line(overrides, message, fix):
     assert_refused_in_one_line(overrides, message, fix)
