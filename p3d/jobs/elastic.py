@@ -87,10 +87,10 @@ def node_indices(lost: list[str]) -> list[int]:
     return [int(name) for name in lost]
 
 
-def host_indices(run_dir: Path, lost: list[str], first: list[str]) -> list[int]:
-    """Slurm: the indices, in the order of the nodes the run had, of the hosts ``lost`` this time. ``first``: the
-    job's nodes (``SLURM_JOB_NODELIST``, which keeps those lost before, so ``lost`` names them again); the hosts an
-    earlier re-fit of the run recorded as lost (its segments' ``layout_change``) had left the run already."""
+def host_indices(run_dir: Path, lost: list[str], first: list[str]) -> tuple[list[str], list[int]]:
+    """Slurm: the hosts of ``lost`` the run lost this time and their indices in the order of the nodes it had.
+    ``first``: the job's nodes (``SLURM_JOB_NODELIST``, which keeps those lost before, so ``lost`` names them again);
+    the hosts an earlier re-fit of the run recorded as lost (its segments' ``layout_change``) had left it already."""
     from omegaconf import OmegaConf
 
     from p3d.rundir.files import SPEC
@@ -100,7 +100,8 @@ def host_indices(run_dir: Path, lost: list[str], first: list[str]) -> list[int]:
     segments = raw.get("segments") or [] if isinstance(raw, dict) else []
     before = {n for seg in segments for n in ((seg.get(LAYOUT_CHANGE) or {}).get("lost_nodes") or [])} & set(lost)
     had = [h for h in first if h not in before]
-    return [had.index(h) for h in lost if h not in before]
+    now = [h for h in lost if h not in before]
+    return now, [had.index(h) for h in now]
 
 
 def with_groups(cfg: Config, event: dict[str, Any] | None) -> Config:
@@ -112,15 +113,15 @@ def with_groups(cfg: Config, event: dict[str, Any] | None) -> Config:
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, groups=groups, nodes=nodes))
 
 
-def split_note(cfg: Config, lost: list[int], new_cfg: Config) -> str:
+def split_note(cfg: Config, lost: list[str], index: list[int], new_cfg: Config) -> str:
     """What the re-plan did on a cluster of groups, for the loss line: the group each lost node was in, the groups
     left, the new split and whether the old one was the planner's (a split given by hand is re-planned too: the
     groups it was made for are gone)."""
     from p3d.planner.search import planned_split
 
     c = cfg.cluster
-    groups = [(i, group_of_node(c, i)) for i in lost]
-    owners = ", ".join(f"node {i} was group {g}'s ({c.groups[g].nodes} x {c.groups[g].device})" for i, g in groups)
+    groups = [(name, group_of_node(c, i)) for name, i in zip(lost, index)]
+    owners = ", ".join(f"node {n} was group {g}'s ({c.groups[g].nodes} x {c.groups[g].device})" for n, g in groups)
     ours = planned_split(cfg).schedule
     by_hand = (ours.stage_blocks, ours.replica_micro_batches) != (
         cfg.schedule.stage_blocks,
@@ -163,7 +164,7 @@ def after_loss(
     old, new = summary(cfg.cluster.nodes, plan, cfg), summary(nodes, new_plan, new_cfg)
     line = loss_line(lost, at_step, resumed, new, alive)
     if cfg.cluster.groups:
-        line += f"; {split_note(cfg, index, new_cfg)}"
+        line += f"; {split_note(cfg, lost, index, new_cfg)}"
     event = {
         "kind": "shrink",
         "cause": f"{'node' if len(lost) == 1 else 'nodes'} {', '.join(lost)} lost",
@@ -176,7 +177,10 @@ def after_loss(
         "since": last_logged(run_dir),
     }
     if cfg.cluster.groups:  # which group each lost node was in; the groups the run goes on with (resume_spec's)
-        event["lost_groups"] = [group_of_node(cfg.cluster, i) for i in index]
+        lost_groups = [group_of_node(cfg.cluster, i) for i in index]
+        event["lost_groups"] = lost_groups
+        owners = ", ".join(f"{n} (group {g})" for n, g in zip(lost, lost_groups))
+        event["cause"] = f"{'node' if len(lost) == 1 else 'nodes'} {owners} lost"
         event["groups_left"] = [dataclasses.asdict(g) for g in new_cfg.cluster.groups]
     return Decision("resize", nodes, line, event)
 

@@ -178,7 +178,7 @@ def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[...
             if cfg.cluster.groups:  # which nodes of the run's order: its groups shrink by theirs
                 from p3d.jobs.slurm.step import hostnames
 
-                index = elastic.host_indices(run_dir, lost, hostnames(os.environ["SLURM_JOB_NODELIST"]))
+                lost, index = elastic.host_indices(run_dir, lost, hostnames(os.environ["SLURM_JOB_NODELIST"]))
             decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir), index)
             print(decision.line, file=console, flush=True)
             if decision.action == "stop":

@@ -10,6 +10,7 @@ import pytest
 from p3d.config.schema import ClusterGroup
 from p3d.jobs import elastic
 from p3d.launch.requeue import resume_spec
+from p3d.layout.elastic import record_text
 from p3d.layout.hetero import first_nodes, groups_left
 from p3d.rundir.spec import pending_layout_change, read_spec
 from tests.helpers.runs import compose_config, typed
@@ -63,6 +64,11 @@ def test_losing_a_fast_node_re_plans_the_split_on_the_groups_left(tmp_path):
     assert [(g["nodes"], g["peak_tflops"]) for g in d.event["groups_left"]] == [(1, 0.1), (1, 0.05)]
     assert d.event["old"]["replica_micro_batches"] == [3, 3, 2]
     assert (d.event["new"]["replica_micro_batches"], d.event["new"]["groups"]) == ([5, 3], "1 x cpu + 1 x cpu")
+    assert record_text(d.event) == (  # p3d-report's line
+        "step 5: dp3 x pp1 x tp1 on 3 nodes -> dp2 x pp1 x tp1 on 2 nodes (node 0 (group 0) lost), resumed from step "
+        "3, groups 1 x cpu + 1 x cpu, schedule.replica_micro_batches=[5, 3], 5 + 3 micro batches per replica, 1 step "
+        "redone"
+    )
 
     assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
     cfg, plan = read_spec(run)
@@ -118,7 +124,34 @@ def test_vary_any_takes_the_planners_layout_and_split_on_the_groups_left(tmp_pat
 def test_slurm_names_hosts_their_index_is_in_the_nodes_the_run_had(tmp_path):
     """SLURM_JOB_NODELIST keeps the nodes lost before, so a second loss names them again: they left the run already."""
     run = fake_run(tmp_path, *ELASTIC, PLANNED)
-    assert elastic.host_indices(run, ["n1"], ["n1", "n2", "n3"]) == [0]
+    assert elastic.host_indices(run, ["n1"], ["n1", "n2", "n3"]) == (["n1"], [0])
     d = elastic.after_loss(run, ["n1"], alive=2, at_step=5, lost_index=[0])
     assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
-    assert elastic.host_indices(run, ["n1", "n3"], ["n1", "n2", "n3"]) == [1]  # n1 went at step 5: n3 is node 1 now
+    assert elastic.host_indices(run, ["n1", "n3"], ["n1", "n2", "n3"]) == (
+        ["n3"],
+        [1],
+    )  # n1 went at step 5: n3 is node 1 now
+
+
+def test_slurm_restart_passes_the_lost_hosts_index_in_the_run(tmp_path, monkeypatch):
+    import io
+
+    from p3d import exit_codes
+    from p3d.jobs import restart
+    from p3d.jobs.slurm import step
+
+    run = fake_run(tmp_path, *ELASTIC, PLANNED)
+    monkeypatch.setattr(step, "allocation", lambda srun_err: (["n3"], 2))
+    monkeypatch.setattr(step, "hostnames", lambda nodelist: ["n1", "n2", "n3"])
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
+    events: list[dict | None] = []
+
+    def refreeze(run_dir: str, nodes: int | None = None, event: dict | None = None) -> int:
+        events.append(event)
+        return 0
+
+    console = io.StringIO()
+    assert restart.slurm_restart(run, exit_codes.WORKER_FAILED, tmp_path / "srun.err", refreeze, console=console) == 0
+    assert console.getvalue().startswith("p3d: elastic: node n3 lost at step 5;")
+    assert "node n3 was group 1's (1 x cpu); groups left 2 x cpu" in console.getvalue()  # n3: the slow node
+    assert events[0] is not None and events[0]["lost_groups"] == [1]
