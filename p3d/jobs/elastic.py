@@ -199,7 +199,7 @@ def at_start(cfg: Config, plan: RunPlan) -> Decision | None:
     if was == nodes:
         return None
     resumed = json.loads((Path(cfg.train.resume) / "meta.json").read_text())["step"]
-    new = summary(nodes, plan)
+    new = summary(nodes, plan, cfg)
     event = {
         "kind": "grow" if nodes > was else "shrink",
         "cause": f"{nodes} {'node' if nodes == 1 else 'nodes'} at the start, was {was}",
@@ -207,7 +207,7 @@ def at_start(cfg: Config, plan: RunPlan) -> Decision | None:
         "at_step": resumed + 1,
         "resumed_step": resumed,
         "steps_redone": 0,
-        "old": summary(was, was_plan),
+        "old": summary(was, was_plan, was_cfg),
         "new": new,
         "since": None,  # a start by hand: the time between runs is not the run's loss
     }

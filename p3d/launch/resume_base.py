@@ -136,9 +136,11 @@ def over_resumed_run(composed: dict, resumed: dict, overrides: list[str], groups
 
 
 def _elastic_resize(merged: dict, resumed: dict) -> bool:
-    return _get(merged, "cluster.elastic.min_nodes") is not None and _get(merged, "cluster.nodes") != _get(
-        resumed, "cluster.nodes"
-    )
+    """An elastic run resumed on other nodes: another ``cluster.nodes``, or other ``cluster.groups`` (whose sum is the
+    nodes: a cluster of groups grows back by naming them)."""
+    if _get(merged, "cluster.elastic.min_nodes") is None:
+        return False
+    return any(_get(merged, key) != _get(resumed, key) for key in ("cluster.nodes", "cluster.groups"))
 
 
 @dataclass(frozen=True)

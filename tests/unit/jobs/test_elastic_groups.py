@@ -155,3 +155,39 @@ def test_slurm_restart_passes_the_lost_hosts_index_in_the_run(tmp_path, monkeypa
     assert console.getvalue().startswith("p3d: elastic: node n3 lost at step 5;")
     assert "node n3 was group 1's (1 x cpu); groups left 2 x cpu" in console.getvalue()  # n3: the slow node
     assert events[0] is not None and events[0]["lost_groups"] == [1]
+
+
+def test_a_groups_run_grows_back_by_a_resume_naming_its_groups(tmp_path):
+    """Which group a node that comes back belongs to is not known from a node count: the resume names the groups (and
+    a split dp3 can run, or mesh=auto); dp follows the nodes as for a resume on more nodes without groups."""
+    import dataclasses
+    import json
+    import shutil
+
+    from p3d.checkpoint import find as checkpoint
+
+    run = fake_run(tmp_path, *ELASTIC, PLANNED)
+    d = elastic.after_loss(run, ["0"], alive=2, at_step=5)
+    assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
+    ckpt = checkpoint.step_dir(run, 6)  # what the run on 2 nodes saves
+    ckpt.mkdir(parents=True)
+    meta = json.loads((checkpoint.step_dir(run, 3) / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "step": 6}))
+    shutil.copy(run / "run_spec.yaml", ckpt / "run_spec.yaml")
+    cfg, plan = typed("train.resume=auto", GROUPS, PLANNED, run_dir=str(run))
+    assert (cfg.cluster.nodes, plan.dp, plan.replica_micro_batches) == (3, 3, [3, 3, 2])
+    grown = elastic.at_start(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(ckpt))), plan)
+    assert grown is not None and grown.event is not None
+    assert (grown.event["kind"], grown.event["old"]["groups"], grown.event["new"]["groups"]) == (
+        "grow",
+        "1 x cpu + 1 x cpu",
+        "2 x cpu + 1 x cpu",
+    )
+    with pytest.raises(elastic.P3DConfigError, match="more than cluster.groups hold"):
+        elastic.refit(pinned_run(run), 3)  # a requeue fitted to 3 nodes without the groups: refused in one line
+
+
+def pinned_run(run):
+    from p3d.layout.elastic import pinned
+
+    return pinned(*read_spec(run))
