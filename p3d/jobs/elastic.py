@@ -27,7 +27,7 @@ from p3d.config.errors import P3DConfigError
 from p3d.config.schema import ClusterGroup, Config, ElasticVary
 from p3d.layout.elastic import fit_dp, largest_fit, loss_line, pinned, resize_line, split_text, stop_line, summary
 from p3d.layout.elastic_rules import is_elastic
-from p3d.layout.hetero import describe_groups, first_nodes, group_of_node, groups_left
+from p3d.layout.hetero import describe_groups, first_nodes, group_of_node, groups_left, regrouped
 from p3d.layout.run_plan import RunPlan
 from p3d.rundir.files import METRICS
 
@@ -56,7 +56,7 @@ def refit(cfg: Config, nodes: int) -> Config:
                 "came back belongs to is not known; resume naming the groups (p3d-train train.resume=auto "
                 "cluster.groups=[...])"
             )
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(c, groups=first_nodes(c.groups, nodes)))
+        cfg = dataclasses.replace(cfg, cluster=regrouped(c, first_nodes(c.groups, nodes)))
     if cfg.cluster.elastic.vary == ElasticVary.any:
         even = dataclasses.replace(cfg.schedule, stage_blocks=[], replica_micro_batches=[])
         there = dataclasses.replace(
@@ -78,8 +78,7 @@ def with_groups_left(cfg: Config, lost: list[int]) -> Config:
     if not cfg.cluster.groups:
         return cfg
     left = groups_left(cfg.cluster, lost)
-    nodes = sum(g.nodes for g in left)
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, groups=left, nodes=nodes))
+    return dataclasses.replace(cfg, cluster=regrouped(cfg.cluster, left)) if left else cfg
 
 
 def node_indices(lost: list[str]) -> list[int]:
@@ -109,8 +108,7 @@ def with_groups(cfg: Config, event: dict[str, Any] | None) -> Config:
     if not event or event.get("groups_left") is None:
         return cfg
     groups = [ClusterGroup(**g) for g in event["groups_left"]]
-    nodes = sum(g.nodes for g in groups)
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, groups=groups, nodes=nodes))
+    return dataclasses.replace(cfg, cluster=regrouped(cfg.cluster, groups))
 
 
 def split_note(cfg: Config, lost: list[str], index: list[int], new_cfg: Config) -> str:

@@ -15,6 +15,7 @@ The uneven layouts such a cluster runs are ``schedule.stage_blocks`` and ``sched
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from p3d.config.devices import DEVICES, DeviceName
@@ -72,17 +73,35 @@ def fill_groups(c: ClusterConfig) -> ClusterConfig:
             "cluster.gpus_per_node (one rank per GPU, the same on every node)"
         )
     nodes = sum(g.nodes for g in groups)
+    unset = {k: v for k, v in cluster_figures(groups).items() if getattr(c, k) is None}
+    return dataclasses.replace(c, groups=groups, nodes=nodes, device=DeviceName(groups[0].device), **unset)
+
+
+def cluster_figures(groups: list[ClusterGroup]) -> dict[str, Any]:
+    """The cluster-wide numbers that stand for filled ``groups`` where unset (module doc)."""
     presets = [DEVICES[str(g.device)] for g in groups]
-    weights = [g.nodes for g in groups]
-    filled: dict[str, Any] = {
-        "peak_tflops": sum(w * float(g.peak_tflops or 0) for w, g in zip(weights, groups)) / nodes,
+    nodes = sum(g.nodes for g in groups)
+    return {
+        "peak_tflops": sum(g.nodes * float(g.peak_tflops or 0) for g in groups) / nodes,
         "memory_gb": min(float(g.memory_gb or 0) for g in groups),
         "intra_node_gbps": min(p.intra_node_gbps for p in presets),
         "inter_node_gbps": min(p.inter_node_gbps for p in presets),
         "gpus_per_node": presets[0].gpus_per_node,
     }
-    unset = {k: v for k, v in filled.items() if getattr(c, k) is None}
-    return dataclasses.replace(c, groups=groups, nodes=nodes, device=DeviceName(groups[0].device), **unset)
+
+
+def regrouped(c: ClusterConfig, groups: list[ClusterGroup]) -> ClusterConfig:
+    """Filled cluster ``c`` on other (filled) ``groups``, an elastic run's groups left: ``cluster.nodes`` their sum,
+    ``cluster.device`` the first's, and each cluster-wide number that was derived from ``c``'s groups (it equals
+    theirs) derived from the new ones; a number the user set, and the pinned ``gpus_per_node``, kept."""
+    was, now = cluster_figures(c.groups), cluster_figures(groups)
+    derived = {
+        k: now[k]
+        for k in ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps")
+        if getattr(c, k) is not None and math.isclose(float(getattr(c, k)), float(was[k]))
+    }
+    nodes = sum(g.nodes for g in groups)
+    return dataclasses.replace(c, groups=groups, nodes=nodes, device=DeviceName(groups[0].device), **derived)
 
 
 def check_group_ranks(cfg: Config, world: int) -> None:

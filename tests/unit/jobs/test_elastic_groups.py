@@ -73,6 +73,7 @@ def test_losing_a_fast_node_re_plans_the_split_on_the_groups_left(tmp_path):
     assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
     cfg, plan = read_spec(run)
     assert _groups(cfg.cluster.groups) == [(1, 0.1), (1, 0.05)]  # the slow node is still the second: its group
+    assert cfg.cluster.peak_tflops == pytest.approx(0.075)
     assert (cfg.cluster.nodes, cfg.schedule.global_batch_size, cfg.schedule.replica_micro_batches) == (2, 16, [5, 3])
     assert (plan.world_size, plan.dp, plan.replica_micro_batches) == (2, 2, [5, 3])
     assert pending_layout_change(run, 3)["lost_groups"] == [0]
@@ -88,6 +89,7 @@ def test_losing_the_slow_group_leaves_one_group_and_the_even_split(tmp_path):
     assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
     cfg, plan = read_spec(run)
     assert (_groups(cfg.cluster.groups), cfg.schedule.replica_micro_batches) == ([(2, 0.1)], [])
+    assert cfg.cluster.peak_tflops == pytest.approx(0.1)  # MFU's peak from the groups left, (2 x 0.1 + 0.05) / 3 before
     assert (plan.dp, plan.micro_batches, cfg.schedule.global_batch_size) == (2, 4, 16)
 
 
