@@ -186,7 +186,31 @@ def test_a_groups_run_grows_back_by_a_resume_naming_its_groups(tmp_path):
         "2 x cpu + 1 x cpu",
     )
     with pytest.raises(elastic.P3DConfigError, match="more than cluster.groups hold"):
-        elastic.refit(pinned_run(run), 3)  # a requeue fitted to 3 nodes without the groups: refused in one line
+        elastic.refit(pinned_run(run), 4)  # more nodes than the groups it knows of: refused in one line
+
+
+def test_a_requeued_groups_job_with_its_first_node_count_runs_on_its_first_groups(tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    from p3d.checkpoint import find as checkpoint
+    from p3d.launch.requeue import resume_in_allocation
+
+    run = fake_run(tmp_path, *ELASTIC, PLANNED)
+    d = elastic.after_loss(run, ["0"], alive=2, at_step=5)
+    assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
+    ckpt = checkpoint.step_dir(run, 6)
+    ckpt.mkdir(parents=True)
+    meta = json.loads((checkpoint.step_dir(run, 3) / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "step": 6}))
+    shutil.copy(run / "run_spec.yaml", ckpt / "run_spec.yaml")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
+    assert resume_in_allocation(str(run)) == 0
+    assert "p3d: elastic: 3 nodes now (was 2); resumed step 6 on 3 nodes as dp3 x pp1 x tp1" in capsys.readouterr().out
+    cfg, plan = read_spec(run)
+    assert _groups(cfg.cluster.groups) == [(2, 0.1), (1, 0.05)]
+    assert (plan.dp, plan.replica_micro_batches, cfg.schedule.global_batch_size) == (3, [3, 3, 2], 16)
+    assert pending_layout_change(run, 6)["new"]["groups"] == "2 x cpu + 1 x cpu"
 
 
 def pinned_run(run):
