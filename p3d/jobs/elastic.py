@@ -96,7 +96,7 @@ def host_indices(run_dir: Path, lost: list[str], first: list[str]) -> tuple[list
     from p3d.rundir.spec import LAYOUT_CHANGE
 
     raw = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / SPEC))
-    segments = raw.get("segments") or [] if isinstance(raw, dict) else []
+    segments = (raw.get("segments") or []) if isinstance(raw, dict) else []
     before = {n for seg in segments for n in ((seg.get(LAYOUT_CHANGE) or {}).get("lost_nodes") or [])} & set(lost)
     had = [h for h in first if h not in before]
     now = [h for h in lost if h not in before]
