@@ -82,25 +82,9 @@ def with_groups_left(cfg: Config, lost: list[int]) -> Config:
 
 
 def node_indices(lost: list[str]) -> list[int]:
-    """The indices of the lost nodes in the run's node order: the local launcher names its simulated nodes by them."""
+    """The indices of the lost nodes in the run's node order: the local launcher names its simulated nodes by them
+    (an elastic run over groups is refused on Slurm: p3d.layout.elastic_rules)."""
     return [int(name) for name in lost]
-
-
-def host_indices(run_dir: Path, lost: list[str], first: list[str]) -> tuple[list[str], list[int]]:
-    """Slurm: the hosts of ``lost`` the run lost this time and their indices in the order of the nodes it had.
-    ``first``: the job's nodes (``SLURM_JOB_NODELIST``, which keeps those lost before, so ``lost`` names them again);
-    the hosts an earlier re-fit of the run recorded as lost (its segments' ``layout_change``) had left it already."""
-    from omegaconf import OmegaConf
-
-    from p3d.rundir.files import SPEC
-    from p3d.rundir.spec import LAYOUT_CHANGE
-
-    raw = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / SPEC))
-    segments = (raw.get("segments") or []) if isinstance(raw, dict) else []
-    before = {n for seg in segments for n in ((seg.get(LAYOUT_CHANGE) or {}).get("lost_nodes") or [])} & set(lost)
-    had = [h for h in first if h not in before]
-    now = [h for h in lost if h not in before]
-    return now, [had.index(h) for h in now]
 
 
 def with_groups(cfg: Config, event: dict[str, Any] | None) -> Config:
@@ -142,19 +126,15 @@ def last_logged(run_dir: Path) -> float | None:
     return path.stat().st_mtime if path.is_file() else None
 
 
-def after_loss(
-    run_dir: Path, lost: list[str], alive: int, at_step: int, lost_index: list[int] | None = None
-) -> Decision:
-    """What to do after the nodes ``lost`` were lost with ``alive`` nodes left, in step ``at_step``. ``lost_index``:
-    their indices in the run's node order, for a cluster of groups (None: the names are the indices, as the local
-    launcher names its simulated nodes)."""
+def after_loss(run_dir: Path, lost: list[str], alive: int, at_step: int) -> Decision:
+    """What to do after the nodes ``lost`` were lost with ``alive`` nodes left, in step ``at_step``."""
     from p3d.rundir.spec import read_spec
 
     cfg, plan = read_spec(run_dir)
     if not is_elastic(cfg):
         return Decision("same", cfg.cluster.nodes, "")
     resumed = newest_step(run_dir)
-    index = (node_indices(lost) if lost_index is None else lost_index) if cfg.cluster.groups else []
+    index = node_indices(lost) if cfg.cluster.groups else []  # groups run elastic on the local launcher only
     got = largest_fit(with_groups_left(pinned(cfg, plan), index), alive, refit)
     if isinstance(got, str):
         return Decision("stop", alive, stop_line(lost, at_step, got, resumed))

@@ -174,12 +174,7 @@ def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[...
 
         lost, alive = allocation(srun_err)
         if lost:  # an elastic run (--no-kill) goes on on the nodes left, or stops below min_nodes (p3d.jobs.elastic)
-            index = None
-            if cfg.cluster.groups:  # which nodes of the run's order: its groups shrink by theirs
-                from p3d.jobs.slurm.step import hostnames
-
-                lost, index = elastic.host_indices(run_dir, lost, hostnames(os.environ["SLURM_JOB_NODELIST"]))
-            decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir), index)
+            decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir))
             print(decision.line, file=console, flush=True)
             if decision.action == "stop":
                 return exit_codes.NODES_LOST

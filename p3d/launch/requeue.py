@@ -12,12 +12,11 @@ from p3d import exit_codes
 from p3d.config.errors import P3DConfigError
 
 
-def resume_spec(run_dir: str, nodes: int | None = None, event: dict | None = None, groups: list | None = None) -> int:
+def resume_spec(run_dir: str, nodes: int | None = None, event: dict | None = None) -> int:
     """Re-freeze the spec of a requeued job with train.resume=auto resolved to the newest complete
     checkpoint (as ``p3d-train train.resume=auto run.dir=<run_dir>`` would). ``nodes``: an elastic run
     re-fitted to that many nodes (p3d.jobs.elastic.refit), its plan rebuilt and ``event`` recorded with the spec;
-    the decision's one line has said what changed, so the per-field lines are not printed. ``groups``: a cluster of
-    groups fitted to these (a requeued job that got its first nodes back: :func:`resume_in_allocation`)."""
+    the decision's one line has said what changed, so the per-field lines are not printed."""
     from p3d.launch.check import check_run, tokenizer_vocab  # check_run resolves auto to a checkpoint dir
     from p3d.launch.freeze import freeze
     from p3d.layout.run_plan import build_plan
@@ -32,8 +31,7 @@ def resume_spec(run_dir: str, nodes: int | None = None, event: dict | None = Non
             from p3d.jobs.elastic import refit, with_groups
             from p3d.layout.elastic import pinned
 
-            left = event if groups is None else {"groups_left": groups}  # on cluster.groups: the groups to run on
-            cfg = refit(with_groups(pinned(cfg, plan), left), nodes)
+            cfg = refit(with_groups(pinned(cfg, plan), event), nodes)  # on cluster.groups: the groups the loss left
             plan = build_plan(cfg, tokenizer_vocab(cfg.data))
         cfg = check_run(cfg, quiet=nodes is not None)
     except P3DConfigError as exc:
@@ -63,25 +61,4 @@ def resume_in_allocation(run_dir: str) -> int:
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", cfg.cluster.nodes))
     if cfg.cluster.elastic.min_nodes is None or nodes == cfg.cluster.nodes:
         return resume_spec(run_dir)
-    if cfg.cluster.groups and nodes > cfg.cluster.nodes:  # a cluster of groups that lost nodes, requeued onto more
-        first = first_groups(run_dir)
-        if first and sum(g["nodes"] for g in first) == nodes:  # its own size again: the groups it started with
-            return resume_spec(run_dir, nodes=nodes, groups=first)
     return resume_spec(run_dir, nodes=nodes)
-
-
-def first_groups(run_dir: str) -> list[dict] | None:
-    """The ``cluster.groups`` the run's first segment was launched with (``specs/from_step_0.yaml``), as dicts."""
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    from p3d.rundir.files import SPEC
-    from p3d.rundir.spec import read_spec
-
-    raw = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / SPEC))
-    segments = (raw.get("segments") or []) if isinstance(raw, dict) else []
-    path = Path(run_dir) / segments[0]["spec"] if segments and segments[0].get("spec") else None
-    if path is None or not path.is_file():
-        return None
-    return [dataclasses.asdict(g) for g in read_spec(path)[0].cluster.groups]

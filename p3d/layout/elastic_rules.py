@@ -33,6 +33,13 @@ def check_elastic(cfg: Config, world: int) -> None:
         )
     if least is None:
         return
+    if c.groups and c.launcher == Launcher.slurm:
+        raise P3DConfigError(
+            f"cluster.elastic.min_nodes={least} with cluster.groups on Slurm: the groups run as one heterogeneous job "
+            "whose recipe starts its workers on every node of every component, so it cannot go on without a lost "
+            "one (elastic runs over groups run on the local launcher; docs/clusters.md, Elastic runs)",
+            ["cluster.elastic.min_nodes=null", "cluster.launcher=local"],
+        )
     if least > nodes:
         raise P3DConfigError(
             f"cluster.elastic.min_nodes={least} exceeds cluster.nodes={nodes}: an elastic run continues on at most "

@@ -13,7 +13,7 @@ from p3d.launch.requeue import resume_spec
 from p3d.layout.elastic import record_text
 from p3d.layout.hetero import first_nodes, groups_left
 from p3d.rundir.spec import pending_layout_change, read_spec
-from tests.helpers.runs import compose_config, typed
+from tests.helpers.runs import assert_refused_in_one_line, compose_config, typed
 from tests.unit.jobs.test_elastic import fake_run
 
 # three simulated cpu nodes of one rank: two of the cpu preset, then one twice as slow (test_hetero_parity's groups)
@@ -123,40 +123,14 @@ def test_vary_any_takes_the_planners_layout_and_split_on_the_groups_left(tmp_pat
     assert cfg.schedule.global_batch_size == 16
 
 
-def test_slurm_names_hosts_their_index_is_in_the_nodes_the_run_had(tmp_path):
-    """SLURM_JOB_NODELIST keeps the nodes lost before, so a second loss names them again: they left the run already."""
-    run = fake_run(tmp_path, *ELASTIC, PLANNED)
-    assert elastic.host_indices(run, ["n1"], ["n1", "n2", "n3"]) == (["n1"], [0])
-    d = elastic.after_loss(run, ["n1"], alive=2, at_step=5, lost_index=[0])
-    assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
-    assert elastic.host_indices(run, ["n1", "n3"], ["n1", "n2", "n3"]) == (
-        ["n3"],
-        [1],
-    )  # n1 went at step 5: n3 is node 1 now
-
-
-def test_slurm_restart_passes_the_lost_hosts_index_in_the_run(tmp_path, monkeypatch):
-    import io
-
-    from p3d import exit_codes
-    from p3d.jobs import restart
-    from p3d.jobs.slurm import step
-
-    run = fake_run(tmp_path, *ELASTIC, PLANNED)
-    monkeypatch.setattr(step, "allocation", lambda srun_err: (["n3"], 2))
-    monkeypatch.setattr(step, "hostnames", lambda nodelist: ["n1", "n2", "n3"])
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
-    events: list[dict | None] = []
-
-    def refreeze(run_dir: str, nodes: int | None = None, event: dict | None = None) -> int:
-        events.append(event)
-        return 0
-
-    console = io.StringIO()
-    assert restart.slurm_restart(run, exit_codes.WORKER_FAILED, tmp_path / "srun.err", refreeze, console=console) == 0
-    assert console.getvalue().startswith("p3d: elastic: node n3 lost at step 5;")
-    assert "node n3 was group 1's (1 x cpu); groups left 2 x cpu" in console.getvalue()  # n3: the slow node
-    assert events[0] is not None and events[0]["lost_groups"] == [1]
+def test_on_slurm_an_elastic_groups_run_is_refused_in_one_line():
+    """A groups run on Slurm is one heterogeneous job whose recipe starts the workers on every node of every component
+    (srun --het-group=0-K): it cannot go on without a lost node, so min_nodes is refused there, before anything runs."""
+    assert_refused_in_one_line(
+        ("cluster=slurm", *ELASTIC[1:], PLANNED),
+        "cluster.elastic.min_nodes=1 with cluster.groups on Slurm",
+        "cluster.launcher=local",
+    )
 
 
 def test_a_groups_run_grows_back_by_a_resume_naming_its_groups(tmp_path):
@@ -186,31 +160,7 @@ def test_a_groups_run_grows_back_by_a_resume_naming_its_groups(tmp_path):
         "2 x cpu + 1 x cpu",
     )
     with pytest.raises(elastic.P3DConfigError, match="more than cluster.groups hold"):
-        elastic.refit(pinned_run(run), 4)  # more nodes than the groups it knows of: refused in one line
-
-
-def test_a_requeued_groups_job_with_its_first_node_count_runs_on_its_first_groups(tmp_path, monkeypatch, capsys):
-    import json
-    import shutil
-
-    from p3d.checkpoint import find as checkpoint
-    from p3d.launch.requeue import resume_in_allocation
-
-    run = fake_run(tmp_path, *ELASTIC, PLANNED)
-    d = elastic.after_loss(run, ["0"], alive=2, at_step=5)
-    assert resume_spec(str(run), nodes=d.nodes, event=d.event) == 0
-    ckpt = checkpoint.step_dir(run, 6)
-    ckpt.mkdir(parents=True)
-    meta = json.loads((checkpoint.step_dir(run, 3) / "meta.json").read_text())
-    (ckpt / "meta.json").write_text(json.dumps({**meta, "step": 6}))
-    shutil.copy(run / "run_spec.yaml", ckpt / "run_spec.yaml")
-    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
-    assert resume_in_allocation(str(run)) == 0
-    assert "p3d: elastic: 3 nodes now (was 2); resumed step 6 on 3 nodes as dp3 x pp1 x tp1" in capsys.readouterr().out
-    cfg, plan = read_spec(run)
-    assert _groups(cfg.cluster.groups) == [(2, 0.1), (1, 0.05)]
-    assert (plan.dp, plan.replica_micro_batches, cfg.schedule.global_batch_size) == (3, [3, 3, 2], 16)
-    assert pending_layout_change(run, 6)["new"]["groups"] == "2 x cpu + 1 x cpu"
+        elastic.refit(pinned_run(run), 4)  # a re-fit onto more nodes than the groups it knows of: refused
 
 
 def pinned_run(run):
