@@ -80,9 +80,18 @@ CASES = [
     ("model=small", "mesh=single", "schedule.micro_batch_size=1", "train.dtype=bf16", "model.seq_len=256"),
     ("model=small", "mesh=single", "schedule.micro_batch_size=1", "schedule.recompute=selective"),
 ]
+# slow tier (3-7 s each): model=small's bf16 and selective inventories; model=tiny's cases above run both paths
+SLOW = {CASES[-2], CASES[-1]}
 
 
-@pytest.mark.parametrize("overrides", CASES, ids=lambda o: "-".join(x.split("=")[1] for x in o[:1] + o[2:]))
+def _case_id(o: tuple[str, ...]) -> str:
+    return "-".join(x.split("=")[1] for x in o[:1] + o[2:])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [pytest.param(o, id=_case_id(o), marks=[pytest.mark.slow] if o in SLOW else []) for o in CASES],
+)
 def test_activation_bytes_per_micro_batch(make_cfg, overrides):
     cfg = make_cfg(*overrides)
     (stage,) = stage_memory(cfg, layout_of(cfg))  # pp=1: embedding, every block, norm, head and loss
