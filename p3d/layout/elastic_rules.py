@@ -35,9 +35,10 @@ def check_elastic(cfg: Config, world: int) -> None:
         return
     if c.groups and c.launcher == Launcher.slurm:
         raise P3DConfigError(
-            f"cluster.elastic.min_nodes={least} with cluster.groups on Slurm: the groups run as one heterogeneous job "
-            "whose recipe starts its workers on every node of every component, so it cannot go on without a lost "
-            "one (elastic runs over groups run on the local launcher; docs/clusters.md, Elastic runs)",
+            f"cluster.elastic.min_nodes={least} with cluster.groups on Slurm: the groups run as one heterogeneous job, "
+            "and Slurm requeues or ends every component of it when one of its nodes fails, --no-kill or not (a "
+            "component of one node always), so it cannot go on on the nodes left (elastic runs over groups run on "
+            "the local launcher; docs/clusters.md, Elastic runs)",
             ["cluster.elastic.min_nodes=null", "cluster.launcher=local"],
         )
     if least > nodes:
