@@ -44,13 +44,16 @@ def page_faults(mode: str) -> list[int]:
 
 
 def test_a_cpu_worker_faults_no_page_in_for_a_steps_activations():
-    default, kept = page_faults("default"), page_faults("keep")
+    default = page_faults("default")
     # glibc's own thresholds: the last six steps still hand MiB back and fault them in again (measured: 18,000 to
     # 45,000 pages in all; the pattern between steps varies with the process's earlier allocations)
     assert sum(default[-6:]) > 5000, default
-    # raised, no mmap (what p3d.train.worker sets on gloo): the heap serves those steps without a fault (measured:
-    # 0; with the thresholds alone the 48 MiB gradient's own mmap faulted 12,288 pages a step)
-    assert sum(kept[-6:]) < 200, kept
+    # raised, no mmap (what p3d.train.worker sets on gloo): the heap serves those steps with next to no fault.
+    # Measured: 0 alone, and once 896 (3.5 MiB) in CI under make test's paired load, so the least of two processes
+    # is read against 2,048 pages (8 MiB). With the thresholds alone the 48 MiB gradient's own mmap faults 12,288
+    # pages a step, 73,728 over these six.
+    kept = min((page_faults("keep") for _ in range(2)), key=lambda faults: sum(faults[-6:]))
+    assert sum(kept[-6:]) < 2048, kept
 
 
 # A heap that keeps its holes: eight 16 MiB blocks, every other one freed (64 MiB live, 64 MiB of holes), then a
