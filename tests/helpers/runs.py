@@ -22,22 +22,53 @@ PLACEMENT_PID = re.compile(r"\[rank (\d+)\] placement: .* pid (\d+)")
 
 
 def compose(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
-    """The composed DictConfig for these overrides, through Hydra's compose API (a copy of the composition made
-    once per test session: the groups are files that do not change during it, and their config refers to no
-    environment variable)."""
-    return copy.deepcopy(_composed(overrides, run_dir))
+    """The composed DictConfig for these overrides, as Hydra's compose API makes it. Hydra composes each set of
+    group choices (``model=small``, ``mesh=pp2``) once per test session (~0.2 s each: the groups are files that do
+    not change during it, and their config refers to no environment variable); the value overrides are then applied
+    to a copy by the same Hydra step that applies them after composing (test_compose_cache holds the two equal)."""
+    groups, values = _split_overrides((f"run.dir={run_dir}", *overrides))
+    if values is None:  # a sweep or a hydra.* override: Hydra composes the whole line
+        return copy.deepcopy(_hydra_composed((f"run.dir={run_dir}", *overrides)))
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = copy.deepcopy(_hydra_composed(groups))
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except OmegaConfBaseException as e:  # what Hydra's load_configuration raises for them
+        raise ConfigCompositionException().with_traceback(e.__traceback__) from e
+    return cfg
+
+
+def hydra_compose(*overrides: str, run_dir: str = "/tmp/p3d-test-run"):
+    """The composition of the whole line by Hydra, with no cache (what :func:`compose` must equal)."""
+    return copy.deepcopy(_hydra_composed.__wrapped__((f"run.dir={run_dir}", *overrides)))
+
+
+def _split_overrides(overrides: tuple[str, ...]):
+    """(group choices as typed, the other overrides parsed), split as Hydra's defaults list splits them (a key that
+    names a config group, with a value that is not a dict); (overrides, None) where Hydra must compose it all."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    if any(o.is_sweep_override() or o.key_or_group.startswith("hydra") for o in parsed):
+        return overrides, None
+    is_group = [(CONF / o.key_or_group).is_dir() and not isinstance(o.value(), dict) for o in parsed]
+    groups = tuple(o.input_line for o, g in zip(parsed, is_group, strict=True) if g)
+    return groups, [o for o, g in zip(parsed, is_group, strict=True) if not g]
 
 
 @functools.lru_cache(maxsize=1024)
-def _composed(overrides: tuple[str, ...], run_dir: str):
-    from hydra import compose as hydra_compose
+def _hydra_composed(overrides: tuple[str, ...]):
+    from hydra import compose as compose_api
     from hydra import initialize_config_dir
 
     from p3d.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose("config", overrides=[f"run.dir={run_dir}", *overrides])
+        return compose_api("config", overrides=list(overrides))
 
 
 def compose_config(*overrides: str):
