@@ -21,3 +21,28 @@ def test_other_c_libraries_are_left_alone(monkeypatch):
     monkeypatch.setattr(host_memory.ctypes, "CDLL", no_libc)
     assert host_memory.keep_freed_memory() is False
     assert host_memory.set_host_memory("release") is False
+
+
+def test_release_off_glibc_says_once_that_it_does_nothing(monkeypatch, capsys):
+    """train.host_memory=release on another C library: rank 0 says peak_mem_gb keeps the freed memory; keep (the
+    default, a speed setting) and the other ranks say nothing."""
+    import types
+
+    import torch
+
+    from p3d.train import host_memory, worker
+
+    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: types.SimpleNamespace(mallopt=lambda *a: 1))
+    monkeypatch.setattr(worker, "skip_cpu_shm_build", lambda: None)
+    threads = torch.get_num_threads()
+    try:
+        worker.set_up_cpu_worker("release", rank=0)
+        worker.set_up_cpu_worker("release", rank=1)
+        worker.set_up_cpu_worker("keep", rank=0)
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "p3d: warning: train.host_memory=release has no effect here (the C library is not glibc): "
+        "peak_mem_gb is the peak RSS, freed memory the heap keeps included"
+    ]
