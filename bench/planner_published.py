@@ -21,17 +21,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import published
+from tests.helpers import published, published_fit
 
 
 def row(name: str) -> dict[str, Any]:
-    entry, cfg = published.ROWS[name], published.config(name)
-    got = published.compared(name)
+    entry, cfg = published.ROWS[name], published_fit.config(name)
+    got = published_fit.compared(name)
     lay = f"tp{cfg.mesh.tp} pp{cfg.mesh.pp} dp{cfg.mesh.dp}" + (f" cp{cfg.mesh.cp}" if cfg.mesh.cp > 1 else "")
     value = f"{entry.value:.2f} s" if entry.unit == "step_s" else f"{entry.value:.1f} TFLOP/s"
     return {
         "name": name,
-        "miss": name in published.MISSES,
+        "miss": name in published_fit.MISSES,
         "half": "held out" if name in published.HELD_OUT else "fit",
         "source": entry.source,
         "convention": entry.convention,
@@ -57,7 +57,8 @@ def footer(found: list[dict[str, Any]], what: str) -> str:
 
 def constants() -> str:
     return ", ".join(
-        f"{gen} e {e:.3f} k0 {k0:g}" for gen, (e, k0) in ((g, published.stored(g)) for g in published.GENERATIONS)
+        f"{gen} e {e:.3f} k0 {k0:g}"
+        for gen, (e, k0) in ((g, published_fit.stored(g)) for g in published_fit.GENERATIONS)
     )
 
 
@@ -91,9 +92,9 @@ def main() -> None:
     args = parser.parse_args()
     print(table([row(name) for name in published.ROWS]))
     if args.fit:
-        for gen in published.GENERATIONS:
-            e, k0 = published.fit(gen)
-            loss = published.fit_loss(gen, e, k0)
+        for gen in published_fit.GENERATIONS:
+            e, k0 = published_fit.fit(gen)
+            loss = published_fit.fit_loss(gen, e, k0)
             print(f"fitted {gen}: e {e:.3f} k0 {k0:g} (mean |ln error| of its fit rows {loss:.4f})")
 
 

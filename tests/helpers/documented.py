@@ -242,7 +242,7 @@ CASES: dict[str, Case] = {
     ),
     ".venv/bin/python bench/planner_published.py --fit": Case(
         "not_here",
-        expect="the fit of tests/helpers/published.py, whose result tests/unit/planner/test_published.py checks",
+        expect="the fit of tests/helpers/published_fit.py, whose result tests/unit/planner/test_published.py checks",
     ),
     **dict.fromkeys(
         (

@@ -9,20 +9,16 @@ import statistics
 import pytest
 
 from p3d.planner import evaluate
-from tests.helpers.published import (
+from tests.helpers.published import HELD_OUT, NEW_SOURCES, ROWS, gpt, run
+from tests.helpers.published_fit import (
     GENERATIONS,
-    HELD_OUT,
     MISSES,
-    NEW_SOURCES,
-    ROWS,
     compared,
     fit,
     fit_loss,
-    gpt,
     held_out_errors,
     neighbours,
     predicted,
-    run,
     stored,
 )
 
