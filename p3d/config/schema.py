@@ -2,139 +2,37 @@
 
 Each YAML file under ``conf/<group>/`` extends one of these dataclasses (``defaults: [base_<group>]``),
 so Hydra rejects unknown keys and wrong types at compose time. Cross-group rules (world size, head
-divisibility, batch arithmetic, ...) live in :mod:`p3d.layout.run_plan`.
+divisibility, batch arithmetic, ...) live in :mod:`p3d.layout.run_plan`. The enums the fields take are in
+:mod:`p3d.config.options`, every numeric field's range in :mod:`p3d.config.bounds`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Optional
 
-from p3d.config.choice import Choice
 from p3d.config.devices import DeviceName
-
-
-class Arch(Enum):
-    llama = "llama"
-    gpt = "gpt"  # planned by p3d-plan (published GPT runs); the trainer builds llama only
-
-
-class Recompute(Enum):
-    none = "none"
-    selective = "selective"  # RoPE + attention core recomputed in backward (torch.utils.checkpoint)
-    full = "full"
-
-
-class RouterScore(Enum):
-    softmax = "softmax"  # Mixtral, Qwen-MoE, DeepSeekMoE: a softmax over the experts' logits
-    sigmoid = "sigmoid"  # DeepSeek-V3: an independent sigmoid per expert (weights normalised over the top-k)
-
-
-class Partition(Enum):
-    blocks = "blocks"  # balance transformer blocks over stages (embedding/head ride along)
-    uniform = "uniform"  # balance all pipeline layers, embedding and head counted as layers
-    cost = "cost"  # balance each stage's modelled FLOPs: blocks, and the head with its loss, by their cost
-
-
-# The pipeline schedule: which executor runs the steps (docs/schedules.md). "1f1b" is DeepSpeed's
-# PipelineEngine (p3d's default since the start); the others run torch.distributed.pipelining's schedules over
-# the same layer list cut into mesh.pp x schedule.virtual_stages chunks (p3d/train/executors/torch_pipeline.py).
-# Functional form: "1f1b" is not an identifier. Read a member as Pipeline["zbv"], compare values as strings.
-Pipeline = Enum(
-    "Pipeline",
-    {
-        "1f1b": "1f1b",
-        "interleaved_1f1b": "interleaved_1f1b",
-        "interleaved_zero_bubble": "interleaved_zero_bubble",
-        "zbv": "zbv",
-        "dualpipev": "dualpipev",
-        "gpipe": "gpipe",
-    },
+from p3d.config.options import (
+    AdamWImpl,
+    Arch,
+    ContextAttention,
+    DataSource,
+    DType,
+    ElasticVary,
+    HostMemory,
+    Launcher,
+    LRDecay,
+    OnNonFinite,
+    OnSpike,
+    OutputFormat,
+    Partition,
+    Pipeline,
+    Progress,
+    Recompute,
+    RouterScore,
+    TextUnit,
+    WandbMode,
 )
-
-
-class DType(Enum):
-    auto = "auto"  # fp32 on cpu, bf16 on GPUs (resolved when the run spec is frozen)
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class AdamWImpl(Enum):
-    default = "default"  # torch's choice: the foreach (multi-tensor) kernels where the tensors allow
-    foreach = "foreach"
-    fused = "fused"  # one fused kernel per parameter group (CUDA and CPU)
-
-
-class HostMemory(Enum):
-    keep = "keep"  # CPU workers keep freed memory in their heap for the next step (fast; peak_mem_gb counts it)
-    release = "release"  # freed blocks over 128 KiB go back to the kernel: peak_mem_gb is the live peak (~10 % slower)
-
-
-class LRDecay(Enum):
-    cosine = "cosine"
-    linear = "linear"
-    constant = "constant"
-
-
-class OnNonFinite(Enum):
-    stop = "stop"  # no update for that step; the run stops with exit_codes.NONFINITE
-    skip = "skip"  # the update is discarded, the run goes on (train.max_skipped in a row at most)
-
-
-class OnSpike(Enum):
-    warn = "warn"  # flagged in metrics and on the console; the update is applied
-    skip = "skip"  # flagged, and the update is discarded like a non-finite step's
-
-
-class Launcher(Enum):
-    local = "local"
-    slurm = "slurm"
-
-
-class ElasticVary(Choice):
-    dp = "dp"  # tp, pp and cp stay (each stage's memory does not change); dp follows the nodes left
-    any = "any"  # the planner picks a layout for the nodes left (p3d.planner.best_layout)
-
-
-class ContextAttention(Choice):
-    """How a cp rank's attention reaches the other ranks' keys and values (docs/context.md, "All-gather or ring")."""
-
-    allgather = "allgather"  # all-gathered over the cp group once a layer, then attended (Llama 3)
-    ring = "ring"  # passed around the cp group, one rank's block a step, while the previous block computes
-
-
-class DataSource(Enum):
-    stdlib = "stdlib"  # Python's standard library sources and English docs: on every machine
-    files = "files"  # local text / json / jsonl / parquet files or globs
-    hub = "hub"  # a Hugging Face hub dataset by name (needs network access), streamed
-    prepared = "prepared"  # a token store written by p3d-prepare (data.path, or data.mix): memory-mapped
-
-
-class Progress(Choice):
-    auto = "auto"  # a live progress bar when the console is a terminal, else lines
-    bar = "bar"
-    lines = "lines"
-
-
-class WandbMode(Choice):
-    auto = "auto"  # WANDB_MODE if set, else online with an API key and offline without
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
-
-
-class OutputFormat(Choice):
-    text = "text"
-    json = "json"
-
-
-class TextUnit(Enum):
-    """What one document is in a text (each followed by the end-of-document token when packed)."""
-
-    document = "document"  # a whole text file (a whole record's text); line breaks kept
-    paragraph = "paragraph"  # a run of non-blank lines, its line breaks kept; blank lines separate paragraphs
-    line = "line"  # one line, without its line break
 
 
 @dataclass
@@ -208,7 +106,7 @@ class ScheduleConfig:
     # chunks per pp rank: >= 2 with interleaved_*, exactly 2 with zbv / dualpipev, 1 with 1f1b / gpipe;
     # null: derived from the pipeline (its fewest: 2 for the interleaved and V schedules, else 1)
     virtual_stages: int | None = None
-    pipeline: Pipeline = Pipeline["1f1b"]  # the executor; see Pipeline above
+    pipeline: Pipeline = Pipeline["1f1b"]  # the executor; see Pipeline (p3d.config.options)
     # Uneven layouts (heterogeneous clusters, docs/clusters.md): [] leaves the choice to schedule.partition and an even
     # split of the global batch. stage_blocks: transformer blocks per pipeline piece (mesh.pp x chunks per rank, in
     # chunk order; the embedding rides with the first, the final norm and the head with the last); with cluster.groups
@@ -434,101 +332,6 @@ class Config:
     # A file of this machine's measured rates (p3d-plan calibrate writes it; p3d-plan and mesh=auto read it);
     # null: the device preset's nominal rates (docs/planner.md, Calibration)
     calibration: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class Bound:
-    """The values a numeric field accepts: ``low <= v <= high`` (``low < v`` with ``open_low``, ``v < high``
-    with ``open_high``); None leaves that side open. Optional fields also accept null."""
-
-    low: Optional[float] = None
-    high: Optional[float] = None
-    open_low: bool = False
-    open_high: bool = False
-
-
-AT_LEAST_1, NON_NEGATIVE, POSITIVE = Bound(1), Bound(0), Bound(0, open_low=True)
-FRACTION = Bound(0, 1)  # [0, 1]
-BELOW_1 = Bound(0, 1, open_high=True)  # [0, 1)
-
-# Every int and float field of the schema has its bound here (tests/unit/launch/test_check_inputs.py checks that none is
-# missing); p3d.layout.run_plan.check_fields refuses a value outside it in one line.
-BOUNDS: dict[str, Bound] = {
-    "model.n_layers": AT_LEAST_1,
-    "model.hidden_size": AT_LEAST_1,
-    "model.n_heads": AT_LEAST_1,
-    "model.n_kv_heads": AT_LEAST_1,
-    "model.ffn_hidden_size": AT_LEAST_1,
-    "model.vocab_size": AT_LEAST_1,
-    "model.seq_len": Bound(2),
-    "model.rope_theta": POSITIVE,
-    "model.norm_eps": POSITIVE,
-    "model.init_std": POSITIVE,
-    "model.moe.n_experts": AT_LEAST_1,
-    "model.moe.top_k": AT_LEAST_1,
-    "model.moe.expert_ffn_size": AT_LEAST_1,
-    "model.moe.n_shared_experts": NON_NEGATIVE,
-    "model.moe.first_dense_layers": NON_NEGATIVE,
-    "model.moe.route_scale": POSITIVE,
-    "model.moe.aux_loss_coef": NON_NEGATIVE,
-    "model.moe.bias_update_rate": NON_NEGATIVE,
-    "model.moe.capacity_factor": POSITIVE,
-    "mesh.tp": AT_LEAST_1,
-    "mesh.ep": AT_LEAST_1,
-    "mesh.cp": AT_LEAST_1,
-    "mesh.pp": AT_LEAST_1,  # mesh.dp (an int or auto): p3d.layout.run_plan._world_size
-    "schedule.micro_batch_size": AT_LEAST_1,
-    "schedule.global_batch_size": AT_LEAST_1,
-    "schedule.virtual_stages": AT_LEAST_1,
-    "zero.stage": Bound(0, 3),
-    "zero.shard_size": AT_LEAST_1,
-    "zero.bucket_mb": POSITIVE,
-    "cluster.nodes": AT_LEAST_1,
-    "cluster.gpus_per_node": AT_LEAST_1,
-    "cluster.peak_tflops": POSITIVE,
-    "cluster.memory_gb": POSITIVE,
-    "cluster.intra_node_gbps": POSITIVE,
-    "cluster.inter_node_gbps": POSITIVE,
-    "cluster.timeout_s": AT_LEAST_1,
-    "cluster.cpus_per_task": AT_LEAST_1,
-    "cluster.signal_s": NON_NEGATIVE,
-    "cluster.max_requeues": NON_NEGATIVE,
-    "cluster.elastic.min_nodes": AT_LEAST_1,
-    "data.shuffle_buffer": NON_NEGATIVE,
-    "data.val_fraction": BELOW_1,
-    "logger.log_every": AT_LEAST_1,
-    "train.steps": AT_LEAST_1,
-    "train.lr": POSITIVE,
-    "train.min_lr_ratio": FRACTION,
-    "train.warmup_steps": NON_NEGATIVE,
-    "train.weight_decay": NON_NEGATIVE,
-    "train.beta1": BELOW_1,
-    "train.beta2": BELOW_1,
-    "train.eps": POSITIVE,
-    "train.grad_clip": NON_NEGATIVE,
-    "train.seed": NON_NEGATIVE,
-    "train.eval_every": NON_NEGATIVE,
-    "train.eval_batches": AT_LEAST_1,
-    "train.save_every": NON_NEGATIVE,
-    "train.keep_last": NON_NEGATIVE,
-    "train.max_skipped": NON_NEGATIVE,
-    "train.spike_factor": NON_NEGATIVE,
-    "train.spike_window": AT_LEAST_1,
-    "train.straggler_factor": NON_NEGATIVE,
-    "train.straggler_steps": AT_LEAST_1,
-    "train.max_restarts": NON_NEGATIVE,
-    "tokenizer.vocab_size": Bound(257),  # 256 bytes + end of text
-    "tokenizer.max_documents": AT_LEAST_1,
-    "tokenizer.min_frequency": NON_NEGATIVE,
-    "prepare.workers": AT_LEAST_1,
-    "prepare.shard_bytes": AT_LEAST_1,
-    "prepare.slices": AT_LEAST_1,
-    "plan.efficiency": Bound(0, 1, open_low=True),
-    "plan.hbm_gbps": POSITIVE,
-    "plan.gemm_k_overhead": NON_NEGATIVE,
-    "plan.top": AT_LEAST_1,
-    "plan.block_seconds": NON_NEGATIVE,
-}
 
 
 GROUPS = {

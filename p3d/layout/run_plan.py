@@ -11,8 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from p3d.config.bounds import BOUNDS, Bound
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import BOUNDS, Arch, Bound, Config, DataSource, DType
+from p3d.config.schema import Arch, Config, DataSource, DType
 from p3d.layout.context_rules import check_context
 from p3d.layout.dims import ParallelDims, degrees_that_fill, largest_divisor_at_most, resolve_dp
 from p3d.layout.elastic_rules import check_elastic
@@ -164,7 +165,7 @@ def _inside(b: Bound, value: float) -> bool:
 
 
 def check_fields(cfg: Config) -> None:
-    """Every int and float field against its bound (``p3d.config.schema.BOUNDS``); NaN and inf are refused."""
+    """Every int and float field against its bound (``p3d.config.bounds.BOUNDS``); NaN and inf are refused."""
     for key, b in BOUNDS.items():
         *path, name = key.split(".")
         owner: object = cfg

@@ -8,7 +8,8 @@ import typing
 
 import pytest
 
-from p3d.config.schema import BOUNDS, Config
+from p3d.config.bounds import BOUNDS
+from p3d.config.schema import Config
 from p3d.launch.report import sweep_status
 from p3d.launch.report_rows import Row
 from p3d.layout.run_plan import P3DConfigError
@@ -57,7 +58,7 @@ def _numeric_fields(schema, prefix=""):
 
 def test_every_int_and_float_field_has_a_bound():
     fields = set(_numeric_fields(Config()))
-    assert fields - set(BOUNDS) == set(), "add these to p3d.config.schema.BOUNDS"
+    assert fields - set(BOUNDS) == set(), "add these to p3d.config.bounds.BOUNDS"
     assert set(BOUNDS) - fields == set(), "BOUNDS names fields the schema does not have"
 
 
