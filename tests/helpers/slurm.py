@@ -39,6 +39,42 @@ def steps_done(run_dir) -> list[int]:
         return []
 
 
+def complete_checkpoints(run_dir) -> list[str]:
+    root = run_dir / "checkpoints"
+    return sorted(d.name for d in root.glob("step_*") if (d / "meta.json").is_file()) if root.is_dir() else []
+
+
+def stopped_requeued_and_resumed(
+    cluster, job: str, run_dir: Path, log_path: Path, steps: int, scancel, while_pending=None
+):
+    """The time-limit signal's path (``--signal=B:USR1@N``, sent here at once by ``scancel``, the cluster's
+    ``scancel --batch --signal=USR1 <job>``) once the job has run two steps: the workers checkpoint and exit 75, and
+    the job requeues itself (pending again, same id; ``while_pending`` then checks more). Released early (Slurm holds
+    a requeued job ~2 min, the test stays short), it completes, and its second start resumes at the checkpoint's next
+    step. Returns (the checkpoint's step, the job's log, run.dir's slurm_jobs.log)."""
+    wait_for(lambda: len(steps_done(run_dir)) >= 2, 180, "two training steps")
+    assert scancel().returncode == 0
+    state = cluster.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
+    assert state == "PENDING", log_path.read_text()[-3000:]
+    if while_pending is not None:
+        while_pending()
+    stopped_at = complete_checkpoints(run_dir)
+    assert stopped_at, "no complete checkpoint after the stop signal"
+    k = int(stopped_at[-1].split("_")[1])
+    assert 2 <= k < steps
+    cluster.release_requeued(job)
+    state = cluster.wait(job, timeout=240)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    jobs_log = (run_dir / "slurm_jobs.log").read_text()
+    assert f"{job} exit 75 after SIGUSR1" in jobs_log and f"{job} requeue after restart 0" in jobs_log
+    assert f"{job} start (restart 1)" in jobs_log and f"{job} exit 0" in jobs_log
+    second = log[log.index("(restart 1)") :]  # the second start resumed: its first step is k + 1
+    first_step = re.search(r"step\s+(\d+)/", second)
+    assert first_step and int(first_step.group(1)) == k + 1, second[:3000]
+    return k, log, jobs_log
+
+
 # ---- the two-node cluster
 
 SCRIPT = ROOT / ".ci" / "slurm" / "two-node-slurm.sh"

@@ -27,11 +27,6 @@ TRAIN = ("model=tiny", f"train.steps={STEPS}", "train.warmup_steps=2", f"train.e
 SLURM = ("cluster=slurm", "cluster.time=30", "cluster.signal_s=60")
 
 
-def complete_checkpoints(run_dir) -> list[str]:
-    root = run_dir / "checkpoints"
-    return sorted(d.name for d in root.glob("step_*") if (d / "meta.json").is_file()) if root.is_dir() else []
-
-
 def components(job: str) -> list[dict[str, str]]:
     """``scontrol show job -o``'s fields of each component of the job, in offset order."""
     lines = slurm("scontrol", "show", "job", "-o", job).stdout.splitlines()
@@ -102,7 +97,7 @@ def test_a_hetjob_signalled_before_its_time_limit_requeues_every_component_and_r
     next start resumes on the same groups' nodes to the single process's losses."""
     from p3d.train.metrics import read_metrics
     from p3d.train.reference import reference_run
-    from tests.helpers.slurm import steps_done, wait_for
+    from tests.helpers.slurm import stopped_requeued_and_resumed
 
     steps, run_dir = 12, tmp_path / "run"
     train = ("model=tiny", f"train.steps={steps}", "train.warmup_steps=2", f"train.eval_every={steps}")
@@ -110,26 +105,17 @@ def test_a_hetjob_signalled_before_its_time_limit_requeues_every_component_and_r
     result = p3d_train(*slurm_opts, GROUPS, "mesh=dp2", *train, f"run.dir={run_dir}", timeout=120, env=client_env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     job = re.search(r"submitted Slurm job (\d+)", result.stdout).group(1)  # type: ignore[union-attr]
-    wait_for(lambda: len(steps_done(run_dir)) >= 2, 180, "two training steps")
-    assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0
-    state = two_nodes.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
+
+    def scancel():
+        return slurm("scancel", "--batch", "--signal=USR1", job)
+
+    def every_component_pending():
+        assert [p["JobState"] for p in components(job)] == ["PENDING", "PENDING"], components(job)
+
     log_path = run_dir / f"slurm-{job}.out"
-    assert state == "PENDING", log_path.read_text()[-3000:]
-    assert [p["JobState"] for p in components(job)] == ["PENDING", "PENDING"]
-    stopped_at = complete_checkpoints(run_dir)
-    assert stopped_at, "no complete checkpoint after the stop signal"
-    k = int(stopped_at[-1].split("_")[1])
-    assert 2 <= k < steps
-    two_nodes.release_requeued(job)
-    state = two_nodes.wait(job, timeout=240)
-    log = log_path.read_text()
-    assert state == "COMPLETED", log[-4000:]
-    jobs_log = (run_dir / "slurm_jobs.log").read_text()
-    assert f"{job} exit 75 after SIGUSR1" in jobs_log and f"{job} requeue after restart 0" in jobs_log
-    assert f"{job} start (restart 1) on n2 + n1" in jobs_log and f"{job} exit 0" in jobs_log
-    second = log[log.index("(restart 1)") :]
-    first_step = re.search(r"step\s+(\d+)/", second)
-    assert first_step and int(first_step.group(1)) == k + 1, second[:3000]
+    stopped = stopped_requeued_and_resumed(two_nodes, job, run_dir, log_path, steps, scancel, every_component_pending)
+    jobs_log = stopped[2]
+    assert f"{job} start (restart 1) on n2 + n1" in jobs_log
     ref_cfg, _ = typed("mesh=single", *train)
     assert_follows_curve(read_metrics(run_dir), reference_run(ref_cfg), 1e-5, lr=True)
 
