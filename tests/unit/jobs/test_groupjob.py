@@ -35,10 +35,7 @@ def test_an_elastic_groups_run_is_one_no_kill_job_with_each_groups_node_count_of
     assert ":" not in args  # not a heterogeneous job
     assert args[:4] == ["--nodes=2", "--ntasks-per-node=2", "--partition=two", "--constraint=[on_n2*1&on_n1*1]"]
     assert "--no-kill" in args and f"--output={RUN_DIR}/slurm-%j.out" in args
-
-
-def test_without_elastic_the_groups_are_still_a_hetjob():
-    cfg, plan = typed("cluster=slurm", "model=tiny", "mesh=dp2_pp2", GROUPS)
+    cfg, plan = typed("cluster=slurm", "model=tiny", "mesh=dp2_pp2", GROUPS)  # not elastic: still a hetjob
     args = sbatch_args(cfg, job_shape(cfg, plan), RUN_DIR)
     assert args.count(":") == 1 and "--constraint=on_n2" in args and "--no-kill" not in args
 
