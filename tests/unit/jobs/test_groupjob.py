@@ -102,3 +102,28 @@ def test_a_lost_host_is_its_groups_node_and_that_group_is_dropped_and_the_split_
     assert d.event["lost_groups"] == [0] and [g["constraint"] for g in d.event["groups_left"]] == ["on_n1"]
     assert d.line.startswith("p3d: elastic: node n2 lost at step 5; resumed step 3 on 1 node as dp1 x pp2 x tp1")
     assert "node n2 was group 0's (1 x cpu); groups left 1 x cpu, split re-planned" in d.line, d.line
+
+
+def test_the_recipes_restart_maps_the_lost_host_by_the_host_file_and_re_freezes_the_groups_left(tmp_path, monkeypatch):
+    """python -m p3d.cli.slurm restart after n2 was lost: the host file of the srun that failed (n2's lines first: group
+    0's) names n2 node 0, so group 0 is dropped, not "the last node", and the spec is re-frozen on group 1 alone."""
+    import io
+
+    from p3d import exit_codes
+    from p3d.jobs import restart
+    from p3d.jobs.slurm import step
+    from p3d.jobs.slurm.groupjob import hostfile_path
+    from p3d.launch.requeue import resume_spec
+    from p3d.rundir.spec import read_spec
+
+    monkeypatch.setenv("SLURM_JOB_ID", "52")
+    run = fake_run(tmp_path, *ELASTIC, GROUPS)
+    hostfile_path(run).parent.mkdir(parents=True, exist_ok=True)
+    hostfile_path(run).write_text(hostfile_text(["n2", "n1"], 2))
+    monkeypatch.setattr(step, "allocation", lambda srun_err: (["n2"], 1))
+    console = io.StringIO()
+    got = restart.slurm_restart(run, exit_codes.WORKER_FAILED, tmp_path / "srun.err", resume_spec, console=console)
+    assert got == 0 and "node n2 was group 0's (1 x cpu); groups left 1 x cpu" in console.getvalue()
+    cfg, plan = read_spec(run)
+    assert [(g.constraint, g.peak_tflops) for g in cfg.cluster.groups] == [("on_n1", 0.05)]
+    assert (cfg.cluster.nodes, plan.dp, plan.pp) == (1, 1, 2)
