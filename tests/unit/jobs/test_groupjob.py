@@ -104,9 +104,8 @@ def test_a_lost_host_is_its_groups_node_and_that_group_is_dropped_and_the_split_
     assert "node n2 was group 0's (1 x cpu); groups left 1 x cpu, split re-planned" in d.line, d.line
 
 
-def test_the_recipes_restart_maps_the_lost_host_by_the_host_file_and_re_freezes_the_groups_left(tmp_path, monkeypatch):
-    """python -m p3d.cli.slurm restart after n2 was lost: the host file of the srun that failed (n2's lines first: group
-    0's) names n2 node 0, so group 0 is dropped, not "the last node", and the spec is re-frozen on group 1 alone."""
+def _restart_after_losing_n2(tmp_path, monkeypatch, *overrides: str) -> tuple[int, str]:
+    """The recipe's ``python -m p3d.cli.slurm restart`` after n2 was lost, the failed srun's host file n2 n1."""
     import io
 
     from p3d import exit_codes
@@ -114,16 +113,33 @@ def test_the_recipes_restart_maps_the_lost_host_by_the_host_file_and_re_freezes_
     from p3d.jobs.slurm import step
     from p3d.jobs.slurm.groupjob import hostfile_path
     from p3d.launch.requeue import resume_spec
-    from p3d.rundir.spec import read_spec
 
     monkeypatch.setenv("SLURM_JOB_ID", "52")
-    run = fake_run(tmp_path, *ELASTIC, GROUPS)
+    run = fake_run(tmp_path, *ELASTIC, GROUPS, *overrides)
     hostfile_path(run).parent.mkdir(parents=True, exist_ok=True)
     hostfile_path(run).write_text(hostfile_text(["n2", "n1"], 2))
     monkeypatch.setattr(step, "allocation", lambda srun_err: (["n2"], 1))
     console = io.StringIO()
     got = restart.slurm_restart(run, exit_codes.WORKER_FAILED, tmp_path / "srun.err", resume_spec, console=console)
-    assert got == 0 and "node n2 was group 0's (1 x cpu); groups left 1 x cpu" in console.getvalue()
+    return got, console.getvalue()
+
+
+def test_the_recipes_restart_maps_the_lost_host_by_the_host_file_and_re_freezes_the_groups_left(tmp_path, monkeypatch):
+    """The host file of the srun that failed (n2's lines first: group 0's) names n2 node 0, so group 0 is dropped, not
+    "the last node", and the spec is re-frozen on group 1 alone."""
+    from p3d.rundir.spec import read_spec
+
+    run = tmp_path
+    got, line = _restart_after_losing_n2(tmp_path, monkeypatch)
+    assert got == 0 and "node n2 was group 0's (1 x cpu); groups left 1 x cpu" in line
     cfg, plan = read_spec(run)
     assert [(g.constraint, g.peak_tflops) for g in cfg.cluster.groups] == [("on_n1", 0.05)]
     assert (cfg.cluster.nodes, plan.dp, plan.pp) == (1, 1, 2)
+
+
+def test_below_min_nodes_the_recipes_restart_stops_with_status_6(tmp_path, monkeypatch):
+    from p3d import exit_codes
+
+    got, line = _restart_after_losing_n2(tmp_path, monkeypatch, "cluster.elastic.min_nodes=2")
+    assert got == exit_codes.NODES_LOST
+    assert "1 node left, below cluster.elastic.min_nodes=2: stopping; the newest checkpoint" in line, line
