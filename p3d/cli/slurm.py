@@ -1,6 +1,8 @@
 """The Slurm recipe's steps (recipes/slurm/train.sbatch), one command each:
 
 python -m p3d.cli.slurm layout <run_dir>    world size, tasks per node, ... of the run spec, for srun
+python -m p3d.cli.slurm hostfile <run_dir>  an elastic run over groups: the host file of the job's live nodes in the
+                                            groups' order; prints its path and the master host (p3d.jobs.slurm.groupjob)
 python -m p3d.cli.slurm resume <run_dir>    after a requeue: the spec re-frozen with train.resume=auto (elastic:
                                             fitted to the job's nodes)
 python -m p3d.cli.slurm attempt <run_dir>   before each srun: the attempt's header in every rank log, the hang
@@ -20,12 +22,12 @@ from pathlib import Path
 from p3d import exit_codes
 from p3d.config.errors import P3DConfigError
 from p3d.jobs.restart import failed_tail, slurm_restart
-from p3d.jobs.slurm.step import follow_srun, hang_summary, print_layout, start_srun_attempt
+from p3d.jobs.slurm.step import follow_srun, hang_summary, print_layout, start_srun_attempt, write_hostfile
 from p3d.launch.requeue import resume_in_allocation, resume_spec
 
 USAGE = (
-    "usage: python -m p3d.cli.slurm {layout|resume|attempt|hang|failed} <run_dir>, python -m p3d.cli.slurm follow "
-    "<log> <offset> <srun pid>, or python -m p3d.cli.slurm restart <run_dir> <srun status> <srun stderr file>"
+    "usage: python -m p3d.cli.slurm {layout|hostfile|resume|attempt|hang|failed} <run_dir>, python -m p3d.cli.slurm "
+    "follow <log> <offset> <srun pid>, or python -m p3d.cli.slurm restart <run_dir> <srun status> <srun stderr file>"
 )
 
 
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return slurm_restart(Path(argv[1]), int(argv[2]), Path(argv[3]), resume_spec)
     commands = {
         "layout": print_layout,
+        "hostfile": write_hostfile,
         "resume": resume_in_allocation,
         "attempt": print_attempt,
         "hang": hang_summary,

@@ -83,7 +83,7 @@ def with_groups_left(cfg: Config, lost: list[int]) -> Config:
 
 def node_indices(lost: list[str]) -> list[int]:
     """The indices of the lost nodes in the run's node order: the local launcher names its simulated nodes by them
-    (an elastic run over groups is refused on Slurm: p3d.layout.elastic_rules)."""
+    (on Slurm the host file of the srun that failed orders them: p3d.jobs.slurm.groupjob.lost_indices)."""
     return [int(name) for name in lost]
 
 
@@ -126,15 +126,20 @@ def last_logged(run_dir: Path) -> float | None:
     return path.stat().st_mtime if path.is_file() else None
 
 
-def after_loss(run_dir: Path, lost: list[str], alive: int, at_step: int) -> Decision:
-    """What to do after the nodes ``lost`` were lost with ``alive`` nodes left, in step ``at_step``."""
+def after_loss(run_dir: Path, lost: list[str], alive: int, at_step: int, index: list[int] | None = None) -> Decision:
+    """What to do after the nodes ``lost`` were lost with ``alive`` nodes left, in step ``at_step``. ``index``: on a
+    cluster of groups, their indices in the run's node order (None: the names are the indices, as the local launcher
+    names its simulated nodes)."""
     from p3d.rundir.spec import read_spec
 
     cfg, plan = read_spec(run_dir)
     if not is_elastic(cfg):
         return Decision("same", cfg.cluster.nodes, "")
     resumed = newest_step(run_dir)
-    index = node_indices(lost) if cfg.cluster.groups else []  # groups run elastic on the local launcher only
+    if not cfg.cluster.groups:
+        index = []
+    elif index is None:
+        index = node_indices(lost)
     got = largest_fit(with_groups_left(pinned(cfg, plan), index), alive, refit)
     if isinstance(got, str):
         return Decision("stop", alive, stop_line(lost, at_step, got, resumed))

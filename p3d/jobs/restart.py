@@ -173,8 +173,13 @@ def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[...
         from p3d.jobs.slurm.step import allocation
 
         lost, alive = allocation(srun_err)
+        index = None
+        if lost and cfg.cluster.groups:  # each lost host's place in the failed srun's host file: its group's node
+            from p3d.jobs.slurm.groupjob import hostfile_path, lost_indices, read_order
+
+            lost, index = lost_indices(lost, read_order(hostfile_path(run_dir)))
         if lost:  # an elastic run (--no-kill) goes on on the nodes left, or stops below min_nodes (p3d.jobs.elastic)
-            decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir))
+            decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir), index)
             print(decision.line, file=console, flush=True)
             if decision.action == "stop":
                 return exit_codes.NODES_LOST

@@ -8,7 +8,8 @@ launcher after the plan is built.
 from __future__ import annotations
 
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import Config, Launcher
+from p3d.config.schema import ClusterConfig, Config, Launcher
+from p3d.layout.hetero import plain_feature
 
 
 def is_elastic(cfg: Config) -> bool:
@@ -34,13 +35,7 @@ def check_elastic(cfg: Config, world: int) -> None:
     if least is None:
         return
     if c.groups and c.launcher == Launcher.slurm:
-        raise P3DConfigError(
-            f"cluster.elastic.min_nodes={least} with cluster.groups on Slurm: the groups run as one heterogeneous job, "
-            "and Slurm requeues or ends every component of it when one of its nodes fails, --no-kill or not (a "
-            "component of one node always), so it cannot go on on the nodes left (elastic runs over groups run on "
-            "the local launcher; docs/clusters.md, Elastic runs)",
-            ["cluster.elastic.min_nodes=null", "cluster.launcher=local"],
-        )
+        check_slurm_groups(c)
     if least > nodes:
         raise P3DConfigError(
             f"cluster.elastic.min_nodes={least} exceeds cluster.nodes={nodes}: an elastic run continues on at most "
@@ -56,3 +51,33 @@ def check_elastic(cfg: Config, world: int) -> None:
             f"cluster.nodes={nodes} does not divide the mesh's {world} ranks, so an elastic run has no node size "
             f"to lose; try cluster.nodes=1, or set cluster.gpus_per_node"
         )
+
+
+def check_slurm_groups(c: ClusterConfig) -> None:
+    """An elastic run over ``cluster.groups`` on Slurm is one ordinary ``--no-kill`` job (not a hetjob, which Slurm ends
+    whole when a node fails; p3d.jobs.slurm.groupjob): it asks for each group's nodes by a node feature of its own, and
+    it has one partition."""
+    where = "an elastic run over cluster.groups on Slurm is one job that tells each group's nodes by a node feature"
+    seen: dict[str, int] = {}
+    for i, g in enumerate(c.groups):
+        if not plain_feature(g.constraint):
+            raise P3DConfigError(
+                f"cluster.groups[{i}].constraint={g.constraint or 'null'}: {where}; set "
+                f"cluster.groups[{i}].constraint to one feature that its nodes have and the other groups' do not "
+                "(see `sinfo -o '%N %f'`), or set cluster.elastic.min_nodes=null"
+            )
+        if str(g.constraint) in seen:
+            raise P3DConfigError(
+                f"cluster.groups[{i}].constraint={g.constraint} is cluster.groups[{seen[str(g.constraint)]}]'s too: "
+                f"{where}; give each group a feature of its own nodes (see `sinfo -o '%N %f'`)"
+            )
+        seen[str(g.constraint)] = i
+    partitions = [g.partition or c.partition for g in c.groups]
+    for i, part in enumerate(partitions):
+        if part != partitions[0]:
+            raise P3DConfigError(
+                f"cluster.groups[{i}].partition={part or 'null'} differs from cluster.groups[0]'s "
+                f"({partitions[0] or 'null'}): an elastic run over cluster.groups on Slurm is one job, in one "
+                "partition; set cluster.partition and leave the groups' partition null, or set "
+                "cluster.elastic.min_nodes=null (a heterogeneous job per group)"
+            )

@@ -16,11 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from p3d.config.devices import DEVICES, DeviceName
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import ClusterConfig, ClusterGroup, Config
+
+_FEATURE = re.compile(r"^[\w.-]+$")  # one Slurm node feature; an expression (a&b, a|b, [a*2], ...) is not one
+
+
+def plain_feature(constraint: str | None) -> bool:
+    """Whether a ``constraint`` names one node feature (which ``sinfo`` can check and a node's features can hold)."""
+    return bool(constraint) and _FEATURE.match(str(constraint)) is not None
 
 
 def _presets() -> str:

@@ -10,12 +10,12 @@ node p3d.layout.hetero gives it. Pure functions; the partition check and the sub
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from p3d.layout.hetero import plain_feature
+
 HETJOB_SEPARATOR = ":"  # between the components on sbatch's command line
-_FEATURE = re.compile(r"^[\w.-]+$")  # one node feature; an expression (a&b, a|b, [a*2], ...) is left to Slurm
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Component:
     @property
     def feature(self) -> str | None:
         """The constraint when it names one feature (the partition check counts the nodes that have it)."""
-        return self.constraint if self.constraint and _FEATURE.match(self.constraint) else None
+        return self.constraint if plain_feature(self.constraint) else None
 
 
 def components(c) -> list[Component]:

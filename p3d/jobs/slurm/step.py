@@ -28,6 +28,7 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.jobs.follow import follow
+from p3d.jobs.slurm.groupjob import hostfile_path, hostfile_text, node_order, parse_node_features
 from p3d.jobs.slurm.submit import SLURM_TIMEOUT_S, group_placement_warning, job_shape
 from p3d.rundir.attempts import start_attempt
 from p3d.rundir.files import log_job, rank_log
@@ -199,7 +200,8 @@ def run_step(cfg, plan, spec: Path) -> int:
 
 
 def print_layout(run_dir: str) -> int:
-    """One line for the recipe: world tasks_per_node nodes backend logging_rank requeue max_requeues gpus elastic."""
+    """One line for the recipe: world tasks_per_node nodes backend logging_rank requeue max_requeues gpus elastic
+    hostfile (1: an elastic run over groups, whose srun places the ranks by a host file: p3d.jobs.slurm.groupjob)."""
     from p3d.rundir.spec import read_spec
 
     cfg, plan = read_spec(run_dir)
@@ -214,6 +216,7 @@ def print_layout(run_dir: str) -> int:
         cfg.cluster.max_requeues,
         lay.gpus_per_node or 0,
         int(cfg.cluster.elastic.min_nodes is not None),
+        int(bool(cfg.cluster.groups) and cfg.cluster.elastic.min_nodes is not None),
     )
     return 0
 
@@ -226,16 +229,48 @@ def allocation(srun_err: Path) -> tuple[list[str], int]:
     (``SLURM_JOB_NODELIST``, which keeps them) less the ones ``scontrol show job`` still lists (a node Slurm marked
     down leaves the job's NodeList then); srun's ``Node failure on n2`` lines when scontrol lists them all still."""
     first = hostnames(os.environ["SLURM_JOB_NODELIST"])
-    shown = subprocess.run(
-        ["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
-    ).stdout
-    found = re.search(r"(?<![A-Za-z])NodeList=(\S+)", shown)
-    live = hostnames(found.group(1)) if found and found.group(1) != "(null)" else first
+    live = live_hosts(first)
     lost = [n for n in first if n not in live]
     if not lost and srun_err.is_file():
         named = set(NODE_FAILURE.findall(srun_err.read_text(errors="replace")))
         lost = [n for n in first if n in named]
     return lost, len(first) - len(lost)
+
+
+def live_hosts(first: list[str] | None = None) -> list[str]:
+    """This job's nodes now: ``scontrol show job``'s NodeList (a node Slurm marked down has left it); ``first`` (else
+    the job's first nodes, ``SLURM_JOB_NODELIST``) when scontrol lists none."""
+    first = hostnames(os.environ["SLURM_JOB_NODELIST"]) if first is None else first
+    shown = subprocess.run(
+        ["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
+    ).stdout
+    found = re.search(r"(?<![A-Za-z])NodeList=(\S+)", shown)
+    return hostnames(found.group(1)) if found and found.group(1) != "(null)" else first
+
+
+def node_features(hosts: list[str]) -> dict[str, set[str]]:
+    """Each of ``hosts``' node features (``scontrol show node``'s AvailableFeatures and ActiveFeatures)."""
+    out = subprocess.run(
+        ["scontrol", "show", "node", "-o", ",".join(hosts)],
+        capture_output=True,
+        text=True,
+        timeout=SLURM_TIMEOUT_S,
+        check=True,
+    )
+    return parse_node_features(out.stdout)
+
+
+def write_hostfile(run_dir: str) -> int:
+    """The recipe before each srun of an elastic run over groups: the host file (p3d.jobs.slurm.groupjob) of the job's
+    live nodes for the spec's groups (those left after a loss). Prints ``<path> <master host>``."""
+    from p3d.rundir.spec import read_spec
+
+    cfg, plan = read_spec(run_dir)
+    order = node_order(cfg.cluster, node_features(live_hosts()))
+    path = hostfile_path(run_dir)
+    path.write_text(hostfile_text(order, job_shape(cfg, plan).ntasks_per_node))
+    print(path, order[0])
+    return 0
 
 
 def hang_summary(run_dir: str) -> int:

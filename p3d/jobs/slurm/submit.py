@@ -5,8 +5,9 @@
 - outside an allocation: submits ``recipes/slurm/train.sbatch`` with ``--nodes``,
   ``--ntasks-per-node`` (one task per GPU) and ``--gpus-per-node`` derived from the mesh and the
   cluster config (:func:`sbatch_args`; with ``cluster.groups``, one heterogeneous job of a component per
-  group, p3d.jobs.slurm.hetjob), after checking the partition can hold it (``sinfo``; each group's
-  partition and constraint), and prints the job id and its log;
+  group, p3d.jobs.slurm.hetjob; an elastic run over groups, one ordinary job, p3d.jobs.slurm.groupjob),
+  after checking the partition can hold it (``sinfo``; each group's partition and constraint), and prints
+  the job id and its log;
 - inside an allocation (a sweep job of the submitit launcher, or ``salloc``): starts the workers
   right there as one ``srun`` step (:mod:`p3d.jobs.slurm.step`).
 
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from p3d import exit_codes
 from p3d.config.shipped import shipped
+from p3d.jobs.slurm.groupjob import groupjob_args
 from p3d.jobs.slurm.hetjob import Component, components, hetjob_args, refusal_fields
 from p3d.layout.run_plan import P3DConfigError
 from p3d.rundir.files import log_job, write_status
@@ -124,7 +126,8 @@ def checked_time_limit(c) -> int | None:
 
 def sbatch_args(cfg, lay: JobShape, run_dir: str | Path) -> list[str]:
     """The sbatch options of this run's job; they override the recipe's #SBATCH header. With ``cluster.groups``:
-    one component per group, separated by ':' (p3d.jobs.slurm.hetjob.hetjob_args)."""
+    one component per group, separated by ':' (p3d.jobs.slurm.hetjob.hetjob_args); an elastic run over groups is one
+    ordinary job that asks for each group's nodes by its feature (p3d.jobs.slurm.groupjob.groupjob_args)."""
     c = cfg.cluster
     job_wide = [f"--job-name={c.job_name}"]
     if checked_time_limit(c) is not None:
@@ -136,6 +139,8 @@ def sbatch_args(cfg, lay: JobShape, run_dir: str | Path) -> list[str]:
         job_wide.append(f"--signal=B:USR1@{c.signal_s}")
     job_wide += ["--open-mode=append", f"--output={Path(run_dir).resolve()}/slurm-%j.out"]
     job_wide += c.extra_sbatch  # last: the user's lines win
+    if c.groups and c.elastic.min_nodes is not None:  # a hetjob does not outlive a node: one ordinary job
+        return groupjob_args(c, lay, job_wide)
     if c.groups:
         return hetjob_args(c, lay, job_wide)
     args = [f"--nodes={lay.nodes}", f"--ntasks-per-node={lay.ntasks_per_node}"]
@@ -356,6 +361,8 @@ def dispatch(cfg, plan, spec: Path, lease=None) -> int:
     comps = components(cfg.cluster)
     sizes = " + ".join(f"{c.nodes}" for c in comps)
     het = f"; a heterogeneous job, one component per group ({sizes} node(s))" if comps else ""
+    if comps and cfg.cluster.elastic.min_nodes is not None:
+        het = f"; one --no-kill job, each group's nodes by its feature ({sizes} node(s)), ranks in the groups' order"
     print(
         f"p3d: submitted Slurm job {job_id}: {cfg.model.name} on mesh {plan.dims.degrees()}, "
         f"{lay.nodes} node(s) x {lay.ntasks_per_node} tasks{gpus}{het}\n"

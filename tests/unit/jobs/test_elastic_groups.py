@@ -13,7 +13,7 @@ from p3d.launch.requeue import resume_spec
 from p3d.layout.elastic import record_text
 from p3d.layout.hetero import first_nodes, groups_left
 from p3d.rundir.spec import pending_layout_change, read_spec
-from tests.helpers.runs import assert_refused_in_one_line, compose_config, typed
+from tests.helpers.runs import compose_config, typed
 from tests.unit.jobs.test_elastic import fake_run
 
 # three simulated cpu nodes of one rank: two of the cpu preset, then one twice as slow (test_hetero_parity's groups)
@@ -121,16 +121,6 @@ def test_vary_any_takes_the_planners_layout_and_split_on_the_groups_left(tmp_pat
     cfg, plan = read_spec(run)
     assert _groups(cfg.cluster.groups) == [(1, 0.1), (1, 0.05)] and plan.world_size == 2
     assert cfg.schedule.global_batch_size == 16
-
-
-def test_on_slurm_an_elastic_groups_run_is_refused_in_one_line():
-    """A groups run on Slurm is one heterogeneous job whose recipe starts the workers on every node of every component
-    (srun --het-group=0-K): it cannot go on without a lost node, so min_nodes is refused there, before anything runs."""
-    assert_refused_in_one_line(
-        ("cluster=slurm", *ELASTIC[1:], PLANNED),
-        "cluster.elastic.min_nodes=1 with cluster.groups on Slurm",
-        "cluster.launcher=local",
-    )
 
 
 def test_a_groups_run_grows_back_by_a_resume_naming_its_groups(tmp_path):
