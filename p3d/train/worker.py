@@ -25,13 +25,14 @@ def skip_cpu_shm_build() -> None:
     disable_cpu_shm_comm()
 
 
-def set_up_cpu_worker(host_memory: str = "keep", rank: int = 0) -> None:
-    """A CPU (gloo) worker's process settings, before its first step. ``host_memory``: ``train.host_memory``."""
+def set_up_cpu_worker(host_memory: str = "keep", shown: bool = True) -> None:
+    """A CPU (gloo) worker's process settings, before its first step. ``host_memory``: ``train.host_memory``;
+    ``shown``: this worker's output is the console's (the logging rank), where a setting that does nothing is said."""
     import torch
 
     torch.set_num_threads(1)  # tp*pp*dp workers share the cores: one thread each
     # keep: no page faults for the next step's activations (p3d.train.host_memory)
-    if not set_host_memory(host_memory) and host_memory == "release" and rank == 0:
+    if not set_host_memory(host_memory) and host_memory == "release" and shown:
         print(
             "p3d: warning: train.host_memory=release has no effect here (the C library is not glibc): "
             "peak_mem_gb is the peak RSS, freed memory the heap keeps included",
@@ -46,7 +47,7 @@ def init_process_group(plan, rank: int, timeout_s: int, tf32: bool = False, host
     import torch
 
     if plan.backend == "gloo":
-        set_up_cpu_worker(host_memory, rank)
+        set_up_cpu_worker(host_memory, shown=rank == plan.logging_rank)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # train.tf32: fp32 matmuls (and convolutions) on tensor cores, 10-bit mantissa; bf16 runs do not care
