@@ -194,4 +194,10 @@ def at_start(cfg: Config, plan: RunPlan) -> Decision | None:
         "new": new,
         "since": None,  # a start by hand: the time between runs is not the run's loss
     }
-    return Decision("resize", nodes, resize_line(nodes, was, resumed, new), event)
+    line = resize_line(nodes, was, resumed, new)
+    if cfg.cluster.groups and was_cfg.cluster.groups:  # which groups, and the split planned for them
+        line += (
+            f"; groups {describe_groups(cfg.cluster)} (were {describe_groups(was_cfg.cluster)}), split "
+            f"{split_text(cfg)} (was {split_text(was_cfg)})"
+        )
+    return Decision("resize", nodes, line, event)

@@ -175,9 +175,21 @@ def slurm_restart(run_dir: Path, rc: int, srun_err: Path, refreeze: Callable[...
         lost, alive = allocation(srun_err)
         index = None
         if lost and cfg.cluster.groups:  # each lost host's place in the failed srun's host file: its group's node
+            from p3d.config.errors import P3DConfigError
             from p3d.jobs.slurm.groupjob import hostfile_path, lost_indices, read_order
 
-            lost, index = lost_indices(lost, read_order(hostfile_path(run_dir)))
+            try:
+                lost, index = lost_indices(lost, read_order(hostfile_path(run_dir)))
+            except P3DConfigError as exc:  # which group each lost host held is not known: nothing to re-plan
+                nodes = f"node{'s' if len(lost) > 1 else ''} {', '.join(lost)}"
+                print(
+                    f"p3d: elastic: {nodes} lost, but {exc}: which group each lost host was in is not known; not "
+                    "restarting, the newest checkpoint is kept: resume naming the groups (p3d-train "
+                    f"train.resume=auto run.dir={run_dir} cluster.groups='[...]')",
+                    file=console,
+                    flush=True,
+                )
+                return 1
         if lost:  # an elastic run (--no-kill) goes on on the nodes left, or stops below min_nodes (p3d.jobs.elastic)
             decision = elastic.after_loss(run_dir, lost, alive, step_in_flight(run_dir), index)
             print(decision.line, file=console, flush=True)

@@ -8,7 +8,9 @@ order, so before each srun the recipe writes a host file (``SLURM_HOSTFILE``) th
 groups' order, each host once per task, and starts ``srun --distribution=arbitrary``: task r runs on line r's host,
 so rank r sits on node r // ranks per node of the groups' order (p3d.layout.hetero) and rank 0, the master, on group
 0's first host. After a loss the lost hosts' places in the host file of the srun that failed are their indices in the
-run's node order, which p3d.layout.hetero.groups_left turns into the groups left (p3d.jobs.elastic.after_loss).
+run's node order, which p3d.layout.hetero.groups_left turns into the groups left (p3d.jobs.elastic.after_loss). A shrunk
+job that is requeued has all its nodes again; each group gets back the live nodes of its feature (:func:`grown_groups`,
+p3d.jobs.slurm.regrow).
 
     python -m p3d.cli.slurm hostfile <run_dir>   # the host file of the job's live nodes; prints "<path> <master>"
 
@@ -59,19 +61,53 @@ def parse_node_features(text: str) -> dict[str, set[str]]:
     return out
 
 
+def group_hosts(c, features: dict[str, set[str]]) -> list[list[str]]:
+    """Each group's hosts among ``features`` (a job's live nodes), in the groups' order: the hosts with its feature, by
+    name, at most its ``nodes``, each host in one group (the first whose feature it has)."""
+    taken: list[str] = []
+    out = []
+    for g in c.groups:
+        hosts = sorted(h for h, f in features.items() if g.constraint in f and h not in taken)[: g.nodes]
+        taken += hosts
+        out.append(hosts)
+    return out
+
+
 def node_order(c, features: dict[str, set[str]]) -> list[str]:
     """The hosts of ``features`` (a job's live nodes) in the groups' order: group i's ``nodes`` hosts with its feature,
     by name, each host in one group. Raises P3DConfigError when a group has fewer hosts than nodes."""
     order: list[str] = []
-    for i, g in enumerate(c.groups):
-        hosts = sorted(h for h, f in features.items() if g.constraint in f and h not in order)
+    for i, (g, hosts) in enumerate(zip(c.groups, group_hosts(c, features))):
         if len(hosts) < g.nodes:
             raise P3DConfigError(
                 f"cluster.groups[{i}] ({g.nodes} x {g.device}, feature {g.constraint}): the job has "
                 f"{len(hosts)} such node(s) left ({', '.join(sorted(features))}); check `scontrol show node`'s features"
             )
-        order += hosts[: g.nodes]
+        order += hosts
     return order
+
+
+def grown_groups(first, features: dict[str, set[str]], job_constraint: str | None) -> list:
+    """A requeued groups job's groups (docs/clusters.md, Elastic runs): each group of ``first`` (the cluster config the
+    job was submitted with: the run's first spec's) on as many of the job's live nodes ``features`` as have its feature,
+    at most its count then; a group with none is left out. ``job_constraint``: the job's ``--constraint`` (scontrol's
+    Features; None: not known), which must be the one ``first``'s groups ask for, or they are not the job's groups."""
+    import dataclasses
+
+    asked = constraint_expression(first)
+    fix = "resume naming the groups (p3d-train train.resume=auto run.dir=<run> cluster.groups='[...]')"
+    if job_constraint is not None and job_constraint != asked:
+        raise P3DConfigError(
+            f"cluster.groups: the job's --constraint={job_constraint} is not {asked}, the one the run's first "
+            f"cluster.groups ask for, so which group a node belongs to is not known; {fix}"
+        )
+    counts = [len(hosts) for hosts in group_hosts(first, features)]
+    if not any(counts):
+        raise P3DConfigError(
+            f"cluster.groups: none of the job's nodes ({', '.join(sorted(features)) or 'none'}) has a group's feature "
+            f"({', '.join(str(g.constraint) for g in first.groups)}); check `scontrol show node`'s features or {fix}"
+        )
+    return [dataclasses.replace(g, nodes=k) for g, k in zip(first.groups, counts) if k > 0]
 
 
 def hostfile_text(order: list[str], per_node: int) -> str:
@@ -84,11 +120,18 @@ def hostfile_path(run_dir: str | Path) -> Path:
 
 
 def read_order(path: Path) -> list[str]:
-    """The hosts of a host file in order, each once: the run's node order of the srun that used it."""
+    """The hosts of a host file in order, each once: the run's node order of the srun that used it. Raises
+    P3DConfigError when the file is missing, unreadable or empty."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise P3DConfigError(f"the host file {path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     order: list[str] = []
-    for line in path.read_text().split():
+    for line in text.split():
         if line not in order:
             order.append(line)
+    if not order:
+        raise P3DConfigError(f"the host file {path} is empty")
     return order
 
 

@@ -82,3 +82,76 @@ def test_a_groups_run_that_loses_group_0s_node_goes_on_on_the_other_group_re_pla
     print("elastic groups node loss:", figures)
     ref_cfg, _ = typed("mesh=single", *TRAIN)
     assert_follows_curve(read_metrics(run_dir), reference_run(ref_cfg), 1e-5, lr=True)
+
+
+# slow tier (about 3 min: SlurmdTimeout, srun --wait past it, a requeue): kept in make test: the loss and re-plan above
+# on the local launcher, and the grow-back from the job's features in-process (tests/unit/jobs/test_groupjob_requeue.py)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_shrunk_groups_run_that_is_requeued_grows_back_to_both_groups_from_the_nodes_features(two_nodes, tmp_path):
+    """The run above, n2 killed and the job gone on on n1 alone; then n2 comes back and the job gets the time-limit
+    signal (checkpoint, exit 75, requeue). The requeued job has both nodes again (it keeps --nodes=2 and the feature
+    counts): n2's on_n2 feature gives group 0 back, dp2 again and the split re-planned for both groups, rank 0 on n2,
+    the grow recorded, and every step's loss is the single process's within 1e-5."""
+    from p3d.train.reference import reference_run
+    from tests.cluster.multinode.conftest import slurm
+
+    steps = 24  # the run must outlast the shrink, n2's revival and the signal: each block sleeps 20 ms more
+    train = ("model=tiny", f"train.steps={steps}", "train.warmup_steps=2", f"train.eval_every={steps}")
+    run_dir = tmp_path / "run"
+    result = p3d_train(
+        *ELASTIC, GROUPS, *LAYOUT, *train, f"train.save_every={SAVE_EVERY}", f"run.dir={run_dir}",
+        timeout=120, env=client_env(P3D_TEST_BLOCK_SECONDS="0.02"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    job = re.search(r"submitted Slurm job (\d+)", result.stdout).group(1)  # type: ignore[union-attr]
+    log_path = run_dir / f"slurm-{job}.out"
+
+    def changes() -> list[dict]:
+        try:
+            return [r["layout_change"] for r in read_metrics(run_dir) if "layout_change" in r]
+        except (OSError, ValueError):
+            return []
+
+    deadline = time.monotonic() + 240
+    while max(steps_done(run_dir), default=0) < 5:
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:] if log_path.exists() else "no job log"
+        assert two_nodes.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log_path.read_text()[-3000:]
+        time.sleep(0.2)
+    on_n2 = two_nodes.pids_on("n2")
+    revived = False
+    try:
+        two_nodes.kill_node("n2", first=on_n2)
+        while not changes():  # the first step on n1 alone
+            assert time.monotonic() < deadline + 240, log_path.read_text()[-4000:]
+            assert two_nodes.state(job) == "RUNNING", log_path.read_text()[-4000:]
+            time.sleep(0.2)
+        two_nodes.revive_node("n2")
+        revived = True
+        assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0  # checkpoint, exit 75, requeue
+        two_nodes.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
+        assert max(steps_done(run_dir)) < steps, "the run ended before the signal: raise steps"
+        two_nodes.release_requeued(job)
+        state = two_nodes.wait(job, timeout=300)
+        log = log_path.read_text()
+        assert state == "COMPLETED", log[-4000:]
+    finally:
+        if not revived:
+            two_nodes.revive_node("n2")
+    lines = [ln for ln in log.splitlines() if "p3d: elastic:" in ln]
+    assert len(lines) == 2, log[-4000:]
+    assert "node n2 was group 0's (1 x cpu); groups left 1 x cpu" in lines[0], lines[0]
+    assert re.search(r"2 nodes now \(was 1\); resumed step \d+ on 2 nodes as dp2 x pp2 x tp1", lines[1]), lines[1]
+    assert "; groups 1 x cpu + 1 x cpu (were 1 x cpu), split " in lines[1], lines[1]
+    after = log[log.index(lines[1]) :]
+    assert "srun 4 tasks (2 node(s) x 2, the groups' hosts in order: n2 n1), master n2:" in after, after[-4000:]
+    # dp2_pp2, then dp1_pp2 on n1, then dp2_pp2 again with group 0 (ranks 0-1) back on n2
+    assert [hosts_by_attempt(run_dir, r) for r in range(4)] == [["n2", "n1", "n2"]] * 2 + [["n1", "n1"]] * 2
+    found = changes()
+    assert [(c["kind"], c["new"]["dp"], c["new"]["groups"]) for c in found] == [
+        ("shrink", 1, "1 x cpu"),
+        ("grow", 2, "1 x cpu + 1 x cpu"),
+    ]
+    print("elastic groups grow back:", {k: found[1][k] for k in ("at_step", "resumed_step")}, found[1]["new"]["split"])
+    ref_cfg, _ = typed("mesh=single", *train)
+    assert_follows_curve(read_metrics(run_dir), reference_run(ref_cfg), 1e-5, lr=True)
