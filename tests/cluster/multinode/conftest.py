@@ -142,3 +142,38 @@ class TwoNodes:
         a credential issued in the second the first run's was revoked would be refused)."""
         time.sleep(5.0)
         assert slurm("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
+
+
+def shrunk_then_requeued(
+    two_nodes, job: str, log_path: Path, run_dir: Path, steps: int, changes, until: float, while_shrunk=None
+) -> tuple[str, float]:
+    """An elastic job loses n2 (killed with its workers) and goes on on n1 (the job RUNNING throughout, until its first
+    ``changes()`` record, before ``until``); ``while_shrunk`` then checks more. n2 revived, the time-limit signal:
+    the workers checkpoint and exit 75, the job requeues, and released at once (Slurm holds a requeued job ~2 min) it
+    completes on both nodes. Returns the job's log and when n2 was killed (``time.time()``)."""
+    from tests.helpers.slurm import steps_done
+
+    on_n2 = two_nodes.pids_on("n2")
+    revived = False
+    try:
+        two_nodes.kill_node("n2", first=on_n2)
+        killed = time.time()
+        while not changes():  # the first step on n1 alone
+            assert time.monotonic() < until, log_path.read_text()[-4000:]
+            assert two_nodes.state(job) == "RUNNING", log_path.read_text()[-4000:]
+            time.sleep(0.2)
+        if while_shrunk is not None:
+            while_shrunk()
+        two_nodes.revive_node("n2")
+        revived = True
+        assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0  # checkpoint, exit 75, requeue
+        two_nodes.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
+        assert max(steps_done(run_dir)) < steps, "the run ended before the signal: raise its steps"
+        two_nodes.release_requeued(job)
+        state = two_nodes.wait(job, timeout=300)
+        log = log_path.read_text()
+        assert state == "COMPLETED", log[-4000:]
+    finally:
+        if not revived:
+            two_nodes.revive_node("n2")
+    return log, killed

@@ -72,33 +72,19 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
 def test_a_lost_node_continues_on_the_survivor_as_dp1_and_grows_back_after_a_requeue(
     two_nodes, uninterrupted, tmp_path
 ):
-    from tests.cluster.multinode.conftest import slurm
+    from tests.cluster.multinode.conftest import shrunk_then_requeued
 
     run_dir = tmp_path / "run"
     job, log_path, deadline = _submit_and_reach_step_6(two_nodes, tmp_path, run_dir, min_nodes=1)
-    on_n2 = two_nodes.pids_on("n2")
-    revived = False
-    try:
-        two_nodes.kill_node("n2", first=on_n2)
-        killed = time.time()
-        while not _changes(run_dir):  # the first step on the survivor
-            assert time.monotonic() < deadline + 120, log_path.read_text()[-4000:]
-            assert two_nodes.state(job) == "RUNNING", log_path.read_text()[-4000:]
-            time.sleep(0.2)
+
+    def on_n1_alone():
         assert two_nodes.show(job).get("Restarts") == "0", "an elastic run goes on without a requeue"
-        shrink = _changes(run_dir)[0]
-        two_nodes.revive_node("n2")
-        revived = True
-        assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0  # checkpoint, exit 75, requeue
-        two_nodes.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
-        assert max(steps_done(run_dir)) < STEPS, "the run ended before the signal: raise STEPS"
-        two_nodes.release_requeued(job)
-        state = two_nodes.wait(job, timeout=300)
-        log = log_path.read_text()
-        assert state == "COMPLETED", log[-4000:]
-    finally:
-        if not revived:
-            two_nodes.revive_node("n2")
+
+    def changes():
+        return _changes(run_dir)
+
+    log, killed = shrunk_then_requeued(two_nodes, job, log_path, run_dir, STEPS, changes, deadline + 120, on_n1_alone)
+    shrink = _changes(run_dir)[0]
     lines = [ln for ln in log.splitlines() if "p3d: elastic:" in ln]
     assert len(lines) == 2, log[-4000:]
     assert (
@@ -111,8 +97,8 @@ def test_a_lost_node_continues_on_the_survivor_as_dp1_and_grows_back_after_a_req
     assert {p[1] for p in PLACEMENT.findall(between)} <= {"n1"}, between[:3000]  # the logging rank's placement
     records = read_metrics(run_dir)
     assert_follows_curve(records, uninterrupted, 1e-5)
-    changes = _changes(run_dir)
-    assert [(c["kind"], c["new"]["dp"], c["new"]["micro_batches"]) for c in changes] == [
+    shrunk, grown = _changes(run_dir)
+    assert [(c["kind"], c["new"]["dp"], c["new"]["micro_batches"]) for c in (shrunk, grown)] == [
         ("shrink", 1, 8),
         ("grow", 2, 4),
     ]
@@ -122,7 +108,7 @@ def test_a_lost_node_continues_on_the_survivor_as_dp1_and_grows_back_after_a_req
         "steps_redone": shrink["steps_redone"],
         "time_lost_s": round(shrink["time_lost_s"], 1),
         "kill_to_first_step_s": round(shrink["since"] + shrink["time_lost_s"] - killed, 1),
-        "grew_back_at_step": changes[1]["at_step"],
+        "grew_back_at_step": grown["at_step"],
     }
     print("elastic node loss:", json.dumps(figures))
 

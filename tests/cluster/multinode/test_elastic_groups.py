@@ -94,7 +94,7 @@ def test_a_shrunk_groups_run_that_is_requeued_grows_back_to_both_groups_from_the
     counts): n2's on_n2 feature gives group 0 back, dp2 again and the split re-planned for both groups, rank 0 on n2,
     the grow recorded, and every step's loss is the single process's within 1e-5."""
     from p3d.train.reference import reference_run
-    from tests.cluster.multinode.conftest import slurm
+    from tests.cluster.multinode.conftest import shrunk_then_requeued
 
     steps = 24  # the run must outlast the shrink, n2's revival and the signal: each block sleeps 20 ms more
     train = ("model=tiny", f"train.steps={steps}", "train.warmup_steps=2", f"train.eval_every={steps}")
@@ -118,26 +118,7 @@ def test_a_shrunk_groups_run_that_is_requeued_grows_back_to_both_groups_from_the
         assert time.monotonic() < deadline, log_path.read_text()[-3000:] if log_path.exists() else "no job log"
         assert two_nodes.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log_path.read_text()[-3000:]
         time.sleep(0.2)
-    on_n2 = two_nodes.pids_on("n2")
-    revived = False
-    try:
-        two_nodes.kill_node("n2", first=on_n2)
-        while not changes():  # the first step on n1 alone
-            assert time.monotonic() < deadline + 240, log_path.read_text()[-4000:]
-            assert two_nodes.state(job) == "RUNNING", log_path.read_text()[-4000:]
-            time.sleep(0.2)
-        two_nodes.revive_node("n2")
-        revived = True
-        assert slurm("scancel", "--batch", "--signal=USR1", job).returncode == 0  # checkpoint, exit 75, requeue
-        two_nodes.wait(job, until={"PENDING", "COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
-        assert max(steps_done(run_dir)) < steps, "the run ended before the signal: raise steps"
-        two_nodes.release_requeued(job)
-        state = two_nodes.wait(job, timeout=300)
-        log = log_path.read_text()
-        assert state == "COMPLETED", log[-4000:]
-    finally:
-        if not revived:
-            two_nodes.revive_node("n2")
+    log, _ = shrunk_then_requeued(two_nodes, job, log_path, run_dir, steps, changes, deadline + 240)
     lines = [ln for ln in log.splitlines() if "p3d: elastic:" in ln]
     assert len(lines) == 2, log[-4000:]
     assert "node n2 was group 0's (1 x cpu); groups left 1 x cpu" in lines[0], lines[0]
