@@ -152,6 +152,13 @@ def pending_layout_change(run_dir: str | Path, start_step: int) -> dict | None:
     return last.get(LAYOUT_CHANGE) if last.get("from_step") == start_step else None
 
 
+def first_segment_spec(run_dir: str | Path) -> Path:
+    """The spec file of the run's first segment (``specs/from_step_<N>.yaml``): the config the run started with."""
+    raw = cast(dict, OmegaConf.to_container(OmegaConf.load(Path(run_dir) / SPEC_NAME)))
+    first = (raw.get("segments") or [{}])[0]
+    return Path(run_dir) / str(first.get("spec", _segment_file(0)))
+
+
 def read_spec(path: str | Path) -> tuple[Config, RunPlan]:
     path = Path(path)
     if path.is_dir():

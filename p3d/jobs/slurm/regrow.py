@@ -10,32 +10,23 @@ constraint must still be theirs) gets back the job's live nodes of its feature, 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
-from typing import cast
-
-from omegaconf import OmegaConf
 
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import ClusterGroup, Config
 from p3d.jobs.slurm.groupjob import grown_groups
-from p3d.jobs.slurm.step import live_hosts, node_features
-from p3d.jobs.slurm.submit import SLURM_TIMEOUT_S
-from p3d.rundir.files import SPEC
+from p3d.jobs.slurm.step import live_hosts, node_features, show_job
 
 _FEATURES = re.compile(r"(?<![A-Za-z])Features=(\S+)")
 
 
 def first_spec(run_dir: str | Path) -> Config:
-    """The config of the run's first segment (its ``specs/from_step_<N>.yaml``: p3d.rundir.spec), the groups the job
-    was submitted with. P3DConfigError when it is gone."""
-    from p3d.rundir.spec import read_spec
+    """The config of the run's first segment (p3d.rundir.spec), the groups the job was submitted with.
+    P3DConfigError when it is gone."""
+    from p3d.rundir.spec import first_segment_spec, read_spec
 
-    run_dir = Path(run_dir)
-    raw = cast(dict, OmegaConf.to_container(OmegaConf.load(run_dir / SPEC)))
-    first = run_dir / str((raw.get("segments") or [{}])[0].get("spec", "specs/from_step_00000000.yaml"))
+    first = first_segment_spec(run_dir)
     if not first.is_file():
         raise P3DConfigError(
             f"cluster.groups: the run's first spec {first} is gone, so the groups the job was submitted with are not "
@@ -44,12 +35,9 @@ def first_spec(run_dir: str | Path) -> Config:
     return read_spec(first)[0]
 
 
-def job_constraint() -> str | None:
-    """This job's ``--constraint`` as ``scontrol show job`` prints it (``Features=[on_n2*1&on_n1*1]``); None when
-    scontrol does not say."""
-    shown = subprocess.run(
-        ["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
-    ).stdout
+def job_constraint(shown: str) -> str | None:
+    """The job's ``--constraint`` in ``scontrol show job``'s text ``shown`` (``Features=[on_n2*1&on_n1*1]``); None
+    when it has none."""
     found = _FEATURES.search(shown)
     return found.group(1) if found and found.group(1) != "(null)" else None
 
@@ -57,4 +45,5 @@ def job_constraint() -> str | None:
 def groups_back(run_dir: str | Path) -> list[ClusterGroup]:
     """The groups this start of the job has: each of the first spec's groups on the job's live nodes of its feature."""
     first = first_spec(run_dir)
-    return grown_groups(first.cluster, node_features(live_hosts()), job_constraint())
+    shown = show_job()
+    return grown_groups(first.cluster, node_features(live_hosts(shown=shown)), job_constraint(shown))

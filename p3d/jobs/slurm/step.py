@@ -237,13 +237,18 @@ def allocation(srun_err: Path) -> tuple[list[str], int]:
     return lost, len(first) - len(lost)
 
 
-def live_hosts(first: list[str] | None = None) -> list[str]:
-    """This job's nodes now: ``scontrol show job``'s NodeList (a node Slurm marked down has left it); ``first`` (else
-    the job's first nodes, ``SLURM_JOB_NODELIST``) when scontrol lists none."""
-    first = hostnames(os.environ["SLURM_JOB_NODELIST"]) if first is None else first
-    shown = subprocess.run(
+def show_job() -> str:
+    """``scontrol show job`` of this job."""
+    return subprocess.run(
         ["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
     ).stdout
+
+
+def live_hosts(first: list[str] | None = None, shown: str | None = None) -> list[str]:
+    """This job's nodes now: ``scontrol show job``'s NodeList (``shown``, else asked; a node Slurm marked down has
+    left it); ``first`` (else the job's first nodes, ``SLURM_JOB_NODELIST``) when scontrol lists none."""
+    first = hostnames(os.environ["SLURM_JOB_NODELIST"]) if first is None else first
+    shown = show_job() if shown is None else shown
     found = re.search(r"(?<![A-Za-z])NodeList=(\S+)", shown)
     return hostnames(found.group(1)) if found and found.group(1) != "(null)" else first
 

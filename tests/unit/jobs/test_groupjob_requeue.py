@@ -88,9 +88,11 @@ def _requeued(monkeypatch, live: list[str], constraint: str | None = ASKED) -> N
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
     monkeypatch.setenv("SLURM_JOB_ID", "61")
     shown = parse_node_features(SHOW_NODES)
-    monkeypatch.setattr(regrow, "live_hosts", lambda: live)
+    features = constraint or "(null)"
+    job = f"JobId=61 JobName=p3d\n   NodeList=n[1-2] BatchHost=n1\n   Features={features} DelayBoot=00:00:00"
+    monkeypatch.setattr(regrow, "show_job", lambda: job)  # scontrol show job's lines
+    monkeypatch.setattr(regrow, "live_hosts", lambda shown: live)
     monkeypatch.setattr(regrow, "node_features", lambda hosts: {h: shown[h] for h in hosts})
-    monkeypatch.setattr(regrow, "job_constraint", lambda: constraint)
 
 
 def test_a_requeued_shrunk_groups_job_grows_back_to_both_groups_re_planned(tmp_path, monkeypatch, capsys):
