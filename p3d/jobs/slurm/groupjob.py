@@ -19,6 +19,7 @@ Pure functions; what asks Slurm (the live nodes, their features) is p3d.jobs.slu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -92,8 +93,6 @@ def grown_groups(first, features: dict[str, set[str]], job_constraint: str | Non
     job was submitted with: the run's first spec's) on as many of the job's live nodes ``features`` as have its feature,
     at most its count then; a group with none is left out. ``job_constraint``: the job's ``--constraint`` (scontrol's
     Features; None: not known), which must be the one ``first``'s groups ask for, or they are not the job's groups."""
-    import dataclasses
-
     asked = constraint_expression(first)
     fix = "resume naming the groups (p3d-train train.resume=auto run.dir=<run> cluster.groups='[...]')"
     if job_constraint is not None and job_constraint != asked:
@@ -126,10 +125,7 @@ def read_order(path: Path) -> list[str]:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise P3DConfigError(f"the host file {path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    order: list[str] = []
-    for line in text.split():
-        if line not in order:
-            order.append(line)
+    order = list(dict.fromkeys(text.split()))  # each host once, in the file's order
     if not order:
         raise P3DConfigError(f"the host file {path} is empty")
     return order
