@@ -33,12 +33,15 @@ FSDP_SYNC_SETTERS = ("set_is_last_backward", "set_reshard_after_backward", "set_
 
 
 def on_last_backward(stage, context: Callable[[], contextlib.AbstractContextManager]) -> None:
-    """Run ``stage``'s last backward of each step (full, or the weight pass of a split one) inside ``context()``."""
+    """Run ``stage``'s last backward of each step (full, or the weight pass of a split one) inside ``context()``;
+    not under the schedule's ``eval``, which calls the same methods with ``stage.has_backward`` off."""
     for name in LAST_BACKWARD_METHODS:
         original = getattr(stage, name)
 
         def call(*args, _original=original, **kwargs):
-            if not kwargs.get("last_backward", False):
+            # eval() runs the same action list with has_backward off: torch's method returns at once, and the
+            # context (the dp reduction of a step's final gradients) must not run for a backward that never was
+            if not (kwargs.get("last_backward", False) and stage.has_backward):
                 return _original(*args, **kwargs)
             with context():
                 return _original(*args, **kwargs)
@@ -143,6 +146,18 @@ def _stage_sets(text: str) -> bool:
     return text in inspect.getsource(_PipelineStageBase.backward_maybe_with_nosync)
 
 
+def _eval_skips_backward() -> bool:
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    skip = "if not self.has_backward:\n            return"
+    return (
+        "self._has_backward = False" in inspect.getsource(schedules._PipelineSchedule.eval)
+        and skip in inspect.getsource(_PipelineStageBase.backward_one_chunk)
+        and skip in inspect.getsource(_PipelineStageBase.backward_weight_one_chunk)
+    )
+
+
 def _schedules_pass_last_backward() -> bool:
     from torch.distributed.pipelining import schedules
 
@@ -169,6 +184,11 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
         "torch.distributed.pipelining schedules pass last_backward= by keyword to the stage's backward methods",
         "p3d.compat.overlap_internals.on_last_backward",
         _schedules_pass_last_backward,
+    ),
+    Touchpoint(
+        "a schedule's eval() turns has_backward off and the stage's backward methods return at once then",
+        "p3d.compat.overlap_internals.on_last_backward",
+        _eval_skips_backward,
     ),
     *(
         Touchpoint(

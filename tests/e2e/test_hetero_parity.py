@@ -53,6 +53,15 @@ CASES = {
     ],
     # FSDP2 (ZeRO-2) averages the replicas' gradients itself: the weighted losses make its mean the step's
     "dp2-3+5-zero2": ["mesh=dp2", "zero=stage2", "schedule.replica_micro_batches=[3,5]"],
+    # validating every other step: uneven micro batches and stages, the next steps still the reference's
+    "dp2_pp2-interleaved-2+6-validating": [
+        "mesh=dp2_pp2",
+        "schedule.pipeline=interleaved_1f1b",
+        "schedule.stage_blocks=[2,1,1,2]",
+        "schedule.replica_micro_batches=[2,6]",
+        "model.n_layers=6",
+        "train.eval_every=2",
+    ],
     # a mixture of experts: each micro batch's balancing loss weighs as its LM loss; the routing figures add up
     "moe-dp2_pp2-3+5": ["mesh=dp2_pp2", "model=moe_tiny", "schedule.replica_micro_batches=[3,5]"],
 }
@@ -60,7 +69,7 @@ MODEL_KEYS = ("model.", "model=", "train.", "data.")  # overrides the reference 
 
 
 @functools.cache
-def reference(steps: int, *model: str) -> list[dict]:
+def reference(steps: int, *model: str) -> list[dict]:  # model may set train.eval_every again: the later wins
     cfg, _ = typed("mesh=single", f"train.steps={steps}", "train.warmup_steps=2", f"train.eval_every={steps}", *model)
     return reference_run(cfg)
 
@@ -86,6 +95,7 @@ SLOW = (
     "dp2_pp2-interleaved-zero1",
     "dp2-3+5-zero2",
     "moe-dp2_pp2-3+5",
+    "dp2_pp2-interleaved-2+6-validating",
 )
 
 

@@ -49,6 +49,8 @@ CASES = {
         "schedule.recompute_swiglu=true",
     ],
     "ep2-dp2-capacity": ["mesh=dp2", "mesh.ep=2", "model.moe.capacity_factor=1.0"],
+    # validation after every other step leaves the next steps' gradients, routing figures and biases alone
+    "ep2-dp2-validating": ["mesh=dp2", "mesh.ep=2", "train.eval_every=2", "model.moe.bias_update_rate=0.01"],
     "ep2-dp2-sigmoid-bias": [
         "mesh=dp2",
         "mesh.ep=2",
@@ -57,7 +59,7 @@ CASES = {
         "model.moe.aux_loss_coef=0.0",
     ],
 }
-MODEL_KEYS = ("model.",)
+MODEL_KEYS = ("model.", "train.eval_every")
 # make test keeps three of the issue's five: a pipeline (interleaved), tp with SP, ep4 with ZeRO-1; ep2 on dp2 and
 # dp2_pp2 under 1f1b are in the slow tier with the variants (make test trains ep2 on dp2 through the README's line,
 # and tests/workers/test_moe_layers.py checks ep2 against the unsharded block)
@@ -88,5 +90,7 @@ def test_moe_layout_matches_single_process(case, tmp_path):
         assert g["moe_aux_loss"] == pytest.approx(r["moe_aux_loss"], rel=RTOL), f"step {step} balancing loss"
         assert g["moe_load_imbalance"] == pytest.approx(r["moe_load_imbalance"], rel=RTOL), f"step {step} load"
         assert g["moe_dropped"] == pytest.approx(r["moe_dropped"], abs=1e-12), f"step {step} dropped"
+        if "val_loss" in r:
+            assert g["val_loss"] == pytest.approx(r["val_loss"], rel=RTOL), f"step {step} held-out loss"
     assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=RTOL), "held-out loss after the last step"
     assert got[-1]["loss"] < got[0]["loss"] - 0.5  # it learns

@@ -62,6 +62,10 @@ CASES = {
     # tp inside the compiled block, and its recompute (a second graph); pp adds nothing to compile: per block
     "tp2-compile-recompute": ["mesh=tp2", "model.compile=true", "schedule=recompute"],
     "single-fused-adamw": ["mesh=single", "train.adamw_impl=fused"],
+    # validation every other step (its val_loss against the reference's) leaves the training curve alone:
+    # DeepSpeed's eval_batch, and FSDP2's forward-only pass on the torch executor
+    "dp2_pp2_tp2-zero1-validating": ["mesh=dp2_pp2_tp2", "zero=stage1", "train.eval_every=2"],
+    "dp2-zero3-validating": ["mesh=dp2", "zero=stage3", "train.eval_every=2"],
     "dp2_pp2_tp2-zero1-fused-adamw": ["mesh=dp2_pp2_tp2", "zero=stage1", "train.adamw_impl=fused"],
 }
 MODEL_KEYS = ("model.", "train.", "data.")  # overrides that change the reference; mesh ones must not
@@ -87,6 +91,8 @@ SLOW += ("tp2-sp", "tp2_pp2-sp", "tp2_pp2-selective", "single-selective", "tp2_p
 # and (33 s): tp4-padded-vocab (the padding rows: tests/workers/test_tp_layers.py's vocab-parallel embedding and
 # loss at a vocabulary tp does not divide)
 SLOW += ("tp4-padded-vocab",)
+# and (10 s): FSDP2 validating (the torch executor's case in make test is tests/e2e/test_cp_parity.py's cp2-validating)
+SLOW += ("dp2-zero3-validating",)
 
 
 @pytest.mark.timeout(300)
@@ -103,4 +109,6 @@ def test_mesh_matches_single_process(case, tmp_path):
         assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {r['step']} loss"
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
         assert g["lr"] == pytest.approx(r["lr"], rel=1e-12), f"step {r['step']} lr"
+        if "val_loss" in r:  # the steps the run validated after (train.eval_every)
+            assert g["val_loss"] == pytest.approx(r["val_loss"], rel=RTOL), f"step {r['step']} held-out loss"
     assert got[-1]["loss"] < got[0]["loss"] - 0.5  # it learns

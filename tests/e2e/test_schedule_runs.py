@@ -211,14 +211,21 @@ def test_resume_chain_of_the_issue_changes_schedule_mesh_and_tp(tmp_path):
     _assert_matches(read_metrics(tmp_path), reference(9, *model), norm_rtol=2e-4)
 
 
+VALIDATING_LAYOUTS = {
+    # torch's own eval of the V schedules fails: p3d runs their forwards only; dp2: the dp reduction's buckets
+    "dp2_pp2-dualpipev": ("mesh=dp2_pp2", "schedule.pipeline=dualpipev", "schedule.virtual_stages=2"),
+    "dp2_pp2-interleaved": ("mesh=dp2_pp2", *I2),
+}
+
+
 @pytest.mark.timeout(300)
-def test_validation_under_a_v_schedule_matches_the_reference(tmp_path):
-    """p3d-train mesh=pp2 schedule.pipeline=dualpipev train.eval_every=2: torch's own eval of the V schedules fails,
-    p3d runs their forwards only. The held-out losses after steps 2 and 4 are the single-process run's within 1e-5,
-    and the training steps after the first validation pass still follow the reference."""
+@pytest.mark.parametrize("layout", with_slow(VALIDATING_LAYOUTS, ["dp2_pp2-interleaved"]))
+def test_validation_under_a_torch_schedule_matches_the_reference(layout, tmp_path):
+    """p3d-train mesh=dp2_pp2 schedule.pipeline=dualpipev train.eval_every=2: the held-out losses after steps 2 and 4
+    are the single-process run's within 1e-5, and the training steps after each validation pass still follow the
+    reference (a validation that started the dp reduction of a backward that never ran halved step 3's gradient)."""
     evals = ("train.eval_every=2",)
-    dualpipev = ("mesh=pp2", "schedule.pipeline=dualpipev", "schedule.virtual_stages=2")
-    proc = p3d_train(f"run.dir={tmp_path}", "train.steps=4", *COMMON, *evals, *dualpipev, timeout=240)
+    proc = p3d_train(f"run.dir={tmp_path}", "train.steps=4", *COMMON, *evals, *VALIDATING_LAYOUTS[layout], timeout=240)
     assert proc.returncode == 0, _out(proc)
     got, ref = read_metrics(tmp_path), reference(4, *evals)
     _assert_matches(got, ref)

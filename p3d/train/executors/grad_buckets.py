@@ -90,6 +90,11 @@ class GradBuckets:
             b.missing, b.flat, b.work, b.kept = len(b.params), None, None, []
         self.done, self.issued, self.final_chunk = {}, 0, None
 
+    def idle(self) -> bool:
+        """No bucket issued and no gradient noted final since the last ``finish``: between steps, and after an
+        evaluation (which must leave the next step's reduction untouched)."""
+        return self.issued == 0 and not self.done and self.final_chunk is None
+
     @contextlib.contextmanager
     def last_backward(self, chunk: int) -> Iterator[None]:
         """Inside: chunk ``chunk``'s last backward of the step; when it returns, all its parameters are final."""

@@ -369,6 +369,8 @@ class TorchPipeline:
         with device_checked(self.device), forward_only:
             self.schedule.eval(*args, return_outputs=False, **kwargs)
             drop_weight_casts(self.module)
+            if self.buckets is not None and not self.buckets.idle():  # it would corrupt the next step's gradients
+                raise RuntimeError("an evaluation started the dp gradient reduction (p3d.compat.overlap_internals)")
             return self.step_loss(self.replica_loss(losses))
 
     def reduce_tied_grads(self) -> None:
