@@ -205,7 +205,8 @@ def prepare_store(cfg, out: Path) -> dict:
     progress.show(end="\n")
     totals = {s: {k: sum(sh[s][k] for sh in shards) for k in ("documents", "tokens")} for s in SPLITS}
     skipped = {
-        "not_utf8_or_no_text": stats.skipped_records,
+        "not_utf8_or_no_text": stats.skipped_records - stats.malformed_records,
+        "malformed": stats.malformed_records,
         "empty": stats.empty_records,
         "failed_files": stats.failed_files,
     }
