@@ -239,7 +239,7 @@ def check_prepare(cfg, out: Path) -> str | None:
             "tokens); left as it is (prepare.overwrite=true rebuilds it)"
         )
     try:
-        check_data(cfg.data, seq_len=1)
+        check_data(cfg.data, seq_len=None)
     except (OSError, ValueError, KeyError) as exc:
         raise P3DConfigError(str(exc).strip("'\"")) from None
     if (out / HEADER).is_file() and not cfg.prepare.overwrite:

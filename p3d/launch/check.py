@@ -123,16 +123,23 @@ def _get(obj, dotted: str):
 
 
 def with_tokenizer(cfg):
-    """``data.tokenizer=auto`` resolved: the tokenizer.json of ``model.init_from`` when it has one, else
-    ``byte``; with ``model.init_from``, another tokenizer is refused and the vocabulary checked."""
+    """``data.tokenizer=auto`` resolved: with ``data=prepared`` the stores' own tokenizer, else the tokenizer.json
+    of ``model.init_from`` when it has one, else ``byte``; with ``model.init_from``, another tokenizer is refused and
+    the vocabulary checked."""
     import dataclasses
 
+    from p3d.config.schema import DataSource
+    from p3d.data.store import StoreError, stores_tokenizer
+    from p3d.data.tokenizer import AUTO
     from p3d.hf.load import HFImportError
     from p3d.hf.tokenizer import import_tokenizer
 
+    spec = cfg.data.tokenizer
     try:
-        tokenizer = import_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.vocab_size)
-    except HFImportError as exc:
+        if spec == AUTO and cfg.data.source == DataSource.prepared and (cfg.data.path or cfg.data.mix):
+            spec = stores_tokenizer(cfg.data)  # the stores' own: p3d-prepare's closing line trains as it says
+        tokenizer = import_tokenizer(spec, cfg.model.init_from, cfg.model.vocab_size)
+    except (HFImportError, StoreError) as exc:
         raise P3DConfigError(str(exc)) from None
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
 
