@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from p3d.layout.geometry import token_bytes
+
 FORMAT = "p3d-token-store"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -38,11 +40,8 @@ class StoreError(ValueError):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned integer dtype that holds every id of the vocabulary."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if vocab_size - 1 <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    return np.dtype(np.uint64)
+    """The smallest unsigned integer dtype that holds every id of the vocabulary (p3d.layout.geometry.token_bytes)."""
+    return np.dtype(f"uint{8 * token_bytes(vocab_size)}")
 
 
 def tokenizer_identity(spec: str) -> dict:
