@@ -82,10 +82,10 @@ def _check(rank, world, tp, ep, cp, sp, overrides):
 
     figures = shard.take_stats()
     local_share = figures[3:] / figures[3:].sum()
-    dist.all_reduce(figures)
+    dist.all_reduce(figures)  # the step's figures over the world (p3d.parallel.experts.balance.step_figures)
     # the rank's tokens go to the experts in other shares than the whole sequence's: a balancing loss of the rank's
     # tokens alone would differ
-    assert (local_share - figures[3:] / figures[3:].sum()).abs().max() > 0.01  # the step's figures over the world (p3d.parallel.experts.balance.step_figures)
+    assert (local_share - figures[3:] / figures[3:].sum()).abs().max() > 0.01
     got, want = metrics(figures.view(1, -1)), metrics(full.take_stats().view(1, -1))
     assert got["moe_aux_loss"] == pytest.approx(want["moe_aux_loss"], rel=1e-6)
     assert got["moe_load_imbalance"] == pytest.approx(want["moe_load_imbalance"], rel=1e-6)

@@ -55,7 +55,9 @@ class SlotOrder:
     kept: torch.Tensor
 
 
-def slot_order(idx: torch.Tensor, n_experts: int, capacity: int | None, earlier: torch.Tensor | None = None) -> SlotOrder:
+def slot_order(
+    idx: torch.Tensor, n_experts: int, capacity: int | None, earlier: torch.Tensor | None = None
+) -> SlotOrder:
     """Sort the (token, slot) pairs of ``idx`` (N, k) by expert, counting them on the device (module doc, 1).
     ``earlier`` (N k,): for each pair, the pairs of its expert before it that other ranks hold (context
     parallelism: p3d.parallel.context.routing), so that the capacity keeps each expert's first pairs of the whole
