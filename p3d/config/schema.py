@@ -46,6 +46,10 @@ class MoEConfig:
     n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of n_shared x expert_ffn_size)
     first_dense_layers: int = 0  # the first blocks keep a dense SwiGLU of model.ffn_hidden_size
     score: RouterScore = RouterScore.softmax
+    # group-limited routing (DeepSeek-V3): the experts in n_groups equal groups, each scored by the sum of its 2 best
+    # (bias-corrected) scores; a token's top_k experts are chosen within its topk_groups best groups. 1: no groups
+    n_groups: int = 1
+    topk_groups: int = 1
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral: true; DeepSeekMoE: false)
     route_scale: float = 1.0  # the routed experts' output scaled by this (DeepSeek-V3: 2.5)
     aux_loss_coef: float = 0.01  # load-balancing loss weight, per MoE layer (0: off)

@@ -15,9 +15,10 @@ Context parallelism (``mesh.cp``): the cp ranks of a dp replica hold the same pa
 ``dp_cp_ranks``). cp > 1 runs on the torch executor, so its rows apply.
 
 A mixture of experts splits N into the routed experts N_e (E / ep per MoE block) and the rest N_d: wherever the
-table divides by d, N_e divides by edp = d / ep instead (their gradients reduce over edp, ZeRO-1's second optimizer
-and FSDP2's expert units shard over it), so the divisions read N_d / d + N_e / edp. With ep > 1 the torch executor
-runs every schedule (DeepSpeed's engine reduces every gradient over all of dp), so its rows apply.
+table divides by d, N_e divides by edp = d / ep (times cp) instead (their gradients reduce over edp, ZeRO-1's
+second optimizer and FSDP2's expert units shard over it), so the divisions read N_d / d + N_e / edp. With ep > 1
+the torch executor runs every schedule (DeepSpeed's engine reduces every gradient over all of dp), so its rows
+apply.
 
 ZeRO 2 divides the gradients and ZeRO 3 also the parameters by d in Rajbhandari et al. 2020, Table 1
 (2 + 2 + K with K = 12); p3d's FSDP2 stages hold both as shards between steps (docs/zero.md).

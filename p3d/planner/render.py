@@ -48,7 +48,7 @@ def _experts(report) -> list[str]:
         f"  mixture of experts: {moe.n_experts} routed experts (top-{moe.top_k}){shared} in {len(moe_layers(m))} of "
         f"{m.n_layers} blocks; {_billions(total_params(m))} parameters, {_billions(active_params(m))} active per token",
         f"  ep={lay.ep}: each GPU holds {moe.n_experts // lay.ep} of the {moe.n_experts} routed experts of each MoE "
-        f"block; their gradients reduce (and ZeRO shards) over edp={lay.edp} dp ranks"
+        f"block; their gradients reduce (and ZeRO shards) over edp={lay.edp} ranks"
         + (f"; all-to-alls over {lay.ep * lay.tp} consecutive ranks ({a2a_link(cfg, lay)}-node)" if lay.ep > 1 else ""),
     ]
     per_stage = [

@@ -93,9 +93,9 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
 def context_degrees(cfg: Config, tp: int, gpus: int) -> list[int]:
     """The cp worth trying with tp on ``gpus`` = world / tp: 1, and for a sequence of at least ``LONG_SEQUENCE``
     tokens every power of two dividing ``gpus`` that cuts it into equal chunks (``sequence_multiple``, the rule
-    check_context applies) of at least ``MIN_TOKENS_PER_RANK`` tokens per rank. A mixture of experts: 1 (refused)."""
+    check_context applies) of at least ``MIN_TOKENS_PER_RANK`` tokens per rank."""
     s, sched = cfg.model.seq_len, cfg.schedule
-    if s < LONG_SEQUENCE or cfg.model.moe is not None or cfg.model.compile:
+    if s < LONG_SEQUENCE or cfg.model.compile:
         return [1]
     out, cp = [1], 2
     while gpus % cp == 0 and s // cp >= MIN_TOKENS_PER_RANK:

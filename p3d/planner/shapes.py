@@ -30,7 +30,7 @@ The per-block counts and FLOPs per token are ``p3d.layout.geometry``'s too.
 Mixture of experts (``model.moe``): a block i >= first_dense_layers holds, besides its attention and norms, the
 router h E (replicated over tp), S shared experts and E / ep routed experts, each expert 3 h f_e / t
 (``geometry.mlp_params``); a layout's ep (``mesh.ep``, carved from dp) is 1 for a dense model. ``StageParams``
-keeps the routed experts' share apart: they reduce and shard over edp = dp / ep ranks, the rest over dp.
+keeps the routed experts' share apart: they reduce and shard over edp = (dp / ep) x cp ranks, the rest over dp x cp.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """The expert-data-parallel degree: the dp / ep ranks of a dp group that hold the same experts."""
-        return max(1, self.dp // self.ep)
+        """The expert-data-parallel degree: the dp / ep ranks of a dp group that hold the same experts, times cp."""
+        return max(1, self.dp // self.ep) * self.cp
 
     @property
     def torch_executor(self) -> bool:

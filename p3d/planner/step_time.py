@@ -39,7 +39,7 @@ routed and S shared experts a token goes through: ``geometry.mlp_params(active=T
 every rank computes the same rows). Its token dispatch adds 4 all-to-alls per micro batch (6 with full recompute)
 of b s r h c bytes, (ep - 1)/ep of them leaving each rank (the "others" ring time, (n - 1)/n x bytes / link +
 latency), over the link of its ep group's ep x t consecutive ranks; they are never hidden (``a2a``). Dense
-gradients reduce over dp, the routed experts' over edp = dp / ep (their Adam step over 1/edp of them).
+gradients reduce over dp, the routed experts' over edp = (dp / ep) x cp (their Adam step over 1/edp of them).
 
 Context parallelism (p3d.planner.context): a rank computes s / cp tokens of each sequence, so every b s above reads
 b s / cp, and the attention FLOPs are 1/cp of the causal total (4 b s^2 q / t x 1/2 / cp: the head-tail chunks

@@ -98,6 +98,8 @@ CASES: dict[str, Case] = {
     "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2": Case("run"),
     # docs/moe.md; slow tier: kept: the zbv MoE parity case's variant runs in test-all, ep2 on dp2_pp2 in make test
     "p3d-train model=moe_tiny mesh=dp2_pp2 mesh.ep=2 schedule.pipeline=zbv": Case("run", slow=True),
+    # docs/moe.md, docs/context.md; slow tier: kept: the ep2 x cp2 parity case of e2e/test_moe_parity.py in make test
+    "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2 mesh.cp=2": Case("run", slow=True),
     "p3d-train model=mixtral_8x7b mesh.tp=4 mesh.pp=4 mesh.dp=4 mesh.ep=4 schedule.global_batch_size=64 "
     "cluster=h100_sxm cluster.nodes=8 dry_run=true": Case("run", extra=()),
     "p3d-plan model=mixtral_8x7b cluster=h100_64 mesh=auto": Case("run", extra=()),

@@ -17,7 +17,7 @@ import torch
 from p3d.checkpoint import find as checkpoint
 from p3d.config import resume_rules
 from p3d.config.resume_rules import Rule
-from p3d.config.schema import Config, DataConfig
+from p3d.config.schema import Config, DataConfig, MoEConfig
 from p3d.data.loader import micro_batches, sample_stream
 from p3d.rundir.spec import config_dict, read_spec, write_spec
 from tests.helpers.runs import ROOT, typed
@@ -31,7 +31,8 @@ B0, K = 16, 3  # the base run's global batch and steps: its checkpoint has consu
 
 
 def test_every_config_field_has_one_rule_and_every_rule_a_field():
-    fields = resume_rules.flatten(config_dict(Config()))
+    with_experts = Config(model=dataclasses.replace(Config().model, moe=MoEConfig()))  # model.moe's fields too
+    fields = resume_rules.flatten(config_dict(Config())) | resume_rules.flatten(config_dict(with_experts))
     for field in fields:
         resume_rules.rule(field)  # KeyError: a field with no rule
     groups = {f.split(".", 1)[0] for f in fields}
