@@ -195,7 +195,10 @@ def stores_tokenizer(data_cfg) -> str:
 
     found: dict[str, tuple[str, str]] = {}  # sha256 -> (spec, the field of the first store with it)
     for path, _, field in store_paths(data_cfg):
-        tok = TokenStore(path, field).tokenizer
+        try:
+            tok = TokenStore(path, field).tokenizer
+        except StoreError:  # no store there: the data check says so in its own line, before any worker starts
+            return AUTO
         found.setdefault(tok["sha256"], (tok["spec"], f"{field}={path}"))
     if len(found) > 1:
         named = "; ".join(f"{where} by {spec}" for spec, where in found.values())
