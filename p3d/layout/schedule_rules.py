@@ -35,8 +35,10 @@ def runs_on_deepspeed(cfg: Config) -> bool:
     parallelism (mesh.cp > 1), whose gradients reduce over dp x cp ranks that its topology has no axis for; and
     with uneven micro batches per replica (``schedule.replica_micro_batches``): DeepSpeed's engine scales the loss
     by one accumulation count and averages the gradients over dp, which weighs a micro batch of a replica that runs
-    fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself)."""
-    if uneven_micro_batches(cfg):
+    fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself); and with float8
+    matmuls (``train.fp8``): DeepSpeed's bf16 engine keeps bf16 weights in its modules, the torch executor fp32
+    masters under autocast, which each float8 weight cast reads once a step (p3d.parallel.tp.float8)."""
+    if uneven_micro_batches(cfg) or str(getattr(cfg.train.fp8, "value", cfg.train.fp8)) != "none":
         return False
     return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1 and cfg.mesh.cp == 1
 
