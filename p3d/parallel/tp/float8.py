@@ -101,11 +101,11 @@ class Float8Matmul:
                 x = gather_from_sp(x, self.group)
         else:
             x = copy_to_tp(x, self.group)
-        return _Float8Linear.apply(x, weight, self, COLUMN)
+        return _linear(x, weight, self, COLUMN)
 
     def row(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's partial sum x_r W_r^T: x (b, s, K/tp) -> (b, s, N), partial over tp."""
-        return _Float8Linear.apply(_in_autocast_dtype(x), weight, self, ROW)
+        return _linear(_in_autocast_dtype(x), weight, self, ROW)
 
 
 def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -113,36 +113,41 @@ def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     return x if dtype is None or ao.is_float8(x) else x.to(dtype)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, mm: Float8Matmul, split: dict) -> torch.Tensor:
+    """(..., K) -> (..., N): the 2-D GEMM's output reshaped outside the Function (a view made inside one could not
+    be reduced in place by ``reduce_from_tp``)."""
+    y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), weight, mm, split)  # (M, N)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class _Float8Linear(torch.autograd.Function):
-    """forward: y = x W^T, x and W^T cast as the recipe says; backward: dx = dy W and dW = dy^T x with the recipe's
-    casts of dy, W and x (torchao's ``matmul_with_hp_or_float8_args``, with tp-reduced amaxes). Outside autocast:
-    the operands carry their dtypes (the GEMM's result is in the input's)."""
+    """forward: y = x W^T, x (M, K) and W^T cast as the recipe says; backward: dx = dy W and dW = dy^T x with the
+    recipe's casts of dy, W and x (torchao's ``matmul_with_hp_or_float8_args``, with tp-reduced amaxes). Outside
+    autocast: the operands carry their dtypes (the GEMM's result is in the input's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, mm: Float8Matmul, split: dict):
-        ctx.mm, ctx.split, ctx.shape = mm, split, x.shape
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    def forward(ctx, x2, weight, mm: Float8Matmul, split: dict):
+        ctx.mm, ctx.split = mm, split
+        with torch.autocast(x2.device.type, enabled=False):
             xq = mm.cast(x2, "input", split)
             y = torch.mm(xq, mm.weight_t(weight, "weight", split))  # (M, N)
         # the weight gradient's x: the forward's cast when the recipe's is the same (tensorwise), else x itself
         same = mm.casts["input_for_grad_weight"] == mm.casts["input"]
         ctx.save_for_backward(xq if same else x2, weight)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy2):
         x2, weight = ctx.saved_tensors
         mm, split = ctx.mm, ctx.split
-        with torch.autocast(dy.device.type, enabled=False):
-            dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
+        with torch.autocast(dy2.device.type, enabled=False):
             dyq = mm.cast(dy2, "grad_output", split)
             dx = torch.mm(dyq, mm.weight_t(weight, "weight_for_grad_input", split).t())  # (M, K)
             same = mm.casts["grad_output_for_grad_weight"] == mm.casts["grad_output"]
             dyq_w = dyq if same else mm.cast(dy2, "grad_output_for_grad_weight", split)
             xq_w = mm.cast(x2, "input_for_grad_weight", split)
             dw = torch.mm(dyq_w.t(), xq_w)  # (N, K)
-        return dx.reshape(ctx.shape), dw.to(weight.dtype), None, None
+        return dx, dw.to(weight.dtype), None, None
 
 
 class _GatherFloat8FromSP(torch.autograd.Function):
