@@ -31,14 +31,21 @@ import torch
 PINNED = "0.18.0"  # the version these touchpoints were read in and are tested on
 
 
+# "Failed to load ..._C_mxfp8...so" on every machine without torchao's CUDA build; torch's pytree on torchao's
+# KernelPreference enum ("register_constant() on Enum subclasses is deprecated")
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def _import(name: str):
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)  # "Failed to load ..._C_mxfp8...so" on every machine without its CUDA build
+    logs = [logging.getLogger(n) for n in QUIET_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         return importlib.import_module(name)
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def torchao_version() -> str:

@@ -64,9 +64,24 @@ def check_float8(cfg: Config) -> None:
     refusal = capability_refusal(name, DEVICES[device].capability, f"cluster.device={device}")
     if refusal is not None:
         raise refusal
-    if name == "mxfp8" and cfg.model.moe is None:
+    if name == "mxfp8":
+        check_mxfp8(cfg)
+
+
+def check_mxfp8(cfg: Config) -> None:
+    """MXFP8 scales blocks of 32 values along each grouped GEMM's reduction: the hidden size and an expert's inner
+    width per tp rank (p3d.parallel.experts.mxfp8)."""
+    m, tp = cfg.model, cfg.mesh.tp
+    if m.moe is None:
         raise P3DConfigError(
-            f"train.fp8=mxfp8 computes the routed experts' grouped GEMMs in MXFP8; model={cfg.model.name} has no "
-            "experts",
+            f"train.fp8=mxfp8 computes the routed experts' grouped GEMMs in MXFP8; model={m.name} has no experts",
             ["train.fp8=tensorwise", "train.fp8=none"],
         )
+    inner = m.moe.expert_ffn_size or m.ffn_hidden_size
+    for field, value in (("model.hidden_size", m.hidden_size), (f"model.moe.expert_ffn_size / mesh.tp={tp}", inner // tp)):
+        if value % MX_BLOCK:
+            raise P3DConfigError(
+                f"train.fp8=mxfp8 with {field} = {value}: MXFP8 scales blocks of {MX_BLOCK} values along each "
+                f"grouped GEMM's reduction, so it must be a multiple of {MX_BLOCK}",
+                ["train.fp8=none", *(f"mesh.tp={t}" for t in (2, 1) if t < tp)],
+            )

@@ -171,6 +171,12 @@ class TorchPipeline:
             set_micro_batches(chunk, self.loss_divisor)  # a micro batch's balancing loss weighs as its LM loss
         if prepare is not None:  # before sharding: it writes whole tensors
             prepare(self.chunks)
+        self.precision_line: str | None = None  # train.fp8: what computes in float8 (the console's line)
+        fp8 = str(getattr(cfg.train.fp8, "value", cfg.train.fp8))
+        if fp8 != "none":
+            from p3d.train.executors.float8 import apply_float8
+
+            self.precision_line = apply_float8(self.chunks, fp8, self.device)
         # ZeRO-2/3: FSDP2 over the dp (x cp) holders of the parameters, which reduces the grads itself
         self.sharded = cfg.zero.stage >= 2 and mesh.dp_cp > 1
         self.replicas = mesh.dp_cp // (cfg.zero.shard_size or mesh.dp_cp) if self.sharded else 1  # HSDP's copies
