@@ -146,7 +146,7 @@ def render(report) -> str:
         f"{lay.describe(m.seq_len)}, {cfg.cluster.device}"
     )
     out.append(
-        f"  {cfg.train.dtype.value}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
+        f"  {cfg.train.dtype.value}{_float8(cfg)}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
         f"sequence_parallel={cfg.schedule.sequence_parallel}, global batch {cfg.schedule.global_batch_size} "
         f"x {m.seq_len} tokens"
     )
@@ -200,7 +200,7 @@ def render(report) -> str:
     out += [
         "",
         f"throughput: {report.tokens_per_s:,.0f} tokens/s, {report.tflops_per_gpu:.1f} TFLOP/s per GPU "
-        f"(MFU {report.mfu:.1%}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
+        f"(MFU {report.mfu:.1%}{_mfu_peak(cfg)}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
         f"bubble {report.bubble:.1%}",
     ]
     a = assumptions(cfg, lay)
@@ -226,6 +226,16 @@ def render(report) -> str:
     if report.hetero is not None:  # cluster.groups: the split on the groups, each group's memory, the gap
         out.append(report.hetero.render(m.seq_len))
     return "\n".join(out)
+
+
+def _float8(cfg) -> str:
+    name = str(getattr(cfg.train.fp8, "value", cfg.train.fp8))
+    return "" if name == "none" else f" + float8 {name} matmuls"
+
+
+def _mfu_peak(cfg) -> str:
+    """Which peak MFU divides by, where float8 makes it a question: the bf16 one (torchtitan's convention)."""
+    return "" if not _float8(cfg) else f" of the bf16 peak {cfg.cluster.peak_tflops:g} TFLOP/s"
 
 
 def _dp_overlap(report) -> str:

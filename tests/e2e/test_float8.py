@@ -1,0 +1,96 @@
+"""Float8 training (``train.fp8``, issue 63) on CPU by emulation: ``model=tiny`` in each dense recipe follows the bf16
+curve, step by step, within ``LOSS_RTOL`` = 1e-2 relative, and differs from it by at least ``RUNS_FLOAT8`` = 5e-4 at
+some step (the float8 path ran: bf16 itself would match its own curve exactly); the same on dp2_pp2_tp2 (with
+sequence parallelism: the tensorwise SP gather travels in float8), on an MoE layout in MXFP8, and across a resume
+that changes ``train.fp8``. torchao measured 2.3e-3 for float8 against bf16 on a tiny Llama over 40 steps
+(/work/shared/notes/stack-on-cpu.md); the figures each case prints are in docs/precision.md."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from p3d.train.metrics import read_metrics
+from tests.helpers.runs import p3d_train
+from tests.helpers.tiers import with_slow
+
+STEPS = 40
+LOSS_RTOL = 1e-2
+RUNS_FLOAT8 = 5e-4
+COMMON = ("train.warmup_steps=4", "train.dtype=bf16")
+CASES = {
+    "tensorwise": ["mesh=single", "train.fp8=tensorwise"],
+    "rowwise": ["mesh=single", "train.fp8=rowwise"],
+    "rowwise_with_gw_hp": ["mesh=single", "train.fp8=rowwise_with_gw_hp"],
+    "dp2_pp2_tp2-sp-tensorwise": ["mesh=dp2_pp2_tp2", "schedule.sequence_parallel=true", "train.fp8=tensorwise"],
+    "dp2_pp2_tp2-rowwise": ["mesh=dp2_pp2_tp2", "train.fp8=rowwise"],
+}
+MOE = ("model=moe_tiny", "mesh=dp2", "mesh.ep=2")
+
+
+@functools.cache
+def bf16_curve(steps: int, *model: str) -> list[float]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        mesh = ["mesh=dp2", "mesh.ep=2"] if model else ["mesh=single"]
+        result = p3d_train(*COMMON, *model, *mesh, f"train.steps={steps}", f"run.dir={run_dir}", timeout=500)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def _follows(got: list[dict], ref: list[float], case: str, runs_float8: float = RUNS_FLOAT8) -> None:
+    assert [r["step"] for r in got] == list(range(1, len(ref) + 1))
+    rel = [abs(g["loss"] - r) / r for g, r in zip(got, ref, strict=True)]
+    print(f"{case}: float8 vs bf16 loss, max relative difference {max(rel):.2e} at step {rel.index(max(rel)) + 1}")
+    assert max(rel) <= LOSS_RTOL, rel
+    assert max(rel) >= runs_float8, f"float8 must differ from bf16 somewhere, else it ran bf16: {max(rel):.1e}"
+    assert got[-1]["loss"] < got[0]["loss"] - 0.5  # it learns, as bf16 does
+
+
+# make test keeps one short case: tp2 with sequence parallelism, tensorwise (float8 gather, tp-reduced amaxes), 12
+# steps, where float8 has drifted 2.7e-4 from bf16 (measured): the 40-step cases below hold the 5e-4
+def test_float8_tp2_sp_follows_the_bf16_curve(tmp_path):
+    steps = 12
+    run = ("mesh=tp2", "schedule.sequence_parallel=true", "train.fp8=tensorwise", f"train.steps={steps}")
+    result = p3d_train(*COMMON, *run, f"run.dir={tmp_path}", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "train.fp8=tensorwise (emulated on cpu): 16 linears of this stage's blocks in float8" in result.stdout
+    _follows(read_metrics(tmp_path), bf16_curve(steps), "tp2-sp-tensorwise", runs_float8=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", with_slow(CASES, CASES))
+def test_float8_follows_the_bf16_curve_for_40_steps(case, tmp_path):
+    result = p3d_train(*COMMON, *CASES[case], f"train.steps={STEPS}", f"run.dir={tmp_path}", timeout=800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _follows(read_metrics(tmp_path), bf16_curve(STEPS), case)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mxfp8_experts_follow_the_bf16_curve_on_an_moe_layout(tmp_path):
+    result = p3d_train(*COMMON, *MOE, "train.fp8=mxfp8", f"train.steps={STEPS}", f"run.dir={tmp_path}", timeout=800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "the routed experts of 3 MoE blocks in MXFP8" in result.stdout
+    _follows(read_metrics(tmp_path), bf16_curve(STEPS, "model=moe_tiny"), "moe_tiny dp2 ep2 mxfp8")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_checkpoint_resumes_across_fp8_values(tmp_path):
+    """Checkpoints hold the fp32 master weights and moments, never a float8 cast: a tensorwise run resumed as
+    rowwise, then as bf16, continues the curve within the same tolerance."""
+    half = STEPS // 2
+    runs = [("train.fp8=tensorwise", half), ("train.fp8=rowwise", half + 10), ("train.fp8=none", STEPS)]
+    for i, (fp8, until) in enumerate(runs):
+        resume = ("train.resume=auto",) if i else ()
+        result = p3d_train(
+            *COMMON, "mesh=single", fp8, *resume, f"train.steps={until}", f"run.dir={tmp_path}", timeout=800
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        if i:
+            assert f"resumed from step {runs[i - 1][1]}" in result.stdout
+    _follows(read_metrics(tmp_path), bf16_curve(STEPS), "resume tensorwise -> rowwise -> bf16")
