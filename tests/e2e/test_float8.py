@@ -18,7 +18,10 @@ from tests.helpers.tiers import with_slow
 STEPS = 40
 LOSS_RTOL = 1e-2
 RUNS_FLOAT8 = 5e-4
-COMMON = ("train.warmup_steps=4", "train.dtype=bf16")
+# lr 2.25e-3: at p3d's default 3e-3 the tiny model's loss plateaus from step 24 on, where float8 and bf16 part by up
+# to 2.8e-2 (tensorwise, measured); at 2.25e-3 the three dense recipes stay within 1.9e-3 to 2.4e-3 of bf16 over 40
+# steps (measured 2026-12-07), at 2e-3 within 4.5e-4 (tensorwise: below RUNS_FLOAT8)
+COMMON = ("train.dtype=bf16", "train.lr=2.25e-3")
 CASES = {
     "tensorwise": ["mesh=single", "train.fp8=tensorwise"],
     "rowwise": ["mesh=single", "train.fp8=rowwise"],
