@@ -108,11 +108,17 @@ def amax(x: torch.Tensor, cast: Cast) -> torch.Tensor:
     return utils.tensor_to_amax(x, False, None, granularity, cast.axis)
 
 
-def to_float8(x: torch.Tensor, x_amax: torch.Tensor, cast: Cast, mm_config):
-    """``x`` cast to float8 with the scale of ``x_amax`` (``amax_to_scale``): a ``Float8TrainingTensor``."""
+def amax_to_scale(x_amax: torch.Tensor, cast: Cast) -> torch.Tensor:
+    """The scale(s) of ``x_amax``, elementwise: float8's largest value over the amax (``amax_to_scale``)."""
     utils = _import("torchao.float8.float8_utils")
+    return utils.amax_to_scale(x_amax, cast.dtype, round_scales_to_power_of_2=cast.power_of_2)
+
+
+def to_float8(x: torch.Tensor, x_amax: torch.Tensor, cast: Cast, mm_config, scale_given: bool = False):
+    """``x`` cast to float8 with the scale of ``x_amax`` (or, ``scale_given``, that scale itself): a
+    ``Float8TrainingTensor`` (``hp_tensor_and_scale_to_float8``)."""
     t = _import("torchao.float8.float8_training_tensor")
-    scale = utils.amax_to_scale(x_amax, cast.dtype, round_scales_to_power_of_2=cast.power_of_2)
+    scale = x_amax if scale_given else amax_to_scale(x_amax, cast)
     return t.hp_tensor_and_scale_to_float8(x, scale, cast.dtype, mm_config, cast.role, cast.axis)
 
 
@@ -123,6 +129,12 @@ def is_float8(x: torch.Tensor) -> bool:
 def payload(x) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 data, scale) of a tensorwise ``Float8TrainingTensor``."""
     return x._data, x._scale
+
+
+def set_payload_scale(x, scale: torch.Tensor) -> None:
+    """Give the ``Float8TrainingTensor`` ``x`` (or the one inside a DTensor) a new scale, its data kept."""
+    inner = getattr(x, "_local_tensor", x)
+    inner._scale = scale
 
 
 def from_payload(data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, mm_config, role):
