@@ -60,7 +60,7 @@ class Float8GatherWeight(torch.Tensor):
         self._scale: torch.Tensor | None = None
         self._cached: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, scale, uint8 payload)
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         return f"Float8GatherWeight({self._tensor!r})"
 
     @classmethod

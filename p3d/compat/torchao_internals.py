@@ -63,7 +63,9 @@ def linear_mm_config(config):
     """The three GEMMs' settings of a linear (output, grad_input, grad_weight), as ``Float8Linear`` makes them."""
     t = _import("torchao.float8.float8_training_tensor")
     gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
-    return t.LinearMMConfig(*(t.ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms))
+    return t.LinearMMConfig(
+        *(t.ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +98,9 @@ def recipe_casts(config) -> dict[str, Cast]:
     for name, (cc, axis, r) in spec.items():
         disabled = cc.scaling_type is cfg.ScalingType.DISABLED
         axiswise = cc.scaling_granularity is cfg.ScalingGranularity.AXISWISE
-        out[name] = Cast(None if disabled else cc.target_dtype, axis if axiswise else None, r, config.round_scales_to_power_of_2)
+        out[name] = Cast(
+            None if disabled else cc.target_dtype, axis if axiswise else None, r, config.round_scales_to_power_of_2
+        )
     return out
 
 

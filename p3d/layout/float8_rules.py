@@ -33,7 +33,9 @@ def capability_refusal(name: str, capability: tuple[int, int] | None, device: st
     need = NEEDS.get(name)
     if need is None or capability is None or tuple(capability) >= need:
         return None
-    fixes = ["train.fp8=none"] if tuple(capability) < NEEDS["tensorwise"] else ["train.fp8=tensorwise", "train.fp8=none"]
+    fixes = (
+        ["train.fp8=none"] if tuple(capability) < NEEDS["tensorwise"] else ["train.fp8=tensorwise", "train.fp8=none"]
+    )
     return P3DConfigError(
         f"train.fp8={name} needs a GPU of compute capability {need[0]}.{need[1]} or newer "
         f"({'B200' if name == 'mxfp8' else 'L40S, H100, H200, B200'}); {device} is {capability[0]}.{capability[1]}",
@@ -78,7 +80,10 @@ def check_mxfp8(cfg: Config) -> None:
             ["train.fp8=tensorwise", "train.fp8=none"],
         )
     inner = m.moe.expert_ffn_size or m.ffn_hidden_size
-    for field, value in (("model.hidden_size", m.hidden_size), (f"model.moe.expert_ffn_size / mesh.tp={tp}", inner // tp)):
+    for field, value in (
+        ("model.hidden_size", m.hidden_size),
+        (f"model.moe.expert_ffn_size / mesh.tp={tp}", inner // tp),
+    ):
         if value % MX_BLOCK:
             raise P3DConfigError(
                 f"train.fp8=mxfp8 with {field} = {value}: MXFP8 scales blocks of {MX_BLOCK} values along each "

@@ -146,7 +146,8 @@ def render(report) -> str:
         f"{lay.describe(m.seq_len)}, {cfg.cluster.device}"
     )
     out.append(
-        f"  {cfg.train.dtype.value}{_float8(cfg)}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
+        f"  {cfg.train.dtype.value}{_float8(cfg)}, "
+        f"zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
         f"sequence_parallel={cfg.schedule.sequence_parallel}, global batch {cfg.schedule.global_batch_size} "
         f"x {m.seq_len} tokens"
     )
@@ -200,7 +201,8 @@ def render(report) -> str:
     out += [
         "",
         f"throughput: {report.tokens_per_s:,.0f} tokens/s, {report.tflops_per_gpu:.1f} TFLOP/s per GPU "
-        f"(MFU {report.mfu:.1%}{_mfu_peak(cfg)}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
+        f"(MFU {report.mfu:.1%}{_mfu_peak(cfg)}), "
+        f"{report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
         f"bubble {report.bubble:.1%}",
     ]
     a = assumptions(cfg, lay)

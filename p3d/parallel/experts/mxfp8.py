@@ -23,4 +23,4 @@ from p3d.compat import torchao_internals as ao
 
 def use_mxfp8(experts: torch.nn.Module, emulate: bool) -> None:
     """Make ``experts`` (a RoutedExperts) compute its grouped GEMMs in MXFP8."""
-    experts.grouped_mm = partial(ao.mxfp8_grouped_mm, emulate=emulate)
+    experts.grouped_mm = partial(ao.mxfp8_grouped_mm, emulate=emulate)  # type: ignore[assignment]  # a function attribute

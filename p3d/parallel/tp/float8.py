@@ -202,5 +202,5 @@ def convert_to_float8(module: torch.nn.Module, recipe: str, emulate: bool, skip:
         if odd:
             kept.append(f"{name}: {', '.join(odd)}")
             continue
-        m.float8 = Float8Matmul(recipe, emulate, m.group)
+        m.float8 = Float8Matmul(recipe, emulate, m.group)  # type: ignore[assignment]  # None by default
     return kept

@@ -12,6 +12,9 @@ and after a checkpoint's load, with one all-reduce over dp x cp and one over tp 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -20,7 +23,7 @@ from p3d.compat import torchao_internals as ao
 from p3d.compat.fsdp_float8 import Float8GatherWeight, gathered_shard, hp_tensor
 
 
-def gather_in_float8(chunks: list[nn.Module]) -> list[nn.Module]:
+def gather_in_float8(chunks: Sequence[nn.Module]) -> list[Any]:
     """Wrap the weight of every tensorwise float8 layer of ``chunks`` so that FSDP2 gathers it in float8; before
     ``fully_shard``. Returns the layers, in a fixed order (every rank of a stage lists the same ones)."""
     layers = []
@@ -29,7 +32,7 @@ def gather_in_float8(chunks: list[nn.Module]) -> list[nn.Module]:
             mm = getattr(m, "float8", None)
             if mm is None or mm.casts["weight"].axis is not None:
                 continue
-            p = m.weight
+            p: Any = m.weight
             wrapped = nn.Parameter(Float8GatherWeight(p.data, mm.mm_config, mm.casts["weight"]), p.requires_grad)
             for attr, value in vars(p).items():  # the markers (model_parallel, ...), which fully_shard keeps
                 setattr(wrapped, attr, value)
@@ -39,12 +42,12 @@ def gather_in_float8(chunks: list[nn.Module]) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def precompute_scales(layers: list[nn.Module], holders, tp_group) -> None:
+def precompute_scales(layers: list[Any], holders, tp_group) -> None:
     """Give every layer's weight shard the scale of its whole weight for the gathers of the step to come: the amax
     of each shard, max-reduced over the dp x cp ``holders`` and over ``tp_group``, one collective each."""
     if not layers:
         return
-    shards = [gathered_shard(m.weight) for m in layers]
+    shards: list[Any] = [gathered_shard(m.weight) for m in layers]
     amax = torch.stack([hp_tensor(s).abs().max() if s.numel() else hp_tensor(s).new_zeros(()) for s in shards])
     for group in (holders, tp_group):
         if group is not None and dist.get_world_size(group) > 1:

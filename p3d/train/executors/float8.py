@@ -11,13 +11,15 @@ checked first, with the launcher's rule (p3d.layout.float8_rules).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 
 from p3d.layout.float8_rules import capability_refusal
 
 
-def apply_float8(chunks: list[nn.Module], recipe: str, device: torch.device) -> str:
+def apply_float8(chunks: Sequence[nn.Module], recipe: str, device: torch.device) -> str:
     """Give this rank's ``chunks`` their float8 matmuls for ``recipe``; returns the console line."""
     from p3d.model.experts import RoutedExperts, SwiGLUExpert
     from p3d.parallel.pipeline.specs import HeadPipe

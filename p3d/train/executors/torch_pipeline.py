@@ -172,7 +172,9 @@ class TorchPipeline:
         if prepare is not None:  # before sharding: it writes whole tensors
             prepare(self.chunks)
         self.precision_line: str | None = None  # train.fp8: what computes in float8 (the console's line)
-        self.float8_gathered: list[nn.Module] = []  # ZeRO-2/3 tensorwise: the layers whose weights FSDP2 gathers in float8
+        self.float8_gathered: list[
+            nn.Module
+        ] = []  # ZeRO-2/3 tensorwise: the layers whose weights FSDP2 gathers in float8
         fp8 = str(getattr(cfg.train.fp8, "value", cfg.train.fp8))
         if fp8 != "none":
             from p3d.train.executors.float8 import apply_float8

@@ -37,7 +37,10 @@ def test_cast_payload_and_emulated_mm():
     w_t = torch.randn(64, 16, generator=gen)
     amax = ao.amax(x, casts["input"])
     assert amax.shape == () and amax == x.abs().max()
-    xq, wq = ao.to_float8(x, amax, casts["input"], mm), ao.to_float8(w_t, ao.amax(w_t, casts["weight"]), casts["weight"], mm)
+    xq, wq = (
+        ao.to_float8(x, amax, casts["input"], mm),
+        ao.to_float8(w_t, ao.amax(w_t, casts["weight"]), casts["weight"], mm),
+    )
     assert ao.is_float8(xq) and not ao.is_float8(x)
     data, scale = ao.payload(xq)
     assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape

@@ -14,15 +14,11 @@ from p3d.planner.shapes import layout_of
 from p3d.planner.step_time import block_work
 
 # the anchors (docs/precision.md): Llama 3 8B on 8 H100, Llama 3 70B on 128 H100, each in a layout p3d-plan fits
-LLAMA3_8B = tuple(
-    "model=llama3_8b cluster=h100_sxm mesh.tp=2 mesh.pp=1 mesh.dp=auto zero=stage3 schedule.micro_batch_size=1 "
-    "schedule.global_batch_size=8 schedule.sequence_parallel=true schedule.recompute=selective".split()
-)
-LLAMA3_70B = tuple(
-    "model=llama70b cluster=h100_sxm cluster.nodes=16 mesh.tp=8 mesh.pp=1 mesh.dp=auto zero=stage3 "
-    "schedule.micro_batch_size=1 schedule.global_batch_size=128 schedule.sequence_parallel=true "
-    "schedule.recompute=full".split()
-)
+ANCHOR = ("cluster=h100_sxm", "mesh.pp=1", "mesh.dp=auto", "zero=stage3", "schedule.micro_batch_size=1")
+ANCHOR += ("schedule.sequence_parallel=true",)
+LLAMA3_8B = ("model=llama3_8b", "mesh.tp=2", *ANCHOR, "schedule.global_batch_size=8", "schedule.recompute=selective")
+LLAMA3_70B = ("model=llama70b", "cluster.nodes=16", "mesh.tp=8", *ANCHOR, "schedule.global_batch_size=128")
+LLAMA3_70B += ("schedule.recompute=full",)
 
 
 @pytest.mark.parametrize("anchor", [LLAMA3_8B, LLAMA3_70B], ids=["llama3_8b-8xH100", "llama3_70b-128xH100"])
