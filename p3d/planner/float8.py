@@ -8,13 +8,14 @@
   rowwise recipe both again for the weight gradient; the weights once a step per cast the recipe makes (fp32 read
   twice, 1 byte written: 9 bytes an element), spread over the step's micro batches.
 - Traffic: tensorwise with sequence parallelism gathers the linears' inputs in float8, half the forward
-  all-gathers' bytes.
+  all-gathers' bytes; under ZeRO-2/3 it gathers the float8 layers' weights in float8, 1 byte an element.
 """
 
 from __future__ import annotations
 
 from p3d.config.schema import Config
 from p3d.layout.float8_rules import FLOAT8_MULTIPLE, recipe
+from p3d.layout.geometry import attention_params, mlp_params
 
 # Gemm.fp8: 0 bf16; 1 forward and both backward GEMMs in float8; 2 the weight gradient's GEMM in bf16
 BF16, FLOAT8, FLOAT8_WGRAD_HP = 0, 1, 2
@@ -50,6 +51,15 @@ def casts_per_pass(cfg: Config) -> tuple[int, int, int]:
     (the weight-gradient GEMM reuses the forward's casts); rowwise 1, 3, 2 (x and dy again along the other axis);
     rowwise_with_gw_hp 1, 1, 2; none and mxfp8 0 (MXFP8's casts are inside its grouped GEMM)."""
     return {"tensorwise": (1, 1, 1), "rowwise": (1, 3, 2), "rowwise_with_gw_hp": (1, 1, 2)}.get(recipe(cfg), (0, 0, 0))
+
+
+def gathered_in_float8(cfg: Config, tp: int, blocks: int, moe_blocks: int) -> int:
+    """Parameters of a stage's ``blocks`` that ZeRO-2/3 all-gathers in float8 (tensorwise: the float8 layers'
+    weights, p3d.parallel.zero.float8_gather): every block's attention matrices and each dense block's MLP."""
+    if recipe(cfg) != "tensorwise" or cfg.zero.stage < 2:
+        return 0
+    m = cfg.model
+    return blocks * attention_params(m, tp) + (blocks - moe_blocks) * mlp_params(m, 0, tp)  # layer 0: dense if any is
 
 
 def sp_gathers_in_float8(cfg: Config) -> bool:

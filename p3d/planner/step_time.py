@@ -354,13 +354,15 @@ def fsdp_seconds(cfg: Config, layout: Layout, st: StageParams) -> tuple[float, f
     across the replicas), over the dp x cp holders (the routed experts' over edp)."""
     d, span = layout.dp_cp, layout.tp * layout.dp_cp
     gather = reduce = 0.0
+    in_float8_all = float8.gathered_in_float8(cfg, layout.tp, st.blocks, st.moe_blocks)  # tensorwise: 1 byte each
     for n, g in _reduced_groups(layout, st):
         s = cfg.zero.shard_size or g
         shard_span = layout.tp * s if g == d else span  # a shard group: s adjacent dp x cp ranks; edp's: ep apart
         reduce += ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
         if s < g:
             reduce += ring(cfg, n * 4.0 / s, g // s, span)
-        gather += ring(cfg, n * dtype_bytes(cfg), s, shard_span, "all_gather")
+        in_float8 = in_float8_all if g == d else 0  # of the dense group
+        gather += ring(cfg, (n - in_float8) * dtype_bytes(cfg) + in_float8, s, shard_span, "all_gather")
     return gather, reduce
 
 
