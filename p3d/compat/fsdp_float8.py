@@ -6,7 +6,7 @@ tests/workers/test_float8_zero.py.
 ``Float8GatherWeight`` wraps a float8 TP layer's fp32 master weight (p3d.parallel.tp.float8, tensorwise): FSDP2
 shards it as any tensor (the ops it cuts, pads and copies with keep the wrapper), and for each all-gather the
 shard is cast to e4m3 with the scale ``set_scale`` gave it (precomputed after the optimizer step from the amax over
-dp x tp: p3d.parallel.zero.float8_gather), once a step (the cast is kept for the shard's version), and travels as
+dp x tp: p3d.parallel.zero.float8_gather), once a step (the cast is kept until the next step's scale), and travels as
 uint8: gloo has no float8 types ("Invalid scalar type"), and a uint8 view is the same bytes, so the gather is
 bitwise the float8 one. After it, the gathered bytes are the weight's float8 data: a ``Float8TrainingTensor``
 that the layer's matmul takes as already cast. Half bf16's all-gather bytes; the fp32 master stays sharded.
@@ -58,7 +58,7 @@ class Float8GatherWeight(torch.Tensor):
     def __init__(self, tensor: torch.Tensor, mm_config, cast: ao.Cast):
         self._tensor, self._mm_config, self._cast = tensor, mm_config, cast
         self._scale: torch.Tensor | None = None
-        self._cached: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, scale, uint8 payload)
+        self._cached: tuple[torch.Tensor, torch.Tensor] | None = None  # (scale, uint8 payload)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         return f"Float8GatherWeight({self._tensor!r})"
@@ -87,12 +87,14 @@ class Float8GatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh):
         if self._scale is None:
             raise RuntimeError("a float8-gathered weight needs its scale first (p3d.parallel.zero.float8_gather)")
-        version = self._tensor._version
-        if self._cached is None or self._cached[0] != version or self._cached[1] is not self._scale:
+        # one cast per scale: a step's (p3d.parallel.zero.float8_gather sets new ones as each step starts). Not keyed
+        # by the shard's version: an update through the wrapper (or a DTensor around it) bumps the outer tensor's
+        # counter, not the fp32 one inside
+        if self._cached is None or self._cached[0] is not self._scale:
             shard = ao.to_float8(self._tensor, self._scale, self._cast, self._mm_config, scale_given=True)
             data, _ = ao.payload(shard)
-            self._cached = (version, self._scale, data.view(torch.uint8))
-        return (self._cached[2],), (self._scale,)
+            self._cached = (self._scale, data.view(torch.uint8))
+        return (self._cached[1],), (self._scale,)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (data,) = outputs
