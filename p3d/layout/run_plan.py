@@ -19,7 +19,7 @@ from p3d.layout.dims import ParallelDims, degrees_that_fill, largest_divisor_at_
 from p3d.layout.elastic_rules import check_elastic
 from p3d.layout.expert_rules import check_experts
 from p3d.layout.fixes import Pins, settle
-from p3d.layout.float8_rules import check_float8
+from p3d.layout.float8_rules import check_float8, recipe
 from p3d.layout.geometry import (
     PIECES_RULE,
     active_params,
@@ -109,7 +109,7 @@ def fill_cluster(cfg: Config) -> Config:
     }
     train = cfg.train
     if train.dtype == DType.auto:  # float8 matmuls run inside a bf16 run, on cpu too (p3d.layout.float8_rules)
-        fp32 = c.device == "cpu" and str(getattr(train.fp8, "value", train.fp8)) == "none"
+        fp32 = c.device == "cpu" and recipe(cfg) == "none"
         train = dataclasses.replace(train, dtype=DType.fp32 if fp32 else DType.bf16)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(c, **filled), train=train)
 

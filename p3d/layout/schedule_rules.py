@@ -13,6 +13,7 @@ import math
 
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import Config, Recompute
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import PIECES_RULE, max_pieces
 from p3d.layout.mesh_fixes import fewer_stages, finer_cuts
 
@@ -38,7 +39,7 @@ def runs_on_deepspeed(cfg: Config) -> bool:
     fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself); and with float8
     matmuls (``train.fp8``): DeepSpeed's bf16 engine keeps bf16 weights in its modules, the torch executor fp32
     masters under autocast, which each float8 weight cast reads once a step (p3d.parallel.tp.float8)."""
-    if uneven_micro_batches(cfg) or str(getattr(cfg.train.fp8, "value", cfg.train.fp8)) != "none":
+    if uneven_micro_batches(cfg) or recipe(cfg) != "none":
         return False
     return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1 and cfg.mesh.cp == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from p3d.config.schema import Recompute
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import active_params, moe_layers, total_params
 from p3d.planner import calibration, context
 from p3d.planner.machine import machine_of
@@ -231,7 +232,7 @@ def render(report) -> str:
 
 
 def _float8(cfg) -> str:
-    name = str(getattr(cfg.train.fp8, "value", cfg.train.fp8))
+    name = recipe(cfg)
     return "" if name == "none" else f" + float8 {name} matmuls"
 
 

@@ -31,6 +31,7 @@ from p3d.config.options import Float8
 from p3d.config.schema import Config
 from p3d.layout.context_rules import check_context, sequence_multiple
 from p3d.layout.expert_rules import check_experts
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import max_pieces
 from p3d.layout.run_plan import (
     P3DConfigError,
@@ -255,18 +256,18 @@ def with_float8_speedup(report: Prediction) -> Prediction:
     with float8 matmuls over the same step's in bf16, both on the torch executor that float8 runs on, in a note
     beside the published anchors (p3d.planner.float8.PUBLISHED), and in format=json as ``float8_speedup``."""
     cfg, layout = report.cfg, report.layout
-    name = str(getattr(cfg.train.fp8, "value", cfg.train.fp8))
+    name = recipe(cfg)
     if name == "none" and not DEVICES[str(getattr(cfg.cluster.device, "value", cfg.cluster.device))].float8_tflops:
         return report
-    recipe = "tensorwise" if name == "none" else name
+    shown = "tensorwise" if name == "none" else name
     torch_layout = dataclasses.replace(layout, fp8=True)
-    with_fp8 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=Float8(recipe)))
+    with_fp8 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=Float8(shown)))
     without = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=Float8.none))
     fast = evaluate(with_fp8, torch_layout, check=False).step_time_s
     slow = evaluate(without, torch_layout, check=False).step_time_s
     report.float8_speedup = slow / fast
     report.notes.append(
-        f"float8: train.fp8={recipe} predicts {slow / fast:.2f}x the tokens/s of bf16 on this layout "
+        f"float8: train.fp8={shown} predicts {slow / fast:.2f}x the tokens/s of bf16 on this layout "
         f"({slow:.3f} s -> {fast:.3f} s a step); {PUBLISHED}"
     )
     return report

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from p3d.config.schema import Arch, Config, DType, ModelConfig
 from p3d.layout.dims import resolve_dp
 from p3d.layout.expert_rules import check_expert_degree
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import (
     attention_params,
     block_vector_params,
@@ -188,7 +189,7 @@ def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
 
 
 def float8_on(cfg: Config) -> bool:
-    return str(getattr(cfg.train.fp8, "value", cfg.train.fp8)) != "none"
+    return recipe(cfg) != "none"
 
 
 def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:

@@ -46,6 +46,7 @@ from p3d.compat.pipelining_internals import (
 )
 from p3d.config.schema import DType, Recompute
 from p3d.data.order import replica_rows
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.moe import moe_blocks, set_micro_batches
 from p3d.parallel.context.chunks import take_local
@@ -175,7 +176,7 @@ class TorchPipeline:
         self.float8_gathered: list[
             nn.Module
         ] = []  # ZeRO-2/3 tensorwise: the layers whose weights FSDP2 gathers in float8
-        fp8 = str(getattr(cfg.train.fp8, "value", cfg.train.fp8))
+        fp8 = recipe(cfg)
         if fp8 != "none":
             from p3d.train.executors.float8 import apply_float8
 
