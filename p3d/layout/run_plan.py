@@ -379,6 +379,11 @@ def check_data(cfg: Config, tokenizer_vocab: int | None) -> None:
         raise P3DConfigError(
             f"data.mix is set for data.source={d.source.value}; mixtures are of stores: try data=prepared"
         )
+    if d.mix and d.path:
+        raise P3DConfigError(
+            f"data.path={d.path} is set beside data.mix, which names the stores of a mixture; drop data.path "
+            "(data.path=null), or data.mix (data.mix=[]) to train from that one store"
+        )
     if tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
         raise P3DConfigError(
             f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens "

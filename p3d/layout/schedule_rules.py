@@ -13,6 +13,7 @@ import math
 
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import Config, Recompute
+from p3d.layout.dims import resolve_dp
 from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import PIECES_RULE, max_pieces
 from p3d.layout.mesh_fixes import fewer_stages, finer_cuts
@@ -113,7 +114,9 @@ def check_stage_blocks(cfg: Config, pp: int) -> None:
         raise P3DConfigError(f"{field}={blocks} names {len(blocks)} pipeline pieces, {what} = {pieces}; {fix}")
     if sum(blocks) != n_layers:
         raise P3DConfigError(f"{field}={blocks} holds {sum(blocks)} blocks, model.n_layers={n_layers}; {fix}")
-    if min(blocks) < 0 or (pieces > 2 and min(blocks[1:-1]) < 1) or (pieces == 1 and blocks[0] < 1):
+    if min(blocks) < 0:
+        raise P3DConfigError(f"{field}={blocks}: a piece cannot hold {min(blocks)} blocks; {fix}")
+    if (pieces > 2 and min(blocks[1:-1]) < 1) or (pieces == 1 and blocks[0] < 1):
         raise P3DConfigError(
             f"{field}={blocks}: every piece but the first and the last (the embedding's and the head's) needs a block; "
             f"{fix}"
@@ -236,3 +239,13 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"model.compile=true with schedule.pipeline={name}: torch refuses compiled stage modules under the "
             "I/W-split schedules (schedules.py:3816); try model.compile=false or schedule.pipeline=interleaved_1f1b"
         )
+
+
+def check_split(cfg: Config) -> None:
+    """The uneven split a config names (``schedule.stage_blocks``, ``schedule.replica_micro_batches``), checked as
+    p3d-train checks it: p3d-plan models the layout as given and cannot model a split that does not add up, where
+    it only warns of the other rules p3d-train would refuse by."""
+    c, m = cfg.cluster, cfg.mesh
+    if cfg.schedule.replica_micro_batches:
+        check_replica_micro_batches(cfg, resolve_dp(m.tp, m.pp, m.dp, c.nodes, c.gpus_per_node, m.cp))
+    check_stage_blocks(cfg, m.pp)

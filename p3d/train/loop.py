@@ -167,6 +167,8 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         lr = ex.get_lr()
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
+        with hang.phase("lining up for a traced step", step), device_checked(device):
+            tracer.line_up(step, device)
         t0 = time.perf_counter()
         with hang.phase("train_batch", step), device_checked(device), tracer.recording(step) as trace:
             loss = ex.train_batch(data)  # DeepSpeed's loss all-reduce included

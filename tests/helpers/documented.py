@@ -189,6 +189,10 @@ CASES: dict[str, Case] = {
         "not_here", expect="needs the Hugging Face Hub; this machine reaches package registries only"
     ),
     "p3d-train data=files data.path=corpus data.text_unit=paragraph": Case("run", setup="txt_corpus"),
+    # slow tier: kept: tests/unit/launch/test_override_keys.py composes the quoted form and refuses the bare one
+    "p3d-train data=files 'data.path=\"corpus/notes0.txt,corpus/notes1.txt\"'": Case(
+        "run", setup="txt_corpus", slow=True
+    ),
     # README, docs/checkpoints.md: HF import and export
     "p3d-train model.init_from=/models/Meta-Llama-3-8B mesh=tp2_pp2": Case(
         "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/Meta-Llama-3-8B .*"

@@ -206,3 +206,29 @@ def test_a_resume_takes_the_resumed_runs_fields_and_only_what_the_command_line_n
         groups,
     )
     assert kept["schedule"]["virtual_stages"] == 2
+
+
+GROUPS = "cluster.groups=[{device: cpu, nodes: 1}, {device: cpu, nodes: 1, peak_tflops: 0.05}]"
+
+
+@pytest.mark.parametrize("direction", ["groups-to-one-node", "one-node-to-groups"])
+def test_a_resume_onto_or_off_groups_rederives_the_clusters_peak_and_memory(tmp_path, direction):
+    """Issue 64, item 4: a run over cluster.groups resumed by hand with ``cluster.groups=[] cluster.nodes=1`` divided
+    its MFU by the groups' mean peak (0.075), and the reverse resume kept the one device's (0.1). The figures that
+    stand for the groups follow them, as cluster.device's numbers follow the device."""
+    from p3d.launch.check import prepare
+    from p3d.rundir.spec import write_spec
+    from tests.helpers.runs import compose
+
+    run = str(tmp_path / "run")
+    first, then = ((GROUPS, "mesh=dp2"), ("cluster.groups=[]", "cluster.nodes=1"))
+    if direction == "one-node-to-groups":
+        first, then = ("mesh=dp2",), (GROUPS,)
+    cfg, plan = prepare(compose(*first, run_dir=run), [*first])
+    write_spec(cfg, plan, run)
+    assert cfg.cluster.peak_tflops == pytest.approx(0.075 if GROUPS in first else 0.1)
+    overrides = ["train.resume=auto", *then]
+    resumed, _ = prepare(compose(*overrides, run_dir=run), overrides)
+    assert resumed.mesh.dp == 2 and resumed.cluster.nodes == (2 if GROUPS in then else 1)
+    assert resumed.cluster.peak_tflops == pytest.approx(0.075 if GROUPS in then else 0.1)
+    assert resumed.cluster.memory_gb == cfg.cluster.memory_gb  # the same cpu devices: the same memory
