@@ -76,6 +76,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "train.grad_clip": (Rule.CHANGES, "clipping of the steps to come"),
     "train.seed": (Rule.REFUSED, "it orders the data (the shuffle), which the data position counts in"),
     "train.dtype": (Rule.CHANGES, "checkpoints hold fp32 master weights and moments"),
+    "train.fp8": (Rule.CHANGES, "checkpoints hold fp32 master weights and moments; float8 casts are made each step"),
     "train.eval_every": (Rule.CHANGES, "validation of the steps to come"),
     "train.eval_batches": (Rule.CHANGES, "validation of the steps to come"),
     "train.save_every": (Rule.CHANGES, "checkpoints of the steps to come"),

@@ -19,6 +19,7 @@ from p3d.config.options import (
     DataSource,
     DType,
     ElasticVary,
+    Float8,
     HostMemory,
     Launcher,
     LRDecay,
@@ -245,6 +246,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 turns clipping off
     seed: int = 1234
     dtype: DType = DType.auto
+    # float8 matmuls inside the bf16 run (torchao, the fp8 extra; docs/precision.md): none | tensorwise | rowwise |
+    # rowwise_with_gw_hp (the TP layers) | mxfp8 (the routed experts); emulated on CPU, GPUs from sm89 (mxfp8: sm100)
+    fp8: Float8 = Float8.none
     eval_every: int = 0  # steps between validation passes; 0: none
     eval_batches: int = 2  # global batches of held-out data per validation pass
     save_every: int = 0  # steps between checkpoints (<run.dir>/checkpoints); 0: only on SIGTERM/SIGUSR1 and at the end

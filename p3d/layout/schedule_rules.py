@@ -14,6 +14,7 @@ import math
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import Config, Recompute
 from p3d.layout.dims import resolve_dp
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import PIECES_RULE, max_pieces
 from p3d.layout.mesh_fixes import fewer_stages, finer_cuts
 
@@ -36,8 +37,10 @@ def runs_on_deepspeed(cfg: Config) -> bool:
     parallelism (mesh.cp > 1), whose gradients reduce over dp x cp ranks that its topology has no axis for; and
     with uneven micro batches per replica (``schedule.replica_micro_batches``): DeepSpeed's engine scales the loss
     by one accumulation count and averages the gradients over dp, which weighs a micro batch of a replica that runs
-    fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself)."""
-    if uneven_micro_batches(cfg):
+    fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself); and with float8
+    matmuls (``train.fp8``): DeepSpeed's bf16 engine keeps bf16 weights in its modules, the torch executor fp32
+    masters under autocast, which each float8 weight cast reads once a step (p3d.parallel.tp.float8)."""
+    if uneven_micro_batches(cfg) or recipe(cfg) != "none":
         return False
     return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1 and cfg.mesh.cp == 1
 

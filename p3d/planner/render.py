@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from p3d.config.schema import Recompute
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import active_params, moe_layers, total_params
 from p3d.planner import calibration, context
 from p3d.planner.machine import machine_of
@@ -146,7 +147,8 @@ def render(report) -> str:
         f"{lay.describe(m.seq_len)}, {cfg.cluster.device}"
     )
     out.append(
-        f"  {cfg.train.dtype.value}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
+        f"  {cfg.train.dtype.value}{_float8(cfg)}, "
+        f"zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
         f"sequence_parallel={cfg.schedule.sequence_parallel}, global batch {cfg.schedule.global_batch_size} "
         f"x {m.seq_len} tokens"
     )
@@ -200,7 +202,8 @@ def render(report) -> str:
     out += [
         "",
         f"throughput: {report.tokens_per_s:,.0f} tokens/s, {report.tflops_per_gpu:.1f} TFLOP/s per GPU "
-        f"(MFU {report.mfu:.1%}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
+        f"(MFU {report.mfu:.1%}{_mfu_peak(cfg)}), "
+        f"{report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
         f"bubble {report.bubble:.1%}",
     ]
     a = assumptions(cfg, lay)
@@ -226,6 +229,16 @@ def render(report) -> str:
     if report.hetero is not None:  # cluster.groups: the split on the groups, each group's memory, the gap
         out.append(report.hetero.render(m.seq_len))
     return "\n".join(out)
+
+
+def _float8(cfg) -> str:
+    name = recipe(cfg)
+    return "" if name == "none" else f" + float8 {name} matmuls"
+
+
+def _mfu_peak(cfg) -> str:
+    """Which peak MFU divides by, where float8 makes it a question: the bf16 one (torchtitan's convention)."""
+    return "" if not _float8(cfg) else f" of the bf16 peak {cfg.cluster.peak_tflops:g} TFLOP/s"
 
 
 def _dp_overlap(report) -> str:

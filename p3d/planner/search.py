@@ -26,9 +26,12 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+from p3d.config.devices import DEVICES
+from p3d.config.options import Float8
 from p3d.config.schema import Config
 from p3d.layout.context_rules import check_context, sequence_multiple
 from p3d.layout.expert_rules import check_experts
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import max_pieces
 from p3d.layout.run_plan import (
     P3DConfigError,
@@ -39,12 +42,14 @@ from p3d.layout.run_plan import (
 )
 from p3d.layout.schedule_rules import check_schedule
 from p3d.planner.context import LONG_SEQUENCE
+from p3d.planner.float8 import PUBLISHED
 from p3d.planner.hetero import HeteroPlan, plan_groups, plan_layout
 from p3d.planner.predict import Prediction, apply_layout, evaluate
 from p3d.planner.shapes import (
     Layout,
     StageParams,
     divisors,
+    float8_on,
     layout_of,
     layout_of_run_plan,
     stage_params,
@@ -143,7 +148,7 @@ def _layouts(cfg: Config, tp: int, pp: int, dp: int, cp: int) -> list[Layout]:
             for recompute in RECOMPUTE:
                 for zero in ZERO_STAGES:
                     for ep in expert_degrees(cfg, dp):
-                        layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero, ep, cp)
+                        layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero, ep, cp, float8_on(cfg))
                         try:
                             check_layout(apply_layout(cfg, layout), layout)
                         except P3DConfigError:
@@ -198,6 +203,10 @@ def predict(cfg: Config, run_plan=None) -> Prediction:
     check_options(cfg)
     if run_plan is not None:
         return evaluate(cfg, layout_of_run_plan(cfg, run_plan), accepted=True)
+    return with_float8_speedup(_predict(cfg))
+
+
+def _predict(cfg: Config) -> Prediction:
     if cfg.mesh.name == "auto":
         ranked = search(cfg)
         if cfg.cluster.groups:  # a heterogeneous cluster: the best split of the best homogeneous layouts
@@ -240,3 +249,25 @@ def resolve_auto(cfg: Config) -> Config:
         return apply_layout(cfg, best_layout(cfg))
     plan = plan_groups(cfg, [r.layout for r in search(cfg)])
     return with_split(apply_layout(cfg, plan.layout), plan)
+
+
+def with_float8_speedup(report: Prediction) -> Prediction:
+    """``report`` with its float8 figure (p3d-plan on a device with float8 tensor cores): the tokens/s of the step
+    with float8 matmuls over the same step's in bf16, both on the torch executor that float8 runs on, in a note
+    beside the published anchors (p3d.planner.float8.PUBLISHED), and in format=json as ``float8_speedup``."""
+    cfg, layout = report.cfg, report.layout
+    name = recipe(cfg)
+    if name == "none" and not DEVICES[str(getattr(cfg.cluster.device, "value", cfg.cluster.device))].float8_tflops:
+        return report
+    shown = "tensorwise" if name == "none" else name
+    torch_layout = dataclasses.replace(layout, fp8=True)
+    with_fp8 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=Float8(shown)))
+    without = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=Float8.none))
+    fast = evaluate(with_fp8, torch_layout, check=False).step_time_s
+    slow = evaluate(without, torch_layout, check=False).step_time_s
+    report.float8_speedup = slow / fast
+    report.notes.append(
+        f"float8: train.fp8={shown} predicts {slow / fast:.2f}x the tokens/s of bf16 on this layout "
+        f"({slow:.3f} s -> {fast:.3f} s a step); {PUBLISHED}"
+    )
+    return report

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from p3d.config.schema import Arch, Config, DType, ModelConfig
 from p3d.layout.dims import resolve_dp
 from p3d.layout.expert_rules import check_expert_degree
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import (
     attention_params,
     block_vector_params,
@@ -75,6 +76,7 @@ class Layout:
     zero: int = 0
     ep: int = 1
     cp: int = 1
+    fp8: bool = False  # train.fp8 set: the torch executor runs it (schedule_rules.runs_on_deepspeed)
 
     @property
     def world_size(self) -> int:
@@ -95,7 +97,7 @@ class Layout:
         """Whether torch's pipelining runs it (``schedule_rules.runs_on_deepspeed`` for a layout): every schedule
         but 1f1b, ZeRO-2/3, expert parallelism (DeepSpeed's engine reduces every gradient over all of dp) and
         context parallelism (its engine knows no cp ranks)."""
-        return self.pipeline != "1f1b" or self.zero >= 2 or self.ep > 1 or self.cp > 1
+        return self.pipeline != "1f1b" or self.zero >= 2 or self.ep > 1 or self.cp > 1 or self.fp8
 
     def describe(self, seq_len: int) -> str:
         """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
@@ -159,7 +161,9 @@ def layout_of(cfg: Config) -> Layout:
     if cfg.model.moe is not None:
         check_expert_degree(cfg, dp)
         ep = cfg.mesh.ep
-    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp)
+    return Layout(
+        tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp, float8_on(cfg)
+    )
 
 
 def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
@@ -180,7 +184,12 @@ def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
         cfg.zero.stage,
         run_plan.ep if cfg.model.moe is not None else 1,
         run_plan.cp,
+        float8_on(cfg),
     )
+
+
+def float8_on(cfg: Config) -> bool:
+    return recipe(cfg) != "none"
 
 
 def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:

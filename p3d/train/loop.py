@@ -145,6 +145,8 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             f"{micro_batches_text(plan)} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
             f"{cfg.train.steps} steps{resumed}"
         )
+        if getattr(ex, "precision_line", None):  # train.fp8: what computes in float8 on this stage
+            metrics.print(ex.precision_line)
     running = running_dims(plan)  # the dimensions whose communication metrics.jsonl reports
     bubble_theory = schedule_bubble(s.pipeline.value, plan.pp, plan.micro_batches, s.virtual_stages)
     mixture = None

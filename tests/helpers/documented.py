@@ -131,6 +131,15 @@ CASES: dict[str, Case] = {
     ),
     "p3d-train data=prepared data.path=store": Case("run"),
     "p3d-train -m mesh=dp2,tp2,pp2 train.steps=20": Case("run", then=("p3d-report multirun/2025-01-01/12-00-00",)),
+    # docs/precision.md; slow tier: kept: tests/e2e/test_float8.py trains the first through p3d-train in make test
+    "p3d-train mesh=tp2 schedule.sequence_parallel=true train.fp8=tensorwise": Case("run", slow=True),
+    "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2 train.fp8=mxfp8": Case("run", slow=True),
+    "p3d-plan model=llama3_8b cluster=h100_sxm mesh.tp=2 mesh.pp=1 mesh.dp=auto zero=stage3 "
+    "schedule.micro_batch_size=1 schedule.global_batch_size=8 schedule.sequence_parallel=true "
+    "schedule.recompute=selective": Case("run", extra=()),
+    "p3d-plan model=llama70b cluster=h100_sxm cluster.nodes=16 mesh.tp=8 mesh.pp=1 mesh.dp=auto zero=stage3 "
+    "schedule.micro_batch_size=1 schedule.global_batch_size=128 schedule.sequence_parallel=true "
+    "schedule.recompute=full": Case("run", extra=()),
     # README, docs/clusters.md: Slurm
     # slow tier: kept: cluster/slurm/test_slurm_jobs.py submits p3d-train cluster=slurm
     "p3d-train cluster=slurm mesh=tp2_pp2 train.steps=200": Case("slurm", slow=True),
