@@ -46,6 +46,8 @@ RULES: dict[str, tuple[Rule, str]] = {
     "model.seq_len": (Rule.REFUSED, "the data position counts windows of model.seq_len + 1 tokens"),
     "model.init_std": (Rule.UNUSED, "only initialises a fresh run"),
     "model.init_from": (Rule.UNUSED, "only initialises a fresh run"),
+    "model.family": (Rule.CHANGES, "only the architecture p3d-export writes"),
+    "model.max_position_embeddings": (Rule.CHANGES, "only the context length p3d-export writes"),
     "mesh.*": (Rule.CHANGES, "the checkpoint is re-cut for the new layout"),
     "schedule.*": (Rule.CHANGES, "micro batches, recompute and stage cuts of the steps to come"),
     "schedule.global_batch_size": (Rule.CHANGES, "the next step reads the samples after the last one trained"),

@@ -172,7 +172,7 @@ def step_buffer_bytes(cfg: Config, layout: Layout, sp: StageParams) -> float:
 
 def _norm_bytes(cfg: Config) -> float:
     """One norm per token: llama RMSNorm keeps, in fp32, x, rsqrt, x_hat and x_hat * w; in bf16 x, 1/rms (fp32) and
-    its output, the next matmul's input (p3d.model.llama._LowPrecisionRMSNorm); gpt LayerNorm its input."""
+    its output, the next matmul's input (p3d.model.norms._LowPrecisionRMSNorm); gpt LayerNorm its input."""
     h, c = cfg.model.hidden_size, dtype_bytes(cfg)
     if cfg.model.arch != Arch.llama:
         return c * h

@@ -110,7 +110,7 @@ CASES: dict[str, Case] = {
     "p3d-train mesh=tp2 mesh.cp=2 schedule.sequence_parallel=true": Case("run", slow=True),
     "p3d-train mesh=pp2 mesh.cp=2 schedule.pipeline=interleaved_1f1b": Case("run", slow=True),
     "p3d-plan model=llama3_8b model.seq_len=131072 cluster=h100_sxm cluster.nodes=4 mesh=auto": Case("run", extra=()),
-    "p3d-train model=llama3_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
+    "p3d-train model=llama3_1_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
     "cluster.nodes=2048 schedule.micro_batch_size=1 schedule.global_batch_size=128 schedule.sequence_parallel=true "
     "zero=stage1 schedule.recompute=full dry_run=true": Case("run", extra=()),
     "p3d-train data=files data.path='/data/*.jsonl'": Case(
@@ -189,7 +189,7 @@ CASES: dict[str, Case] = {
     ),
     # README, docs/planner.md: planner
     "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large": Case("run", extra=()),
-    "p3d-plan model=llama3_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json": Case(
+    "p3d-plan model=llama3_1_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json": Case(
         "run", extra=()
     ),
     "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large plan.efficiency=0.55": Case(
