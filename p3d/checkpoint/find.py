@@ -63,6 +63,8 @@ def model_identity(cfg) -> dict:
         }
     for key, default in OPTIONAL.items():  # the families' fields: present only when set (older checkpoints: none)
         value = getattr(m, key, default)
+        if key == "head_dim" and value == m.hidden_size // m.n_heads:
+            value = None  # hidden / heads, said or not: the same model
         if value != default:
             identity[key] = _plain(value)
     return identity

@@ -1,6 +1,6 @@
-"""Mixtral's names and config.json fields (p3d.hf.names, p3d.hf.config_json) and the per-rank import of an MoE block's experts, without
-transformers: an HF directory written from p3d's own twin by the name table is read back whole, and on every
-(tp, ep) rank of dp2_tp2 / ep2 as the slices of the whole (``test_*_matches_unsharded``)."""
+"""Mixtral's names and config.json fields (p3d.hf.names, p3d.hf.config_json) and the per-rank import of an MoE
+block's experts, without transformers: an HF directory written from p3d's own twin by the name table is read back
+whole, and on every (tp, ep) rank of dp2_tp2 / ep2 as the slices of the whole (``test_*_matches_unsharded``)."""
 
 from __future__ import annotations
 

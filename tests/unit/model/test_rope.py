@@ -20,8 +20,14 @@ CASES = {
     "yarn-qwen": (RopeType.yarn, dict(factor=4.0, original_max_position_embeddings=32768), 128, 1e6),
     "yarn-mscale": (
         RopeType.yarn,
-        dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
-             mscale_all_dim=1.0),
+        dict(
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
         64,
         10000.0,
     ),  # fmt: skip
