@@ -65,6 +65,8 @@ def model_identity(cfg) -> dict:
         value = getattr(m, key, default)
         if key == "head_dim" and value == m.hidden_size // m.n_heads:
             value = None  # hidden / heads, said or not: the same model
+        if key == "rope_scaling" and getattr(value, "rope_type", None) is None:
+            value = None  # plain RoPE
         if value != default:
             identity[key] = _plain(value)
     return identity
@@ -77,7 +79,7 @@ OPTIONAL = {"head_dim": None, "qkv_bias": False, "qk_norm": False, "rope_scaling
 def _plain(value):
     """A JSON value of a model field: a dataclass as a dict, an enum as its value."""
     if dataclasses.is_dataclass(value):
-        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}  # type: ignore[arg-type]
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
     return getattr(value, "value", value)
 
 

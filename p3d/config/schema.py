@@ -61,10 +61,12 @@ class MoEConfig:
 @dataclass
 class RopeScaling:
     """RoPE's frequencies rescaled for a longer context (p3d/model/rope.py, docs/models.md), the fields named as in
-    HF's config.json ``rope_parameters`` (the old ``rope_scaling``). ``model.rope_scaling: null`` is plain RoPE."""
+    HF's config.json ``rope_parameters`` (the old ``rope_scaling``). ``rope_type: null`` (the default) is plain RoPE:
+    then no other field may be set. On the command line: ``model.rope_scaling.rope_type=linear
+    model.rope_scaling.factor=4``."""
 
-    rope_type: RopeType = RopeType.llama3
-    factor: float = 8.0  # the context's growth over the pretraining context
+    rope_type: Optional[RopeType] = None  # null: plain RoPE; llama3, linear or yarn
+    factor: Optional[float] = None  # the context's growth over the pretraining context (required with a rope_type)
     original_max_position_embeddings: Optional[int] = None  # llama3, yarn: the pretraining context (required)
     low_freq_factor: Optional[float] = None  # llama3 (required): wavelengths above original / low are divided by factor
     high_freq_factor: Optional[float] = None  # llama3 (required): below original / high they are kept
@@ -89,7 +91,7 @@ class ModelConfig:
     seq_len: int = 64
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None  # null: plain RoPE; else llama3, linear or yarn (RopeScaling)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # rope_type null: plain RoPE; llama3, linear, yarn
     head_dim: Optional[int] = None  # each attention head's width; null: hidden_size / n_heads (Qwen3: 128 always)
     qkv_bias: bool = False  # biases on q, k and v (Qwen2/2.5), split by heads under tp
     qk_norm: bool = False  # an RMSNorm over head_dim of every query and key head, before RoPE (Qwen3)

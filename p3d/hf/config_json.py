@@ -90,7 +90,7 @@ def model_fields(hf: dict, where: str, keys: bool = True) -> dict:
     return values
 
 
-def read_rope(hf: dict, arch: Architecture, where: str) -> tuple[float, RopeScaling | None]:
+def read_rope(hf: dict, arch: Architecture, where: str) -> tuple[float, RopeScaling]:
     """(rope_theta, rope_scaling) from rope_parameters, else rope_scaling, else a bare rope_theta."""
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     if any(isinstance(v, dict) for v in params.values()):
@@ -108,7 +108,7 @@ def read_rope(hf: dict, arch: Architecture, where: str) -> tuple[float, RopeScal
             raise HFImportError(
                 f"model.init_from={where}: rope_type=default with {sorted(scaling)}: p3d would ignore them"
             )
-        return theta, None
+        return theta, RopeScaling()
     if kind not in RopeType.__members__:
         raise HFImportError(
             f"model.init_from={where}: RoPE scaling rope_type={kind} is not supported (p3d: "
@@ -236,7 +236,7 @@ def hf_config(m, eos_id: int | None = None) -> dict:
 def rope_json(m) -> dict:
     """rope_theta, and rope_parameters as transformers 5 reads them (the scaling's non-null fields)."""
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling is not None:
+    if m.rope_scaling.rope_type is not None:
         fields = dataclasses.asdict(m.rope_scaling)
         params |= {k: v for k, v in fields.items() if v is not None and k != "rope_type"}
         params["rope_type"] = m.rope_scaling.rope_type.value

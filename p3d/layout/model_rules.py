@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import Config, RopeType
+from p3d.config.schema import Config, RopeScaling, RopeType
 from p3d.layout.geometry import head_dim
 
 # the RopeScaling fields each rope_type needs (HF's rope init functions read them; p3d.model.rope likewise)
 ROPE_NEEDS = {
-    RopeType.llama3: ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-    RopeType.linear: (),
-    RopeType.yarn: ("original_max_position_embeddings",),
+    RopeType.llama3: ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    RopeType.linear: ("factor",),
+    RopeType.yarn: ("factor", "original_max_position_embeddings"),
 }
 
 
@@ -44,15 +46,21 @@ def check_model(cfg: Config) -> None:
 
 def check_rope_scaling(cfg: Config) -> None:
     r = cfg.model.rope_scaling
-    if r is None:
+    if r.rope_type is None:  # plain RoPE: a scaling field set alone would be ignored
+        unused = [f.name for f in dataclasses.fields(r) if getattr(r, f.name) != getattr(RopeScaling(), f.name)]
+        if unused:
+            raise P3DConfigError(
+                f"model.rope_scaling.{unused[0]}={getattr(r, unused[0])} has no effect with model.rope_scaling."
+                "rope_type=null (plain RoPE); try model.rope_scaling.rope_type=linear (or llama3, yarn)"
+            )
         return
     kind = r.rope_type.value
     for name in ROPE_NEEDS[r.rope_type]:
         if getattr(r, name) is None:
             raise P3DConfigError(
                 f"model.rope_scaling.{name} is null: rope_type={kind} needs it (as HF's config.json gives it); set "
-                f"model.rope_scaling.{name} (Llama 3.1: original_max_position_embeddings=8192, low_freq_factor=1, "
-                "high_freq_factor=4)"
+                f"model.rope_scaling.{name} (Llama 3.1's: factor=8, original_max_position_embeddings=8192, "
+                "low_freq_factor=1, high_freq_factor=4)"
             )
     if r.rope_type == RopeType.llama3 and r.low_freq_factor >= r.high_freq_factor:  # type: ignore[operator]
         raise P3DConfigError(

@@ -35,13 +35,13 @@ def _plain(head_dim: int, theta: float) -> torch.Tensor:
 
 def _llama3(head_dim: int, theta: float, r: RopeScaling) -> torch.Tensor:
     inv_freq = _plain(head_dim, theta)
-    old = r.original_max_position_embeddings
-    assert old is not None and r.low_freq_factor is not None and r.high_freq_factor is not None  # model_rules
+    old, factor = r.original_max_position_embeddings, r.factor
+    assert old and factor and r.low_freq_factor is not None and r.high_freq_factor is not None  # model_rules
     low_freq_wavelen, high_freq_wavelen = old / r.low_freq_factor, old / r.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / r.factor, inv_freq)  # long waves: interpolated
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)  # long waves: interpolated
     smooth = (old / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
-    blended = (1 - smooth) * scaled / r.factor + smooth * scaled
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
     middle = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(middle, blended, scaled)
 
@@ -52,6 +52,7 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
 
 def yarn_attention_factor(r: RopeScaling) -> float:
     """The factor yarn multiplies cos and sin by (so q.k by its square)."""
+    assert r.factor is not None
     if r.attention_factor is not None:
         return r.attention_factor
     if r.mscale and r.mscale_all_dim:
@@ -60,8 +61,8 @@ def yarn_attention_factor(r: RopeScaling) -> float:
 
 
 def _yarn(head_dim: int, theta: float, r: RopeScaling) -> torch.Tensor:
-    old = r.original_max_position_embeddings
-    assert old is not None  # model_rules
+    old, factor = r.original_max_position_embeddings, r.factor
+    assert old and factor  # model_rules
     beta_fast, beta_slow = r.beta_fast or 32, r.beta_slow or 1
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns ``rotations`` times over ``old``
@@ -75,16 +76,17 @@ def _yarn(head_dim: int, theta: float, r: RopeScaling) -> torch.Tensor:
         high += 0.001  # as transformers: no division by zero
     ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (r.factor * pos_freqs)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # 1: the high frequencies, extrapolated; 0: the low ones, interpolated
     return interpolation * (1 - keep) + extrapolation * keep
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (hd/2,) fp32, attention factor) of a head of width ``head_dim``: what HF's rope init function of
-    the same rope_type returns."""
-    if scaling is None:
+    the same rope_type returns (``scaling`` None or of rope_type null: plain RoPE)."""
+    if scaling is None or scaling.rope_type is None:
         return _plain(head_dim, theta), 1.0
+    assert scaling.factor is not None  # p3d.layout.model_rules
     if scaling.rope_type == RopeType.linear:
         return _plain(head_dim, theta) / scaling.factor, 1.0
     if scaling.rope_type == RopeType.llama3:
@@ -103,7 +105,7 @@ def rope_cos_sin(
 
 
 def _key(scaling: RopeScaling | None) -> tuple | None:
-    return None if scaling is None else tuple(dataclasses.asdict(scaling).items())
+    return None if scaling is None or scaling.rope_type is None else tuple(dataclasses.asdict(scaling).items())
 
 
 @functools.lru_cache(maxsize=8)
