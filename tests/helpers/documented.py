@@ -193,11 +193,14 @@ CASES: dict[str, Case] = {
     ),
     "p3d-train model=tiny model.head_dim=12 model.qkv_bias=true model.qk_norm=true model.rope_scaling.rope_type=yarn "
     "model.rope_scaling.factor=4 model.rope_scaling.original_max_position_embeddings=16": Case(
-        "run", slow=True  # tests/e2e/test_family_parity.py trains this model on tp2_pp2 in make test
+        "run",
+        slow=True,  # tests/e2e/test_family_parity.py trains this model on tp2_pp2 in make test
     ),
     "p3d-train model=qwen3_235b_a22b cluster=h100_sxm cluster.nodes=16 mesh=auto dry_run=true "
     "schedule.global_batch_size=1024": Case(
-        "run", extra=(), slow=True  # mesh=auto's search of a 94-block MoE; make test builds its layout's model
+        "run",
+        extra=(),
+        slow=True,  # mesh=auto's search of a 94-block MoE; make test builds its layout's model
     ),  # (tests/unit/launch/test_dryrun.py)
     # README, docs/planner.md: planner
     "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large": Case("run", extra=()),
