@@ -13,7 +13,7 @@ from p3d.hf.architectures import ARCHITECTURES, Architecture
 from p3d.hf.config_json import architecture_of, check_keys, model_fields
 from p3d.hf.files import FLOAT_DTYPES, CheckpointFiles, read_config
 from p3d.hf.names import EMBED, FINAL_NORM, HEAD, HFImportError, layer_prefix
-from p3d.layout.tensors import block_tensors, end_tensors
+from p3d.layout.tensors import block_buffers, block_tensors, end_tensors
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
 _EXPERT = re.compile(r"experts\.\d+\.")
@@ -49,6 +49,8 @@ def expected_tensors(m, arch: Architecture) -> dict[str, tuple[int, ...]]:
             else:
                 raise HFImportError(f"{arch.name} has no tensor for p3d's {name}: its description is incomplete")
             out |= dict(zip(names, tensor.part_shapes, strict=True))
+        for name, tensor in block_buffers(m, i).items():  # read where the architecture names a tensor for them
+            out |= {prefix + part: tensor.shape for part in arch.block.get(name, ())}
     return out
 
 

@@ -93,8 +93,8 @@ def held_experts(spec: dict, mesh) -> range | None:
 def load_into(module: torch.nn.Module, hf_dir: str | Path, model, mesh, twin: bool = False) -> int:
     """Copy a HF checkpoint's weights into this rank's pipeline stage (or chunk; ``twin``: the single-process twin,
     whose names p3d.hf.names.twin_name gives) of ``model`` (the ModelConfig, whose ``family`` names the
-    architecture); returns the number of tensors. Buffers (the routers' ``expert_bias``) keep their values: zero in
-    a fresh model."""
+    architecture); returns the number of tensors. A persistent buffer (the routers' ``expert_bias``) is read whole
+    where the architecture names an HF tensor for it, else keeps its value: zero in a fresh model."""
     import torch
 
     from p3d.checkpoint.checkpointer import shard_specs
@@ -114,6 +114,12 @@ def load_into(module: torch.nn.Module, hf_dir: str | Path, model, mesh, twin: bo
                 )
             p.copy_(local.to(p.dtype))
             n += 1
+        persistent = set(module.state_dict())
+        for name, buf in module.named_buffers():
+            parts = hf_names(global_name(name) if twin else name, n_layers, arch) if name in persistent else []
+            if parts:  # replicated over tp and ep: the whole tensor
+                buf.copy_(src.whole(parts[0]).to(buf.dtype))
+                n += 1
     return n
 
 

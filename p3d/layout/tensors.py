@@ -59,6 +59,13 @@ def block_tensors(m: ModelConfig, layer: int) -> dict[str, Tensor]:
     return out
 
 
+def block_buffers(m: ModelConfig, layer: int) -> dict[str, Tensor]:
+    """The persistent buffers of block ``layer`` a checkpoint holds beside its parameters: an MoE block's selection
+    biases (E,) (aux-loss-free balancing), which an architecture may name an HF tensor for (DeepSeek-V3's
+    ``e_score_correction_bias``); not parameters, so not in the closed forms."""
+    return {"mlp.router.expert_bias": _whole(m.moe.n_experts)} if m.moe is not None and is_moe_layer(m, layer) else {}
+
+
 def end_tensors(m: ModelConfig) -> dict[str, Tensor]:
     """The embedding, the final norm and (untied) the head, by the role p3d.hf.names gives them HF names for."""
     out = {"embed": _whole(m.vocab_size, m.hidden_size), "final_norm": _whole(m.hidden_size)}

@@ -91,8 +91,9 @@ def test_export_names_what_mixtral_cannot_hold(moe, needle):
     assert export_problem(MOE) is None and export_problem(ModelConfig()) is None
 
 
-def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5):
-    """An HF directory written from p3d's twin by the name table (what p3d-export does from a checkpoint)."""
+def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5, arch=MIXTRAL, bias: torch.Tensor | None = None):
+    """An HF directory written from p3d's twin by the name table (what p3d-export does from a checkpoint); ``bias``:
+    the routers' selection biases, written where ``arch`` names a tensor for them."""
     from safetensors.torch import save_file
 
     from p3d.checkpoint.checkpointer import shard_specs
@@ -103,8 +104,13 @@ def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5):
     specs = shard_specs(twin)
     tensors = {}
     for name, p in twin.named_parameters():
-        parts = hf_tensors(global_name(name), p.detach(), specs[name], m.n_layers, MIXTRAL)
+        parts = hf_tensors(global_name(name), p.detach(), specs[name], m.n_layers, arch)
         tensors |= {hf: t.contiguous() for hf, t in parts}
+    for name, buf in twin.named_buffers():
+        if name.endswith("expert_bias") and bias is not None:
+            buf.copy_(bias)
+            parts = hf_tensors(global_name(name), buf, {"kind": "replicated"}, m.n_layers, arch)
+            tensors |= {hf: t.contiguous() for hf, t in parts}
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf_config(m)))
     return twin, tensors
@@ -153,3 +159,25 @@ def test_fused_experts_are_refused_with_the_conversion(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config(MOE)))
     with pytest.raises(HFImportError, match=r"fused \(model.layers.0.mlp.experts.gate_up_proj\).*save_pretrained"):
         import_fields(tmp_path)
+
+
+def test_an_architecture_that_names_the_selection_biases_reads_and_writes_them(tmp_path, monkeypatch):
+    """A router buffer mapped to an HF tensor (as DeepSeek-V3's ``e_score_correction_bias`` will be) is expected by
+    the launcher's check, written by the export's name table and read back whole by the import."""
+    from p3d.hf.architectures import BY_FAMILY
+    from p3d.hf.check import expected_tensors
+    from p3d.hf.load import sequential_from_hf
+
+    biased = dataclasses.replace(
+        MIXTRAL,
+        model_type="biased_mixtral",
+        block={**MIXTRAL.block, "mlp.router.expert_bias": ("block_sparse_moe.gate.e_score_correction_bias",)},
+    )
+    monkeypatch.setitem(BY_FAMILY, "biased_mixtral", biased)
+    m = dataclasses.replace(MOE, family="biased_mixtral")
+    name = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
+    assert expected_tensors(m, biased)[name] == (4,) and name not in expected_tensors(MOE, MIXTRAL)
+    twin, tensors = _hf_dir(tmp_path, m, arch=biased, bias=torch.arange(4.0))
+    assert torch.equal(tensors[name], torch.arange(4.0))
+    imported = sequential_from_hf(tmp_path)
+    assert torch.equal(dict(imported.named_buffers())["layers.2.mlp.router.expert_bias"], torch.arange(4.0))
