@@ -10,6 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from p3d.config.schema import RopeScaling
 from p3d.console import say
 from p3d.launch.compose import given_overrides
 from p3d.layout.elastic_rules import is_elastic
@@ -72,7 +73,8 @@ def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True, pins: P
 def with_hf_shape(cfg):
     """``model.init_from``: the model shape comes from the HF config.json, once every tensor of the checkpoint is
     checked to be one the model reads, of its shape (p3d.hf.check: headers only, no torch); a field also set on the
-    command line must agree with it."""
+    command line must agree with it, but for how the run trains the model (``TRAINING_CHOICES``: the experts'
+    balancing, and a context extension's RoPE scaling and context), where the command line's value wins."""
     import dataclasses
 
     from p3d.hf.check import import_fields
@@ -88,12 +90,16 @@ def with_hf_shape(cfg):
         given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"model.{key}=")]
         if not given:
             continue
-        if key in MOE_TRAINING:  # how the experts are trained, not their shape: the command line's
-            assert fields["moe"] is not None and cfg.model.moe is not None
-            name = key.split(".", 1)[1]
-            fields["moe"] = dataclasses.replace(fields["moe"], **{name: getattr(cfg.model.moe, name)})
+        if key in TRAINING_CHOICES:  # how the model is trained, not its shape: the command line's
+            group, name = key.split(".", 1) if "." in key else (None, key)
+            if group is None:
+                fields[name] = getattr(cfg.model, name)
+            else:
+                assert fields[group] is not None and getattr(cfg.model, group) is not None
+                chosen = getattr(getattr(cfg.model, group), name)
+                fields[group] = dataclasses.replace(fields[group], **{name: chosen})
         elif str(_get(cfg.model, key)) != str(value):
-            shown = getattr(value, "value", value)
+            shown = "null" if value is None else getattr(value, "value", value)
             raise P3DConfigError(
                 f"model.{key}={given[-1]} disagrees with {where}/config.json ({shown}); drop the "
                 f"override or set model.{key}={shown}"
@@ -122,15 +128,21 @@ def warn_context(m) -> None:
         say(
             f"warning: model.seq_len={m.seq_len} is longer than {source} max_position_embeddings="
             f"{m.max_position_embeddings}: positions past {m.max_position_embeddings} were never trained (a context "
-            "extension wants model.rope_scaling to match); p3d-export will write max_position_embeddings="
+            "extension sets model.rope_scaling to match); p3d-export will write max_position_embeddings="
             f"{m.seq_len}",
             stream=sys.stderr,
         )
 
 
-# model.moe fields a run may set beside model.init_from: how the experts are trained (config.json holds their shape
-# and routing, which must agree with it)
-MOE_TRAINING = ("moe.aux_loss_coef", "moe.bias_update_rate", "moe.capacity_factor")
+# model fields a run may set beside model.init_from: how the experts are trained (config.json holds their shape
+# and routing, which must agree with it), and a context extension's RoPE scaling and context (docs/models.md)
+TRAINING_CHOICES = (
+    "moe.aux_loss_coef",
+    "moe.bias_update_rate",
+    "moe.capacity_factor",
+    "max_position_embeddings",
+    *(f"rope_scaling.{f}" for f in RopeScaling.__dataclass_fields__),
+)
 
 
 def _flat(fields: dict) -> list[tuple[str, object]]:

@@ -183,3 +183,28 @@ def test_a_longer_seq_len_than_the_checkpoints_context_is_said_in_one_warning(hf
     assert result.returncode == 0, result.stderr[-2000:]
     warnings = [line for line in result.stderr.splitlines() if "warning: model.seq_len=" in line]
     assert len(warnings) == 1 and f"max_position_embeddings={CONTEXT}: positions past {CONTEXT}" in warnings[0]
+
+
+def test_a_context_extension_sets_the_rope_scaling_beside_init_from_and_nothing_else(hf, monkeypatch):
+    """The RoPE scaling and the context are how a run trains an imported model (a longer context): the command
+    line's win over config.json's, field by field; a shape field that disagrees is refused."""
+    from p3d.launch import check
+    from p3d.layout.run_plan import P3DConfigError
+    from tests.helpers.runs import typed
+
+    def command_line(*overrides):  # what Hydra gives p3d-train's launcher as this command line
+        monkeypatch.setattr(check, "given_overrides", lambda: list(overrides))
+        return typed(*overrides)
+
+    extend = ("model.seq_len=128", "model.rope_scaling.factor=16", "model.max_position_embeddings=1024")
+    cfg, _ = command_line(f"model.init_from={hf['llama']}", *extend)
+    r = cfg.model.rope_scaling
+    assert (r.rope_type.value, r.factor, r.original_max_position_embeddings, r.high_freq_factor) == (
+        "llama3",
+        16,
+        16,
+        4,
+    )
+    assert cfg.model.max_position_embeddings == 1024
+    with pytest.raises(P3DConfigError, match=r"model.head_dim=8 .*disagrees with .*config.json \(24\)"):
+        command_line(f"model.init_from={hf['qwen3']}", "model.head_dim=8")
