@@ -42,7 +42,7 @@ def saved_bytes(pipe, ids, labels) -> tuple[int, int]:
     import torch
 
     from p3d.model.attention import Attention
-    from p3d.parallel.pipeline.specs import VocabParallelLoss
+    from p3d.pipeline.specs import VocabParallelLoss
 
     params = {p.untyped_storage().data_ptr() for p in pipe.module.parameters()}
     held: dict[int, int] = {}

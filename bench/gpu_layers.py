@@ -68,9 +68,9 @@ def fsdp2(device: torch.device) -> dict:
     from p3d.config.schema import DType
     from p3d.model.llama import TransformerBlock
     from p3d.parallel.mesh import Mesh
-    from p3d.parallel.pipeline.chunks import ChunkModule
-    from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
     from p3d.parallel.zero.fsdp import local, mixed_precision, shard_chunk
+    from p3d.pipeline.chunks import ChunkModule
+    from p3d.pipeline.specs import VocabParallelLoss, layer_specs_of
 
     cfg, plan = typed_run("model=tiny", "mesh=single", "zero=stage3", "train.dtype=bf16")
     with one_rank_group(device):

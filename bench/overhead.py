@@ -13,7 +13,7 @@ number of torch threads, and each step is timed the same way:
   the micro batches, forward/backward of each, the DeepSpeed gradient reduction, clipping and the
   optimizer + LR scheduler step). Its gloo worker runs one torch thread (p3d/train/worker.py).
 - **plain**: a fresh ``python bench/overhead.py --plain-worker`` process that reads the run spec the
-  bench composed through p3d's own Hydra path, builds the model with ``p3d.parallel.pipeline.specs.to_sequential``
+  bench composed through p3d's own Hydra path, builds the model with ``p3d.pipeline.specs.to_sequential``
   (the pipeline's single-process twin, same seeded master weights), pulls the micro batches from the
   same ``p3d.data.loader.micro_batches`` iterator, and times: fetch every micro batch of the step,
   forward/backward each (loss / micro batches), ``clip_grad_norm_``, ``torch.optim.AdamW.step``,
@@ -70,7 +70,7 @@ def plain_worker(spec_path: str, out_path: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     from p3d.layout.geometry import padded_vocab
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
     from p3d.rundir.spec import read_spec
     from p3d.train.optim import build_optimizer
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from p3d.layout.geometry import padded_vocab
     from p3d.parallel.mesh import Mesh
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
     from p3d.train import optim
     from p3d.train.executors import ds_engine as trainer
     from p3d.train.worker import init_process_group

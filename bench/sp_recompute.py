@@ -102,7 +102,7 @@ def _worker(rank: int, args, store: str, queue) -> None:
 
     from p3d.model.llama import TransformerBlock
     from p3d.parallel.mesh import Mesh
-    from p3d.parallel.pipeline.specs import SequentialModel, VocabParallelLoss, build_layer_specs
+    from p3d.pipeline.specs import SequentialModel, VocabParallelLoss, build_layer_specs
 
     torch.set_num_threads(1)
     dist.init_process_group(

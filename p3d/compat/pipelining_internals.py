@@ -2,7 +2,7 @@
 
 The twin of ``p3d.compat.deepspeed_internals``: each touchpoint is a small function used by the rest of p3d and
 an entry of ``TOUCHPOINTS``, whose ``present()`` checks (without processes) that the installed torch still has it;
-tests/unit/parallel/pipeline/test_chunks.py runs them all, so an upgrade that removes one fails loudly, naming it.
+tests/unit/pipeline/test_chunks.py runs them all, so an upgrade that removes one fails loudly, naming it.
 Read in torch 2.13.0 (docs/schedules.md, "The torch API p3d relies on", gives the file and line of each).
 """
 
@@ -246,7 +246,7 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     ),
     Touchpoint(
         f"{PIPELINING}._utils.generate_stage_to_rank_mapping",
-        "tests/unit/parallel/pipeline/test_chunks.py",
+        "tests/unit/pipeline/test_chunks.py",
         lambda: _has(f"{PIPELINING}._utils", "generate_stage_to_rank_mapping"),
     ),
     Touchpoint(

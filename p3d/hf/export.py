@@ -294,7 +294,7 @@ def load_sequential(ckpt: str | Path):
     from p3d.checkpoint import checkpointer as checkpoint
     from p3d.checkpoint import find as ckpt_find
     from p3d.checkpoint.reshard import ShardedCheckpoint
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
     from p3d.rundir.spec import SPEC_NAME, read_spec
 
     ckpt = Path(ckpt)

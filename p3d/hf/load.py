@@ -20,7 +20,7 @@ from p3d.hf.names import HFImportError, global_name, hf_names
 if TYPE_CHECKING:  # torch is imported where weights are read: the launcher checks HF dirs without it
     import torch
 
-    from p3d.parallel.pipeline.specs import SequentialModel
+    from p3d.pipeline.specs import SequentialModel
 
 
 class SafetensorsDir(CheckpointFiles):
@@ -124,7 +124,7 @@ def load_into(module: torch.nn.Module, hf_dir: str | Path, model, mesh, twin: bo
 
 
 def sequential_from_hf(hf_dir: str | Path, mesh=None, seed: int = 0, seq_len: int = 64) -> SequentialModel:
-    """The single-process twin (p3d.parallel.pipeline.specs.to_sequential) of a HF checkpoint, checked as the
+    """The single-process twin (p3d.pipeline.specs.to_sequential) of a HF checkpoint, checked as the
     launcher checks it, with its weights, in eval mode: for comparisons with transformers on one process. ``mesh``:
     the twin of that rank instead (its tp and ep share of every weight), without process groups. ``seq_len``: the
     length of the RoPE tables (longer inputs compute theirs)."""
@@ -132,7 +132,7 @@ def sequential_from_hf(hf_dir: str | Path, mesh=None, seed: int = 0, seq_len: in
     from p3d.hf.check import import_fields
     from p3d.layout.geometry import padded_vocab
     from p3d.parallel.mesh import Mesh
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
 
     mesh = mesh or Mesh(tp=1, pp=1, dp=1)
     cfg = ModelConfig(name=f"hf:{Path(hf_dir).name}", seq_len=seq_len, **import_fields(hf_dir))

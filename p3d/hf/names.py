@@ -68,7 +68,7 @@ def hf_names(name: str, n_layers: int, arch: Architecture, experts: Sequence[int
 
 
 def twin_name(name: str) -> str:
-    """The name in the single-process twin (p3d.parallel.pipeline.specs.SequentialModel) of global ``name``."""
+    """The name in the single-process twin (p3d.pipeline.specs.SequentialModel) of global ``name``."""
     return "tied." + name.removeprefix("tied_modules.") if name.startswith("tied_modules.") else f"layers.{name}"
 
 

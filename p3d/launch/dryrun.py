@@ -25,8 +25,8 @@ from p3d.console import human_count
 from p3d.layout.geometry import active_params, rank_chunks, stage_bounds, total_params
 from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.mesh import Mesh
-from p3d.parallel.pipeline.specs import layer_specs_of
 from p3d.parallel.tp.layers import owned_by_tp_rank
+from p3d.pipeline.specs import layer_specs_of
 from p3d.planner import predict
 from p3d.planner.memory import StageMemory
 from p3d.planner.predict import Prediction

@@ -319,7 +319,7 @@ def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
 # first rank holds both the embedding and the head).
 def chunk_to_rank(pp: int, n_chunks: int, style: str) -> dict[int, int]:
     """chunk index -> pp rank; the arithmetic of torch's ``generate_stage_to_rank_mapping``
-    (tests/unit/parallel/pipeline/test_chunks.py checks they agree). "v" snakes: even rounds of p chunks go up
+    (tests/unit/pipeline/test_chunks.py checks they agree). "v" snakes: even rounds of p chunks go up
     the ranks, odd rounds come back down."""
     if style == "loop":
         return {c: c % pp for c in range(n_chunks)}

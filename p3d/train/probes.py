@@ -144,7 +144,7 @@ def block_probes(cfg: Config, tp: int, modes: list[str], device, mesh: Mesh | No
 
 def head_probe(cfg: Config, tp: int, device) -> Probe:
     """Final norm, the head's V_pad / tp columns and the vocab-parallel loss of one tp rank at (b, s)."""
-    from p3d.parallel.pipeline.specs import FinalNorm, HeadPipe, VocabParallelLoss
+    from p3d.pipeline.specs import FinalNorm, HeadPipe, VocabParallelLoss
 
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
     mesh, vpad = Mesh(tp=tp, pp=1, dp=1), padded_vocab(m.vocab_size, tp)
@@ -161,7 +161,7 @@ def head_probe(cfg: Config, tp: int, device) -> Probe:
 
 def embedding_probe(cfg: Config, tp: int, device) -> Probe:
     """The vocab-parallel lookup of one tp rank at (b, s): its backward writes a dense (V_pad / tp, h) gradient."""
-    from p3d.parallel.pipeline.specs import EmbeddingPipe
+    from p3d.pipeline.specs import EmbeddingPipe
 
     m, b, s = cfg.model, cfg.schedule.micro_batch_size, cfg.model.seq_len
     mesh, vpad = Mesh(tp=tp, pp=1, dp=1), padded_vocab(m.vocab_size, tp)

@@ -18,7 +18,7 @@ from p3d.layout.geometry import moe_layers, padded_vocab
 from p3d.model.moe import moe_blocks, set_micro_batches
 from p3d.parallel.experts.balance import metrics as moe_metrics
 from p3d.parallel.experts.balance import step_figures, update_expert_bias
-from p3d.parallel.pipeline.specs import to_sequential
+from p3d.pipeline.specs import to_sequential
 from p3d.train.optim import build_optimizer
 
 

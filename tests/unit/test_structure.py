@@ -102,9 +102,9 @@ def test_p3d_imports_form_a_tree():
 
 
 # The declared order of the layers, top first (docs/architecture.md explains each): a module may import its own
-# room and the rooms below it, never one above, at package level or inside a function. ``p3d.parallel.pipeline``
-# sits above ``p3d.model`` (it cuts the model into stages), which sits above the rest of ``p3d.parallel`` (the
-# model's blocks are built of the tensor-parallel layers).
+# room and the rooms below it, never one above, at package level or inside a function. ``p3d.pipeline``
+# sits above ``p3d.model`` (it cuts the model into stages), which sits above ``p3d.parallel`` (the model's blocks are
+# built of the tensor-parallel layers).
 LAYERS = (
     "p3d.cli",
     "p3d.launch",
@@ -113,7 +113,7 @@ LAYERS = (
     "p3d.hf",
     "p3d.checkpoint",
     "p3d.planner",
-    "p3d.parallel.pipeline",
+    "p3d.pipeline",
     "p3d.model",
     "p3d.parallel",
     "p3d.data",
@@ -146,11 +146,31 @@ def test_the_layering_check_catches_an_upward_import():
     assert upward_imports({"p3d.data.loader": {"p3d.train.loop"}, "p3d.train.loop": set()}) == [
         "p3d.data.loader (p3d.data) imports p3d.train.loop (p3d.train)"
     ]
-    assert (
-        upward_imports({"p3d.parallel.pipeline.specs": {"p3d.model.llama"}, "p3d.model.llama": {"p3d.parallel.tp"}})
-        == []
+    assert upward_imports({"p3d.pipeline.specs": {"p3d.model.llama"}, "p3d.model.llama": {"p3d.parallel.tp"}}) == []
+    assert upward_imports({"p3d.model.llama": {"p3d.pipeline.specs"}}) != []
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports between the top-level rooms (p3d.parallel, p3d.model, ...): a room imports another when any of
+    its modules imports one of the other's."""
+
+    def room(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    rooms: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        rooms.setdefault(room(m), set()).update(room(d) for d in deps if room(d) != room(m))
+    return rooms
+
+
+def test_the_rooms_import_each_other_one_way():
+    """Issue 64, item 25: p3d/parallel/pipeline built the model's stages (it imported p3d.model) while p3d.model's
+    blocks import p3d.parallel's TP layers: the rooms parallel and model imported each other. No two rooms do."""
+    assert find_cycle(
+        room_graph({"p3d.parallel.pipeline.specs": {"p3d.model.llama"}, "p3d.model.llama": {"p3d.parallel.tp"}})
     )
-    assert upward_imports({"p3d.model.llama": {"p3d.parallel.pipeline.specs"}}) != []
+    cycle = find_cycle(room_graph(import_graph()))
+    assert cycle is None, "rooms that import each other: " + " -> ".join(cycle)
 
 
 def test_imports_run_down_the_declared_layers():

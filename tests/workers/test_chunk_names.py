@@ -8,8 +8,8 @@ import torch
 
 from p3d.layout.geometry import stage_bounds
 from p3d.parallel.mesh import Mesh
-from p3d.parallel.pipeline.chunks import ChunkModule
-from p3d.parallel.pipeline.specs import build_layer_specs
+from p3d.pipeline.chunks import ChunkModule
+from p3d.pipeline.specs import build_layer_specs
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import typed
 

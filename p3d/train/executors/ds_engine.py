@@ -18,7 +18,7 @@ from p3d.data.loader import rank_slice
 from p3d.model.moe import set_micro_batches
 from p3d.parallel.hang import HangWatch
 from p3d.parallel.mesh import Mesh
-from p3d.parallel.pipeline.specs import P3DPipelineModule, VocabParallelLoss, layer_specs_of
+from p3d.pipeline.specs import P3DPipelineModule, VocabParallelLoss, layer_specs_of
 from p3d.rundir.files import logs as run_logs
 from p3d.train.block_seconds import add_block_seconds, rank_block_seconds
 from p3d.train.executors.deepspeed_config import deepspeed_config

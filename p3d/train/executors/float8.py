@@ -22,8 +22,8 @@ from p3d.layout.float8_rules import capability_refusal
 def apply_float8(chunks: Sequence[nn.Module], recipe: str, device: torch.device) -> str:
     """Give this rank's ``chunks`` their float8 matmuls for ``recipe``; returns the console line."""
     from p3d.model.experts import RoutedExperts, SwiGLUExpert
-    from p3d.parallel.pipeline.specs import HeadPipe
     from p3d.parallel.tp.float8 import convert_to_float8
+    from p3d.pipeline.specs import HeadPipe
 
     if device.type == "cuda":
         refusal = capability_refusal(recipe, torch.cuda.get_device_capability(device), f"this GPU ({device})")

@@ -52,10 +52,10 @@ from p3d.model.moe import moe_blocks, set_micro_batches
 from p3d.parallel.context.chunks import take_local
 from p3d.parallel.device_check import device_checked
 from p3d.parallel.experts.params import is_expert_param
-from p3d.parallel.pipeline.chunks import ChunkModule
-from p3d.parallel.pipeline.specs import VocabParallelLoss, layer_specs_of
 from p3d.parallel.tp.precision import drop_weight_casts
 from p3d.parallel.zero.fsdp import local
+from p3d.pipeline.chunks import ChunkModule
+from p3d.pipeline.specs import VocabParallelLoss, layer_specs_of
 from p3d.train.executors.grad_buckets import GradBuckets, bucket_bytes
 from p3d.train.executors.torch_optim import build_torch_optimizer
 from p3d.train.optim import global_grad_norm

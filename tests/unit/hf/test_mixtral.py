@@ -98,7 +98,7 @@ def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5, arch=MIXTRAL, bias: torch.T
 
     from p3d.checkpoint.checkpointer import shard_specs
     from p3d.hf.export import hf_tensors
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
 
     twin = to_sequential(m, m.vocab_size, seed)
     specs = shard_specs(twin)

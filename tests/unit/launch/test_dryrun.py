@@ -97,8 +97,8 @@ def test_dry_run_of_a_torch_schedule_prints_each_ranks_chunks_and_exact_counts(p
 
     from p3d.launch.dryrun import dry_run
     from p3d.parallel.mesh import Mesh
-    from p3d.parallel.pipeline.chunks import ChunkModule
-    from p3d.parallel.pipeline.specs import build_layer_specs
+    from p3d.pipeline.chunks import ChunkModule
+    from p3d.pipeline.specs import build_layer_specs
 
     cfg, plan = typed("mesh=pp2", "model.tie_embeddings=true", "dry_run=true", "schedule.virtual_stages=2", *pipeline)
     report = dry_run(cfg, plan)

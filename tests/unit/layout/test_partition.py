@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from p3d.config.schema import Partition
 from p3d.layout.geometry import layer_costs, padded_vocab, stage_bounds
-from p3d.parallel.pipeline.specs import to_sequential
+from p3d.pipeline.specs import to_sequential
 from tests.helpers.runs import typed
 
 SEQ = 256

@@ -67,7 +67,7 @@ MOE = dataclasses.replace(WIDE, moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_s
 def test_the_built_blocks_hold_exactly_these_tensors(m):
     """head_dim 16 of a 48 hidden (not 12), biases, q/k norms, a dense and MoE blocks: names and shapes of the
     single-process twin's parameters are block_tensors' (and the count the closed form)."""
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
 
     twin = to_sequential(m, m.vocab_size, seed=0)
     built = {n.removeprefix("layers."): tuple(p.shape) for n, p in twin.named_parameters()}

@@ -26,7 +26,7 @@ TINY = ("model=tiny", "mesh=single", "train.dtype=bf16", "model.seq_len=40", "sc
 
 def _model(cfg):
     from p3d.layout.geometry import padded_vocab
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
 
     return to_sequential(cfg.model, padded_vocab(cfg.model.vocab_size, 1), cfg.train.seed)  # fp32: the master copy
 
@@ -51,7 +51,7 @@ def _saved_in_flight(cfg, model, micro_batches: int):
         for _ in range(micro_batches):
             ids = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
             labels = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
-            # one autocast region a micro batch, as the executor's chunks run (p3d.parallel.pipeline.chunks):
+            # one autocast region a micro batch, as the executor's chunks run (p3d.pipeline.chunks):
             # autocast's own cache of cast weights lives only as long as its region
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 losses.append(model.loss(ids, labels))

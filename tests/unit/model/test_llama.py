@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from p3d.config.schema import ModelConfig
 from p3d.parallel.mesh import Mesh
-from p3d.parallel.pipeline.specs import build_layer_specs, to_sequential
+from p3d.pipeline.specs import build_layer_specs, to_sequential
 
 
 def test_sequential_loss_is_plain_cross_entropy():

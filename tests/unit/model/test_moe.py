@@ -105,7 +105,7 @@ def test_figures_are_committed_once_per_backward_even_with_recompute():
 
 def test_model_parameter_count_is_the_closed_form():
     from p3d.layout.geometry import padded_vocab, total_params
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
 
     for preset in ("model=moe_tiny",):
         cfg = compose_config(preset).model

@@ -20,7 +20,7 @@ def saved_bytes(cfg, checkpoint_blocks: bool = False) -> int:
     from p3d.config.schema import DType
     from p3d.layout.geometry import padded_vocab
     from p3d.model.llama import TransformerBlock
-    from p3d.parallel.pipeline.specs import to_sequential
+    from p3d.pipeline.specs import to_sequential
 
     m = cfg.model
     dtype = torch.bfloat16 if cfg.train.dtype == DType.bf16 else torch.float32

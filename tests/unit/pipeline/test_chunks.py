@@ -11,8 +11,8 @@ from p3d.config.schema import Partition, Recompute
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, schedule_bubble, stage_bounds
 from p3d.model.llama import TransformerBlock
 from p3d.parallel.mesh import Mesh
-from p3d.parallel.pipeline.chunks import ChunkModule
-from p3d.parallel.pipeline.specs import build_layer_specs
+from p3d.pipeline.chunks import ChunkModule
+from p3d.pipeline.specs import build_layer_specs
 from tests.helpers.runs import typed
 
 
