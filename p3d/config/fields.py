@@ -56,7 +56,9 @@ def closest_options(key: str, n: int = 1) -> list[str]:
     options = schema_options()
     name = key.rsplit(".", 1)[-1]
     same_name = [o for o in options if o.rsplit(".", 1)[-1] == name]
-    near = difflib.get_close_matches(key, options, n=n + len(same_name), cutoff=0.75)
+    near = difflib.get_close_matches(key, options, n=n + len(same_name) + 5, cutoff=0.75)
+    # The section's shared prefix inflates the whole key's ratio (train.foo ~ train.fp8): the names must be near too.
+    near = [o for o in near if difflib.SequenceMatcher(None, name, o.rsplit(".", 1)[-1]).ratio() >= 0.6]
     return list(dict.fromkeys(same_name + near))[:n]
 
 

@@ -28,8 +28,12 @@ from tests.helpers.runs import ROOT, p3d_train, worker_pids
         ),
         (["schedule.global_batch_size=10"], "schedule.global_batch_size=10 (command line) must be a multiple of"),
         (["mesh=pp4", "schedule.global_batch_size=6", "schedule.micro_batch_size=2"], "gives 3 micro batches"),
-        (["mesh=tp3"], "Could not find 'mesh/tp3'\n\nAvailable options in 'mesh':\n\tauto"),  # Hydra lists them
-        (["model.hiden_size=3"], "Key 'hiden_size' not in 'ModelConfig'"),
+        (["mesh=tp3"], "mesh=tp3 (command line) is not an option of the mesh group; did you mean tp4? try mesh=tp4"),
+        (
+            ["model.hiden_size=3"],
+            "model.hiden_size=3 (command line) is not a p3d option; did you mean model.hidden_size? "
+            "try model.hidden_size=3",
+        ),
     ],
 )
 def test_bad_override_exits_2_before_any_worker(args, needle, tmp_path):
