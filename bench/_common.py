@@ -123,19 +123,25 @@ def run_workers(worker, world: int, *args, timeout: float) -> dict:
         return json.loads(out.read_text())
 
 
-def start_worker(rank: int, overrides: Sequence[str], timeout_s: int):
-    """In a gloo worker: a p3d-train CPU worker's settings (one thread, freed memory kept), DeepSpeed's process group,
-    and (Config, RunPlan, Mesh) of the run these overrides make."""
+def init_worker(timeout_s: int) -> None:
+    """In a gloo worker: a p3d-train CPU worker's settings (one thread, freed memory kept), DeepSpeed's process
+    group."""
     import datetime
 
     import deepspeed
 
-    from p3d.parallel.mesh import Mesh
     from p3d.train.worker import set_up_cpu_worker
-    from tests.helpers.runs import typed
 
     set_up_cpu_worker()
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def start_worker(rank: int, overrides: Sequence[str], timeout_s: int):
+    """:func:`init_worker`, then (Config, RunPlan, Mesh) of the run these overrides make, as p3d-train makes them."""
+    from p3d.parallel.mesh import Mesh
+    from tests.helpers.runs import typed
+
+    init_worker(timeout_s)
     cfg, plan = typed(*overrides)
     return cfg, plan, Mesh.from_plan(plan, rank).with_groups()
 
