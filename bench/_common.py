@@ -66,15 +66,16 @@ def p3d_train(
     timeout: float | None = 3600,
     cwd: Path = ROOT,
     program: Sequence[str] = (sys.executable, "-m", "p3d.cli"),
+    unset: Sequence[str] = (),
 ) -> list[dict]:
     """Run ``p3d-train <overrides> run.dir=<run_dir>`` (``program``: another checkout's console script, say) and
-    return its metrics.jsonl records; exit with the output's tail if it fails. ``env`` adds to this environment."""
+    return its metrics.jsonl records; exit with the output's tail if it fails. ``env`` adds to this environment,
+    from which the variables ``unset`` names are taken out first."""
     from p3d.rundir.files import read_metrics
 
     cmd = [*program, *overrides, f"run.dir={run_dir}"]
-    done = subprocess.run(
-        cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
-    )
+    base = {k: v for k, v in os.environ.items() if k not in unset}
+    done = subprocess.run(cmd, cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return read_metrics(run_dir)

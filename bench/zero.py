@@ -132,13 +132,17 @@ def one(mesh: str, stage: int, args) -> dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--meshes", nargs="+", default=["dp2_pp2", "dp4"])
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is dropped")
     ap.add_argument("--passes", type=int, default=2, help="passes over the stages, every other one reversed")
     ap.add_argument("--set", nargs="*", default=None, help=f"overrides (default: {' '.join(BENCH)})")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     args.set = list(BENCH if args.set is None else args.set)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[tuple[str, int], list[dict]] = {}
