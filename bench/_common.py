@@ -39,6 +39,12 @@ def add_command(commands, fn) -> argparse.ArgumentParser:
     return p
 
 
+def run_command(ap: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: the command line) and run the subcommand it names; its exit status."""
+    args = ap.parse_args(argv)
+    return args.run(args)
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as the benches print them beside their figures."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())

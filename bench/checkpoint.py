@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import add_command, bench_parser  # noqa: E402
+from bench._common import add_command, bench_parser, run_command  # noqa: E402
 
 
 def run(mode_async: bool, args, run_dir: Path) -> dict:
@@ -167,10 +167,5 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(parser()))

@@ -32,25 +32,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import (  # noqa: E402
-    SavedTensors,
     add_command,
     bench_parser,
     load_average,
     p3d_train,
-    replica_batches,
+    run_command,
     run_workers,
-    slowest,
-    start_worker,
     turns,
 )
-from bench._heap import watched_run  # noqa: E402
+from bench._cp_probes import attention_worker, layouts_worker, watched_run  # noqa: E402
 
 LAYOUTS_RUN = ("model=small", "model.seq_len=2048", "schedule.micro_batch_size=1", "schedule.global_batch_size=2")
 LAYOUTS = {"single": (1, ["mesh=single"]), "dp2": (2, ["mesh=dp2"]), "cp2": (2, ["mesh=single", "mesh.cp=2"])}
@@ -61,49 +57,6 @@ COMMAND = ("model.seq_len=4096", "mesh=single", "schedule.global_batch_size=2", 
 
 
 # ---- layouts
-def saved_bytes(pipe, ids, labels) -> tuple[int, int]:
-    """(whole stage, attention only): bytes autograd keeps for one micro batch's forward and loss on this rank."""
-    from p3d.model.attention import Attention
-    from p3d.pipeline.specs import VocabParallelLoss
-
-    saved = SavedTensors(pipe.module.parameters())
-    for module in pipe.module.modules():
-        if isinstance(module, Attention):
-            module.register_forward_pre_hook(lambda *_: setattr(saved, "inside", True))
-            module.register_forward_hook(lambda *_: setattr(saved, "inside", False))
-    loss_fn = VocabParallelLoss(pipe.cfg.model, pipe.plan.padded_vocab_size, pipe.mesh)
-    with saved:
-        loss = loss_fn(pipe.chunks[0](pipe.local_tokens(ids)), pipe.local_tokens(labels))
-    loss.backward()  # the cp backward's collectives pair up on both ranks
-    pipe.optimizer.zero_grad(set_to_none=True)
-    return saved.total, sum(saved.part.values())
-
-
-def _layouts_worker(rank: int, world: int, overrides: list[str], steps: int, out_path: str) -> None:
-    import torch
-
-    from p3d.train.executors.torch_schedules import TorchExecutor
-
-    cfg, plan, mesh = start_worker(rank, [*overrides, f"train.steps={steps}"], 1800)
-    with tempfile.TemporaryDirectory(prefix=f"p3d-bench-cp-{rank}-") as tmp:
-        ex = TorchExecutor(cfg, plan, mesh, rank, torch.device("cpu"), tmp)
-        data = replica_batches(cfg, plan.dp, mesh.dp_rank)
-        ids, labels = next(data)
-        saved = saved_bytes(ex.pipe, ids, labels)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            ex.train_batch(data)
-            times.append(slowest(time.perf_counter() - t0))
-    if rank == 0:
-        from p3d.planner.memory import stage_memory
-        from p3d.planner.shapes import layout_of
-
-        planned = stage_memory(cfg, layout_of(cfg))[0].activation_bytes
-        tokens = cfg.schedule.global_batch_size * cfg.model.seq_len
-        Path(out_path).write_text(json.dumps({"tokens": tokens, "times": times, "saved": saved, "planned": planned}))
-
-
 def layouts(args) -> int:
     """Context parallelism on CPU: tokens/s and saved activation bytes per rank, cp1 against cp2 (issue 35).
 
@@ -128,7 +81,7 @@ def layouts(args) -> int:
     for n, layout in turns(args.layouts, args.passes):
         world, mesh = LAYOUTS[layout]
         overrides = [*mesh, "train.save_every=0", *args.set]
-        results.setdefault(layout, []).append(run_workers(_layouts_worker, world, overrides, args.steps, timeout=7200))
+        results.setdefault(layout, []).append(run_workers(layouts_worker, world, overrides, args.steps, timeout=7200))
         print(f"{layout}: pass {n + 1} done", file=sys.stderr, flush=True)
     print(f"{' '.join(args.set)}; {args.passes} passes x {args.steps} steps (first dropped); "
           f"load average {load_average()}")  # fmt: skip
@@ -148,52 +101,6 @@ def layouts(args) -> int:
 
 
 # ---- attention
-def _attention_worker(rank: int, world: int, overrides: list[str], variant: str, out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from p3d.model.attention import Attention
-    from p3d.parallel.context.attention import context_parallel_attention
-    from p3d.parallel.mesh import Mesh
-    from p3d.planner.context import attention_core_bytes
-    from p3d.planner.shapes import Layout
-    from tests.helpers.memory import peak_allocated
-    from tests.helpers.runs import typed
-
-    cfg, _ = typed(*overrides, f"mesh.cp={world}", f"context.attention={variant}")
-    m = cfg.model
-    mesh = Mesh(tp=1, pp=1, dp=1, cp=world, rank=rank, cp_group=dist.group.WORLD if world > 1 else None)
-    attn = Attention(m, mesh, "attn", cfg.train.seed, cp_attention=variant)
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(1, m.seq_len // world, m.hidden_size, generator=gen, requires_grad=True)
-    upstream = torch.randn(1, m.seq_len // world, m.hidden_size, generator=gen)
-
-    def step():
-        attn(x).backward(upstream)
-
-    step()  # the weights' gradients exist from here on, as in training after the first step
-    layer = peak_allocated(step)
-    # the core alone: this rank's rotated q, k and v in, the output and the q, k, v gradients out
-    nh, nkv, hd, sl = m.n_heads, m.n_kv_heads, m.hidden_size // m.n_heads, m.seq_len // world
-    q, k, v = (torch.randn(1, n, sl, hd, generator=gen, requires_grad=True) for n in (nh, nkv, nkv))
-    grad = torch.randn(1, nh, sl, hd, generator=gen)
-
-    def core():
-        if world == 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
-        else:
-            out = context_parallel_attention(q, k, v, dist.group.WORLD, world, rank, variant)
-        out.backward(grad)
-        q.grad = k.grad = v.grad = None
-
-    if rank == 0:
-        planned = attention_core_bytes(cfg, Layout(1, 1, 1, 1, 1, cp=world))
-    core_peak = peak_allocated(core)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps({"layer": layer, "core": core_peak, "planned": planned}))
-
-
 def attention(args) -> int:
     """Context parallelism's memory: one attention layer's forward + backward peak per rank as the sequence doubles
     (issue 52).
@@ -216,7 +123,7 @@ def attention(args) -> int:
         last = None
         for seq in args.seq:
             overrides = [f"model={args.model}", f"model.seq_len={seq}", "mesh=single", "schedule.micro_batch_size=1"]
-            r = run_workers(_attention_worker, world, overrides, variant, timeout=3600)
+            r = run_workers(attention_worker, world, overrides, variant, timeout=3600)
             growth = f"{r['layer'] / last:>9.2f}x" if last else f"{'':>10}"
             print(f"{layout:<9} {seq:>6} {r['layer'] / 1e6:>9.1f} {growth} {r['core'] / 1e6:>9.1f} "
                   f"{r['planned'] / 1e6:>9.1f} {r['planned'] / r['core']:>9.2f}", flush=True)  # fmt: skip
@@ -304,7 +211,7 @@ def added_by_the_sequence(base: list[str], cps: list[int], short: int, heap: str
 def rss(args) -> int:
     """Where a CPU run's peak RSS goes (issue 52): the command of ``runs``, run in this process (its workers forked
     from it, as p3d-train forks them), each worker watched by a thread that reads its RSS and glibc's ``mallinfo2``
-    every 5 ms (bench/_heap.py). At the highest RSS seen it prints the bytes malloc has handed out and not got back
+    every 5 ms (bench/_cp_probes.py). At the highest RSS seen it prints the bytes malloc has handed out and not got back
     (in use: tensors, Python objects) and the bytes free inside malloc's heap (freed, still resident: what CUDA's
     caching allocator would call reserved but not allocated, which ``max_memory_allocated`` does not count); at the end
     of the run, what ``malloc_trim(0)`` hands back to the kernel. Beside them p3d-plan's per-rank figure.
@@ -408,10 +315,5 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(parser()))

@@ -31,6 +31,7 @@ from bench._common import (  # noqa: E402
     bench_parser,
     load_average,
     replica_batches,
+    run_command,
     run_workers,
     slowest,
     start_worker,
@@ -221,10 +222,5 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(parser()))

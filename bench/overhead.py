@@ -35,6 +35,7 @@ from bench._common import (  # noqa: E402
     bench_parser,
     compose_spec,
     replica_batches,
+    run_command,
     run_monitored,
     run_p3d_monitored,
     summarize,
@@ -371,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["plain", *argv]  # the default: `make bench` runs the script bare
-    args = parser().parse_args(argv)
-    return args.run(args)
+    return run_command(parser(), argv)
 
 
 if __name__ == "__main__":

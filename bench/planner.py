@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import add_command, bench_parser, p3d_plan, p3d_train, turns  # noqa: E402
+from bench._common import add_command, bench_parser, p3d_plan, p3d_train, run_command, turns  # noqa: E402
 
 COMMON = (
     "model=small", "model.seq_len=128", "schedule.micro_batch_size=1", "schedule.global_batch_size=8",
@@ -339,10 +339,5 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(parser()))

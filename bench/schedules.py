@@ -38,6 +38,7 @@ from bench._common import (  # noqa: E402
     load_average,
     p3d_train,
     replica_batches,
+    run_command,
     run_workers,
     turns,
 )
@@ -310,10 +311,5 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(parser()))

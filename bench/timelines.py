@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import add_command, bench_parser, p3d_train, turns  # noqa: E402
+from bench._common import add_command, bench_parser, p3d_train, run_command, turns  # noqa: E402
 
 PICTURE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
 PICTURE_RUN = ("mesh=pp4", "model.n_layers=8", "schedule.micro_batch_size=1", "schedule.global_batch_size=8")
@@ -158,10 +158,5 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(parser()))
