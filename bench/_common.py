@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -30,19 +30,25 @@ def bench_parser(doc: str):
 
 
 def add_command(commands, fn) -> argparse.ArgumentParser:
-    """The subcommand named as ``fn`` and described by its docstring; parsed, it sets ``args.run`` to ``fn`` and
-    ``args.parser`` to its own parser."""
+    """The subcommand named as ``fn`` and described by its docstring; ``fn(args)`` runs it."""
     doc = inspect.cleandoc(fn.__doc__)
     p = commands.add_parser(fn.__name__, help=doc.split("\n")[0], description=doc,
                             formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.set_defaults(run=fn, parser=p)
+    p.set_defaults(run=fn)
     return p
 
 
 def run_command(ap: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: the command line) and run the subcommand it names; its exit status."""
+    """Parse ``argv`` (default: the command line) and run the subcommand it names; its exit status. The options it
+    gets are plain data (they travel to worker processes)."""
     args = ap.parse_args(argv)
-    return args.run(args)
+    return vars(args).pop("run")(args)
+
+
+def usage_error(args: argparse.Namespace, message: str) -> NoReturn:
+    """Exit as argparse does on options that do not go together: status 2, the command and the message."""
+    print(f"{Path(sys.argv[0]).name} {args.command}: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def load_average() -> str:

@@ -110,7 +110,7 @@ def save(args) -> int:
     ratio = statistics.mean(results["async"]["lost_per_save_s"]) / statistics.mean(results["sync"]["lost_per_save_s"])
     print(f"async loss / sync loss per save: {ratio:.1%} (target <= 10%)")
     if args.json:
-        options = {k: v for k, v in vars(args).items() if k not in ("command", "run", "parser")}
+        options = {k: v for k, v in vars(args).items() if k != "command"}
         args.json.write_text(json.dumps({"args": options, **results}, indent=1, default=str))
     return 0
 

@@ -40,6 +40,7 @@ from bench._common import (  # noqa: E402
     run_p3d_monitored,
     summarize,
     turns,
+    usage_error,
 )
 from bench._plain_loop import PlainLoop, plain_worker  # noqa: E402
 
@@ -93,12 +94,13 @@ def plain(args) -> int:
         plain_worker(args.plain_worker, args.out, args.threads)
         return 0
     if args.warmup < 1 or args.steps <= args.warmup:
-        args.parser.error(
+        usage_error(
+            args,
             f"need 1 <= --warmup < --steps (got --warmup={args.warmup} --steps={args.steps}): the first step "
-            f"of a run allocates everything, and its CPU time cannot be split from the start-up"
+            f"of a run allocates everything, and its CPU time cannot be split from the start-up",
         )
     if "mesh" in {e.split("=", 1)[0] for e in args.extra}:
-        args.parser.error("the benchmark is mesh=single by definition")
+        usage_error(args, "the benchmark is mesh=single by definition")
 
     os.environ.update(DS_ACCELERATOR="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     overrides = [f"model={args.model}", f"model.seq_len={args.seq_len}",
@@ -368,11 +370,13 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def command_line(argv: list[str]) -> list[str]:
+    """``argv`` with ``plain`` in front where it names no command: `make bench` runs the script bare."""
+    return argv if argv and argv[0] in (*COMMANDS, "-h", "--help") else ["plain", *argv]
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
-        argv = ["plain", *argv]  # the default: `make bench` runs the script bare
-    return run_command(parser(), argv)
+    return run_command(parser(), command_line(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
