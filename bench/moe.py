@@ -89,7 +89,7 @@ def _ep_worker(rank: int, world: int, overrides: list[str], steps: int, torch_ex
             times = torch.tensor([step, a2a[0] / world])
             dist.all_reduce(times)  # [sum of steps, mean a2a]
             step = slowest(step)
-            imbalance = figures.after_step(device)["moe_load_imbalance"]
+            imbalance = figures.after_step(device, discarded=False)["moe_load_imbalance"]  # the bench keeps every step
             rows.append((step, float(times[1]), statistics.mean(imbalance)))
     if rank == 0:
         from p3d.parallel.experts.params import is_expert_param
