@@ -7,50 +7,50 @@ torch.compile of each block, alternating in rounds (ABBA), same model, data and 
 Prints the median step time and worker CPU seconds per step of each side (the first ``--warmup``
 steps of a run dropped: they include inductor's compilation), their ratio, the compile time (first
 step's excess) and the largest per-step loss difference (compile changes how, not what: it must
-stay within 1e-5 relative). The runs are bench/overhead.py's (same monitor, same environment).
+stay within 1e-5 relative). The runs are those of bench/overhead.py plain (bench/_common.py: the same
+monitor, the same environment).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("p3d_bench_overhead", ROOT / "overhead.py")
-assert _spec and _spec.loader
-overhead = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(overhead)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import run_p3d_monitored, summarize, turns
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="first steps of each run left out (compilation)")
     ap.add_argument("--rounds", type=int, default=2, help="runs per side, alternating ABBA")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--timeout", type=float, default=1800)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     base = ["model=small", "model.seq_len=128", "schedule.global_batch_size=4", "schedule.micro_batch_size=2"]
     base += [f"train.steps={args.steps}", "logger=none", *args.extra]
     sides = {"eager": ["model.compile=false"], "compiled": ["model.compile=true"]}
     runs: dict[str, list[list[dict]]] = {k: [] for k in sides}
-    order = [
-        name for r in range(args.rounds) for name in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"))
-    ]
+    order = [name for _, name in turns(("eager", "compiled"), args.rounds)]
     with tempfile.TemporaryDirectory(prefix="p3d-bench-compile-") as tmp:
         for i, name in enumerate(order):
-            records, secs = overhead.run_p3d([*base, *sides[name]], Path(tmp) / f"{i}-{name}", 1, args.timeout, False)
+            records, secs = run_p3d_monitored([*base, *sides[name]], Path(tmp) / f"{i}-{name}", 1, args.timeout, False)
             runs[name].append(records)
             print(
                 f"run {i + 1}/{len(order)} {name}: {secs:.0f} s, first step {records[0]['step_time_s']:.2f} s",
                 flush=True,
             )
     tokens = 4 * 128
-    summary = {name: overhead.summarize(r, args.warmup, tokens) for name, r in runs.items()}
+    summary = {name: summarize(r, args.warmup, tokens) for name, r in runs.items()}
     first = {name: statistics.median(run[0]["step_time_s"] for run in r) for name, r in runs.items()}
     loss_diff = max(
         abs(a["loss"] - b["loss"]) / abs(a["loss"])

@@ -98,12 +98,16 @@ def first_batch(source: str, store: Path, step: int) -> tuple[float, float, floa
     return wall, child_cpu() - c0, data_wall, data_cpu
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loader-steps", type=int, default=200)
     ap.add_argument("--stream-step", type=int, default=200)
     ap.add_argument("--json")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     out: dict = {"load_average": os.getloadavg(), "cpus": len(os.sched_getaffinity(0))}
     print(f"load average {out['load_average'][0]:.1f} on {out['cpus']} usable cores")
     with tempfile.TemporaryDirectory() as tmp:

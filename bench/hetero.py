@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench._common import p3d_plan, p3d_train  # noqa: E402
 
 GROUPS = "cluster.groups=[{device: cpu, nodes: 1}, {device: cpu, nodes: 1, peak_tflops: 0.05}]"
 SAME = "cluster.groups=[{device: cpu, nodes: 1%s}, {device: cpu, nodes: 1%s}]"  # a homogeneous two-node cluster
@@ -38,37 +38,33 @@ CASES = {
 
 
 def plan(overrides: tuple[str, ...], block_s: float) -> dict:
-    cmd = [sys.executable, "-m", "p3d.cli.plan", GROUPS, *overrides, f"plan.block_seconds={block_s}", "format=json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
-    return json.loads(done.stdout)["heterogeneous"]
+    return json.loads(p3d_plan(GROUPS, *overrides, f"plan.block_seconds={block_s}", "format=json"))["heterogeneous"]
 
 
 def train(
     overrides: tuple[str, ...], split: tuple[str, ...], block_s: float, steps: int, run: Path, groups: str = GROUPS
 ) -> float:
     """The median step_time_s of steps 2 .. steps of one p3d-train run on ``groups``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "P3D_TEST_BLOCK_SECONDS": str(block_s)}
-    cmd = [sys.executable, "-m", "p3d.cli", f"run.dir={run}", groups, *overrides, *split]
-    cmd += [f"train.steps={steps}", f"train.eval_every={steps + 1}", "train.save_every=0", "logger=none"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode:
-        raise SystemExit(f"p3d-train failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    from p3d.train.metrics import read_metrics
-
-    times = [r["step_time_s"] for r in read_metrics(run) if r["step"] >= 2]
-    return statistics.median(times)
+    env = {"OMP_NUM_THREADS": "1", "P3D_TEST_BLOCK_SECONDS": str(block_s)}
+    rest = (f"train.steps={steps}", f"train.eval_every={steps + 1}", "train.save_every=0", "logger=none")
+    records = p3d_train([groups, *overrides, *split, *rest], run, env, timeout=None)
+    return statistics.median(r["step_time_s"] for r in records if r["step"] >= 2)
 
 
 def listed(values: list[int]) -> str:
     return "[" + ",".join(map(str, values)) + "]"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--block-seconds", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="p3d-hetero-"))
     for name in args.cases:
         overrides, s = CASES[name], args.block_seconds

@@ -18,15 +18,16 @@ before, whose ``dp_comm_s`` was the exposed part only: that one), and after / be
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import median_of, p3d_train  # noqa: E402
+
 MODEL = ("model=small", "model.seq_len=128", "schedule.micro_batch_size=1", "schedule.global_batch_size=8")
 LAYOUTS = {
     "dp2 zero2": ("mesh=dp2", "zero=stage2"),
@@ -37,37 +38,25 @@ LAYOUTS = {
 def run(checkout: Path, layout: tuple[str, ...], steps: int, block_s: float, extra: list[str]) -> list[dict]:
     """One p3d-train run from ``checkout``: its steps' records after the first."""
     with tempfile.TemporaryDirectory(prefix="p3d-overlap-") as tmp:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "P3D_TEST_BLOCK_SECONDS": str(block_s)}
-        env.pop("PYTHONPATH", None)
-        cmd = [
-            str(checkout / ".venv" / "bin" / "p3d-train"),
-            *MODEL,
-            *layout,
-            f"train.steps={steps}",
-            "train.eval_every=0",
-            f"run.dir={tmp}/run",
-            *extra,
-        ]
-        done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"p3d-train failed in {checkout}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-        records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        env = {"OMP_NUM_THREADS": "1", "P3D_TEST_BLOCK_SECONDS": str(block_s)}
+        overrides = [*MODEL, *layout, f"train.steps={steps}", "train.eval_every=0", *extra]
+        records = p3d_train(overrides, Path(tmp) / "run", env, timeout=1800, cwd=Path(tmp),
+                            program=[str(checkout / ".venv" / "bin" / "p3d-train")], unset=["PYTHONPATH"])  # fmt: skip
         return [r for r in records if "loss" in r][1:]
 
 
-def median(records: list[dict], key: str) -> float | None:
-    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
-    return statistics.median(values) if values else None
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, required=True, help="a checkout of the code before, with its .venv")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--block-seconds", type=float, default=0.04, help="per block and piece (0: real compute only)")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--set", nargs="*", default=[], help="more overrides for every run")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     codes = {"before": args.before.resolve(), "after": ROOT}
     print(f"{' '.join(MODEL)}, {args.steps} steps, P3D_TEST_BLOCK_SECONDS={args.block_seconds}; load {os.getloadavg()}")
     for name in args.layouts:
@@ -79,9 +68,9 @@ def main() -> None:
         print(f"  {'code':<7} {'tokens/s':>9} {'dp own s':>9} {'dp exposed s':>13} {'hidden':>7}")
         tokens = {}
         for code, records in got.items():
-            tokens[code] = median(records, "tokens_per_s")
-            exposed = median(records, "dp_comm_exposed_s" if code == "after" else "dp_comm_s")
-            own = median(records, "dp_comm_s") if code == "after" else None
+            tokens[code] = median_of(records, "tokens_per_s")
+            exposed = median_of(records, "dp_comm_exposed_s" if code == "after" else "dp_comm_s")
+            own = median_of(records, "dp_comm_s") if code == "after" else None
             hidden = f"{1 - exposed / own:.0%}" if own and exposed is not None else "-"
             own_text = f"{own:.3f}" if own is not None else "-"
             print(f"  {code:<7} {tokens[code]:>9.1f} {own_text:>9} {exposed:>13.3f} {hidden:>7}")

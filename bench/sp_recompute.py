@@ -41,45 +41,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import SavedTensors, composed, rss_bytes
+
 TP = 2
 CONFIGS = [(sp, rc) for rc in ("none", "selective", "full") for sp in (False, True)]
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class PeakRSS:
     """The highest RSS seen by a thread polling /proc/self/statm while the block runs."""
 
     def __enter__(self):
-        self.peak, self._stop = _rss(), threading.Event()
+        self.peak, self._stop = rss_bytes(), threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
         return self
 
     def _poll(self):
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
-
-
-def _typed(overrides: list[str]):
-    """(Config, RunPlan) composed and validated as p3d-train does."""
-    from hydra import compose, initialize_config_dir
-
-    from p3d.config.schema import register_configs
-    from p3d.launch.check import prepare
-    from p3d.launch.compose import CONFIG_PATH
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
-        return prepare(compose("config", overrides=overrides))
+        self.peak = max(self.peak, rss_bytes())
 
 
 def _overrides(args, sp: bool, rc: str) -> list[str]:
@@ -108,7 +92,7 @@ def _worker(rank: int, args, store: str, queue) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=TP, timeout=datetime.timedelta(seconds=1800)
     )
-    cfg, plan = _typed(_overrides(args, False, "none"))
+    cfg, plan = composed(_overrides(args, False, "none"))
     mesh = Mesh(tp=TP, pp=1, dp=1, rank=rank, tp_group=dist.group.WORLD)
     models = {}
     for sp, rc in CONFIGS:
@@ -131,29 +115,21 @@ def _worker(rank: int, args, store: str, queue) -> None:
 
     def step(model, full: bool) -> tuple[float, int, int, int, float]:
         model.zero_grad(set_to_none=True)  # the step's weight gradients count in its peak
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved.setdefault(storage.data_ptr(), storage.nbytes())
-            return t
-
-        before = _rss()
+        saved = SavedTensors(model.parameters())
+        before = rss_bytes()
         t0, c0 = time.perf_counter(), time.process_time()
         with PeakRSS() as peak:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved:
                 x = inputs
                 for layer, f in zip(model.layers, model._funcs):
                     full_block = full and isinstance(layer, TransformerBlock)
                     x = checkpoint(f, x, use_reentrant=False) if full_block else f(x)
                 loss = model.loss_fn(x, labels)
-            held = _rss() - before
+            held = rss_bytes() - before
             del x
             loss.backward()
         cpu = time.process_time() - c0
-        return time.perf_counter() - t0, sum(saved.values()), held, peak.peak - before, cpu
+        return time.perf_counter() - t0, saved.total, held, peak.peak - before, cpu
 
     for r in range(args.rounds + 1):
         for sp, rc in CONFIGS:
@@ -164,12 +140,16 @@ def _worker(rank: int, args, store: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds after one left out")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     import torch.multiprocessing as mp
 
@@ -196,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     planned = {}
     for sp, rc in CONFIGS:
-        cfg, _ = _typed(_overrides(args, sp, rc))
+        cfg, _ = composed(_overrides(args, sp, rc))
         assert cfg.schedule.recompute == Recompute(rc)
         stage = stage_memory(cfg, Layout(TP, 1, 1, args.micro_batch, 1))[0]
         planned[(sp, rc)] = stage.activation_bytes

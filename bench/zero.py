@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._common import load_average, replica_batches, run_workers, start_worker, turns  # noqa: E402
+
 BENCH = ("model=small", "model.seq_len=256", "schedule.micro_batch_size=1", "schedule.global_batch_size=8")
 STAGES = (0, 1, 2, 3)
 WORLD = 4
@@ -75,24 +77,15 @@ def held_bytes(module, optimizer) -> int:
 
 
 def _worker(rank: int, world: int, overrides: list[str], steps: int, out_path: str) -> None:
-    import datetime
     import warnings
 
-    import deepspeed
     import torch
 
-    from p3d.data.loader import micro_batches
-    from p3d.parallel.mesh import Mesh
     from p3d.train.executors import build_executor
     from p3d.train.loop import Stopper, step_stats
-    from p3d.train.worker import set_up_cpu_worker
-    from tests.helpers.runs import typed
 
     warnings.filterwarnings("ignore", message="Seems like `optimizer.step()` has been overridden")  # ours, counting
-    set_up_cpu_worker()  # one thread, freed memory kept: as p3d-train's CPU workers
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
-    cfg, plan = typed(*overrides, f"train.steps={steps}")
-    mesh = Mesh.from_plan(plan, rank).with_groups()
+    cfg, plan, mesh = start_worker(rank, [*overrides, f"train.steps={steps}"], 600)
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory(prefix=f"p3d-bench-zero-{rank}-") as tmp:
         ex = build_executor(cfg, plan, mesh, rank, device, tmp)
@@ -105,9 +98,7 @@ def _worker(rank: int, world: int, overrides: list[str], steps: int, out_path: s
             return step_fn(*args, **kwargs)
 
         optimizer.step = counting_step
-        s = cfg.schedule
-        data = micro_batches(cfg.data, cfg.model.seq_len, s.global_batch_size, s.micro_batch_size, plan.dp,
-                             mesh.dp_rank, cfg.train.seed, 0, None)  # fmt: skip
+        data = replica_batches(cfg, plan.dp, mesh.dp_rank)
         rows = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -122,7 +113,7 @@ def _worker(rank: int, world: int, overrides: list[str], steps: int, out_path: s
         held = torch.tensor([float(counted[-1])])
         torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
     if rank == 0:
-        tokens = s.global_batch_size * cfg.model.seq_len
+        tokens = cfg.schedule.global_batch_size * cfg.model.seq_len
         Path(out_path).write_text(json.dumps({"tokens": tokens, "rows": rows, "held": float(held)}))
 
 
@@ -135,34 +126,32 @@ def planned_bytes(overrides: list[str]) -> float:
 
 
 def one(mesh: str, stage: int, args) -> dict:
-    from tests.helpers.dist import run_distributed
-
     overrides = [f"mesh={mesh}", f"zero=stage{stage}", "train.save_every=0", *args.set]
-    with tempfile.TemporaryDirectory(prefix="p3d-bench-zero-") as tmp:
-        out = Path(tmp) / "result.json"
-        run_distributed(_worker, WORLD, overrides, args.steps, str(out), timeout=3600)
-        result = json.loads(out.read_text())
+    result = run_workers(_worker, WORLD, overrides, args.steps, timeout=3600)
     result["planned"] = planned_bytes(overrides)
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--meshes", nargs="+", default=["dp2_pp2", "dp4"])
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is dropped")
     ap.add_argument("--passes", type=int, default=2, help="passes over the stages, every other one reversed")
     ap.add_argument("--set", nargs="*", default=None, help=f"overrides (default: {' '.join(BENCH)})")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     args.set = list(BENCH if args.set is None else args.set)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[tuple[str, int], list[dict]] = {}
     for mesh in args.meshes:
-        for n in range(args.passes):
-            for stage in STAGES if n % 2 == 0 else STAGES[::-1]:
-                results.setdefault((mesh, stage), []).append(one(mesh, stage, args))
-                print(f"{mesh} zero=stage{stage}: pass {n + 1} of {args.passes} done", file=sys.stderr, flush=True)
+        for n, stage in turns(STAGES, args.passes):
+            results.setdefault((mesh, stage), []).append(one(mesh, stage, args))
+            print(f"{mesh} zero=stage{stage}: pass {n + 1} of {args.passes} done", file=sys.stderr, flush=True)
     print(f"{' '.join(args.set)}, {WORLD} processes, {args.passes} passes x {args.steps} steps (first dropped); "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+          f"load average {load_average()}")  # fmt: skip
     print(f"{'mesh':<8} {'zero':>4} {'tokens/s':>9} {'vs st1':>7} {'state MB/rank':>13} {'vs st1':>7} "
           f"{'planned MB':>10} {'dp_comm_s':>9} {'step s':>7}")  # fmt: skip
     for mesh in args.meshes:

@@ -142,7 +142,7 @@ def summary(cfg: Config, layout: Layout, kv_s: float, hidden: float, link: str) 
 def attention_working_bytes(cfg: Config, layout: Layout) -> float:
     """What the cp attention of one layer holds at its peak beside the output and log-sum-exp it saves (the blocks'
     kernels tile their scores: no s x s term), per tp rank; 0 with cp = 1 (SDPA's own). Counted from
-    p3d.parallel.context (measured against it: bench/cp_memory.py, docs/context.md). With b micro batch, sl = s / cp
+    p3d.parallel.context (measured against it: bench/cp.py attention, docs/context.md). With b micro batch, sl = s / cp
     local tokens, c bytes of the run's dtype, kv and q the key/value and query widths over tp, g = heads / kv heads:
     B = b sl kv c one local k (or v), B4 the same in fp32, Q = b sl q c the local q (or out, dq), Q4 in fp32.
 
@@ -187,7 +187,7 @@ def attention_working_bytes(cfg: Config, layout: Layout) -> float:
 
 
 def attention_core_bytes(cfg: Config, layout: Layout) -> float:
-    """The cp attention core's peak for one layer's forward and backward, from its q, k, v in (bench/cp_memory.py
+    """The cp attention core's peak for one layer's forward and backward, from its q, k, v in (bench/cp.py attention
     measures it): the output (c bytes) and log-sum-exp (fp32) it saves and its working set at the peak."""
     m = cfg.model
     q_width, _ = head_dims(m)

@@ -1,6 +1,6 @@
 """partition=cost idles less than uniform (issue 11, item 6): the measured idle share (the metric ``bubble``) of a
 model shaped like ``model=small`` on pp2, at an eighth of its FLOPs so that a step takes about a second here; on
-the case itself it is a benchmark, ``bench/partition.py``."""
+the case itself it is a benchmark, ``bench/schedules.py partition``."""
 
 from __future__ import annotations
 

@@ -61,6 +61,12 @@ class Case:
     slow: bool = False  # the slow tier: a variant of a path another line in make test already runs (say which)
 
 
+# a bench line runs for minutes; its script's parser reads it in a test
+BENCHMARK = Case(
+    "not_here", expect="a benchmark (minutes of timing), never a test; tests/unit/test_bench_commands.py parses it"
+)
+
+
 def argv_of(command: str, tmp: Path) -> tuple[dict[str, str], list[str]]:
     """(environment assignments, argv) of a documented line, with the paths that only exist on the
     reader's cluster mapped into ``tmp`` and the repository's recipes addressed from any directory."""
@@ -230,57 +236,59 @@ CASES: dict[str, Case] = {
     "make test-all": Case("not_here", expect="the suite with its slow tier; make test runs the rest"),
     "make lint": Case("not_here", expect="CI's .ci/run runs it before the tests"),
     'make test PYTEST_ARGS="tests/unit/planner"': Case("not_here", expect="the suite itself, on one folder"),
-    "make bench": Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+    "make bench": BENCHMARK,
     **dict.fromkeys(
         (
-            ".venv/bin/python bench/overhead_breakdown.py",
+            ".venv/bin/python bench/overhead.py breakdown",
             ".venv/bin/python bench/data.py",
             ".venv/bin/python bench/compile.py --set model.n_layers=4",
-            ".venv/bin/python bench/checkpoint.py --steps 13 --save-every 4",
-            ".venv/bin/python bench/checkpoint.py --steps 8 --save-every 3",
-            ".venv/bin/python bench/checkpoint_dcp.py /tmp/i14/small_ckpt --repeat 5",
-            ".venv/bin/python bench/schedules.py",
-            ".venv/bin/python bench/schedules.py --m 8 --rounds 16 --schedules 1f1b interleaved_1f1b zbv",
-            ".venv/bin/python bench/schedules.py --m 8 --rounds 16 --schedules 1f1b interleaved_1f1b zbv --set "
-            "model.hidden_size=512 model.ffn_hidden_size=1536 model.seq_len=128 model.n_layers=8",
-            ".venv/bin/python bench/schedules.py --m 8 --rounds 40 --schedules 1f1b interleaved_1f1b zbv",
-            ".venv/bin/python bench/schedules.py --m 8 --rounds 12 --schedules 1f1b interleaved_1f1b zbv",
-            ".venv/bin/python bench/executor_overhead.py",
-            ".venv/bin/python bench/partition.py --rounds 2",
+            ".venv/bin/python bench/checkpoint.py save --steps 13 --save-every 4",
+            ".venv/bin/python bench/checkpoint.py save --steps 8 --save-every 3",
+            ".venv/bin/python bench/checkpoint.py dcp /tmp/i14/small_ckpt --repeat 5",
+            ".venv/bin/python bench/schedules.py throughput",
+            ".venv/bin/python bench/schedules.py throughput --m 8 --rounds 16 --schedules 1f1b interleaved_1f1b zbv",
+            ".venv/bin/python bench/schedules.py throughput --m 8 --rounds 16 --schedules 1f1b interleaved_1f1b zbv "
+            "--set model.hidden_size=512 model.ffn_hidden_size=1536 model.seq_len=128 model.n_layers=8",
+            ".venv/bin/python bench/schedules.py throughput --m 8 --rounds 40 --schedules 1f1b interleaved_1f1b zbv",
+            ".venv/bin/python bench/schedules.py throughput --m 8 --rounds 12 --schedules 1f1b interleaved_1f1b zbv",
+            ".venv/bin/python bench/schedules.py executor",
+            ".venv/bin/python bench/schedules.py partition --rounds 2",
             ".venv/bin/python bench/sp_recompute.py --rounds 6",
             ".venv/bin/python bench/zero.py --passes 1",
-            ".venv/bin/python bench/moe.py --deepspeed",
-            ".venv/bin/python bench/moe.py --layer --passes 3 --steps 5",
-            ".venv/bin/python bench/cp.py",
-            ".venv/bin/python bench/cp_runs.py",
-            ".venv/bin/python bench/cp_runs.py --extra model=small",
-            ".venv/bin/python bench/cp_memory.py",
-            ".venv/bin/python bench/cp_rss.py --cp 1 2 4",
-            ".venv/bin/python bench/cp_rss.py --cp 1 2 4 --extra model.seq_len=16384",
-            ".venv/bin/python bench/cp_rss.py --cp 1 2 4 --extra model=small",
+            ".venv/bin/python bench/moe.py ep --deepspeed",
+            ".venv/bin/python bench/moe.py layer --passes 3 --steps 5",
+            ".venv/bin/python bench/cp.py layouts",
+            ".venv/bin/python bench/cp.py runs",
+            ".venv/bin/python bench/cp.py runs --extra model=small",
+            ".venv/bin/python bench/cp.py attention",
+            ".venv/bin/python bench/cp.py rss --cp 1 2 4",
+            ".venv/bin/python bench/cp.py rss --cp 1 2 4 --extra model.seq_len=16384",
+            ".venv/bin/python bench/cp.py rss --cp 1 2 4 --extra model=small",
         ),
-        Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+        BENCHMARK,
     ),
     # docs/context.md (issue 52)
-    ".venv/bin/python bench/cp_variants.py": Case(
+    ".venv/bin/python bench/cp.py variants": Case(
         "not_here", expect="the planner's key/value formulas over lengths; tests/unit/planner/test_context.py"
     ),
     # docs/planner.md, docs/benchmarks.md (issue 36)
-    ".venv/bin/python bench/planner_published.py": Case(
+    ".venv/bin/python bench/planner.py published": Case(
         "not_here",
         expect="the table of tests/helpers/published.py, whose rows tests/unit/planner/test_published.py checks",
     ),
-    ".venv/bin/python bench/planner_published.py --fit": Case(
+    ".venv/bin/python bench/planner.py published --fit": Case(
         "not_here",
         expect="the fit of tests/helpers/published_fit.py, whose result tests/unit/planner/test_published.py checks",
     ),
     **dict.fromkeys(
         (
-            ".venv/bin/python bench/planner_accuracy.py",
-            ".venv/bin/python bench/planner_accuracy.py --calibration cal.json --json accuracy.json",
+            ".venv/bin/python bench/planner.py accuracy",
+            ".venv/bin/python bench/planner.py accuracy --calibration cal.json --json accuracy.json",
         ),
         Case(
-            "not_here", expect="a benchmark (minutes of timing), never a test; its arithmetic: test_accuracy_bench.py"
+            "not_here",
+            expect="a benchmark (minutes of timing), never a test; its arithmetic: test_accuracy_bench.py, its "
+            "options: test_bench_commands.py",
         ),
     ),
     "make gpu-check": Case("not_here", expect="needs a CUDA GPU; its dry mode is tests/e2e/test_gpu_check.py"),
@@ -291,10 +299,10 @@ CASES: dict[str, Case] = {
     "p3d-report runs/traced": Case("not_here", expect="run by the check of the p3d-train line above it"),
     **dict.fromkeys(
         (
-            ".venv/bin/python bench/schedule_timelines.py",
-            ".venv/bin/python bench/trace_overhead.py --baseline /tmp/p3d-base",
+            ".venv/bin/python bench/timelines.py picture",
+            ".venv/bin/python bench/timelines.py cost --baseline /tmp/p3d-base",
         ),
-        Case("not_here", expect="a benchmark (minutes of timing), never a test"),
+        BENCHMARK,
     ),
     # docs/clusters.md: multi-node, on the two-node cluster of tests/cluster/multinode (the same lines, a few steps)
     "sbatch --nodes=2 --ntasks-per-node=4 recipes/slurm/train.sbatch mesh=dp2_pp2_tp2 model=tiny": Case(

@@ -1,7 +1,7 @@
 """The peak of tensor memory a call allocates on the CPU, exactly: torch's profiler records every allocation and free
 of torch's CPU allocator in order (``profile_memory``; kernels' own workspaces included), and the running sum of
 those records peaks where the call held the most. A count, not a timing: the same on a busy machine as on an idle
-one. Used by the cp memory tests (tests/workers/test_cp_activations.py) and bench/cp_memory.py."""
+one. Used by the cp memory tests (tests/workers/test_cp_activations.py) and bench/cp.py attention."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The routed experts as p3d computed them before they were stacked (issue 53): a Python loop over the experts,
 each one's rows cut out by counts read on the host (``.tolist()``: a device sync), linear -> SwiGLU -> linear per
 expert, every expert running even on zero rows: 6 matmuls per expert forward and backward. Kept as the reference the
-grouped GEMM is checked against (tests/unit/parallel/test_experts_grouped.py) and timed against (bench/moe.py)."""
+grouped GEMM is checked against (tests/unit/parallel/test_experts_grouped.py) and timed against (bench/moe.py layer)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ and the error is t_pred / t_pub - 1:
             (megatron/logging.py get_flops, ckpt factor 4) report this.
   p3d       model FLOPs only (Korthikanti et al. 2022; Llama 3; MosaicML).
   nemo_mha  NeMo's formula with query_groups = heads, the DGX Cloud cards' MFU (the rows give step times, so
-            the convention only shows in the MFU column of bench/planner_published.py).
+            the convention only shows in the MFU column of bench/planner.py published).
 
 Sources
   [N21]  D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using

@@ -107,7 +107,7 @@ def _attention_memory(rank, world, cfgs, variant):
         planned = attention_core_bytes(cfg, Layout(1, 1, 1, 1, 1, cp=world))
         figures.append((cfg.model.seq_len, sum(math.prod(shape) for shape in saved), peak, planned))
     print(f"rank {rank} {variant}: (s, saved elements, peak bytes, planned bytes) {figures}")
-    (s1, saved1, peak1, _), (s2, saved2, peak2, _) = figures  # the planned figures: printed, bench/cp_memory.py
+    (s1, saved1, peak1, _), (s2, saved2, peak2, _) = figures  # the planned figures: printed, bench/cp.py attention
     assert s2 == 2 * s1 and saved2 == 2 * saved1, f"saved elements {saved1} at s={s1}, {saved2} at s={s2}"
     assert peak2 <= 2.2 * peak1, f"forward + backward peak {peak1} bytes at s={s1}, {peak2} at s={s2}"
 
@@ -119,7 +119,7 @@ def test_cp_attention_memory_is_linear_in_s(make_cfg, variant):
     for backward, its saved elements double with s, and its forward + backward peak of tensor memory
     (tests/helpers/memory.py: torch's allocations summed in order, a count, not a timing) grows at most 2.2x from
     s = 1024 to 2048. The planner's ``attention_core_bytes`` is printed beside it, not held to it here (all-gather:
-    13 % and 16 % under the measured peak at these lengths; bench/cp_memory.py). The plain-matmul attention it
+    13 % and 16 % under the measured peak at these lengths; bench/cp.py attention). The plain-matmul attention it
     replaced built (b, nkv, g, c, s) fp32 scores in forward and backward (3.7x per doubling)."""
     base = ("model=small", "model.n_kv_heads=4", "mesh=single", f"mesh.cp={CP}", f"context.attention={variant}")
     cfgs = [make_cfg(*base, f"model.seq_len={s}") for s in (1024, 2048)]

@@ -1,28 +1,19 @@
-"""bench/planner_accuracy.py's arithmetic (its runs are a benchmark, not a test): the measured median over the steps
+"""bench/planner.py accuracy's arithmetic (its runs are a benchmark, not a test): the measured median over the steps
 after the warm-up, Kendall's tau, the inverted pairs split at the noise, and every layout a config p3d-plan accepts."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from p3d.planner import evaluate
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("planner_accuracy", ROOT / "bench" / "planner_accuracy.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["planner_accuracy"] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.planner")
 
 
 def test_step_records_reads_the_step_records_only_and_keeps_where_the_time_went(bench, tmp_path):

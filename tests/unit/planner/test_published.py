@@ -48,7 +48,7 @@ def test_known_misses(name):
 def test_held_out_errors_meet_the_issue_bounds():
     """The planner on the rows its GEMM constants were not fitted on (every other row of the listing): median
     |error| <= 8 % and none beyond 25 % (issue 50), with held-out rows from at least three sources new to the table.
-    docs/planner.md prints the table (bench/planner_published.py)."""
+    docs/planner.md prints the table (bench/planner.py published)."""
     errors = held_out_errors()
     worst = max(errors, key=lambda n: abs(errors[n]))
     assert statistics.median(abs(e) for e in errors.values()) <= MEDIAN_WITHIN, errors
@@ -60,7 +60,7 @@ def test_held_out_errors_meet_the_issue_bounds():
 def test_stored_constants_are_the_fits_optimum():
     """Each generation's (e, k0) in p3d/config/devices.py minimises the mean |ln error| over its fit rows on the
     lattice the fit searches (no neighbour does better): a change to the time model that moves the optimum fails
-    here until the constants are fitted again (.venv/bin/python bench/planner_published.py --fit)."""
+    here until the constants are fitted again (.venv/bin/python bench/planner.py published --fit)."""
     for gen in GENERATIONS:
         here = fit_loss(gen, *stored(gen))
         for point in neighbours(stored(gen)):
@@ -69,7 +69,7 @@ def test_stored_constants_are_the_fits_optimum():
 
 @pytest.mark.slow
 def test_the_fit_finds_the_stored_constants():
-    """The whole search (bench/planner_published.py --fit) lands on the stored constants."""
+    """The whole search (bench/planner.py published --fit) lands on the stored constants."""
     for gen in GENERATIONS:
         assert fit(gen) == pytest.approx(stored(gen)), gen
 

@@ -1,30 +1,9 @@
-"""Our checkpoint writer against torch.distributed.checkpoint (DCP) on the same per-rank state (issue 14).
-
-    .venv/bin/python bench/checkpoint_dcp.py <run.dir>/checkpoints/step_<N>    # a p3d-checkpoint-2 step
-
-The state is a real run's: each of the checkpoint's ranks (one per (pp, tp, dp) file, 8 for
-dp2_pp2_tp2) is started as a gloo process on CPU and reads its own ``model/`` and ``optim/`` files back:
-its 1/dp of the coordinate's parameters and its ZeRO fragments of master / exp_avg / exp_avg_sq, each a
-range of a flattened parameter. Every rank then saves that same state, timed as max over ranks after a
-barrier, ``--repeat`` times each:
-
-- ours: ``p3d.checkpoint.snapshot.Snapshot.write`` (two safetensors files + JSON, fsync'd, manifest);
-- DCP ``save`` with ``FileSystemWriter`` (fsync on). A fragment is a 1-D ``ShardedTensor`` of the
-  flattened parameter of its (pp, tp) coordinate, sharded over the coordinate's dp group at the
-  fragment's offset: DTensor ``Shard(0)`` cannot express ZeRO's arbitrary offsets;
-- DCP ``async_save`` (thread, default stager): the stall is the time until it returns; the write
-  finishes in the background (its total is printed too). Our async stall is the host copy
-  (``p3d.checkpoint.snapshot._host`` of every tensor), which is what ``train.async_save`` blocks training for.
-
-Then the DCP checkpoint is loaded under another layout: dp1 (each (pp, tp) coordinate whole, as plain
-tensors) with DCP's own resharding planner, and compared with our joiner (``coordinate_reader``) on
-our files. tp / pp changes are not expressible in DCP's keys here (a fragment of a flattened tp shard
-is not a block of the logical tensor); they need ``reshard.py`` either way.
-"""
+"""Our checkpoint writer against torch.distributed.checkpoint (DCP) on the same per-rank state (issue 14): the code of
+``bench/checkpoint.py dcp`` (its --help says what it measures), apart because it imports torch's distributed
+checkpointing at the top."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -250,19 +229,11 @@ def worker(rank: int, world: int, ckpt: Path, out: Path, repeat: int, port: int)
     dist.destroy_process_group()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", type=Path, help="a p3d-checkpoint-2 step directory")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--port", type=int, default=29731)
-    ap.add_argument("--out", type=Path, default=None, help="where to write (default: a temp dir next to it)")
-    args = ap.parse_args()
-    ckpt = args.checkpoint.resolve()
+def compare(checkpoint: Path, repeat: int, port: int, out: Path | None) -> None:
+    """Every rank of ``checkpoint`` (a p3d-checkpoint-2 step directory) as a gloo process: the saves and loads timed,
+    printed by rank 0."""
+    ckpt = checkpoint.resolve()
     world = len(coords(ckpt))
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {ckpt}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="p3d-bench-dcp-", dir=args.out or ckpt.parent) as tmp:
-        mp.spawn(worker, args=(world, ckpt, Path(tmp), args.repeat, args.port), nprocs=world)
-
-
-if __name__ == "__main__":
-    main()
+    with tempfile.TemporaryDirectory(prefix="p3d-bench-dcp-", dir=out or ckpt.parent) as tmp:
+        mp.spawn(worker, args=(world, ckpt, Path(tmp), repeat, port), nprocs=world)
