@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from p3d.config.schema import Recompute
 from p3d.layout.geometry import active_params, moe_layers, total_params
+from p3d.layout.schedule_rules import executor_name
 from p3d.planner import calibration, context
 from p3d.planner.machine import machine_of
 from p3d.planner.memory import GB, StageMemory
@@ -233,11 +234,13 @@ def _dp_overlap(report) -> str:
     total, exposed = report.dp_traffic_s, report.breakdown.get("dp_comm", 0.0)
     if total <= 0:
         return ""
-    who = (
-        "DeepSpeed's engine reduces after the last backward"
-        if exposed >= total
-        else "issued in the last backward"
-        if report.cfg.plan.overlap_dp is None
-        else "plan.overlap_dp=true"
-    )
+    stated = report.cfg.plan.overlap_dp
+    if stated is not None:
+        who = f"plan.overlap_dp={str(stated).lower()}"
+    elif not report.layout.torch_executor:
+        who = f"{executor_name(True)} reduces after the last backward"
+    elif report.layout.zero >= 2:
+        who = f"{executor_name(False)}: FSDP2 reduce-scatters in the last backward and prefetches its gathers"
+    else:  # its buckets go out in the last backward as their gradients are final (docs/overlap.md)
+        who = f"{executor_name(False)} issues its buckets in the last backward, the last one exposed"
     return f"  (exposed, of {total:.4f} s of dp traffic: overlap {1 - exposed / total:.0%}; {who})"

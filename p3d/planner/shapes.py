@@ -54,7 +54,7 @@ from p3d.layout.geometry import (
     stage_bounds,
 )
 from p3d.layout.run_plan import P3DConfigError
-from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, virtual_stages
+from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, engine_runs, uneven_micro_batches, virtual_stages
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class Layout:
     zero: int = 0
     ep: int = 1
     cp: int = 1
+    uneven: bool = False  # the dp replicas run different micro batch counts (schedule.replica_micro_batches)
 
     @property
     def world_size(self) -> int:
@@ -92,10 +93,9 @@ class Layout:
 
     @property
     def torch_executor(self) -> bool:
-        """Whether torch's pipelining runs it (``schedule_rules.runs_on_deepspeed`` for a layout): every schedule
-        but 1f1b, ZeRO-2/3, expert parallelism (DeepSpeed's engine reduces every gradient over all of dp) and
-        context parallelism (its engine knows no cp ranks)."""
-        return self.pipeline != "1f1b" or self.zero >= 2 or self.ep > 1 or self.cp > 1
+        """Whether torch's pipelining runs it: ``schedule_rules.engine_runs``, the launcher's rule, for its schedule,
+        ZeRO stage, ep, cp and micro batches per replica."""
+        return not engine_runs(self.pipeline, self.zero, self.ep, self.cp, self.uneven)
 
     def describe(self, seq_len: int) -> str:
         """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
@@ -159,7 +159,8 @@ def layout_of(cfg: Config) -> Layout:
     if cfg.model.moe is not None:
         check_expert_degree(cfg, dp)
         ep = cfg.mesh.ep
-    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp)
+    uneven = uneven_micro_batches(cfg)
+    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp, uneven)
 
 
 def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
@@ -180,6 +181,7 @@ def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
         cfg.zero.stage,
         run_plan.ep if cfg.model.moe is not None else 1,
         run_plan.cp,
+        len(set(run_plan.replica_micro_batches)) > 1,
     )
 
 
