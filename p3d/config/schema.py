@@ -307,8 +307,9 @@ class PlanConfig:
     overlap_pp: bool = False  # pipeline sends overlap compute (DeepSpeed's pipeline engine blocks on them)
     p2p_scatter: bool = False  # pipeline sends carry 1/tp of the activations (Megatron); p3d's send the full copy
     top: int = 5  # mesh=auto: how many ranked layouts to print
-    # sleep-timed blocks (P3D_TEST_BLOCK_SECONDS, p3d.train.block_seconds): each block's seconds per piece on the
-    # fastest group, added to the modelled compute (a simulated mixed cluster's plan, bench/hetero.py); null: none
+    # sleep-timed blocks (P3D_TEST_BLOCK_SECONDS, p3d.train.block_seconds): each block's seconds per piece (forward,
+    # input gradient, weight gradient, a full recompute's forward) on the fastest group, added to every block's
+    # modelled time in every section of a plan (a run timed like another device, bench/hetero.py); null: none
     block_seconds: Optional[float] = None
 
 

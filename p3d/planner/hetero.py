@@ -5,7 +5,7 @@ Ranks fill the nodes block by block and the groups take the nodes in order (p3d.
 the group of every (replica, stage) pair: the slowest group among its tp x cp ranks. Each pair's seconds per micro
 batch come from the homogeneous model (p3d.planner.step_time) run on its group's device, for the layers the split
 gives it; under ``plan.block_seconds`` (the sleep-timed blocks of ``P3D_TEST_BLOCK_SECONDS``) every block also
-takes 3 x that x the group's slowdown (its F, B and W sleeps, p3d.train.block_seconds).
+takes that x the group's slowdown in each of its F, B and W pieces (p3d.planner.step_time.block_sleep_seconds).
 
 One replica of stage times t_s running m micro batches takes sum(t_s) + (m - 1) max(t_s) (fill, then the slowest
 stage paces the rest: a flow shop of identical jobs); the step is the slowest replica's, plus the slowest rank's
@@ -95,8 +95,11 @@ class HeteroPlan:
 
 
 def group_config(cfg: Config, g: ClusterGroup) -> Config:
-    """``cfg`` as a homogeneous cluster of group ``g``'s device (its numbers, its links, its calibration)."""
+    """``cfg`` as a homogeneous cluster of group ``g``'s device (its numbers, its links, its calibration, and its
+    ranks' ``plan.block_seconds``: the fastest group's stretched by its slowdown, as P3D_TEST_BLOCK_SECONDS is)."""
     preset = DEVICES[str(g.device)]
+    fastest = max(nominal_tflops(other) for other in cfg.cluster.groups)
+    sleep = cfg.plan.block_seconds and cfg.plan.block_seconds * fastest / nominal_tflops(g)
     cluster = dataclasses.replace(
         cfg.cluster,
         groups=[],
@@ -106,7 +109,8 @@ def group_config(cfg: Config, g: ClusterGroup) -> Config:
         intra_node_gbps=preset.intra_node_gbps,
         inter_node_gbps=preset.inter_node_gbps,
     )
-    return dataclasses.replace(cfg, cluster=cluster, calibration=g.calibration or cfg.calibration)
+    plan = dataclasses.replace(cfg.plan, block_seconds=sleep)
+    return dataclasses.replace(cfg, cluster=cluster, plan=plan, calibration=g.calibration or cfg.calibration)
 
 
 def pair_groups(cfg: Config, layout: Layout) -> list[list[int]]:
@@ -149,8 +153,7 @@ class Costs:
             params = stage_params(cfg, lay)
             mems = memory.stage_memory(cfg, lay, params)
             times = step_time.stage_times(cfg, lay, params)
-            sleep = 3 * (cfg.plan.block_seconds or 0.0) * self.slowdown[group]  # F, B and W sleeps per block
-            per_mb = [t.total + sleep * p.blocks for t, p in zip(times, params)]
+            per_mb = [t.total for t in times]  # the blocks' sleeps (plan.block_seconds) included
             tails = []
             for p, t in zip(params, times):
                 dp = step_time.dp_exposed(cfg, lay, p, step_time.dp_seconds(cfg, lay, p), t)
