@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from p3d.config.schema import Recompute
 from p3d.layout.geometry import active_params, moe_layers, total_params
+from p3d.layout.hetero import describe_groups
 from p3d.layout.schedule_rules import executor_name
 from p3d.planner import calibration, context
 from p3d.planner.machine import machine_of
@@ -121,7 +122,7 @@ def render(report) -> str:
         # a cp column for a long sequence (where mesh=auto tries cp > 1) or a ranking that holds one
         cp = m.seq_len >= context.LONG_SEQUENCE or any(r.layout.cp > 1 for r in report.ranking)
         out += [
-            f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x {cfg.cluster.device}",
+            f"mesh=auto: {len(report.ranking)} best of the layouts that fit {_devices(cfg, lay.world_size)}",
             f"  {'tp':>3}"
             + (f" {'cp':>3}" if cp else "")
             + f" {'pp':>3} {'dp':>5}"
@@ -144,7 +145,7 @@ def render(report) -> str:
         out.append("")
     out.append(
         f"p3d-plan: {m.name} ({m.arch.value}, {m.n_layers} layers, h={m.hidden_size}) on "
-        f"{lay.describe(m.seq_len)}, {cfg.cluster.device}"
+        f"{lay.describe(m.seq_len)}, {_devices(cfg)}"
     )
     out.append(
         f"  {cfg.train.dtype.value}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
@@ -227,6 +228,19 @@ def render(report) -> str:
     if report.hetero is not None:  # cluster.groups: the split on the groups, each group's memory, the gap
         out.append(report.hetero.render(m.seq_len))
     return "\n".join(out)
+
+
+def _devices(cfg, world: int | None = None) -> str:
+    """The devices a plan is for: ``64 x h100_sxm`` (``h100_sxm`` without ``world``), or on a cluster of groups the
+    groups, and how the homogeneous model stands for them (their mean peak, their smallest memory)."""
+    c = cfg.cluster
+    if not c.groups:
+        return f"{world} x {c.device}" if world else str(c.device)
+    gpus = f"the {world} GPUs of " if world else ""
+    return (
+        f"{gpus}cluster.groups {describe_groups(c)} (timed at their mean peak, {c.peak_tflops:g} TFLOP/s, in their "
+        f"smallest memory, {c.memory_gb:g} GB)"
+    )
 
 
 def _dp_overlap(report) -> str:
