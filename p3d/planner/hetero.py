@@ -245,9 +245,10 @@ def share_micro_batches(costs: Costs, blocks: list[int], groups: list[list[int]]
     return counts
 
 
-def plan_layout(cfg: Config, layout: Layout) -> HeteroPlan:
+def plan_layout(cfg: Config, layout: Layout, as_given: bool = False) -> HeteroPlan:
     """The split of ``layout`` on cfg's groups (``schedule.stage_blocks`` / ``replica_micro_batches`` as given, or
-    planned where empty), its step, the uniform split's and the ideal's."""
+    planned where empty; ``as_given``: the even split where empty, the run p3d-train starts), its step, the uniform
+    split's and the ideal's."""
     costs = Costs(cfg, layout)
     groups = pair_groups(cfg, layout)
     total = cfg.schedule.global_batch_size // layout.micro_batch_size
@@ -255,6 +256,8 @@ def plan_layout(cfg: Config, layout: Layout) -> HeteroPlan:
     uniform_blocks, uniform_counts = even_counts(cfg.model.n_layers, layout.pp), even_counts(total, layout.dp)
     uniform = costs.step(uniform_blocks, uniform_counts, groups)
     blocks, counts = list(cfg.schedule.stage_blocks), list(cfg.schedule.replica_micro_batches)
+    if as_given:
+        blocks, counts = blocks or uniform_blocks, counts or uniform_counts
     if not blocks:
         blocks = cut_blocks(costs, groups, total // layout.dp) if layout.virtual_stages == 1 else uniform_blocks
     # p3d-train refuses uneven counts under ZeRO-3 and expert parallelism; interleaving's rounds need m % (m // pp)

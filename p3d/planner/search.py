@@ -197,7 +197,10 @@ def predict(cfg: Config, run_plan=None) -> Prediction:
     or mesh=auto without a fitting layout)."""
     check_options(cfg)
     if run_plan is not None:
-        return evaluate(cfg, layout_of_run_plan(cfg, run_plan), accepted=True)
+        report = evaluate(cfg, layout_of_run_plan(cfg, run_plan), accepted=True)
+        if cfg.cluster.groups:  # the split the run starts with, on its groups
+            report.hetero = plan_layout(cfg, report.layout, as_given=True)
+        return report
     if cfg.mesh.name == "auto":
         ranked = search(cfg)
         if cfg.cluster.groups:  # a heterogeneous cluster: the best split of the best homogeneous layouts

@@ -201,3 +201,25 @@ def test_a_dry_run_that_fits_says_so_and_exits_0(capsys):
     assert train_task(compose("model=small", "mesh=dp2", "dry_run=true")) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("  -> fits: ") and last.endswith("of 24 GB for the 2 workers together"), last
+
+
+def test_a_dry_run_over_groups_shows_each_ranks_group_and_the_split_it_runs():
+    """Issue 64, item 10: ``p3d-train cluster=mixed_h100_a100 model=llama3_8b mesh=auto dry_run=true`` shows which
+    group each node and rank is on, the blocks and micro batches the planner split over the groups (what the run
+    starts with), each group's memory and the split's predicted step against the uniform one."""
+    from p3d.launch.dryrun import dry_run
+
+    cfg, plan = typed("cluster=mixed_h100_a100", "model=llama3_8b", "mesh=auto", "dry_run=true")
+    text = dry_run(cfg, plan).render()
+    lines = text.splitlines()
+    assert "cluster.groups: node 0: group 0 (1 x h100_sxm); node 1: group 1 (1 x a100_80gb)" in lines
+    per_node = plan.world_size // 2
+    for rank in (0, plan.world_size - 1):
+        row = next(x for x in lines if x.startswith(f"  rank {rank:>5}:"))
+        assert row.split("-> ")[1].startswith(f"node {rank // per_node:>3} group {rank // per_node}"), row
+    assert cfg.schedule.stage_blocks or cfg.schedule.replica_micro_batches  # mesh=auto planned an uneven split
+    split = [x for x in lines if x.strip().startswith("schedule.stage_blocks=")]
+    assert len(split) == 1 and split[0].endswith(f" schedule.replica_micro_batches={plan.replica_micro_batches}")
+    if cfg.schedule.stage_blocks:
+        assert split[0].startswith(f"  schedule.stage_blocks={cfg.schedule.stage_blocks} ")
+    assert "    0: 1 x h100_sxm" in text and "    1: 1 x a100_80gb" in text and "uniform split" in text
