@@ -101,7 +101,9 @@ class ScheduleConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all dp replicas
     recompute: Recompute = Recompute.none
     partition: Partition = Partition.cost
-    sequence_parallel: bool = False  # split the sequence over tp outside the TP regions (needs tp > 1)
+    # split the sequence over tp outside the TP regions (needs tp > 1); null: on wherever mesh.tp > 1 and the sequence
+    # divides over it (p3d.layout.run_plan.sequence_parallel_default; docs/schedules.md), false: off
+    sequence_parallel: Optional[bool] = None
     recompute_swiglu: bool = False  # with recompute=selective: silu(gate) * up recomputed in backward too
     # chunks per pp rank: >= 2 with interleaved_*, exactly 2 with zbv / dualpipev, 1 with 1f1b / gpipe;
     # null: derived from the pipeline (its fewest: 2 for the interleaved and V schedules, else 1)

@@ -32,7 +32,7 @@ from p3d.planner import predict
 from p3d.planner.memory import StageMemory
 from p3d.planner.predict import Prediction
 from p3d.planner.render import memory_table, memory_unit
-from p3d.planner.verdict import fit_refusal
+from p3d.planner.verdict import fit_refusal, headroom_warning
 
 if TYPE_CHECKING:
     from p3d.config.schema import Config
@@ -161,6 +161,9 @@ class DryRunReport:
                 f"for the {plan.world_size} workers together" if p.shared_host else "on the most loaded rank"
             )
             out.append(f"  -> {verdict}: {where}")
+            crowded = headroom_warning(p)
+            if crowded is not None:
+                out.append(f"warning: {crowded}")
             if p.hetero is not None:  # the split over the groups that this run starts with, and its prediction
                 out += ["", p.hetero.render(cfg.model.seq_len)]
         return out

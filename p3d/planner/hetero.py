@@ -23,6 +23,7 @@ dp reduction and optimizer. The planner
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from p3d.config.devices import DEVICES, DeviceName
@@ -30,8 +31,7 @@ from p3d.config.schema import ClusterGroup, Config
 from p3d.layout.dims import ParallelDims
 from p3d.layout.hetero import group_of_node, nominal_tflops
 from p3d.planner import memory, step_time
-from p3d.planner.predict import apply_layout
-from p3d.planner.shapes import Layout, stage_params
+from p3d.planner.shapes import Layout, apply_layout, stage_params
 
 GB = 1e9
 
@@ -94,6 +94,28 @@ class HeteroPlan:
         return "\n".join(lines)
 
 
+def ranking_table(plans: list[HeteroPlan]) -> list[str]:
+    """mesh=auto's table on a cluster of groups: each layout with its split, its step, the uniform split's, the
+    ideal's and the gap, best first."""
+    out = [
+        f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'mbs':>4}  {'schedule':<22} {'recompute':<9} {'zero':>4}  "
+        f"{'step s':>9} {'uniform s':>9} {'ideal s':>9} {'gap':>7}  blocks per stage / micro batches per replica"
+    ]
+    for p in plans:
+        lo = p.layout
+        out.append(
+            f"  {lo.tp:>3} {lo.cp:>3} {lo.pp:>3} {lo.dp:>4} {lo.micro_batch_size:>4}  {lo.schedule_name:<22} "
+            f"{lo.recompute:<9} {lo.zero:>4}  {p.step_s:>9.4f} {p.uniform_step_s:>9.4f} {p.ideal_step_s:>9.4f} "
+            f"{p.gap:>+7.1%}  {_listed(p.stage_blocks)} / {_listed(p.replica_micro_batches)}"
+            + ("" if p.fits else "  (does not fit)")
+        )
+    return out
+
+
+def _listed(values: list[int]) -> str:
+    return "[" + ",".join(map(str, values)) + "]"
+
+
 def group_config(cfg: Config, g: ClusterGroup) -> Config:
     """``cfg`` as a homogeneous cluster of group ``g``'s device (its numbers, its links, its calibration, and its
     ranks' ``plan.block_seconds``: the fastest group's stretched by its slowdown, as P3D_TEST_BLOCK_SECONDS is)."""
@@ -141,6 +163,8 @@ class Costs:
         rate = [nominal_tflops(g) for g in cfg.cluster.groups]
         self.slowdown = [max(rate) / r for r in rate]
         self._cache: dict[tuple, tuple[list[float], list[float], list[float]]] = {}
+        # the tied embedding's all-reduce between the first and the last stage, on the slowest group's links
+        self.tied = max(step_time.tied_seconds(g, layout) for g in self.group_cfgs)
 
     def stages(self, blocks: tuple[int, ...], group: int, m: int) -> tuple[list[float], list[float], list[float]]:
         """(seconds per micro batch, seconds of dp reduction and optimizer, bytes) of each stage on ``group``
@@ -172,7 +196,18 @@ class Costs:
                 tails.append(tail_s[s])
             replicas.append(sum(t) + (m - 1) * max(t))
             tail = max(tail, *tails)
-        return max(replicas) + tail
+        return max(replicas) + tail + self.tied
+
+    def even_step(self, blocks: list[int], m: float, groups: list[list[int]]) -> float:
+        """The step of every replica running ``m`` micro batches, m the global batch's share of a replica (a fraction
+        where the batch does not divide over dp: the layout's throughput as if it did)."""
+        whole = max(1, round(m))
+        replicas, tail = [], 0.0
+        for row in groups:
+            t = [self.stages(tuple(blocks), g, whole)[0][s] for s, g in enumerate(row)]
+            replicas.append(sum(t) + (m - 1) * max(t))
+            tail = max(tail, *(self.stages(tuple(blocks), g, whole)[1][s] for s, g in enumerate(row)))
+        return max(replicas) + tail + self.tied
 
     def memory(self, blocks: list[int], counts: list[int], groups: list[list[int]]) -> list[tuple[str, float, float]]:
         """Each group's most loaded rank (bytes) and capacity."""
@@ -248,40 +283,107 @@ def share_micro_batches(costs: Costs, blocks: list[int], groups: list[list[int]]
 def plan_layout(cfg: Config, layout: Layout, as_given: bool = False) -> HeteroPlan:
     """The split of ``layout`` on cfg's groups (``schedule.stage_blocks`` / ``replica_micro_batches`` as given, or
     planned where empty; ``as_given``: the even split where empty, the run p3d-train starts), its step, the uniform
-    split's and the ideal's."""
-    costs = Costs(cfg, layout)
+    split's and the ideal's. Uneven micro batch counts run on torch's executor (``schedule_rules.engine_runs``), so
+    a split that gives the replicas different counts is costed on it, and an even one on the layout's own."""
+    costs = {uneven: Costs(cfg, dataclasses.replace(layout, uneven=uneven)) for uneven in (False, True)}
+
+    def costs_of(counts: list[int]) -> Costs:
+        return costs[len(set(counts)) > 1]
+
     groups = pair_groups(cfg, layout)
     total = cfg.schedule.global_batch_size // layout.micro_batch_size
     least = 2 * layout.pp if layout.pipeline == "dualpipev" else layout.pp
     uniform_blocks, uniform_counts = even_counts(cfg.model.n_layers, layout.pp), even_counts(total, layout.dp)
-    uniform = costs.step(uniform_blocks, uniform_counts, groups)
+    uniform = costs_of(uniform_counts).step(uniform_blocks, uniform_counts, groups)
     blocks, counts = list(cfg.schedule.stage_blocks), list(cfg.schedule.replica_micro_batches)
     if as_given:
         blocks, counts = blocks or uniform_blocks, counts or uniform_counts
-    if not blocks:
-        blocks = cut_blocks(costs, groups, total // layout.dp) if layout.virtual_stages == 1 else uniform_blocks
     # p3d-train refuses uneven counts under ZeRO-3 and expert parallelism; interleaving's rounds need m % (m // pp)
     splits_batch = layout.zero < 3 and layout.ep == 1 and layout.virtual_stages == 1 and total >= least * layout.dp
+    planning = costs[bool(counts and len(set(counts)) > 1) or (not counts and splits_batch)]
+    if not blocks:
+        blocks = cut_blocks(planning, groups, total // layout.dp) if layout.virtual_stages == 1 else uniform_blocks
     if not counts:
-        counts = share_micro_batches(costs, blocks, groups, total, least) if splits_batch else uniform_counts
-    step = costs.step(blocks, counts, groups)
+        counts = share_micro_batches(planning, blocks, groups, total, least) if splits_batch else uniform_counts
+    step = costs_of(counts).step(blocks, counts, groups)
     if not (cfg.schedule.stage_blocks or cfg.schedule.replica_micro_batches) and step >= uniform:
         blocks, counts, step = uniform_blocks, uniform_counts, uniform  # the uniform split is always a candidate
-    # the ideal: each group's throughput on the homogeneous layout, in proportion to its share of the ranks
-    nodes = sum(g.nodes for g in cfg.cluster.groups)
+    # the ideal: each group's throughput on the homogeneous layout (the batch's share of a replica, even where it
+    # does not divide over dp) and the split's executor, in proportion to its share of the ranks
+    nodes, share = sum(g.nodes for g in cfg.cluster.groups), total / layout.dp
     rate = sum(
-        g.nodes / nodes / costs.step(uniform_blocks, uniform_counts, [[i] * layout.pp] * layout.dp)
+        g.nodes / nodes / costs_of(counts).even_step(uniform_blocks, share, [[i] * layout.pp] * layout.dp)
         for i, g in enumerate(cfg.cluster.groups)
     )
     tokens = cfg.schedule.global_batch_size * cfg.model.seq_len
-    mem = costs.memory(blocks, counts, groups)
-    return HeteroPlan(layout, blocks, counts, step, uniform, 1 / rate, tokens, groups, mem)
+    mem = costs_of(counts).memory(blocks, counts, groups)
+    ran = dataclasses.replace(layout, micro_batches=max(counts), uneven=len(set(counts)) > 1)
+    return HeteroPlan(ran, blocks, counts, step, uniform, 1 / rate, tokens, groups, mem)
 
 
-def plan_groups(cfg: Config, layouts: list[Layout], top: int = 20) -> HeteroPlan:
-    """The best split of the first ``top`` layouts (the homogeneous ranking's, best first) and of the first ``top``
-    with one chunk per rank (whose blocks the planner cuts), that fits every group."""
-    single = [lay for lay in layouts if lay.virtual_stages == 1][:top]
-    plans = [plan_layout(cfg, lay) for lay in dict.fromkeys([*layouts[:top], *single])]
-    fitting = [p for p in plans if p.fits] or plans
-    return min(fitting, key=lambda p: p.step_s)
+# mesh=auto over groups (``plan_groups``): a layout is split only while its homogeneous time for the global batch is
+# within 1 / UNDER_IDEAL of the best split's so far (a split beats its layout's homogeneous time by evening out its
+# stages and, for uneven micro batches, on torch's executor, whose dp buckets overlap the backward: up to ~25 %), and
+# at most MAX_SPLITS layouts are split (about 4 ms each)
+UNDER_IDEAL = 0.7
+# the other layouts of a set of degrees and micro batch size: split while their estimate (the set's first split scaled
+# by their homogeneous time) is within 1 / SAME_SET of the best split
+SAME_SET = 0.9
+MAX_SPLITS = 600
+
+
+def plan_groups(cfg: Config, ranked: list) -> list[HeteroPlan]:
+    """``mesh=auto`` on a cluster of groups: the split of the layouts of the homogeneous ranking (``ranked``:
+    predictions, fastest first; every micro batch size, schedule, recompute and ZeRO stage p3d-train accepts, and
+    the layouts only an uneven split of the batch allows), best first, those that fit every group first.
+
+    A layout's homogeneous time for the global batch on the groups' mean device is about its ideal, the sum of the
+    groups' throughputs: the split reaches it where the batch leaves micro batches to move (a small micro batch) and
+    stays at the uniform split where it does not. So the search splits, in the ranking's order, first the best layout
+    of each set of degrees, micro batch size and what the split may move (where its freedom lies), then the other
+    schedules, recomputes and ZeRO stages of each set, each while its estimated step is within reach of the best
+    split so far."""
+    batch = cfg.schedule.global_batch_size * cfg.model.seq_len
+    sets: dict[tuple[int, ...], list] = {}
+    for r in ranked:
+        lay = r.layout
+        # what the split may move (the blocks of one chunk per rank, the micro batches but under ZeRO-3) and the
+        # homogeneous layout's executor (an uneven split runs on torch's, whose homogeneous time another set scales)
+        moves = (lay.virtual_stages == 1, lay.zero < 3, lay.torch_executor)
+        sets.setdefault((lay.tp, lay.cp, lay.pp, lay.dp, lay.ep, lay.micro_batch_size, *moves), []).append(r)
+    plans: list[HeteroPlan] = []
+    best = math.inf
+
+    def split(r, bound: float) -> bool:
+        """Split ``r``'s layout unless ``bound`` (a lower estimate of its split's step) is out of reach of the best
+        split so far or the search is spent (False)."""
+        nonlocal best
+        if bound > best or len(plans) >= MAX_SPLITS:
+            return False
+        plans.append(plan_layout(cfg, r.layout))
+        if plans[-1].fits:
+            best = min(best, plans[-1].step_s)
+        return True
+
+    def homogeneous(r) -> float:
+        return batch / r.tokens_per_s
+
+    firsts = []
+    for first, *_ in sets.values():  # each set's best layout, in the order of the sets' best
+        if not split(first, UNDER_IDEAL * homogeneous(first)):
+            break
+        firsts.append(plans[-1])
+    # the other layouts of the sets split: their split's step estimated as the set's first split's, scaled by their
+    # homogeneous times, best first
+    others = sorted(
+        (
+            (p.step_s * homogeneous(r) / homogeneous(first), r)
+            for p, (first, *rest) in zip(firsts, sets.values())
+            for r in rest
+        ),
+        key=lambda pair: pair[0],
+    )
+    for estimate, r in others:
+        if not split(r, SAME_SET * estimate):
+            break
+    return sorted(plans, key=lambda p: (not p.fits, p.step_s))

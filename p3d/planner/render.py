@@ -7,6 +7,7 @@ from p3d.layout.geometry import active_params, moe_layers, total_params
 from p3d.layout.hetero import describe_groups
 from p3d.layout.schedule_rules import executor_name
 from p3d.planner import calibration, context
+from p3d.planner.hetero import ranking_table
 from p3d.planner.machine import machine_of
 from p3d.planner.memory import GB, StageMemory
 from p3d.planner.step_time import a2a_link, assumptions, kv_link, kv_seconds, kv_traffic
@@ -143,6 +144,13 @@ def render(report) -> str:
                 f"{lo.zero}"
             )
         out.append("")
+    elif report.hetero_ranking:  # mesh=auto on a cluster of groups: the layouts ranked by their splits' steps
+        out += [
+            f"mesh=auto: {len(report.hetero_ranking)} best splits over {_devices(cfg, lay.world_size)}, by the "
+            "split's step",
+            *ranking_table(report.hetero_ranking),
+            "",
+        ]
     out.append(
         f"p3d-plan: {m.name} ({m.arch.value}, {m.n_layers} layers, h={m.hidden_size}) on "
         f"{lay.describe(m.seq_len)}, {_devices(cfg)}"

@@ -99,7 +99,7 @@ def context_degrees(cfg: Config, tp: int, gpus: int) -> list[int]:
         return [1]
     out, cp = [1], 2
     while gpus % cp == 0 and s // cp >= MIN_TOKENS_PER_RANK:
-        if s % sequence_multiple(cp, tp, sched.sequence_parallel) == 0:
+        if s % sequence_multiple(cp, tp, bool(sched.sequence_parallel)) == 0:  # unset: on where it divides
             out.append(cp)
         cp *= 2
     return out
@@ -122,7 +122,7 @@ def candidates(cfg: Config) -> list[Layout]:
         for cp in context_degrees(cfg, tp, world // tp):
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                if pp > max_pp or gbs % dp:
+                if pp > max_pp or (gbs % dp and not cfg.cluster.groups):  # groups: uneven splits of the batch
                     continue
                 mesh = dataclasses.replace(cfg.mesh, tp=tp, pp=pp, dp=dp, cp=cp)
                 try:
@@ -135,17 +135,30 @@ def candidates(cfg: Config) -> list[Layout]:
 
 def _layouts(cfg: Config, tp: int, pp: int, dp: int, cp: int) -> list[Layout]:
     """Every micro batch, schedule, recompute, ZeRO stage and ep of the degrees tp x cp x pp x dp that p3d-train
-    accepts."""
+    accepts. On a cluster of groups also the micro batches that do not divide the batch evenly over dp, which only an
+    uneven split of the replicas' micro batches runs (``schedule.replica_micro_batches``, at least pp each; one chunk
+    per rank, ZeRO < 3, ep 1: p3d.planner.hetero)."""
     gbs, out = cfg.schedule.global_batch_size, []
-    for mbs in divisors(gbs // dp):
-        micro = gbs // (dp * mbs)
+    sizes = divisors(gbs) if cfg.cluster.groups else divisors(gbs // dp)
+    for mbs in sizes:
+        total = gbs // mbs
+        uneven = total % dp != 0
+        if uneven and total < pp * dp:
+            continue
+        counts = [total // dp + (1 if d < total % dp else 0) for d in range(dp)] if uneven else []
         for pipeline, v in schedules(cfg, pp):
+            if uneven and (v > 1 or pipeline == "dualpipev"):
+                continue
             for recompute in RECOMPUTE:
                 for zero in ZERO_STAGES:
                     for ep in expert_degrees(cfg, dp):
-                        layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero, ep, cp)
+                        layout = Layout(tp, pp, dp, mbs, total // dp, v, pipeline, recompute, zero, ep, cp, uneven)
+                        applied = apply_layout(cfg, layout)
+                        if uneven:
+                            sched = dataclasses.replace(applied.schedule, replica_micro_batches=counts)
+                            applied = dataclasses.replace(applied, schedule=sched)
                         try:
-                            check_layout(apply_layout(cfg, layout), layout)
+                            check_layout(applied, layout)
                         except P3DConfigError:
                             continue
                         out.append(layout)
@@ -203,13 +216,13 @@ def predict(cfg: Config, run_plan=None) -> Prediction:
         return report
     if cfg.mesh.name == "auto":
         ranked = search(cfg)
-        if cfg.cluster.groups:  # a heterogeneous cluster: the best split of the best homogeneous layouts
-            plan = plan_groups(cfg, [r.layout for r in ranked])
-            best = evaluate(with_split(apply_layout(cfg, plan.layout), plan))
-            best.hetero = plan
+        if cfg.cluster.groups:  # a heterogeneous cluster: the split of every layout, searched (hetero.plan_groups)
+            splits = plan_groups(cfg, ranked)
+            best = evaluate(with_split(apply_layout(cfg, splits[0].layout), splits[0]))
+            best.hetero, best.hetero_ranking = splits[0], splits[: max(1, cfg.plan.top)]
         else:
             best = evaluate(apply_layout(cfg, ranked[0].layout))
-        best.ranking = ranked[: max(1, cfg.plan.top)]
+            best.ranking = ranked[: max(1, cfg.plan.top)]
         return best
     report = evaluate(cfg)
     if cfg.cluster.groups:
@@ -241,5 +254,5 @@ def resolve_auto(cfg: Config) -> Config:
     """``mesh=auto`` as p3d-train runs it: the best layout, and on a heterogeneous cluster its split."""
     if not cfg.cluster.groups:
         return apply_layout(cfg, best_layout(cfg))
-    plan = plan_groups(cfg, [r.layout for r in search(cfg)])
+    plan = plan_groups(cfg, search(cfg))[0]
     return with_split(apply_layout(cfg, plan.layout), plan)

@@ -35,10 +35,11 @@ keeps the routed experts' share apart: they reduce and shard over edp = dp / ep 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from p3d.config.schema import Arch, Config, DType, ModelConfig
+from p3d.config.schema import Arch, Config, DType, ModelConfig, Pipeline, Recompute
 from p3d.layout.dims import resolve_dp
 from p3d.layout.expert_rules import check_expert_degree
 from p3d.layout.geometry import (
@@ -53,7 +54,7 @@ from p3d.layout.geometry import (
     rank_chunks,
     stage_bounds,
 )
-from p3d.layout.run_plan import P3DConfigError
+from p3d.layout.run_plan import P3DConfigError, sequence_parallel_default
 from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, engine_runs, uneven_micro_batches, virtual_stages
 
 
@@ -161,6 +162,32 @@ def layout_of(cfg: Config) -> Layout:
         ep = cfg.mesh.ep
     uneven = uneven_micro_batches(cfg)
     return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp, uneven)
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    """``cfg`` with the mesh (ep and cp too), micro batch, pipeline schedule and chunks, recompute and ZeRO stage of
+    ``layout`` (what p3d-train runs for mesh=auto), and sequence parallelism where unset: the layout's default."""
+    name = (
+        f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}"
+        + (f"_ep{layout.ep}" if layout.ep > 1 else "")
+        + (f"_cp{layout.cp}" if layout.cp > 1 else "")
+    )
+    mesh = dataclasses.replace(
+        cfg.mesh, name=name, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp
+    )
+    sp = cfg.schedule.sequence_parallel
+    sched = dataclasses.replace(
+        cfg.schedule,
+        micro_batch_size=layout.micro_batch_size,
+        pipeline=Pipeline[layout.pipeline],
+        virtual_stages=layout.virtual_stages,
+        recompute=Recompute(layout.recompute),
+        sequence_parallel=sequence_parallel_default(cfg, layout.tp, layout.cp) if sp is None else sp,
+    )
+    zero = cfg.zero
+    if zero.stage != layout.zero:
+        zero = dataclasses.replace(zero, name=f"stage{layout.zero}", stage=layout.zero)
+    return dataclasses.replace(cfg, mesh=mesh, schedule=sched, zero=zero)
 
 
 def layout_of_run_plan(cfg: Config, run_plan) -> Layout:

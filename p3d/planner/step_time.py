@@ -202,7 +202,8 @@ def block_sleep_seconds(cfg: Config) -> float:
 
 def _slept(block: dict[str, float], cfg: Config, sleep: float) -> dict[str, float]:
     """A block's seconds with its sleep-timed pieces: the forward's, the backward's input- and weight-gradient pieces
-    (B and W), and a full recompute's forward again (its pre-hook runs again under torch's and DeepSpeed's checkpoint)."""
+    (B and W), and a full recompute's forward again (its pre-hook runs again under torch's and DeepSpeed's
+    checkpoint)."""
     if sleep <= 0:
         return block
     out = dict(block, fwd=block["fwd"] + sleep, bwd=block["bwd"] + 2 * sleep)
@@ -265,12 +266,13 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
         return mach.gemm(g, layout)
 
     sleep = block_sleep_seconds(cfg)
-    dense = _slept(_probed(_per_block(cfg, block_work(cfg, layout), gemm, mem_s), mach.block(layout, False)), cfg, sleep)
-    moe = (
-        _slept(_probed(_per_block(cfg, block_work(cfg, layout, moe=True), gemm, mem_s), mach.block(layout, True)), cfg, sleep)
-        if moe_layers(m)
-        else dense
-    )
+
+    def timed(moe: bool) -> dict[str, float]:
+        block = _probed(_per_block(cfg, block_work(cfg, layout, moe=moe), gemm, mem_s), mach.block(layout, moe))
+        return _slept(block, cfg, sleep)
+
+    dense = timed(False)
+    moe = timed(True) if moe_layers(m) else dense
     probed_head, probed_embed = mach.head(layout), mach.embedding(layout)
     a2a, kv = a2a_seconds(cfg, layout), kv_seconds(cfg, layout)
     b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)
