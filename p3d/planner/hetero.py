@@ -32,6 +32,7 @@ from p3d.layout.dims import ParallelDims
 from p3d.layout.hetero import group_of_node, nominal_tflops
 from p3d.planner import memory, step_time
 from p3d.planner.shapes import Layout, apply_layout, stage_params
+from p3d.planner.verdict import HEADROOM
 
 GB = 1e9
 
@@ -54,6 +55,12 @@ class HeteroPlan:
     @property
     def fits(self) -> bool:
         return all(used <= cap for _, used, cap in self.group_memory)
+
+    @property
+    def crowded(self) -> bool:
+        """Some group's most loaded rank uses more than ``verdict.HEADROOM`` of its memory (mesh=auto ranks these
+        last: what the plan leaves out takes some GB)."""
+        return any(used > HEADROOM * cap for _, used, cap in self.group_memory)
 
     @property
     def gap(self) -> float:
@@ -335,7 +342,8 @@ MAX_SPLITS = 600
 def plan_groups(cfg: Config, ranked: list) -> list[HeteroPlan]:
     """``mesh=auto`` on a cluster of groups: the split of the layouts of the homogeneous ranking (``ranked``:
     predictions, fastest first; every micro batch size, schedule, recompute and ZeRO stage p3d-train accepts, and
-    the layouts only an uneven split of the batch allows), best first, those that fit every group first.
+    the layouts only an uneven split of the batch allows), best first: those that fit every group first, and of those
+    the ones that leave every group 10 % of its memory (``crowded``).
 
     A layout's homogeneous time for the global batch on the groups' mean device is about its ideal, the sum of the
     groups' throughputs: the split reaches it where the batch leaves micro batches to move (a small micro batch) and
@@ -386,4 +394,4 @@ def plan_groups(cfg: Config, ranked: list) -> list[HeteroPlan]:
     for estimate, r in others:
         if not split(r, SAME_SET * estimate):
             break
-    return sorted(plans, key=lambda p: (not p.fits, p.step_s))
+    return sorted(plans, key=lambda p: (not p.fits, p.crowded, p.step_s))

@@ -18,7 +18,8 @@ chunks per rank v, recompute and the ZeRO stage. The search tries every combinat
 and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
 ``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``, ``check_experts``, ``check_context``: the
 functions p3d-train calls, so the two cannot drift). Layouts predicted not to fit device memory are dropped; the rest
-are sorted by predicted tokens/s (ties: less memory first).
+are sorted by predicted tokens/s (ties: less memory first), those that use more than 90 % of a device's memory last
+(``verdict.headroom_warning``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from p3d.planner.shapes import (
     stage_params,
     world_size,
 )
-from p3d.planner.verdict import check_options
+from p3d.planner.verdict import check_options, headroom_warning
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -193,7 +194,8 @@ def search(cfg: Config) -> list[Prediction]:
             f"({lean.describe(cfg.model.seq_len)}, recompute={lean.recompute}, zero.stage={lean.zero}) needs "
             f"{smallest.worst.total / 1e9:.1f} GB; try more cluster.nodes"
         )
-    reports.sort(key=lambda r: (-r.tokens_per_s, r.worst.total))
+    # above 90 % of a device's memory last (verdict.headroom_warning: what the plan leaves out takes some GB)
+    reports.sort(key=lambda r: (headroom_warning(r) is not None, -r.tokens_per_s, r.worst.total))
     return reports
 
 

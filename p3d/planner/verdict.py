@@ -13,7 +13,6 @@ from p3d.planner.memory import GB
 from p3d.planner.shapes import Layout
 from p3d.planner.step_time import a2a_link, kv_link
 
-
 # a plan above this share of a device's memory is warned about: the CUDA context, NCCL's buffers and the caching
 # allocator's fragmentation are not in the model (docs/planner.md, Known limits), and take some GB of it
 HEADROOM = 0.9

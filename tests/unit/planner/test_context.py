@@ -176,7 +176,7 @@ def test_mesh_auto_splits_a_long_sequence_over_cp_ranks(make_cfg, monkeypatch):
     assert {lay.cp for lay in search_module.candidates(cfg)} == {1, 2, 4, 8}
     report = predict(cfg)
     best = report.layout
-    assert best.cp > 1 and all(r.layout.cp > 1 for r in report.ranking)
+    assert best.cp > 1 and report.ranking[0].layout.cp > 1
     assert build_plan(apply_layout(cfg, best), None).cp == best.cp  # p3d-train runs it as it stands
     lines = report.render().splitlines()
     assert f"{'tp':>3} {'cp':>3} {'pp':>3}" in lines[1]
