@@ -7,7 +7,6 @@ from p3d.layout.geometry import active_params, moe_layers, total_params
 from p3d.layout.hetero import describe_groups
 from p3d.layout.schedule_rules import executor_name
 from p3d.planner import calibration, context
-from p3d.planner.hetero import ranking_table
 from p3d.planner.machine import machine_of
 from p3d.planner.memory import GB, StageMemory
 from p3d.planner.step_time import a2a_link, assumptions, kv_link, kv_seconds, kv_traffic
@@ -266,3 +265,25 @@ def _dp_overlap(report) -> str:
     else:  # its buckets go out in the last backward as their gradients are final (docs/overlap.md)
         who = f"{executor_name(False)} issues its buckets in the last backward, the last one exposed"
     return f"  (exposed, of {total:.4f} s of dp traffic: overlap {1 - exposed / total:.0%}; {who})"
+
+
+def ranking_table(plans: list) -> list[str]:
+    """mesh=auto's table on a cluster of groups: each layout with its split, its step, the uniform split's, the
+    ideal's and the gap, best first."""
+    out = [
+        f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'mbs':>4}  {'schedule':<22} {'recompute':<9} {'zero':>4}  "
+        f"{'step s':>9} {'uniform s':>9} {'ideal s':>9} {'gap':>7}  blocks per stage / micro batches per replica"
+    ]
+    for p in plans:
+        lo = p.layout
+        out.append(
+            f"  {lo.tp:>3} {lo.cp:>3} {lo.pp:>3} {lo.dp:>4} {lo.micro_batch_size:>4}  {lo.schedule_name:<22} "
+            f"{lo.recompute:<9} {lo.zero:>4}  {p.step_s:>9.4f} {p.uniform_step_s:>9.4f} {p.ideal_step_s:>9.4f} "
+            f"{p.gap:>+7.1%}  {_listed(p.stage_blocks)} / {_listed(p.replica_micro_batches)}"
+            + ("" if p.fits else "  (does not fit)")
+        )
+    return out
+
+
+def _listed(values: list[int]) -> str:
+    return "[" + ",".join(map(str, values)) + "]"

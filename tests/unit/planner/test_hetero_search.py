@@ -1,4 +1,4 @@
-"""mesh=auto over cluster.groups (issue 64, item 7; p3d.planner.hetero.plan_groups): the heterogeneous search splits
+"""mesh=auto over cluster.groups (issue 64, item 7; p3d.planner.search.plan_groups): the heterogeneous search splits
 every layout the homogeneous search allows (every micro batch size, schedule, recompute and ZeRO stage, and the
 layouts only an uneven split of the batch runs), so it never settles on a micro batch that leaves nothing to move
 where a smaller one splits faster. Held on cases the test does not choose (a seeded random sweep of the groups'
