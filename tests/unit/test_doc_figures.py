@@ -77,3 +77,13 @@ def test_every_output_line_the_docs_show_is_rerun():
         rerun += [f for q in QUOTES if q.page == page and not q.slow for f in q.figures(*run(q.command))]
         for line in shown:
             assert line in rerun, f"{page}: `{line}` is not rerun: add it to tests/helpers/doc_figures.py"
+
+
+def test_the_search_section_lists_what_the_search_tries():
+    """docs/planner.md's mesh=auto section names the recompute modes and ZeRO stages p3d.planner.search tries (issue
+    64, item 11: it said ZeRO-2/3 were not searched while the tables listed them)."""
+    from p3d.planner.search import RECOMPUTE, ZERO_STAGES
+
+    text = flat("docs/planner.md")
+    assert f"recompute {' / '.join(RECOMPUTE)} and zero.stage {' / '.join(map(str, ZERO_STAGES))}" in text
+    assert "not searched" not in text
