@@ -5,6 +5,7 @@ and p3d-plan's per-rank figure for the same command beside it.
     .venv/bin/python bench/cp_runs.py                      # the issue's command (model=tiny), cp 1, 2, 4
     .venv/bin/python bench/cp_runs.py --cp 1 2 --extra model=small
     .venv/bin/python bench/cp_runs.py --host-memory keep release   # both CPU heap policies, run by run
+    .venv/bin/python bench/cp_runs.py --host-memory release --added-over 256   # what s=4096 adds over s=256, per cp
 
 ``train.host_memory`` (p3d.train.host_memory) decides what the CPU peak RSS holds: ``keep`` (the default, fast)
 leaves freed memory resident in the heap, so the peak holds the heap's reach, holes included; ``release`` hands
@@ -67,9 +68,13 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="overrides added to the issue's command")
     ap.add_argument("--host-memory", nargs="+", default=["keep"], choices=["keep", "release"],
                     help="train.host_memory policies, each a run per cp")  # fmt: skip
+    ap.add_argument("--added-over", type=int, default=None, metavar="S",
+                    help="what the sequence adds to a rank: each peak less the same run's at seq_len=S")  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = [*COMMAND, *args.extra]
+    if args.added_over is not None:
+        return added_by_the_sequence(base, args.cp, args.added_over, args.host_memory[-1])
     print(
         f"p3d-train {' '.join(base)} mesh.cp=N train.host_memory=H: peak_mem_gb (max over ranks), p3d-plan's "
         "per-rank GB"
@@ -86,6 +91,22 @@ def main() -> None:
                   f"{act:>9.3f} {attn:>8.3f} {step:>7.2f}", flush=True)  # fmt: skip
         if cp == 1:
             print(f"    floor (planned total less activations and loss at cp1): {total - act:.3f} GB")
+
+
+def added_by_the_sequence(base: list[str], cps: list[int], short: int, heap: str) -> None:
+    """Per cp: the peak at the command's seq_len less the peak at ``short`` tokens (the floor cancels: the process,
+    the weights and their states), and that against cp1's. Ideal: 1 / cp of it."""
+    print(f"p3d-train {' '.join(base)} mesh.cp=N train.host_memory={heap}: peak_mem_gb less the same at "
+          f"model.seq_len={short}")  # fmt: skip
+    print(f"{'cp':>3} {'long GB':>8} {'short GB':>8} {'added GB':>8} {'vs cp1':>7} {'ideal':>6}")
+    first = None
+    for cp in cps:
+        long_peak, _ = measured([*base, f"mesh.cp={cp}", f"train.host_memory={heap}"])
+        short_peak, _ = measured([*base, f"model.seq_len={short}", f"mesh.cp={cp}", f"train.host_memory={heap}"])
+        added = long_peak - short_peak
+        first = first or added
+        print(f"{cp:>3} {long_peak:>8.3f} {short_peak:>8.3f} {added:>8.3f} {added / first:>6.2f}x {1 / cp:>5.2f}x",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ BF16_SMALL = ["model=small", "model.seq_len=256", "mesh=single", "schedule.micro
 BF16_SMALL += ["schedule.global_batch_size=16", "train.dtype=bf16"]
 TORCH_EXECUTOR = [*BF16_SMALL, "zero=stage3"]  # one rank: torch's Schedule1F1B (DeepSpeed refuses ZeRO-3)
 PARITY_MESHES = {"dp2": 2, "tp2": 2, "pp2": 2, "tp2_pp2": 4, "dp2_pp2_tp2": 8}
+# float8 (train.fp8, docs/precision.md): llama3_1b on the torch executor (one rank: zero=stage3), bf16 then tensorwise
+FLOAT8_BASE = [*THROUGHPUT, "zero=stage3", "train.dtype=bf16"]
+FLOAT8_RTOL = 0.02  # per-step loss, float8 vs bf16 on the GPU, 30 steps
 
 
 @dataclass
@@ -170,6 +173,25 @@ def step_bf16(
         raise RuntimeError(f"bf16 loss off the fp32 reference by {max(rel):.3g} > {BF16_RTOL} (relative)")
 
 
+def step_float8(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float) -> None:
+    """bf16 and train.fp8=tensorwise on one GPU, the same layout (the torch executor): the measured speedup beside
+    p3d-plan's; the float8 curve within FLOAT8_RTOL of bf16's. Needs compute capability 8.9 (the run refuses
+    before it starts otherwise, in one line)."""
+    fp8 = [*FLOAT8_BASE, *gpu, "train.fp8=tensorwise"]
+    step.figures["predicted_speedup"] = round(plan_of(fp8, out)["float8_speedup"], 3)
+    bf16 = train([*FLOAT8_BASE, *gpu, "train.steps=30"], out / "i_bf16", timeout / 2, dry)
+    float8 = train([*fp8, "train.steps=30"], out / "i_float8", timeout / 2, dry)
+    if dry:
+        return
+    speed = statistics.median(r["tokens_per_s"] for r in float8[5:]) / statistics.median(
+        r["tokens_per_s"] for r in bf16[5:]
+    )
+    rel = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(float8, bf16, strict=True)]
+    step.figures.update(measured_speedup=round(speed, 3), max_rel_loss_diff=float(f"{max(rel):.3g}"))
+    if max(rel) > FLOAT8_RTOL:
+        raise RuntimeError(f"float8 loss off bf16's by {max(rel):.3g} > {FLOAT8_RTOL} (relative)")
+
+
 def step_nccl(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float, n_gpus: int) -> None:
     meshes = [m for m, world in PARITY_MESHES.items() if world <= n_gpus] if not dry else list(PARITY_MESHES)
     if not meshes:
@@ -247,7 +269,7 @@ def versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": sys.version.split()[0]}
-    for name in ("torch", "deepspeed", "hydra-core", "omegaconf", "datasets"):
+    for name in ("torch", "deepspeed", "hydra-core", "omegaconf", "datasets", "torchao"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -330,6 +352,7 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         Step("f", "FSDP2: a model=tiny chunk under ZeRO-3 on a one-rank mesh, bf16 vs its fp32 CPU twin"),
         Step("g", "an MoE layer (moe_tiny) in bf16 vs its fp32 CPU twin: output and gradients"),
         Step("h", "cp = 2 attention, each rank's fused kernels and LSE merge, bf16 vs SDPA fp32 on the CPU (2k)"),
+        Step("i", f"train.fp8=tensorwise vs bf16, llama3_1b 30 steps: speedup vs p3d-plan's, loss rtol {FLOAT8_RTOL}"),
     ]
     runs = [
         lambda s, t: step_sdpa(s, dry),
@@ -340,9 +363,10 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         lambda s, t: step_layer(s, "fsdp2", dry),
         lambda s, t: step_layer(s, "moe", dry),
         lambda s, t: step_layer(s, "cp", dry),
+        lambda s, t: step_float8(s, gpu, out, dry, t),
     ]
     deadline = time.monotonic() + args.budget_s
-    shares = (0.04, 0.34, 0.2, 0.15, 0.15, 0.04, 0.04, 0.04)
+    shares = (0.04, 0.26, 0.16, 0.15, 0.15, 0.04, 0.04, 0.04, 0.12)
     for step, run, share in zip(steps, runs, shares, strict=True):
         print(f"gpu-check step {step.name}: {step.what}", flush=True)
         # a dry step only composes configs, slowly on a loaded CPU machine: no budget to keep there

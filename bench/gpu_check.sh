@@ -17,7 +17,7 @@ else
   PY=python3  # a lent GPU machine: its python3 has the CUDA torch, a carried .venv the CPU one
 fi
 if [[ "$PY" != .venv/bin/python ]]; then
-  if ! $PY -c "import deepspeed, hydra, omegaconf, datasets" 2>/dev/null; then
+  if ! $PY -c "import deepspeed, hydra, omegaconf, datasets, torchao" 2>/dev/null; then
     [[ -d .whl ]] || { echo "gpu-check: deepspeed/hydra/datasets missing and no .whl/; run bench/gpu_wheels.sh where pip works and carry .whl" >&2; exit 1; }
     SITE=${P3D_GPU_SITE:-/tmp/p3d-gpu-site}
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl

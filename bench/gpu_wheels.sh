@@ -15,7 +15,7 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # Binary and pure-Python wheels as published; versions: this machine's venv (what the tests ran with).
 ver() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
-for name in hydra-core omegaconf datasets dill multiprocess pydantic pydantic-core annotated-types typing-inspection hjson; do
+for name in hydra-core omegaconf datasets dill multiprocess pydantic pydantic-core annotated-types typing-inspection hjson torchao; do
   $PIP download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp "${PLATFORMS[@]}" \
     -d .whl "$name==$(ver "$name")"
 done

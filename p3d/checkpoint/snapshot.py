@@ -94,12 +94,12 @@ def dp_slices(numels: list[int], dp: int, dp_rank: int) -> list[tuple[int, int]]
 
 def holder_slices(named: list[tuple[str, torch.Tensor]], sharded: bool, mesh) -> list[tuple[int, int]]:
     """(start, numel) of each parameter that this rank writes (``dp_slices``): the dense ones cut over the dp ranks,
-    which all hold them, the routed experts' over the dp / ep ranks of their edp group, the only ones that hold
-    them (p3d.layout.dims). ZeRO-2/3: none (each rank writes the piece FSDP2 gave it)."""
+    which all hold them, the routed experts' over the (dp / ep) x cp ranks of their edp group, the only ones that
+    hold them (p3d.layout.dims). ZeRO-2/3: none (each rank writes the piece FSDP2 gave it)."""
     out: list[tuple[int, int]] = [(0, 0)] * len(named)
     if sharded:
         return out
-    dense, experts = (mesh.dp_cp, mesh.dp_cp_rank), (mesh.edp, mesh.dp_rank // mesh.ep)  # cp ranks hold dense ones
+    dense, experts = (mesh.dp_cp, mesh.dp_cp_rank), (mesh.edp, mesh.edp_rank)  # cp ranks hold both
     for expert, (holders, rank) in ((False, dense), (True, experts)):
         mine = [i for i, (_, p) in enumerate(named) if is_expert_param(p) == expert]
         for i, cut in zip(mine, dp_slices([named[i][1].numel() for i in mine], holders, rank)):

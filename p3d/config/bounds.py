@@ -39,6 +39,8 @@ BOUNDS: dict[str, Bound] = {
     "model.moe.expert_ffn_size": AT_LEAST_1,
     "model.moe.n_shared_experts": NON_NEGATIVE,
     "model.moe.first_dense_layers": NON_NEGATIVE,
+    "model.moe.n_groups": AT_LEAST_1,
+    "model.moe.topk_groups": AT_LEAST_1,
     "model.moe.route_scale": POSITIVE,
     "model.moe.aux_loss_coef": NON_NEGATIVE,
     "model.moe.bias_update_rate": NON_NEGATIVE,

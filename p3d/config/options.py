@@ -53,6 +53,16 @@ class DType(Enum):
     bf16 = "bf16"
 
 
+class Float8(Enum):
+    """``train.fp8``: the float8 recipe of the TP layers' matmuls inside a bf16 run (torchao; docs/precision.md)."""
+
+    none = "none"  # bf16 (or fp32) matmuls
+    tensorwise = "tensorwise"  # one scale per tensor (e4m3 forward, e5m2 gradients); SP gathers in float8
+    rowwise = "rowwise"  # one scale per row of each operand, powers of 2, e4m3 throughout
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"  # rowwise, the weight gradient's GEMM in bf16
+    mxfp8 = "mxfp8"  # the routed experts' grouped GEMMs in MXFP8 (a scale per 32 values; GPUs: sm100)
+
+
 class AdamWImpl(Enum):
     default = "default"  # torch's choice: the foreach (multi-tensor) kernels where the tensors allow
     foreach = "foreach"

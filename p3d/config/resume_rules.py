@@ -46,6 +46,11 @@ RULES: dict[str, tuple[Rule, str]] = {
     "model.seq_len": (Rule.REFUSED, "the data position counts windows of model.seq_len + 1 tokens"),
     "model.init_std": (Rule.UNUSED, "only initialises a fresh run"),
     "model.init_from": (Rule.UNUSED, "only initialises a fresh run"),
+    "model.moe.bias_update_rate": (
+        Rule.CHANGES,
+        "how the selection biases move in the steps to come; they keep their values (DeepSeek-V3 stopped moving "
+        "them for its last 500B tokens)",
+    ),
     "mesh.*": (Rule.CHANGES, "the checkpoint is re-cut for the new layout"),
     "schedule.*": (Rule.CHANGES, "micro batches, recompute and stage cuts of the steps to come"),
     "schedule.global_batch_size": (Rule.CHANGES, "the next step reads the samples after the last one trained"),
@@ -71,6 +76,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "train.grad_clip": (Rule.CHANGES, "clipping of the steps to come"),
     "train.seed": (Rule.REFUSED, "it orders the data (the shuffle), which the data position counts in"),
     "train.dtype": (Rule.CHANGES, "checkpoints hold fp32 master weights and moments"),
+    "train.fp8": (Rule.CHANGES, "checkpoints hold fp32 master weights and moments; float8 casts are made each step"),
     "train.eval_every": (Rule.CHANGES, "validation of the steps to come"),
     "train.eval_batches": (Rule.CHANGES, "validation of the steps to come"),
     "train.save_every": (Rule.CHANGES, "checkpoints of the steps to come"),

@@ -19,6 +19,7 @@ from p3d.config.options import (
     DataSource,
     DType,
     ElasticVary,
+    Float8,
     HostMemory,
     Launcher,
     LRDecay,
@@ -46,6 +47,10 @@ class MoEConfig:
     n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of n_shared x expert_ffn_size)
     first_dense_layers: int = 0  # the first blocks keep a dense SwiGLU of model.ffn_hidden_size
     score: RouterScore = RouterScore.softmax
+    # group-limited routing (DeepSeek-V3): the experts in n_groups equal groups, each scored by the sum of its 2 best
+    # (bias-corrected) scores; a token's top_k experts are chosen within its topk_groups best groups. 1: no groups
+    n_groups: int = 1
+    topk_groups: int = 1
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral: true; DeepSeekMoE: false)
     route_scale: float = 1.0  # the routed experts' output scaled by this (DeepSeek-V3: 2.5)
     aux_loss_coef: float = 0.01  # load-balancing loss weight, per MoE layer (0: off)
@@ -243,6 +248,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global L2 norm of the gradient; 0 turns clipping off
     seed: int = 1234
     dtype: DType = DType.auto
+    # float8 matmuls inside the bf16 run (torchao, the fp8 extra; docs/precision.md): none | tensorwise | rowwise |
+    # rowwise_with_gw_hp (the TP layers) | mxfp8 (the routed experts); emulated on CPU, GPUs from sm89 (mxfp8: sm100)
+    fp8: Float8 = Float8.none
     eval_every: int = 0  # steps between validation passes; 0: none
     eval_batches: int = 2  # global batches of held-out data per validation pass
     save_every: int = 0  # steps between checkpoints (<run.dir>/checkpoints); 0: only on SIGTERM/SIGUSR1 and at the end

@@ -14,9 +14,11 @@ from p3d.data.tokenizer import load_tokenizer
 MAX_DOCS = 20000  # how far to look for a first validation window before giving up
 
 
-def check_data(cfg: DataConfig, seq_len: int, need_val: bool = False) -> None:
+def check_data(cfg: DataConfig, seq_len: int | None, need_val: bool = False) -> None:
     """Raises FileNotFoundError / KeyError / ValueError with one line naming the field and the fix.
-    Warnings about single records are left to the workers, which count them."""
+    Warnings about single records are left to the workers, which count them. ``seq_len``: a training run's (its
+    splits must hold a window of seq_len + 1 tokens); None: p3d-prepare's and p3d-tokenizer's, which have no
+    windows and need some text."""
     quiet = logging.getLogger("p3d.data")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -26,8 +28,9 @@ def check_data(cfg: DataConfig, seq_len: int, need_val: bool = False) -> None:
         quiet.setLevel(level)
 
 
-def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
+def _check(cfg: DataConfig, seq_len: int | None, need_val: bool) -> None:
     if cfg.source == DataSource.prepared:
+        assert seq_len is not None, "a store is read by a training run only"
         from p3d.data.prepared import open_stores
 
         for split in ("train", "val") if need_val else ("train",):
@@ -47,7 +50,7 @@ def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
             tokens = 0
             for text in islice(iter_texts(cfg, split, stats), MAX_DOCS):
                 tokens += len(tok.encode(text)) + 1
-                if tokens > seq_len:
+                if tokens > (seq_len or 0):
                     break
         except (KeyError, FileNotFoundError, ValueError):
             raise
@@ -56,8 +59,11 @@ def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
                 f"cannot read data.path={cfg.path} ({cfg.source.value}): "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
-        if tokens <= seq_len:
-            where = f"data.path={cfg.path}" if cfg.path else f"data.source={cfg.source.value}"
+        where = f"data.path={cfg.path}" if cfg.path else f"data.source={cfg.source.value}"
+        skipped = f" ({stats.summary()})" if stats.summary() else ""
+        if seq_len is None and tokens == 0:
+            raise ValueError(f"{where} holds no text{skipped}; point data.path at files with text")
+        if seq_len is not None and tokens <= seq_len:
             more_docs = (
                 " (or split text files into more documents: data.text_unit=paragraph)"
                 if cfg.source == DataSource.files and cfg.text_unit == TextUnit.document
@@ -68,7 +74,6 @@ def _check(cfg: DataConfig, seq_len: int, need_val: bool) -> None:
                 if split == "val"
                 else "point data.path at more text or lower model.seq_len"
             )
-            skipped = f" ({stats.summary()})" if stats.summary() else ""
             raise ValueError(
                 f"the {split} split of {where} holds {tokens} tokens, fewer than one window of "
                 f"model.seq_len+1={seq_len + 1}{skipped}; {fix}"

@@ -12,8 +12,9 @@ a text file: the whole file, cut by ``data.text_unit`` (paragraph, line; see
 
 A document goes to the validation split when a hash of its text falls below ``data.val_fraction``,
 so the split is the same on every machine and needs no index. Empty documents are counted apart;
-a document that cannot be read (bytes that are not UTF-8, no text) is skipped, counted and reported
-with its file; a file that fails mid-way is skipped from there (:mod:`p3d.data.stats`).
+a document that cannot be read (bytes that are not UTF-8, no text, a json or csv record that does not
+parse: :mod:`p3d.data.records`) is skipped, counted and reported with its file; a file that fails
+mid-way (a parquet file's reader) is skipped from there (:mod:`p3d.data.stats`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from p3d.config.schema import DataConfig, DataSource
+from p3d.data.records import csv_records, json_records
 from p3d.data.stats import DataStats
 from p3d.data.text_units import decode_unit, file_units, split_text
 
@@ -155,7 +157,7 @@ def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, dict | st
                         continue
                     yield f, text
             else:
-                for record in _datasets(cfg).load_dataset(fmt, data_files=[f], split="train", streaming=True):
+                for record in _file_records(cfg, f, fmt, stats):
                     n += 1
                     yield f, record
         except StopIteration:  # datasets raises it for an empty json file: no records, not an error
@@ -163,6 +165,15 @@ def _records(cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, dict | st
         except Exception as exc:
             stats.file_failed(f, n, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         stats.passed.add(f)
+
+
+def _file_records(cfg: DataConfig, path: str, fmt: str, stats: DataStats) -> Iterator[dict]:
+    """json and csv record by record (p3d.data.records: a bad record costs itself only); parquet by datasets."""
+    if fmt == "json":
+        return json_records(path, stats)
+    if fmt == "csv":
+        return csv_records(path, stats)
+    return iter(_datasets(cfg).load_dataset(fmt, data_files=[path], split="train", streaming=True))
 
 
 def in_split(text: str, val_fraction: float, split: str) -> bool:

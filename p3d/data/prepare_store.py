@@ -205,7 +205,8 @@ def prepare_store(cfg, out: Path) -> dict:
     progress.show(end="\n")
     totals = {s: {k: sum(sh[s][k] for sh in shards) for k in ("documents", "tokens")} for s in SPLITS}
     skipped = {
-        "not_utf8_or_no_text": stats.skipped_records,
+        "not_utf8_or_no_text": stats.skipped_records - stats.malformed_records,
+        "malformed": stats.malformed_records,
         "empty": stats.empty_records,
         "failed_files": stats.failed_files,
     }
@@ -238,7 +239,7 @@ def check_prepare(cfg, out: Path) -> str | None:
             "tokens); left as it is (prepare.overwrite=true rebuilds it)"
         )
     try:
-        check_data(cfg.data, seq_len=1)
+        check_data(cfg.data, seq_len=None)
     except (OSError, ValueError, KeyError) as exc:
         raise P3DConfigError(str(exc).strip("'\"")) from None
     if (out / HEADER).is_file() and not cfg.prepare.overwrite:

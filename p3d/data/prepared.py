@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from p3d.data.order import Blend, replica_rows, window_of
-from p3d.data.store import StoreError, TokenStore, tokenizer_identity
+from p3d.data.store import StoreError, TokenStore, store_paths, tokenizer_identity
 
 
 @functools.cache
@@ -35,15 +35,6 @@ def blend_of(weights: tuple[float, ...]) -> Blend:
 class StoreSource:
     store: TokenStore
     windows: int  # whole windows of seq_len + 1 tokens in the split
-
-
-def store_paths(data_cfg) -> list[tuple[str, float, str]]:
-    """(path, weight, the field that names it) of each store of the data config."""
-    if data_cfg.mix:
-        return [(m.path, float(m.weight), f"data.mix[{i}].path") for i, m in enumerate(data_cfg.mix)]
-    if not data_cfg.path:
-        raise StoreError("data.path is not set for data=prepared; try data.path=<a store written by p3d-prepare>")
-    return [(data_cfg.path, 1.0, "data.path")]
 
 
 def open_stores(data_cfg, seq_len: int, split: str = "train", check: bool = False) -> list[StoreSource]:

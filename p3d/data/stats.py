@@ -21,11 +21,13 @@ _MAX_NAMED = 4  # files named in the summary; the rest are counted
 class DataStats:
     """Counts over the whole run (every epoch); the per-file details cover one pass over each file."""
 
-    skipped_records: int = 0  # unreadable: bytes that are not UTF-8, or no text in the text column
+    skipped_records: int = 0  # unreadable: bytes that are not UTF-8, no text in the text column, or malformed
+    malformed_records: int = 0  # of those: json / csv records that do not parse (p3d.data.records)
     failed_files: int = 0  # files whose rest was skipped after an error part-way
     empty_records: int = 0  # empty or blank documents: nothing to train on, not a problem
     not_utf8: dict[str, list[int]] = field(default_factory=dict)  # file -> [units skipped, first bad byte]
     no_text: dict[str, int] = field(default_factory=dict)  # file or source -> records with no text
+    bad_lines: dict[str, list] = field(default_factory=dict)  # file -> [records skipped, first line, why]
     failed: dict[str, str] = field(default_factory=dict)  # file -> why it failed
     unit: str = "record"  # what a document is here (line, paragraph, document, record): the summary's noun
     column: str = "text"
@@ -63,6 +65,17 @@ class DataStats:
                 self.column,
             )
 
+    def malformed(self, where: str, line: int, why: str) -> None:
+        """A json / csv record that does not parse (p3d.data.records): that record is skipped, not the file's rest."""
+        self.skipped_records += 1
+        self.malformed_records += 1
+        if where in self.passed:
+            return
+        seen = self.bad_lines.setdefault(where, [0, line, why])
+        seen[0] += 1
+        if seen[0] == 1:
+            log.warning("p3d data: %s: line %d is %s; that record is skipped", where, line, why)
+
     def file_failed(self, where: str, after: int, why: str) -> None:
         self.failed_files += 1
         if where in self.failed:
@@ -94,6 +107,13 @@ class DataStats:
                 f"{_plural(n, 'record')} with no text in column '{self.column}' (null or not a string; "
                 f"{_named(per_file)})"
             )
+        if self.bad_lines:
+            n = sum(c for c, _, _ in self.bad_lines.values())
+            per_file = [
+                f"{f}: {c} from line {line} ({why})" if c > 1 else f"{f} line {line}: {why}"
+                for f, (c, line, why) in self.bad_lines.items()
+            ]
+            parts.append(f"{_plural(n, 'malformed record')} ({_named(per_file, '; ')}): fix or remove them")
         if self.failed:
             per_file = [f"{f} {why}" for f, why in self.failed.items()]
             files = _plural(len(self.failed), "file")

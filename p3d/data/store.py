@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from p3d.layout.geometry import token_bytes
+
 FORMAT = "p3d-token-store"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -38,11 +40,8 @@ class StoreError(ValueError):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned integer dtype that holds every id of the vocabulary."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if vocab_size - 1 <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    return np.dtype(np.uint64)
+    """The smallest unsigned integer dtype that holds every id of the vocabulary (p3d.layout.geometry.token_bytes)."""
+    return np.dtype(f"uint{8 * token_bytes(vocab_size)}")
 
 
 def tokenizer_identity(spec: str) -> dict:
@@ -177,3 +176,44 @@ class TokenStore:
         """The document index of one shard's split: start offsets, then the end."""
         f = self.path / f"{self.manifest['shards'][shard]['name']}.{split}.idx"
         return np.fromfile(f, dtype=np.int64)
+
+
+def store_paths(data_cfg) -> list[tuple[str, float, str]]:
+    """(path, weight, the field that names it) of each store of the data config."""
+    if data_cfg.mix:
+        return [(m.path, float(m.weight), f"data.mix[{i}].path") for i, m in enumerate(data_cfg.mix)]
+    if not data_cfg.path:
+        raise StoreError("data.path is not set for data=prepared; try data.path=<a store written by p3d-prepare>")
+    return [(data_cfg.path, 1.0, "data.path")]
+
+
+def stores_tokenizer(data_cfg) -> str:
+    """``data.tokenizer=auto`` for stores: the tokenizer they were prepared with (its ``spec``, ``byte`` or a
+    tokenizer.json), which must still be that file. StoreError, one line, when the stores of a mixture were
+    tokenized differently or the file is gone or changed."""
+    from p3d.data.tokenizer import AUTO
+
+    found: dict[str, tuple[str, str]] = {}  # sha256 -> (spec, the field of the first store with it)
+    for path, _, field in store_paths(data_cfg):
+        try:
+            tok = TokenStore(path, field).tokenizer
+        except StoreError:  # no store there: the data check says so in its own line, before any worker starts
+            return AUTO
+        found.setdefault(tok["sha256"], (tok["spec"], f"{field}={path}"))
+    if len(found) > 1:
+        named = "; ".join(f"{where} by {spec}" for spec, where in found.values())
+        raise StoreError(
+            f"data.tokenizer={AUTO}: the stores of data.mix were tokenized differently ({named}); "
+            "mix stores of one tokenizer"
+        )
+    ((sha, (spec, where)),) = found.items()
+    try:
+        same = tokenizer_identity(spec)["sha256"] == sha
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise StoreError(
+            f"data.tokenizer={AUTO}: {where} was tokenized with {spec}, which is no longer there or has changed "
+            "since; set data.tokenizer=<a copy of that tokenizer.json>"
+        )
+    return spec

@@ -106,7 +106,7 @@ def merge_parts(out: Path) -> dict:
         "sources": [s for m in manifests for s in m["sources"]],
         "shards": shards,
         **{s: {k: sum(m[s][k] for m in manifests) for k in ("documents", "tokens")} for s in SPLITS},
-        "skipped": {k: sum(m["skipped"][k] for m in manifests) for k in first["skipped"]},
+        "skipped": {k: sum(m["skipped"].get(k, 0) for m in manifests) for k in first["skipped"]},
         "parts": n,
     }
     write_json(out / MANIFEST, merged)

@@ -123,16 +123,23 @@ def _get(obj, dotted: str):
 
 
 def with_tokenizer(cfg):
-    """``data.tokenizer=auto`` resolved: the tokenizer.json of ``model.init_from`` when it has one, else
-    ``byte``; with ``model.init_from``, another tokenizer is refused and the vocabulary checked."""
+    """``data.tokenizer=auto`` resolved: with ``data=prepared`` the stores' own tokenizer, else the tokenizer.json
+    of ``model.init_from`` when it has one, else ``byte``; with ``model.init_from``, another tokenizer is refused and
+    the vocabulary checked."""
     import dataclasses
 
+    from p3d.config.schema import DataSource
+    from p3d.data.store import StoreError, stores_tokenizer
+    from p3d.data.tokenizer import AUTO
     from p3d.hf.load import HFImportError
     from p3d.hf.tokenizer import import_tokenizer
 
+    spec = cfg.data.tokenizer
     try:
-        tokenizer = import_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.vocab_size)
-    except HFImportError as exc:
+        if spec == AUTO and cfg.data.source == DataSource.prepared and (cfg.data.path or cfg.data.mix):
+            spec = stores_tokenizer(cfg.data)  # the stores' own: p3d-prepare's closing line trains as it says
+        tokenizer = import_tokenizer(spec, cfg.model.init_from, cfg.model.vocab_size)
+    except (HFImportError, StoreError) as exc:
         raise P3DConfigError(str(exc)) from None
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
 
@@ -238,4 +245,22 @@ def check_resume(cfg, ckpt: Path, step: int) -> list[str]:
     refused = resume_rules.refusal(changes, str(ckpt), step, cfg.train.steps)
     if refused:
         raise P3DConfigError(refused)
+    check_trace_steps_resumed(cfg, ckpt, step)
     return [c.line(step + 1) for c in resume_rules.printed(changes)]
+
+
+def check_trace_steps_resumed(cfg, ckpt: Path, step: int) -> None:
+    """``train.trace_steps`` named on a resume's command line: each step one the resume trains (step + 1 ..
+    train.steps), as a fresh run's must be one of its steps. (Steps a resumed run's own spec carries, traced by the
+    run before, are not asked for again.)"""
+    traced, given = list(cfg.train.trace_steps), [o.lstrip("+") for o in given_overrides()]
+    named = [key for key in ("train.trace_steps=", "train.resume=") if any(o.startswith(key) for o in given)]
+    if len(named) < 2:  # not a resume by hand that names them (a requeue or elastic restart resumes by itself)
+        return
+    past = [k for k in traced if k <= step]
+    if past:
+        ahead = [k for k in traced if k > step] or [step + 1]
+        raise P3DConfigError(
+            f"train.trace_steps={traced}: step {past[0]} was trained before checkpoint {ckpt} (step {step}), which "
+            f"this resume starts from; try train.trace_steps=[{','.join(map(str, ahead))}]"
+        )

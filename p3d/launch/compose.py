@@ -23,6 +23,7 @@ from p3d import exit_codes
 from p3d.config.schema import register_configs
 from p3d.config.shipped import conf_dir
 from p3d.console import error
+from p3d.launch.override_keys import refused_key
 from p3d.launch.override_types import wrong_type
 
 CONFIG_PATH = str(conf_dir())
@@ -38,10 +39,28 @@ def given_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def _split_head(message: str) -> tuple[str, str]:
+    """('field=value', the rest) of a refusal: the value ends at the first space outside brackets and quotes, so a
+    list or mapping value (``schedule.stage_blocks=[3, 2]``) stays whole."""
+    depth, quote = 0, ""
+    for i, ch in enumerate(message):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == " " and depth <= 0:
+            return message[:i], message[i + 1 :]
+    return message, ""
+
+
 def message_field(message: str) -> str | None:
     """The one field a refusal starts with ('mesh.tp=4 must ...' -> 'mesh.tp'), None if it names none (tp*pp*dp)
     or already says where it was set."""
-    head, _, rest = message.partition(" ")
+    head, rest = _split_head(message)
     head = head.removesuffix(":")  # 'model.init_from=/x: no config.json there'
     field = head.split("=", 1)[0]
     if "=" not in head or not re.fullmatch(r"[a-z_]+(\.[a-z0-9_]+)+", field) or rest.startswith("("):
@@ -51,7 +70,7 @@ def message_field(message: str) -> str | None:
 
 def insert_source(message: str, where: str) -> str:
     """'mesh.tp=4 must ...' -> 'mesh.tp=4 (<where>) must ...'."""
-    head, _, rest = message.partition(" ")
+    head, rest = _split_head(message)
     colon = ":" if head.endswith(":") else ""
     return f"{head.removesuffix(':')} ({where}){colon} {rest}"
 
@@ -129,7 +148,10 @@ def _default_choice(group: str) -> str:
 def run_hydra(task: Callable[[DictConfig], int], writes_outputs: bool = True) -> int:
     """Compose with Hydra, run ``task``; its exit status (the worst of a sweep's points, or the sweep's)."""
     argv = sys.argv[1:]
-    refused = moe_field_of_a_dense_model(argv) or wrong_type(argv)  # before Hydra's own reports of several lines
+    # before Hydra's own reports of several lines
+    refused = (
+        moe_field_of_a_dense_model(argv) or refused_key(argv, Path(CONFIG_PATH), config_groups()) or wrong_type(argv)
+    )
     if refused:
         return report_error(f"config error: {refused}")
     multirun = any(a in ("-m", "--multirun") for a in argv)

@@ -15,11 +15,11 @@ know are left to Hydra and to p3d's later checks.
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from enum import Enum
 from typing import Any
 
+from p3d.config.fields import unwrap as _unwrap
 from p3d.config.schema import Config
 
 
@@ -45,13 +45,18 @@ def wrong_type(argv: list[str]) -> str | None:
         except HydraException:  # an interval sweep has no values to list; its bounds are numbers anyway
             continue
         for value in values:
-            if not holds(owner, name, value):
+            problem = merge_problem(owner, name, value)
+            if problem is not None:
                 given = hydra_text(value) if o.is_sweep_override() else str(o.input_line).split("=", 1)[1]
-                default = getattr(owner(), name)
-                return (
-                    f"{o.key_or_group}={given} (command line) {takes(hint, value)}; "
-                    f"try {o.key_or_group}={hydra_text(default)}"
-                )
+                if problem:  # an item with a key its type has no field for
+                    return (
+                        f"{o.key_or_group}={given} (command line): {problem} is not a field of its items "
+                        f"({_what(hint)}); drop {problem}"
+                    )
+                # a list field given one item that fits it (train.trace_steps=2): that item as a list, else the default
+                single = _unwrap(hint) is list and not isinstance(value, list) and holds(owner, name, [value])
+                fix = f"[{hydra_text(value)}]" if single else hydra_text(getattr(owner(), name))
+                return f"{o.key_or_group}={given} (command line) {takes(hint, value)}; try {o.key_or_group}={fix}"
     return None
 
 
@@ -73,15 +78,23 @@ def schema_field(key: str) -> tuple[type, str, Any] | None:
 
 def holds(owner: type, name: str, value: Any) -> bool:
     """Whether OmegaConf puts ``value`` into the field ``name`` of a fresh ``owner``, as Hydra's merge would."""
+    return merge_problem(owner, name, value) is None
+
+
+def merge_problem(owner: type, name: str, value: Any) -> str | None:
+    """None when OmegaConf puts ``value`` into the field ``name`` of a fresh ``owner``; else what is wrong: '' for a
+    value of the wrong type, or a key that the list's or mapping's items have no field for (``bogus``)."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import ValidationError
+    from omegaconf.errors import ConfigKeyError, ConfigTypeError, ValidationError
 
     node = OmegaConf.structured(owner)
     try:  # a merge, not an assignment: a list of dicts goes into a list of dataclasses only by merging
         OmegaConf.merge(node, {name: value})
-    except ValidationError:
-        return False
-    return True
+    except ConfigKeyError as exc:  # {device: cpu, bogus: 3} into a list of ClusterGroup
+        return str(exc).splitlines()[0].split("'")[1] if "'" in str(exc) else ""
+    except (ValidationError, ConfigTypeError):  # a mapping where a list goes, 'abc' for a number, ...
+        return ""
+    return None
 
 
 def takes(hint: Any, value: Any) -> str:
@@ -113,12 +126,8 @@ def hydra_text(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, Enum):
         return str(value.value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(hydra_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {hydra_text(v)}" for k, v in value.items()) + "}"
     return str(value)
-
-
-def _unwrap(hint: Any) -> Any:
-    """``Optional[X]`` (``X | None``) -> X; ``list[str]`` -> list; anything else as it is."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
-        return args[0]
-    return typing.get_origin(hint) or hint

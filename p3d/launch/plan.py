@@ -20,6 +20,7 @@ from p3d import exit_codes
 from p3d.launch.check import typed_config
 from p3d.launch.compose import config_error, is_multirun
 from p3d.layout.run_plan import P3DConfigError
+from p3d.layout.schedule_rules import check_split
 
 
 def plan_task(cfg_node: DictConfig) -> int:
@@ -27,6 +28,8 @@ def plan_task(cfg_node: DictConfig) -> int:
 
     try:
         cfg = typed_config(cfg_node, resolve_auto=False)  # predict() ranks the layouts itself
+        if cfg.mesh.name != "auto":  # a split it cannot model is refused as p3d-train refuses it (others: warnings)
+            check_split(cfg)
         report = predict(cfg)
     except P3DConfigError as exc:  # 'mesh.tp=4 (mesh/tp4.yaml) ...', as p3d-train says it
         return config_error(str(exc), is_multirun())

@@ -43,7 +43,16 @@ FOLLOWS = {
     "schedule.pipeline": ("schedule.virtual_stages", "schedule.stage_blocks"),
     # an uneven layout belongs to the cluster and mesh it was planned for (a heterogeneous run resumed on a
     # homogeneous cluster runs the even one; with cluster.groups the planner splits again: p3d.planner.hetero)
-    "cluster.groups": ("schedule.stage_blocks", "schedule.replica_micro_batches"),
+    # and the cluster-wide figures that stand for the groups (p3d.layout.hetero.cluster_figures: MFU's peak, the
+    # pre-flight's memory, the links), or for the one device without them
+    "cluster.groups": (
+        "schedule.stage_blocks",
+        "schedule.replica_micro_batches",
+        "cluster.peak_tflops",
+        "cluster.memory_gb",
+        "cluster.intra_node_gbps",
+        "cluster.inter_node_gbps",
+    ),
     "mesh.pp": ("schedule.stage_blocks",),
     # sequence parallelism unset is on wherever tp > 1 (run_plan.sequence_parallel_default): the spec holds what it
     # came to, which another tp or cp derives again, as a fresh launch would (an old spec's false stays on its mesh)

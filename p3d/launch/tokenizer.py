@@ -28,7 +28,7 @@ def tokenizer_task(cfg_node: DictConfig) -> int:
                 f"tokenizer.vocab_size={t.vocab_size} must be at least 257 (256 bytes + end of "
                 "text); try tokenizer.vocab_size=8192"
             )
-        check_data(cfg.data, seq_len=1)
+        check_data(cfg.data, seq_len=None)
     except (P3DConfigError, OSError, ValueError, KeyError) as exc:
         return config_error(str(exc).strip(chr(39)))
     stats = DataStats()

@@ -84,18 +84,22 @@ def _launch(cfg, plan, lease) -> int:
 
     from p3d.jobs.forked import worker_imports
     from p3d.jobs.local import launch_local
-    from p3d.launch.freeze import freeze
+    from p3d.launch.freeze import freeze, undone_if_refused
     from p3d.rundir.spec import read_spec
 
-    spec = freeze(cfg, plan, cfg.run.dir, layout_change=resized.event if resized is not None else None)
+    change = resized.event if resized is not None else None
     if cfg.cluster.launcher.value == "slurm":
-        from p3d.jobs.slurm.submit import FREEZE_ONLY_ENV, dispatch, inside_allocation
+        from p3d.jobs.slurm.submit import FREEZE_ONLY_ENV, check_submittable, dispatch, inside_allocation
 
         if inside_allocation() and os.environ.get(FREEZE_ONLY_ENV) != "1":  # salloc, or a sweep's job: one srun step
             from p3d.jobs.slurm.step import run_step
 
-            return run_step(cfg, plan, spec)
-        return dispatch(cfg, plan, spec, lease)
+            return run_step(cfg, plan, freeze(cfg, plan, cfg.run.dir, layout_change=change))
+        if os.environ.get(FREEZE_ONLY_ENV) != "1":
+            check_submittable(cfg, plan)  # a job the partition cannot hold: refused before anything is written
+        with undone_if_refused(cfg.run.dir):  # sbatch refused it: nothing was submitted, nothing is left
+            return dispatch(cfg, plan, freeze(cfg, plan, cfg.run.dir, layout_change=change), lease)
+    spec = freeze(cfg, plan, cfg.run.dir, layout_change=change)
     say(f"run dir {spec.parent}")
     say(
         f"{cfg.model.name} on mesh {plan.dims.degrees()}: "

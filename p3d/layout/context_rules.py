@@ -35,8 +35,3 @@ def check_context(cfg: Config, tp: int) -> None:
             f"model.seq_len={m.seq_len} must be a multiple of {multiple} with mesh.cp={cp} ({why})",
             [f"model.seq_len={fix}", *(f"mesh.cp={c}" for c in range(cp - 1, 0, -1))],
         )
-    if m.moe is not None:
-        raise P3DConfigError(
-            f"mesh.cp={cp} with model={m.name}, a mixture of experts: the balancing loss and the routing figures "
-            "are computed per sequence, which p3d does not split over cp ranks; try mesh.cp=1"
-        )

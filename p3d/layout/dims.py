@@ -18,8 +18,9 @@ shards over them, and each writes 1/(dp cp) of a checkpoint.
 
 Expert parallelism (``ep``) is carved from dp, not a dimension of its own: dp rank d holds the experts of ep
 rank d % ep. An ep group is ep consecutive dp ranks (so ep x tp consecutive global ranks, one node where that
-fits: the all-to-alls stay on the fastest links), and the expert-data-parallel (edp) group of a rank is the
-dp / ep ranks of its dp group with the same ep rank: they hold the same experts and reduce their gradients.
+fits: the all-to-alls stay on the fastest links; with cp, ep dp ranks of one cp coordinate), and the
+expert-data-parallel (edp) group of a rank is the dp / ep ranks of its dp group with the same ep rank, times the cp
+ranks of each: they hold the same experts and reduce their gradients.
 ``tests/unit/parallel/test_mesh.py`` checks this against DeepSpeed's topology.
 """
 
@@ -198,9 +199,15 @@ class ParallelDims:
         return [ranks[lo : lo + self.ep] for ranks in self.dp_ranks() for lo in range(0, self.dp, self.ep)]
 
     def edp_ranks(self) -> list[list[int]]:
-        """The expert-data-parallel groups: the dp ranks of each dp group with the same ep rank (the experts'
-        gradient reduction and their ZeRO sharding)."""
-        return [ranks[e :: self.ep] for ranks in self.dp_ranks() for e in range(self.ep)]
+        """The expert-data-parallel groups: every holder of the same experts (the experts' gradient reduction and
+        their ZeRO sharding), the dp ranks of each dp x cp group with the same ep rank and all their cp ranks, in
+        ``dp_cp_ranks``' order (dp major, cp minor); the dp ranks with one ep rank when cp = 1."""
+        return [
+            [self.rank_of(d, p, t, c) for d in range(e, self.dp, self.ep) for c in range(self.cp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+            for e in range(self.ep)
+        ]
 
     def replica_ranks(self) -> list[list[int]]:
         """The pp x tp ranks of one whole copy of the model: all ranks with one (dp, cp) coordinate."""

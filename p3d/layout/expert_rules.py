@@ -29,6 +29,42 @@ def check_expert_degree(cfg: Config, dp: int) -> None:
         )
 
 
+def _groups_fix(moe, g: int) -> str:
+    """The overrides that make ``n_groups=g`` (or the largest valid count below it) a valid grouping: topk_groups
+    lowered to fit, or raised until the kept groups hold top_k experts."""
+    e, k = moe.n_experts, moe.top_k
+    g = max(d for d in range(1, g + 1) if e % d == 0 and (d == 1 or e // d >= 2))
+    kept = max(min(moe.topk_groups, g), -(-k // (e // g)))
+    return f"model.moe.n_groups={g}" + (f" model.moe.topk_groups={kept}" if kept != moe.topk_groups else "")
+
+
+def check_groups(moe) -> None:
+    """Group-limited routing (``model.moe.n_groups``, ``topk_groups``; p3d.model.moe.Router): the experts in
+    n_groups equal groups, each scored by its 2 best scores, a token's top_k chosen within its topk_groups best."""
+    g, kept, e, k = moe.n_groups, moe.topk_groups, moe.n_experts, moe.top_k
+    if e % g:
+        raise P3DConfigError(
+            f"model.moe.n_groups={g} must divide model.moe.n_experts={e} (the experts form equal groups); "
+            f"try {_groups_fix(moe, g)}"
+        )
+    if g > 1 and e // g < 2:
+        raise P3DConfigError(
+            f"model.moe.n_groups={g} leaves 1 expert per group of model.moe.n_experts={e}: a group is scored by the "
+            f"sum of its 2 best experts' scores; try {_groups_fix(moe, g - 1)}"
+        )
+    if kept > g:
+        raise P3DConfigError(
+            f"model.moe.topk_groups={kept} exceeds model.moe.n_groups={g} (a token's experts come from its "
+            f"topk_groups best groups); try model.moe.topk_groups={g}"
+        )
+    if k > kept * (e // g):
+        raise P3DConfigError(
+            f"model.moe.top_k={k} exceeds the {kept * (e // g)} experts of model.moe.topk_groups={kept} groups of "
+            f"{e // g} (model.moe.n_groups={g}); try model.moe.topk_groups={-(-k // (e // g))}, or "
+            f"model.moe.top_k={kept * (e // g)}"
+        )
+
+
 def check_experts(cfg: Config, dp: int) -> None:
     """A mixture of experts (``model.moe``) and expert parallelism (``mesh.ep``): what p3d cannot build or run."""
     ep, moe, m = cfg.mesh.ep, cfg.model.moe, cfg.model
@@ -44,6 +80,7 @@ def check_experts(cfg: Config, dp: int) -> None:
             f"model.moe.top_k={moe.top_k} exceeds model.moe.n_experts={moe.n_experts} (a token's k experts are "
             f"distinct); try model.moe.top_k={moe.n_experts}"
         )
+    check_groups(moe)
     if moe.first_dense_layers >= m.n_layers:
         raise P3DConfigError(
             f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE block of model.n_layers="

@@ -353,3 +353,9 @@ def schedule_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
         idle = max(p - 1, 4 * p - 2 - 2 * m) if schedule == "zbv" else p - 1
         return idle / (3 * v * m + idle)
     raise ValueError(f"schedule {schedule!r}: expected 1f1b, gpipe, {', '.join(INTERLEAVED + SPLIT_BACKWARD)}")
+
+
+def token_bytes(vocab_size: int) -> int:
+    """Bytes of one token id of a ``vocab_size`` vocabulary in the smallest unsigned integer that holds every id (1,
+    2, 4 or 8): how token stores and the streaming reader's shuffle pool keep tokens (p3d.data.store.token_dtype)."""
+    return next(n for n in (1, 2, 4) if vocab_size - 1 < 1 << (8 * n)) if vocab_size - 1 < 1 << 32 else 8

@@ -19,6 +19,7 @@ from p3d.layout.dims import ParallelDims, degrees_that_fill, largest_divisor_at_
 from p3d.layout.elastic_rules import check_elastic
 from p3d.layout.expert_rules import check_experts
 from p3d.layout.fixes import Pins, settle
+from p3d.layout.float8_rules import check_float8, recipe
 from p3d.layout.geometry import (
     PIECES_RULE,
     active_params,
@@ -110,8 +111,9 @@ def fill_cluster(cfg: Config) -> Config:
         if getattr(c, f) is None
     }
     train = cfg.train
-    if train.dtype == DType.auto:
-        train = dataclasses.replace(train, dtype=DType.fp32 if c.device == "cpu" else DType.bf16)
+    if train.dtype == DType.auto:  # float8 matmuls run inside a bf16 run, on cpu too (p3d.layout.float8_rules)
+        fp32 = c.device == "cpu" and recipe(cfg) == "none"
+        train = dataclasses.replace(train, dtype=DType.fp32 if fp32 else DType.bf16)
     return dataclasses.replace(cfg, cluster=dataclasses.replace(c, **filled), train=train)
 
 
@@ -210,6 +212,7 @@ def check_config(cfg: Config, pins: Pins | None = None) -> None:
 
 def _check_config(cfg: Config) -> None:
     check_fields(cfg)
+    check_float8(cfg)
     check_logger(cfg)
     check_model(cfg)
     check_faults(cfg)
@@ -390,6 +393,11 @@ def check_data(cfg: Config, tokenizer_vocab: int | None) -> None:
     if d.mix and d.source != DataSource.prepared:
         raise P3DConfigError(
             f"data.mix is set for data.source={d.source.value}; mixtures are of stores: try data=prepared"
+        )
+    if d.mix and d.path:
+        raise P3DConfigError(
+            f"data.path={d.path} is set beside data.mix, which names the stores of a mixture; drop data.path "
+            "(data.path=null), or data.mix (data.mix=[]) to train from that one store"
         )
     if tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
         raise P3DConfigError(

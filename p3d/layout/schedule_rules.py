@@ -13,6 +13,8 @@ import math
 
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import Config, Recompute
+from p3d.layout.dims import resolve_dp
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import PIECES_RULE, max_pieces
 from p3d.layout.mesh_fixes import fewer_stages, finer_cuts
 
@@ -28,12 +30,13 @@ def pipeline_name(cfg: Config) -> str:
 
 def runs_on_deepspeed(cfg: Config) -> bool:
     """Whether DeepSpeed's pipeline engine runs ``cfg`` (else torch's pipelining): ``engine_runs`` of its schedule,
-    ZeRO stage, ep, cp and micro batches per replica, the one rule the launcher, the run spec's DeepSpeed JSON and the
-    planner (``p3d.planner.shapes.Layout.torch_executor``) all follow."""
-    return engine_runs(pipeline_name(cfg), cfg.zero.stage, cfg.mesh.ep, cfg.mesh.cp, uneven_micro_batches(cfg))
+    ZeRO stage, ep, cp, micro batches per replica and float8, the one rule the launcher, the run spec's DeepSpeed
+    JSON and the planner (``p3d.planner.shapes.Layout.torch_executor``) all follow."""
+    fp8 = recipe(cfg) != "none"
+    return engine_runs(pipeline_name(cfg), cfg.zero.stage, cfg.mesh.ep, cfg.mesh.cp, uneven_micro_batches(cfg), fp8)
 
 
-def engine_runs(pipeline: str, zero: int, ep: int, cp: int, uneven: bool) -> bool:
+def engine_runs(pipeline: str, zero: int, ep: int, cp: int, uneven: bool, fp8: bool) -> bool:
     """The executor follows from the config: DeepSpeed's engine runs ``1f1b`` with ZeRO 0-1; torch's pipelining
     runs every other schedule, and ``1f1b`` (its Schedule1F1B) with ZeRO-2/3, which DeepSpeed's pipeline engine
     refuses (FSDP2 shards over dp there: p3d.parallel.zero.fsdp), and with expert parallelism (mesh.ep > 1):
@@ -42,8 +45,10 @@ def engine_runs(pipeline: str, zero: int, ep: int, cp: int, uneven: bool) -> boo
     parallelism (mesh.cp > 1), whose gradients reduce over dp x cp ranks that its topology has no axis for; and
     with uneven micro batches per replica (``uneven``: ``schedule.replica_micro_batches``): DeepSpeed's engine scales
     the loss by one accumulation count and averages the gradients over dp, which weighs a micro batch of a replica
-    that runs fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself)."""
-    return not uneven and pipeline == "1f1b" and zero < 2 and ep == 1 and cp == 1
+    that runs fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself); and with
+    float8 matmuls (``fp8``: ``train.fp8``): DeepSpeed's bf16 engine keeps bf16 weights in its modules, the torch
+    executor fp32 masters under autocast, which each float8 weight cast reads once a step (p3d.parallel.tp.float8)."""
+    return not uneven and not fp8 and pipeline == "1f1b" and zero < 2 and ep == 1 and cp == 1
 
 
 def executor_name(deepspeed: bool) -> str:
@@ -120,7 +125,9 @@ def check_stage_blocks(cfg: Config, pp: int) -> None:
         raise P3DConfigError(f"{field}={blocks} names {len(blocks)} pipeline pieces, {what} = {pieces}; {fix}")
     if sum(blocks) != n_layers:
         raise P3DConfigError(f"{field}={blocks} holds {sum(blocks)} blocks, model.n_layers={n_layers}; {fix}")
-    if min(blocks) < 0 or (pieces > 2 and min(blocks[1:-1]) < 1) or (pieces == 1 and blocks[0] < 1):
+    if min(blocks) < 0:
+        raise P3DConfigError(f"{field}={blocks}: a piece cannot hold {min(blocks)} blocks; {fix}")
+    if (pieces > 2 and min(blocks[1:-1]) < 1) or (pieces == 1 and blocks[0] < 1):
         raise P3DConfigError(
             f"{field}={blocks}: every piece but the first and the last (the embedding's and the head's) needs a block; "
             f"{fix}"
@@ -243,3 +250,13 @@ def check_pipeline(cfg: Config, pp: int, dp: int) -> None:
             f"model.compile=true with schedule.pipeline={name}: torch refuses compiled stage modules under the "
             "I/W-split schedules (schedules.py:3816); try model.compile=false or schedule.pipeline=interleaved_1f1b"
         )
+
+
+def check_split(cfg: Config) -> None:
+    """The uneven split a config names (``schedule.stage_blocks``, ``schedule.replica_micro_batches``), checked as
+    p3d-train checks it: p3d-plan models the layout as given and cannot model a split that does not add up, where
+    it only warns of the other rules p3d-train would refuse by."""
+    c, m = cfg.cluster, cfg.mesh
+    if cfg.schedule.replica_micro_batches:
+        check_replica_micro_batches(cfg, resolve_dp(m.tp, m.pp, m.dp, c.nodes, c.gpus_per_node, m.cp))
+    check_stage_blocks(cfg, m.pp)

@@ -110,9 +110,11 @@ class RoutedExperts(nn.Module):
             self.w_down.weight.view(self.local, self.h, -1)[i],
         )
 
+    grouped_mm = None  # train.fp8=mxfp8: the grouped GEMMs in MXFP8 (p3d.parallel.experts.mxfp8)
+
     def forward(self, rows: torch.Tensor, groups: Groups) -> torch.Tensor:
         """rows (R, h) grouped by local expert as ``groups`` says -> (R, h), partial over tp."""
         # under bf16 autocast: the step's one bf16 copy of each stacked weight (p3d.parallel.tp.precision)
         w_gate_up = compute_weight(self.w_gate_up.weight).view(self.local, -1, self.h)  # (E_l, 2f/t, h)
         w_down = compute_weight(self.w_down.weight).view(self.local, self.h, -1)  # (E_l, h, f/t)
-        return grouped_swiglu(rows, w_gate_up, w_down, groups, self.recompute)
+        return grouped_swiglu(rows, w_gate_up, w_down, groups, self.recompute, self.grouped_mm)

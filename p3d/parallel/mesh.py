@@ -30,7 +30,7 @@ class Mesh:
     ep_group: Any = field(
         default=None, compare=False, repr=False
     )  # the ep dp ranks whose experts this rank's tokens reach
-    edp_group: Any = field(default=None, compare=False, repr=False)  # the dp ranks holding this rank's experts
+    edp_group: Any = field(default=None, compare=False, repr=False)  # the dp x cp ranks holding this rank's experts
     cp: int = 1  # context parallelism: each sequence split over cp ranks (p3d.parallel.context)
     cp_group: Any = field(default=None, compare=False, repr=False)  # the cp ranks splitting this rank's sequences
     dp_cp_group: Any = field(default=None, compare=False, repr=False)  # every holder of this rank's parameters
@@ -100,8 +100,13 @@ class Mesh:
 
     @property
     def edp(self) -> int:
-        """The ranks that hold the same experts (and reduce their gradients): dp / ep."""
-        return self.dp // self.ep
+        """The ranks that hold the same experts (and reduce their gradients): dp / ep, times cp."""
+        return self.dp // self.ep * self.cp
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's place among them (the order of ``ParallelDims.edp_ranks``: dp major, cp minor)."""
+        return self.dp_rank // self.ep * self.cp + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -130,10 +135,10 @@ class Mesh:
                 g = dist.new_group(ranks=ranks)
                 if self.rank in ranks:
                     groups[name] = g
-        if self.ep == 1:  # every expert on every dp rank: their gradients reduce over dp like the rest
-            groups["edp_group"] = groups["dp_group"]
         if self.cp == 1:  # the dp ranks are every holder of the parameters
             groups["dp_cp_group"] = groups["dp_group"]
+        if self.ep == 1:  # every expert on every dp x cp rank: their gradients reduce like the rest
+            groups["edp_group"] = groups["dp_cp_group"]
         return dataclasses.replace(self, **groups)
 
     def describe(self) -> str:

@@ -1,9 +1,10 @@
 """What a mixture of experts adds to the plan (``model.moe``; docs/planner.md, Mixture of experts): an MoE block's
 feed-forward activations and memory-bound bytes, the rows its token dispatch moves, and the figures p3d-plan prints.
 
-Notation: b micro batch, s sequence, h hidden, c activation bytes, t = tp (sp = t with sequence parallelism, else
-1), E routed experts, k = top_k, S shared experts, f_e an expert's inner size, ep the expert-parallel degree (an ep
-group is ep consecutive dp ranks, so ep x t consecutive global ranks), r the rows per token, the (token, slot)
+Notation: b micro batch, s a rank's tokens of a sequence (s / cp with context parallelism), h hidden, c activation
+bytes, t = tp (sp = t with sequence parallelism, else 1), E routed experts, k = top_k, S shared experts, f_e an
+expert's inner size, ep the expert-parallel degree (an ep group is ep consecutive dp ranks of one cp coordinate, so
+it spans ep x cp x t consecutive global ranks), r the rows per token, the (token, slot)
 pairs sent to experts: k when dropless, k min(1, capacity_factor) under balanced routing with a capacity.
 
 What an MoE block's feed-forward keeps for backward, per token of a micro batch on one tp rank (what
@@ -35,6 +36,7 @@ from typing import Any
 
 from p3d.config.schema import Config, Recompute
 from p3d.layout.geometry import active_params, expert_ffn_size, moe_layers, total_params
+from p3d.planner.context import local_tokens
 from p3d.planner.shapes import Layout, StageParams, dtype_bytes
 
 
@@ -52,7 +54,7 @@ def ffn_activation_bytes(cfg: Config, layout: Layout, recompute: Recompute) -> f
     m, sched = cfg.model, cfg.schedule
     moe = m.moe
     assert moe is not None
-    c, t, b, s, h = dtype_bytes(cfg), layout.tp, layout.micro_batch_size, m.seq_len, m.hidden_size
+    c, t, b, s, h = dtype_bytes(cfg), layout.tp, layout.micro_batch_size, local_tokens(cfg, layout), m.hidden_size
     f_e, k, shared = expert_ffn_size(m), moe.top_k, moe.n_shared_experts
     sp = t if sched.sequence_parallel else 1
     swiglu = 3 if recompute == Recompute.selective and sched.recompute_swiglu else 4  # of c f_e / t per row
@@ -61,7 +63,7 @@ def ffn_activation_bytes(cfg: Config, layout: Layout, recompute: Recompute) -> f
     if c < 4 and (not shared or sp > 1):  # the norm's output (c h / sp, in the norms' count): nothing here keeps it
         per_token -= c * h / sp
     sigmoid = moe.score.value == "sigmoid"
-    renorm = moe.norm_topk_prob or sigmoid
+    renorm = moe.norm_topk_prob
     router = (4 * h if c < 4 else 0) + 4 * moe.n_experts + 8 * k + (4 * k + 4 if renorm else 0) + (4 if sigmoid else 0)
     # per micro batch: the balancing loss's fp32 counts (E), and with c < 4 the router weight's fp32 copy (E h);
     # the grouped GEMMs' int32 group ends (E / ep)
@@ -80,10 +82,11 @@ def ffn_side_elements(cfg: Config, layout: Layout) -> float:
 
 
 def dispatch_bytes(cfg: Config, layout: Layout) -> float:
-    """b s r h c: one micro batch's rows on a rank, what each all-to-all of its dispatch exchanges (the
-    (ep - 1) / ep of them for other ranks leave it; p3d.planner.step_time.ring counts that share)."""
+    """b s r h c: one micro batch's rows on a rank (its s / cp tokens), what each all-to-all of its dispatch
+    exchanges (the (ep - 1) / ep of them for other ranks leave it; p3d.planner.step_time.ring counts that share)."""
     m = cfg.model
-    return layout.micro_batch_size * m.seq_len * rows_per_token(cfg) * m.hidden_size * dtype_bytes(cfg)
+    tokens = layout.micro_batch_size * local_tokens(cfg, layout)
+    return tokens * rows_per_token(cfg) * m.hidden_size * dtype_bytes(cfg)
 
 
 def all_to_alls(recompute: Recompute) -> tuple[int, int]:
@@ -93,8 +96,9 @@ def all_to_alls(recompute: Recompute) -> tuple[int, int]:
 
 
 def a2a_span(layout: Layout) -> int:
-    """Consecutive global ranks an ep group spans: ep dp ranks, each tp ranks wide (tp varies fastest)."""
-    return layout.ep * layout.tp
+    """Consecutive global ranks an ep group spans: ep dp ranks, each tp ranks wide (tp varies fastest) and tp x cp
+    apart (cp varies next)."""
+    return layout.ep * layout.tp * layout.cp
 
 
 def summary(cfg: Config, layout: Layout, stages: list[StageParams], a2a_s: float, link: str) -> dict[str, Any] | None:

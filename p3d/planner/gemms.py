@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from p3d.config.schema import Arch, Config
 from p3d.layout.geometry import expert_ffn_size, head_dims, is_moe_layer, moe_layers, padded_vocab
-from p3d.planner import context
+from p3d.planner import context, float8
 from p3d.planner.shapes import Layout
 
 # output tiles (rows x columns) a GEMM is cut into; the fastest for each shape is taken
@@ -44,6 +44,7 @@ class Gemm:
     k: float
     count: float = 1.0  # GEMMs of this shape in one call (batched), or the share of their tiles a causal mask keeps
     io: bool = True  # operands streamed through HBM (False: on chip, inside a fused attention kernel)
+    fp8: int = 0  # train.fp8 (p3d.planner.float8): 0 bf16, 1 float8 forward and backward, 2 weight gradient in bf16
 
     @property
     def flops(self) -> float:
@@ -51,9 +52,10 @@ class Gemm:
 
     def grads(self) -> tuple[Gemm, Gemm]:
         """The backward's two GEMMs: the input gradient dy W^T and the weight gradient x^T dy."""
+        wgrad = self.fp8 if self.fp8 == float8.FLOAT8 else float8.BF16
         return (
-            Gemm(self.m, self.k, self.n, self.count, self.io),
-            Gemm(self.k, self.n, self.m, self.count, self.io),
+            Gemm(self.m, self.k, self.n, self.count, self.io, self.fp8 and float8.FLOAT8),
+            Gemm(self.k, self.n, self.m, self.count, self.io, wgrad),
         )
 
 
@@ -68,6 +70,7 @@ class GemmDevice:
     k_overhead: float  # k0: a tile's fixed cost, in k-steps
     hbm_bytes_s: float
     element_bytes: float
+    float8_peak_flops: float | None = None  # the float8 peak (p3d.config.devices); None: float8 GEMMs at peak_flops
 
 
 @functools.lru_cache(maxsize=65536)  # mesh=auto times the same few shapes for every candidate
@@ -75,12 +78,14 @@ def seconds(g: Gemm, dev: GemmDevice) -> float:
     """Seconds of ``g`` on ``dev``: the slower of its tiled compute and its bytes (module docstring)."""
     if g.count <= 0 or min(g.m, g.n, g.k) <= 0:
         return 0.0
-    tile_rate = dev.peak_flops * dev.efficiency / dev.sms  # FLOP/s of one SM
+    peak = dev.float8_peak_flops if g.fp8 and dev.float8_peak_flops else dev.peak_flops
+    tile_rate = peak * dev.efficiency / dev.sms  # FLOP/s of one SM
     waves = (math.ceil(math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.count / dev.sms) for tm, tn in TILES)
     compute = min(w * 2.0 * tm * tn for w, (tm, tn) in zip(waves, TILES)) * (g.k + dev.k_overhead) / tile_rate
     if not g.io:
         return compute
-    traffic = dev.element_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) * g.count / dev.hbm_bytes_s
+    operand_bytes = 1.0 if g.fp8 else dev.element_bytes  # float8 operands, the output in the run's dtype
+    traffic = (operand_bytes * (g.m * g.k + g.k * g.n) + dev.element_bytes * g.m * g.n) * g.count / dev.hbm_bytes_s
     return max(compute, traffic)
 
 
@@ -109,21 +114,26 @@ def block_gemms(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, lis
     q, kv = head_dims(m)
     rows = b * s
     swiglu = m.arch == Arch.llama
-    out = {"qkv": [Gemm(rows, (q + 2 * kv) / t, h)], "proj": [Gemm(rows, h, q / t)]}
+    dense8, experts8 = float8.dense_kind(cfg), float8.experts_kind(cfg)  # train.fp8 (p3d.planner.float8)
+    out = {
+        "qkv": [Gemm(rows, (q + 2 * kv) / t, h, fp8=float8.fits(dense8, h, (q + 2 * kv) / t))],
+        "proj": [Gemm(rows, h, q / t, fp8=float8.fits(dense8, h, q / t))],
+    }
     layer = moe_layers(m)[0] if moe else 0
     if is_moe_layer(m, layer):
         assert m.moe is not None
         f_e, e, shared = expert_ffn_size(m), m.moe.n_experts, m.moe.n_shared_experts
         local, per_expert = e / layout.ep, rows * m.moe.top_k * layout.ep / e
-        out["fc1"] = [Gemm(rows, e, h), Gemm(per_expert, 2 * f_e / t, h, local)]
-        out["fc2"] = [Gemm(per_expert, h, f_e / t, local)]
+        out["fc1"] = [Gemm(rows, e, h), Gemm(per_expert, 2 * f_e / t, h, local, fp8=experts8)]
+        out["fc2"] = [Gemm(per_expert, h, f_e / t, local, fp8=experts8)]
         if shared:
             out["fc1"].append(Gemm(rows, 2 * shared * f_e / t, h))
             out["fc2"].append(Gemm(rows, h, shared * f_e / t))
     else:
         f = m.ffn_hidden_size
-        out["fc1"] = [Gemm(rows, (2 if swiglu else 1) * f / t, h)]
-        out["fc2"] = [Gemm(rows, h, f / t)]
+        width = (2 if swiglu else 1) * f / t
+        out["fc1"] = [Gemm(rows, width, h, fp8=float8.fits(dense8, h, width))]
+        out["fc2"] = [Gemm(rows, h, f / t, fp8=float8.fits(dense8, h, f / t))]
     flash = cfg.plan.flash_attention or layout.cp > 1
     hd, heads = q / a, b * a / t
     s_q, s_kv = s, m.seq_len

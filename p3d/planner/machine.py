@@ -55,6 +55,10 @@ def gemm_device(cfg: Config) -> GemmDevice | None:
         k_overhead=dev.gemm_k_overhead if k_overhead is None else k_overhead,
         hbm_bytes_s=hbm_bytes_per_s(cfg),
         element_bytes=dtype_bytes(cfg),
+        # the preset's float8 peak, scaled as cluster.peak_tflops scales its bf16 one
+        float8_peak_flops=dev.float8_tflops / dev.peak_tflops * cast(float, cfg.cluster.peak_tflops) * 1e12
+        if dev.float8_tflops
+        else None,
     )
 
 

@@ -15,9 +15,10 @@ Context parallelism (``mesh.cp``): the cp ranks of a dp replica hold the same pa
 ``dp_cp_ranks``). cp > 1 runs on the torch executor, so its rows apply.
 
 A mixture of experts splits N into the routed experts N_e (E / ep per MoE block) and the rest N_d: wherever the
-table divides by d, N_e divides by edp = d / ep instead (their gradients reduce over edp, ZeRO-1's second optimizer
-and FSDP2's expert units shard over it), so the divisions read N_d / d + N_e / edp. With ep > 1 the torch executor
-runs every schedule (DeepSpeed's engine reduces every gradient over all of dp), so its rows apply.
+table divides by d, N_e divides by edp = d / ep (times cp) instead (their gradients reduce over edp, ZeRO-1's
+second optimizer and FSDP2's expert units shard over it), so the divisions read N_d / d + N_e / edp. With ep > 1
+the torch executor runs every schedule (DeepSpeed's engine reduces every gradient over all of dp), so its rows
+apply.
 
 ZeRO 2 divides the gradients and ZeRO 3 also the parameters by d in Rajbhandari et al. 2020, Table 1
 (2 + 2 + K with K = 12); p3d's FSDP2 stages hold both as shards between steps (docs/zero.md).
@@ -91,7 +92,7 @@ import math
 from dataclasses import dataclass, field
 
 from p3d.config.schema import Arch, Config, DataSource, DType, Recompute
-from p3d.layout.geometry import head_dims, padded_vocab
+from p3d.layout.geometry import head_dims, padded_vocab, token_bytes
 from p3d.planner import experts
 from p3d.planner.context import attention_working_bytes, local_tokens
 from p3d.planner.shapes import Layout, StageParams, dtype_bytes, stage_params
@@ -102,7 +103,6 @@ GB = 1e9  # memory figures are decimal GB, the unit of the ZeRO paper's tables a
 # kind: p3d-train model=tiny model.seq_len=64 peaked at 0.317-0.320 GB (mesh=single) and 0.327-0.330 GB a rank
 # (mesh.cp=2, 4: the torch executor), with some 5 MB of states and activations in it.
 CPU_WORKER_BYTES = 0.32e9
-WINDOW_REFERENCE_BYTES = 8  # a token of the data's shuffle pool: one reference in a Python list (host_bytes)
 __all__ = ["GB", "dtype_bytes", "stage_memory", "state_bytes"]
 
 
@@ -238,13 +238,13 @@ def loss_buffer_bytes(cfg: Config, layout: Layout) -> float:
 def host_bytes(cfg: Config, layout: Layout) -> float:
     """What a cpu worker holds beside its model states and activations, 0 on GPUs (their peak_mem_gb is CUDA's
     max-allocated, and the host is not device memory): the process itself (``CPU_WORKER_BYTES``) and the data
-    reader's shuffle pool, data.shuffle_buffer windows of s + 1 tokens held as Python lists of ids, 8 bytes a token
-    (the byte tokenizer's ids are the interpreter's shared small ints; measured 35 MB for 1,024 windows of 4,097).
-    A prepared token store is read by index, no pool."""
+    reader's shuffle pool, data.shuffle_buffer windows of s + 1 tokens, each id in the vocabulary's smallest integer
+    (p3d.data.loader.pack; 2 bytes for the byte tokenizer: 8.4 MB for 1,024 windows of 4,097, where Python lists
+    held 34 MB). A prepared token store is read by index, no pool."""
     if cfg.cluster.device != "cpu":
         return 0.0
-    d = cfg.data
-    pool = 0 if d.source == DataSource.prepared else d.shuffle_buffer * (cfg.model.seq_len + 1) * WINDOW_REFERENCE_BYTES
+    d, m = cfg.data, cfg.model
+    pool = 0 if d.source == DataSource.prepared else d.shuffle_buffer * (m.seq_len + 1) * token_bytes(m.vocab_size)
     return CPU_WORKER_BYTES + pool
 
 

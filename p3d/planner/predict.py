@@ -48,6 +48,7 @@ class Prediction:
     dp_traffic_s: float = 0.0  # the slowest tail's dp collectives, whole; breakdown["dp_comm"] is their exposed part
     hetero: Any = None  # cluster.groups: the split on the groups (p3d.planner.hetero.HeteroPlan)
     hetero_ranking: list[Any] = field(default_factory=list)  # mesh=auto on groups: the best splits, best first
+    float8_speedup: float | None = None  # tokens/s in float8 over bf16 on the layout (search.with_float8_speedup)
 
     # ---- figures
     @property
@@ -192,6 +193,7 @@ class Prediction:
         ]
         out["assumptions"] = assumptions(self.cfg, self.layout)
         out["notes"] = list(self.notes)
+        out["float8_speedup"] = self.float8_speedup
         if self.ranking:
             out["ranking"] = [{**r.to_json()["layout"], **r.summary()} for r in self.ranking]
         if self.hetero_ranking:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from p3d.config.schema import Recompute
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import active_params, moe_layers, total_params
 from p3d.layout.hetero import describe_groups
 from p3d.layout.schedule_rules import executor_name
@@ -50,7 +51,7 @@ def _experts(report) -> list[str]:
         f"  mixture of experts: {moe.n_experts} routed experts (top-{moe.top_k}){shared} in {len(moe_layers(m))} of "
         f"{m.n_layers} blocks; {_billions(total_params(m))} parameters, {_billions(active_params(m))} active per token",
         f"  ep={lay.ep}: each GPU holds {moe.n_experts // lay.ep} of the {moe.n_experts} routed experts of each MoE "
-        f"block; their gradients reduce (and ZeRO shards) over edp={lay.edp} dp ranks"
+        f"block; their gradients reduce (and ZeRO shards) over edp={lay.edp} ranks"
         + (f"; all-to-alls over {lay.ep * lay.tp} consecutive ranks ({a2a_link(cfg, lay)}-node)" if lay.ep > 1 else ""),
     ]
     per_stage = [
@@ -155,7 +156,8 @@ def render(report) -> str:
         f"{lay.describe(m.seq_len)}, {_devices(cfg)}"
     )
     out.append(
-        f"  {cfg.train.dtype.value}, zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
+        f"  {cfg.train.dtype.value}{_float8(cfg)}, "
+        f"zero.stage={cfg.zero.stage}, recompute={cfg.schedule.recompute.value}, "
         f"sequence_parallel={cfg.schedule.sequence_parallel}, global batch {cfg.schedule.global_batch_size} "
         f"x {m.seq_len} tokens"
     )
@@ -209,7 +211,8 @@ def render(report) -> str:
     out += [
         "",
         f"throughput: {report.tokens_per_s:,.0f} tokens/s, {report.tflops_per_gpu:.1f} TFLOP/s per GPU "
-        f"(MFU {report.mfu:.1%}), {report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
+        f"(MFU {report.mfu:.1%}{_mfu_peak(cfg)}), "
+        f"{report.hfu_tflops_per_gpu:.1f} with recompute (HFU {report.hfu:.1%}), "
         f"bubble {report.bubble:.1%}",
     ]
     a = assumptions(cfg, lay)
@@ -248,6 +251,16 @@ def _devices(cfg, world: int | None = None) -> str:
         f"{gpus}cluster.groups {describe_groups(c)} (timed at their mean peak, {c.peak_tflops:g} TFLOP/s, in their "
         f"smallest memory, {c.memory_gb:g} GB)"
     )
+
+
+def _float8(cfg) -> str:
+    name = recipe(cfg)
+    return "" if name == "none" else f" + float8 {name} matmuls"
+
+
+def _mfu_peak(cfg) -> str:
+    """Which peak MFU divides by, where float8 makes it a question: the bf16 one (torchtitan's convention)."""
+    return "" if not _float8(cfg) else f" of the bf16 peak {cfg.cluster.peak_tflops:g} TFLOP/s"
 
 
 def _dp_overlap(report) -> str:

@@ -25,12 +25,14 @@ are sorted by predicted tokens/s (ties: less memory first), those that use more 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import cast
 
+from p3d.config.devices import DEVICES
+from p3d.config.options import Float8
 from p3d.config.schema import Config
 from p3d.layout.context_rules import check_context, sequence_multiple
 from p3d.layout.expert_rules import check_experts
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import max_pieces
 from p3d.layout.run_plan import (
     P3DConfigError,
@@ -41,12 +43,15 @@ from p3d.layout.run_plan import (
 )
 from p3d.layout.schedule_rules import check_schedule
 from p3d.planner.context import LONG_SEQUENCE
+from p3d.planner.float8 import PUBLISHED
 from p3d.planner.hetero import HeteroPlan, plan_layout
+from p3d.planner.hetero_search import plan_groups
 from p3d.planner.predict import Prediction, apply_layout, evaluate
 from p3d.planner.shapes import (
     Layout,
     StageParams,
     divisors,
+    float8_on,
     layout_of,
     layout_of_run_plan,
     stage_params,
@@ -95,9 +100,9 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
 def context_degrees(cfg: Config, tp: int, gpus: int) -> list[int]:
     """The cp worth trying with tp on ``gpus`` = world / tp: 1, and for a sequence of at least ``LONG_SEQUENCE``
     tokens every power of two dividing ``gpus`` that cuts it into equal chunks (``sequence_multiple``, the rule
-    check_context applies) of at least ``MIN_TOKENS_PER_RANK`` tokens per rank. A mixture of experts: 1 (refused)."""
+    check_context applies) of at least ``MIN_TOKENS_PER_RANK`` tokens per rank."""
     s, sched = cfg.model.seq_len, cfg.schedule
-    if s < LONG_SEQUENCE or cfg.model.moe is not None or cfg.model.compile:
+    if s < LONG_SEQUENCE or cfg.model.compile:
         return [1]
     out, cp = [1], 2
     while gpus % cp == 0 and s // cp >= MIN_TOKENS_PER_RANK:
@@ -154,7 +159,9 @@ def _layouts(cfg: Config, tp: int, pp: int, dp: int, cp: int) -> list[Layout]:
             for recompute in RECOMPUTE:
                 for zero in ZERO_STAGES:
                     for ep in expert_degrees(cfg, dp):
-                        layout = Layout(tp, pp, dp, mbs, total // dp, v, pipeline, recompute, zero, ep, cp, uneven)
+                        layout = Layout(
+                            tp, pp, dp, mbs, total // dp, v, pipeline, recompute, zero, ep, cp, float8_on(cfg), uneven
+                        )
                         applied = apply_layout(cfg, layout)
                         if uneven:
                             sched = dataclasses.replace(applied.schedule, replica_micro_batches=counts)
@@ -217,6 +224,10 @@ def predict(cfg: Config, run_plan=None) -> Prediction:
         if cfg.cluster.groups:  # the split the run starts with, on its groups
             report.hetero = plan_layout(cfg, report.layout, as_given=True)
         return report
+    return with_float8_speedup(_predict(cfg))
+
+
+def _predict(cfg: Config) -> Prediction:
     if cfg.mesh.name == "auto":
         ranked = search(cfg)
         if cfg.cluster.groups:  # a heterogeneous cluster: the split of every layout, searched (plan_groups)
@@ -261,70 +272,23 @@ def resolve_auto(cfg: Config) -> Config:
     return with_split(apply_layout(cfg, plan.layout), plan)
 
 
-# mesh=auto over groups (``plan_groups``): a layout is split only while its homogeneous time for the global batch is
-# within 1 / UNDER_IDEAL of the best split's so far (a split beats its layout's homogeneous time by evening out its
-# stages and, for uneven micro batches, on torch's executor, whose dp buckets overlap the backward: up to ~25 %), and
-# at most MAX_SPLITS layouts are split (about 4 ms each)
-UNDER_IDEAL = 0.7
-# the other layouts of a set of degrees and micro batch size: split while their estimate (the set's first split scaled
-# by their homogeneous time) is within 1 / SAME_SET of the best split
-SAME_SET = 0.9
-MAX_SPLITS = 600
-
-
-def plan_groups(cfg: Config, ranked: list[Prediction]) -> list[HeteroPlan]:
-    """``mesh=auto`` on a cluster of groups: the split of the layouts of the homogeneous ranking (``ranked``:
-    predictions, fastest first; every micro batch size, schedule, recompute and ZeRO stage p3d-train accepts, and
-    the layouts only an uneven split of the batch allows), best first: those that fit every group first, and of those
-    the ones that leave every group 10 % of its memory (``crowded``).
-
-    A layout's homogeneous time for the global batch on the groups' mean device is about its ideal, the sum of the
-    groups' throughputs: the split reaches it where the batch leaves micro batches to move (a small micro batch) and
-    stays at the uniform split where it does not. So the search splits, in the ranking's order, first the best layout
-    of each set of degrees, micro batch size and what the split may move (where its freedom lies), then the other
-    schedules, recomputes and ZeRO stages of each set, each while its estimated step is within reach of the best
-    split so far."""
-    batch = cfg.schedule.global_batch_size * cfg.model.seq_len
-    sets: dict[tuple[int, ...], list] = {}
-    for r in ranked:
-        lay = r.layout
-        # what the split may move (the blocks of one chunk per rank, the micro batches but under ZeRO-3) and the
-        # homogeneous layout's executor (an uneven split runs on torch's, whose homogeneous time another set scales)
-        moves = (lay.virtual_stages == 1, lay.zero < 3, lay.torch_executor)
-        sets.setdefault((lay.tp, lay.cp, lay.pp, lay.dp, lay.ep, lay.micro_batch_size, *moves), []).append(r)
-    plans: list[HeteroPlan] = []
-    best = math.inf
-
-    def split(r, bound: float) -> bool:
-        """Split ``r``'s layout unless ``bound`` (a lower estimate of its split's step) is out of reach of the best
-        split so far or the search is spent (False)."""
-        nonlocal best
-        if bound > best or len(plans) >= MAX_SPLITS:
-            return False
-        plans.append(plan_layout(cfg, r.layout))
-        if plans[-1].fits:
-            best = min(best, plans[-1].step_s)
-        return True
-
-    def homogeneous(r) -> float:
-        return batch / r.tokens_per_s
-
-    firsts = []
-    for first, *_ in sets.values():  # each set's best layout, in the order of the sets' best
-        if not split(first, UNDER_IDEAL * homogeneous(first)):
-            break
-        firsts.append(plans[-1])
-    # the other layouts of the sets split: their split's step estimated as the set's first split's, scaled by their
-    # homogeneous times, best first
-    others = sorted(
-        (
-            (p.step_s * homogeneous(r) / homogeneous(first), r)
-            for p, (first, *rest) in zip(firsts, sets.values())
-            for r in rest
-        ),
-        key=lambda pair: pair[0],
+def with_float8_speedup(report: Prediction) -> Prediction:
+    """``report`` with its float8 figure (p3d-plan on a device with float8 tensor cores): the tokens/s of the step
+    with float8 matmuls over the same step's in bf16, both on the torch executor that float8 runs on, in a note
+    beside the published anchors (p3d.planner.float8.PUBLISHED), and in format=json as ``float8_speedup``."""
+    cfg, layout = report.cfg, report.layout
+    name = recipe(cfg)
+    if name == "none" and not DEVICES[str(getattr(cfg.cluster.device, "value", cfg.cluster.device))].float8_tflops:
+        return report
+    shown = "tensorwise" if name == "none" else name
+    torch_layout = dataclasses.replace(layout, fp8=True)
+    with_fp8 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=Float8(shown)))
+    without = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=Float8.none))
+    fast = evaluate(with_fp8, torch_layout, check=False).step_time_s
+    slow = evaluate(without, torch_layout, check=False).step_time_s
+    report.float8_speedup = slow / fast
+    report.notes.append(
+        f"float8: train.fp8={shown} predicts {slow / fast:.2f}x the tokens/s of bf16 on this layout "
+        f"({slow:.3f} s -> {fast:.3f} s a step); {PUBLISHED}"
     )
-    for estimate, r in others:
-        if not split(r, SAME_SET * estimate):
-            break
-    return sorted(plans, key=lambda p: (not p.fits, p.crowded, p.step_s))
+    return report

@@ -30,7 +30,7 @@ The per-block counts and FLOPs per token are ``p3d.layout.geometry``'s too.
 Mixture of experts (``model.moe``): a block i >= first_dense_layers holds, besides its attention and norms, the
 router h E (replicated over tp), S shared experts and E / ep routed experts, each expert 3 h f_e / t
 (``geometry.mlp_params``); a layout's ep (``mesh.ep``, carved from dp) is 1 for a dense model. ``StageParams``
-keeps the routed experts' share apart: they reduce and shard over edp = dp / ep ranks, the rest over dp.
+keeps the routed experts' share apart: they reduce and shard over edp = (dp / ep) x cp ranks, the rest over dp x cp.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from p3d.config.schema import Arch, Config, DType, ModelConfig, Pipeline, Recompute
 from p3d.layout.dims import resolve_dp
 from p3d.layout.expert_rules import check_expert_degree
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import (
     attention_params,
     block_vector_params,
@@ -76,6 +77,7 @@ class Layout:
     zero: int = 0
     ep: int = 1
     cp: int = 1
+    fp8: bool = False  # train.fp8 set: the torch executor runs it (schedule_rules.runs_on_deepspeed)
     uneven: bool = False  # the dp replicas run different micro batch counts (schedule.replica_micro_batches)
 
     @property
@@ -89,14 +91,14 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """The expert-data-parallel degree: the dp / ep ranks of a dp group that hold the same experts."""
-        return max(1, self.dp // self.ep)
+        """The expert-data-parallel degree: the dp / ep ranks of a dp group that hold the same experts, times cp."""
+        return max(1, self.dp // self.ep) * self.cp
 
     @property
     def torch_executor(self) -> bool:
         """Whether torch's pipelining runs it: ``schedule_rules.engine_runs``, the launcher's rule, for its schedule,
-        ZeRO stage, ep, cp and micro batches per replica."""
-        return not engine_runs(self.pipeline, self.zero, self.ep, self.cp, self.uneven)
+        ZeRO stage, ep, cp, micro batches per replica and float8."""
+        return not engine_runs(self.pipeline, self.zero, self.ep, self.cp, self.uneven, self.fp8)
 
     def describe(self, seq_len: int) -> str:
         """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
@@ -161,7 +163,21 @@ def layout_of(cfg: Config) -> Layout:
         check_expert_degree(cfg, dp)
         ep = cfg.mesh.ep
     uneven = uneven_micro_batches(cfg)
-    return Layout(tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp, uneven)
+    return Layout(
+        tp,
+        pp,
+        dp,
+        s.micro_batch_size,
+        m,
+        v,
+        pipeline,
+        s.recompute.value,
+        cfg.zero.stage,
+        ep,
+        cp,
+        float8_on(cfg),
+        uneven,
+    )
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:
@@ -208,8 +224,13 @@ def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
         cfg.zero.stage,
         run_plan.ep if cfg.model.moe is not None else 1,
         run_plan.cp,
+        float8_on(cfg),
         len(set(run_plan.replica_micro_batches)) > 1,
     )
+
+
+def float8_on(cfg: Config) -> bool:
+    return recipe(cfg) != "none"
 
 
 def rank_layers(cfg: Config, layout: Layout) -> list[list[str]]:

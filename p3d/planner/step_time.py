@@ -39,7 +39,7 @@ routed and S shared experts a token goes through: ``geometry.mlp_params(active=T
 every rank computes the same rows). Its token dispatch adds 4 all-to-alls per micro batch (6 with full recompute)
 of b s r h c bytes, (ep - 1)/ep of them leaving each rank (the "others" ring time, (n - 1)/n x bytes / link +
 latency), over the link of its ep group's ep x t consecutive ranks; they are never hidden (``a2a``). Dense
-gradients reduce over dp, the routed experts' over edp = dp / ep (their Adam step over 1/edp of them).
+gradients reduce over dp, the routed experts' over edp = (dp / ep) x cp (their Adam step over 1/edp of them).
 
 Context parallelism (p3d.planner.context): a rank computes s / cp tokens of each sequence, so every b s above reads
 b s / cp, and the attention FLOPs are 1/cp of the causal total (4 b s^2 q / t x 1/2 / cp: the head-tail chunks
@@ -53,6 +53,7 @@ Gradients reduce over the dp x cp holders of the parameters (the torch executor:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -68,7 +69,7 @@ from p3d.layout.geometry import (
 )
 from p3d.layout.hetero import mean_slowdown
 from p3d.layout.schedule_rules import V_SHAPED
-from p3d.planner import context, experts
+from p3d.planner import context, experts, float8
 from p3d.planner.gemms import Gemm, block_gemms, head_gemm
 from p3d.planner.machine import (  # noqa: F401 - HBM_EFFICIENCY, COMM_EFFICIENCY, ...: importers read them here
     COMM_EFFICIENCY,
@@ -124,6 +125,9 @@ class BlockWork:
     ag: float
     rs: float
     tp: float
+    cast_fwd: float = 0.0  # train.fp8: bytes of the float8 casts forward (the weights' a step spread over m)
+    cast_bwd: float = 0.0  # ... and backward
+    tp_saved: float = 0.0  # train.fp8=tensorwise with SP: the forward all-gathers' seconds float8 saves
 
 
 def block_work(cfg: Config, layout: Layout, moe: bool = False) -> BlockWork:
@@ -146,7 +150,23 @@ def block_work(cfg: Config, layout: Layout, moe: bool = False) -> BlockWork:
     ag, rs = ring(cfg, act_bytes, t, t, "all_gather"), ring(cfg, act_bytes, t, t, "reduce_scatter")
     # 2 all-reduces per direction (or, with sequence parallelism, 2 all-gathers + 2 reduce-scatters)
     tp_dir = 2 * (ag + rs) if sched.sequence_parallel else 2 * ring(cfg, act_bytes, t, t)
-    return BlockWork(block_gemms(cfg, layout, moe), b * s * side * c, b * s * core * c, ag, rs, tp_dir)
+    work = BlockWork(block_gemms(cfg, layout, moe), b * s * side * c, b * s * core * c, ag, rs, tp_dir)
+    return _with_float8(cfg, layout, work)
+
+
+def _with_float8(cfg: Config, layout: Layout, work: BlockWork) -> BlockWork:
+    """``train.fp8`` (p3d.planner.float8): the casts' bytes of the block's float8 linears, and the forward
+    all-gathers' halved bytes under tensorwise SP."""
+    fwd_casts, bwd_casts, weight_casts = float8.casts_per_pass(cfg)
+    linears = [g for name in ("qkv", "proj", "fc1", "fc2") for g in work.gemms[name] if g.fp8 and g.count == 1]
+    if not linears:
+        return work
+    # a linear's input is m x k, its output gradient m x n; its weight k x n, cast once a step
+    fwd = sum(g.m * g.k for g in linears) * fwd_casts * float8.CAST_BYTES
+    fwd += sum(g.k * g.n for g in linears) * weight_casts * float8.WEIGHT_CAST_BYTES / layout.micro_batches
+    bwd = sum(g.m * g.n for g in linears) * bwd_casts * float8.CAST_BYTES
+    saved = work.ag if float8.sp_gathers_in_float8(cfg) and layout.tp > 1 else 0.0
+    return dataclasses.replace(work, cast_fwd=fwd, cast_bwd=bwd, tp_saved=saved)
 
 
 GemmTimer = Callable[[Gemm], float]
@@ -160,10 +180,10 @@ def _per_block(cfg: Config, k: BlockWork, gemm: GemmTimer, mem_s: float) -> dict
     gemm_b = sum(gemm(d) + gemm(w) for d, w in (g.grads() for g in weights))
     attn_f = sum(gemm(g) for g in k.gemms["attn"]) + k.core_bytes / mem_s
     side_f = k.side_bytes / mem_s
-    fwd = gemm_f + attn_f + side_f
-    bwd = gemm_b + sum(gemm(g) for g in k.gemms["attn_bwd"]) + 2 * (k.core_bytes + k.side_bytes) / mem_s
+    fwd = gemm_f + attn_f + side_f + k.cast_fwd / mem_s
+    bwd = gemm_b + sum(gemm(g) for g in k.gemms["attn_bwd"]) + (2 * (k.core_bytes + k.side_bytes) + k.cast_bwd) / mem_s
     rec = {Recompute.full: fwd, Recompute.selective: attn_f, Recompute.none: 0.0}[cfg.schedule.recompute]
-    tp_layer = 2 * k.tp + (k.tp if cfg.schedule.recompute == Recompute.full else 0.0)
+    tp_layer = 2 * k.tp + (k.tp if cfg.schedule.recompute == Recompute.full else 0.0) - k.tp_saved
     if cfg.plan.overlap_tp:
         tp_layer = _tp_exposed(cfg, k, gemm)
     return {"fwd": fwd, "bwd": bwd, "both": fwd + bwd, "rec": rec, "tp": tp_layer}
@@ -356,13 +376,15 @@ def fsdp_seconds(cfg: Config, layout: Layout, st: StageParams) -> tuple[float, f
     across the replicas), over the dp x cp holders (the routed experts' over edp)."""
     d, span = layout.dp_cp, layout.tp * layout.dp_cp
     gather = reduce = 0.0
+    in_float8_all = float8.gathered_in_float8(cfg, layout.tp, st.blocks, st.moe_blocks)  # tensorwise: 1 byte each
     for n, g in _reduced_groups(layout, st):
         s = cfg.zero.shard_size or g
         shard_span = layout.tp * s if g == d else span  # a shard group: s adjacent dp x cp ranks; edp's: ep apart
         reduce += ring(cfg, n * 4.0, s, shard_span, "reduce_scatter")
         if s < g:
             reduce += ring(cfg, n * 4.0 / s, g // s, span)
-        gather += ring(cfg, n * dtype_bytes(cfg), s, shard_span, "all_gather")
+        in_float8 = in_float8_all if g == d else 0  # of the dense group
+        gather += ring(cfg, (n - in_float8) * dtype_bytes(cfg) + in_float8, s, shard_span, "all_gather")
     return gather, reduce
 
 

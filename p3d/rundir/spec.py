@@ -47,18 +47,10 @@ def unknown_keys(node: Any, schema: Any = None, prefix: str = "") -> list[str]:
 
 
 def _unknown_key_error(key: str, node: Any) -> P3DConfigError:
-    import difflib
+    from p3d.config.fields import unknown_option
 
-    group, _, name = key.rpartition(".")
-    section = OmegaConf.select(OmegaConf.structured(Config), group) if group else OmegaConf.structured(Config)
-    close = difflib.get_close_matches(name, list(section.keys()), n=1)
     value = OmegaConf.select(node, key, throw_on_missing=False) if isinstance(node, DictConfig) else "..."
-    fix = (
-        f"try {group + '.' if group else ''}{close[0]}={value}"
-        if close
-        else "remove it (p3d-train --cfg job lists the options)"
-    )
-    return P3DConfigError(f"{key}={value} is not a p3d option and would be ignored; {fix}")
+    return P3DConfigError(unknown_option(key, str(value)))
 
 
 def to_config(node: DictConfig | dict) -> Config:

@@ -14,10 +14,13 @@ on a group k times slower (by the groups' nominal speeds, ``p3d.layout.hetero.sl
 each piece. The local launcher maps its simulated nodes to the groups in order, so a CPU machine runs the timeline
 of a mixed cluster (the tests and bench/hetero.py).
 
-The W piece is a hook on one of the block's weights (its attention norm's): autograd runs a weight's hooks
-when it computes that weight's gradient, which is in torch's weight pass (``stage_backward_weight``) and
-never in its input pass (``stage_backward_input``). Nothing else changes: losses, gradients and checkpoints
-are those of the model without the hook.
+The W piece is a node of the block's graph on the path to one of its weights only (the attention norm's, as
+the block's forward sees it: under ZeRO-2/3 FSDP2's unsharded parameter, which its pre-forward hook has just put
+in place): a zero added to the block's input whose backward sleeps. Autograd runs that node when it computes the
+weight's gradient, which is in torch's weight pass (``stage_backward_weight``) and never in its input pass
+(``stage_backward_input``); under a full backward, within it. (A hook on the parameter itself was lost under
+FSDP2, which trains other tensors than the ones the model was built with.) Nothing else changes: x + 0 is x, the
+weight's gradient gains a zero, and losses, gradients and checkpoints are those of the model without the sleeps.
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ class _SleepOnInput(torch.autograd.Function):
         return grad, None
 
 
+class _SleepOnWeight(torch.autograd.Function):
+    """forward: z = 0 (a scalar of w's dtype) from w; backward: sleep s, dw = 0 (the block's W piece)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return weight.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return None, None
+
+
 def block_seconds() -> float:
     """The hook's seconds per piece (0: off)."""
     value = os.environ.get(BLOCK_SECONDS_ENV, "")
@@ -71,12 +88,11 @@ def add_block_seconds(module: nn.Module, seconds: float | None = None) -> int:
     blocks = [mod for mod in module.modules() if isinstance(mod, TransformerBlock)]
     for block in blocks:
 
-        def before(_mod, args, s=s):
-            return (_SleepOnInput.apply(args[0], s), *args[1:])
-
-        def on_weight_grad(_grad, s=s) -> None:
-            time.sleep(s)
+        def before(mod, args, s=s):  # after FSDP2's own pre-forward (it prepends its hook): its weights in place
+            x = _SleepOnInput.apply(args[0], s)
+            if mod.attn_norm.weight.requires_grad and torch.is_grad_enabled():
+                x = x + _SleepOnWeight.apply(mod.attn_norm.weight, s).to(x.dtype)
+            return (x, *args[1:])
 
         block.register_forward_pre_hook(before)
-        block.attn_norm.weight.register_hook(on_weight_grad)
     return len(blocks)

@@ -145,6 +145,8 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             f"{micro_batches_text(plan)} micro batches of {s.micro_batch_size} x {cfg.model.seq_len} per replica, "
             f"{cfg.train.steps} steps{resumed}"
         )
+        if getattr(ex, "precision_line", None):  # train.fp8: what computes in float8 on this stage
+            metrics.print(ex.precision_line)
     running = running_dims(plan)  # the dimensions whose communication metrics.jsonl reports
     bubble_theory = schedule_bubble(s.pipeline.value, plan.pp, plan.micro_batches, s.virtual_stages)
     mixture = None
@@ -165,6 +167,8 @@ def train(cfg, plan, run_dir: str | Path, rank: int) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         lr = ex.get_lr()
         samples = start_sample + (step - start_step) * s.global_batch_size  # consumed once this step is done
+        with hang.phase("lining up for a traced step", step), device_checked(device):
+            tracer.line_up(step, device)
         t0 = time.perf_counter()
         with hang.phase("train_batch", step), device_checked(device), tracer.recording(step) as trace:
             loss = ex.train_batch(data)  # DeepSpeed's loss all-reduce included

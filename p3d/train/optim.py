@@ -73,8 +73,8 @@ def experts_apart(mesh, sharded_over_dp: bool) -> bool:
 
 def _experts_weighed(dense: torch.Tensor, experts: torch.Tensor, mesh) -> torch.Tensor:
     """The sum of squares over the whole model from this rank's (dense, experts) squares, each copy counted once:
-    summed over the world, dense / dp (dp copies) and experts / edp (edp copies)."""
-    sq = dense / mesh.dp + experts / mesh.edp
+    summed over the world, dense / (dp cp) (dp x cp copies) and experts / edp (edp copies)."""
+    sq = dense / mesh.dp_cp + experts / mesh.edp
     dist.all_reduce(sq)
     return sq
 

@@ -49,11 +49,19 @@ def clip_exactly(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def reference_run(cfg, steps: int | None = None, batches=None, discard: Collection[int] = ()) -> list[dict]:
+def reference_run(
+    cfg,
+    steps: int | None = None,
+    batches=None,
+    discard: Collection[int] = (),
+    bias_rate_from: tuple[int, float] | None = None,
+) -> list[dict]:
     """Per-step {step, loss, grad_norm, lr, step_time_s} of the unsharded model, with val_loss at the steps
     p3d-train evaluates (``train.eval_every``). The steps in ``discard`` are the ones a run's step gate discarded
     (p3d.train.faults: a skipped non-finite step or loss spike): their loss and gradient norm are computed, and
-    nothing changes: no update, no LR step, no move of the routers' selection biases."""
+    nothing changes: no update, no LR step, no move of the routers' selection biases. ``bias_rate_from`` (step,
+    rate): from that step on the selection biases move at ``rate``, as in a run resumed there with that
+    ``model.moe.bias_update_rate``."""
     torch.manual_seed(cfg.train.seed)
     model = to_sequential(cfg.model, padded_vocab(cfg.model.vocab_size, 1), cfg.train.seed)
     opt, sched = build_optimizer(model, cfg.train)
@@ -92,8 +100,11 @@ def reference_run(cfg, steps: int | None = None, batches=None, discard: Collecti
         if blocks:  # the step's routing figures; aux-loss-free balancing moves the selection biases
             assert cfg.model.moe is not None
             figures = step_figures(blocks, len(moe_layers(cfg.model)), cfg.model.moe.n_experts)
+            rate = cfg.model.moe.bias_update_rate
+            if bias_rate_from is not None and step >= bias_rate_from[0]:
+                rate = bias_rate_from[1]
             if step not in discard:
-                update_expert_bias(blocks, figures, cfg.model.moe.bias_update_rate)
+                update_expert_bias(blocks, figures, rate)
             out[-1].update(moe_metrics(figures))
         if val and (step % every == 0 or step == cfg.train.steps):
             out[-1]["val_loss"] = val_loss(model, val, mbs)

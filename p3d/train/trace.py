@@ -108,6 +108,17 @@ class StepTracer:
         self.dims = GroupDims(mesh) if self.steps else None
         self.threads: list[threading.Thread] = []
 
+    def line_up(self, step: int, device) -> None:
+        """Before a traced step, every rank waits for the others (one all-reduce of one element over the world, on
+        the compute device): the ranks start it together and their timelines line up at 0. A later step's ranks are
+        lined up by the previous step's all-gather already, the first step of a process (a fresh start, a resume)
+        by nothing: its ranks set out up to tens of ms apart, and rank 1 of a pipeline was drawn computing a
+        forward before rank 0 had sent it. Outside the step's clock (``t0`` is taken after it)."""
+        if step in self.steps and self.mesh.world_size > 1:
+            import torch
+
+            dist.all_reduce(torch.zeros(1, device=device))
+
     @contextlib.contextmanager
     def recording(self, step: int) -> Iterator[StepTrace | None]:
         """Record ``step`` when it is one of ``train.trace_steps`` (yields its StepTrace), else do nothing (None)."""

@@ -35,11 +35,11 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run_of_every_step(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "no CUDA GPU found" in out
-    for step in ("a", "b", "c", "e"):
+    for step in ("a", "b", "c", "e", "i"):  # i: float8 (train.fp8=tensorwise) on the preset's GPU
         assert f"gpu-check step {step}: dry: config ok" in out, out[-3000:]
     for step in ("f", "g", "h"):  # the layer steps run with the CPU as the device: the code path, not only a config
         assert f"gpu-check step {step}: dry: ran on the cpu" in out, out[-3000:]
-    assert "predicted_peak_gb" in out and "all steps passed (dry)" in out
+    assert "predicted_peak_gb" in out and "predicted_speedup" in out and "all steps passed (dry)" in out
     assert not docs.exists()  # figures are written only by a run on a GPU
 
 
@@ -76,7 +76,7 @@ def test_the_dry_mode_leaves_nothing_in_the_checkout(monkeypatch, capsys):
         given.append(out)
         (out / f"run_{len(given)}").mkdir()
 
-    for name in ("step_throughput", "step_bf16", "step_nccl"):
+    for name in ("step_throughput", "step_bf16", "step_nccl", "step_float8"):
         monkeypatch.setattr(gpu_check, name, step)
     monkeypatch.setattr(gpu_check, "step_sdpa", lambda s, dry: None)
     monkeypatch.setattr(gpu_check, "step_layer", lambda s, name, dry: None)

@@ -19,6 +19,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from p3d.checkpoint import find as checkpoint
 from p3d.checkpoint.files import read_tensors
@@ -67,6 +68,49 @@ def test_ep2_checkpoint_resumes_with_ep1_on_deepspeed_and_ep4_with_zero1(tmp_pat
     for r, g in zip(ref, got):
         assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {r['step']} loss"
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
+        assert g["moe_load_imbalance"] == pytest.approx(r["moe_load_imbalance"], rel=RTOL), f"step {r['step']}"
+
+
+def _biases(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The routers' selection biases in the checkpoint of ``step`` (written by dp x cp rank 0 of each stage)."""
+    out = {}
+    for path in sorted((checkpoint.step_dir(run_dir, step) / "model").glob("*.safetensors")):
+        tensors, _ = read_tensors(path)
+        out.update({n.split("/")[0]: t for n, t in tensors.items() if ".mlp.router.expert_bias/" in n})
+    return out
+
+
+# slow tier: make test holds cp with ep and the grouped router (tests/e2e/test_moe_parity.py) and the resume chain
+# above; this adds the checkpoint of a cp x ep x ZeRO-3 run and a resume that stops the biases
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_cp_ep_zero3_checkpoint_resumes_with_its_biases_frozen(tmp_path):
+    """DeepSeek-V3's grouped sigmoid router, its selection biases moving (bias_update_rate=0.01): 4 steps on
+    dp2 x cp2 with ep2 and ZeRO-3 (each expert's FSDP2 pieces over its dp x cp holders), then 4 more resumed on tp2
+    x cp2 (ep1) with bias_update_rate=0, as DeepSeek-V3 stopped its updates for its last tokens. The biases travel in
+    the checkpoint and keep routing (an imported e_score_correction_bias routes the same way): the 8 steps continue
+    the single-process curve whose biases stop moving at step 5, within 1e-5, and the step-8 checkpoint holds the
+    step-4 biases (moved: non-zero)."""
+    grouped = ("model.moe.score=sigmoid", "model.moe.n_experts=8", "model.moe.n_groups=4", "model.moe.topk_groups=2")
+    common = ("model=moe_tiny", *grouped, "train.warmup_steps=2", "train.decay=constant")
+    first = ("mesh=dp2", "mesh.ep=2", "mesh.cp=2", "zero=stage3", "model.moe.bias_update_rate=0.01")
+    proc = p3d_train(f"run.dir={tmp_path}", "train.steps=4", *common, *first, timeout=400)
+    assert proc.returncode == 0, _out(proc)
+    second = ("mesh=tp2", "mesh.cp=2", "model.moe.bias_update_rate=0.0", "train.resume=auto")
+    proc = p3d_train(f"run.dir={tmp_path}", "train.steps=8", *common, *second, timeout=400)
+    assert proc.returncode == 0, _out(proc)
+    assert "model.moe.bias_update_rate: 0.01 -> 0.0 from step 5" in proc.stdout + proc.stderr
+    moved, kept = _biases(tmp_path, 4), _biases(tmp_path, 8)
+    assert sorted(moved) == [f"{i}.mlp.router.expert_bias" for i in (2, 3, 4)], sorted(moved)
+    for name, bias in moved.items():
+        assert bias.abs().max() > 0 and torch.equal(kept[name], bias), name
+    cfg, _ = typed("mesh=single", "train.steps=8", *common, "model.moe.bias_update_rate=0.01")
+    got, ref = read_metrics(tmp_path), reference_run(cfg, bias_rate_from=(5, 0.0))
+    assert [r["step"] for r in got] == list(range(1, 9))
+    for r, g in zip(ref, got):
+        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {r['step']} loss"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=RTOL), f"step {r['step']} grad norm"
+        assert g["moe_aux_loss"] == pytest.approx(r["moe_aux_loss"], rel=RTOL), f"step {r['step']} balancing loss"
         assert g["moe_load_imbalance"] == pytest.approx(r["moe_load_imbalance"], rel=RTOL), f"step {r['step']}"
 
 

@@ -98,6 +98,8 @@ CASES: dict[str, Case] = {
     "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2": Case("run"),
     # docs/moe.md; slow tier: kept: the zbv MoE parity case's variant runs in test-all, ep2 on dp2_pp2 in make test
     "p3d-train model=moe_tiny mesh=dp2_pp2 mesh.ep=2 schedule.pipeline=zbv": Case("run", slow=True),
+    # docs/moe.md, docs/context.md; slow tier: kept: the ep2 x cp2 parity case of e2e/test_moe_parity.py in make test
+    "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2 mesh.cp=2": Case("run", slow=True),
     "p3d-train model=mixtral_8x7b mesh.tp=4 mesh.pp=4 mesh.dp=4 mesh.ep=4 schedule.global_batch_size=64 "
     "cluster=h100_sxm cluster.nodes=8 dry_run=true": Case("run", extra=()),
     "p3d-plan model=mixtral_8x7b cluster=h100_64 mesh=auto": Case("run", extra=()),
@@ -129,6 +131,15 @@ CASES: dict[str, Case] = {
     ),
     "p3d-train data=prepared data.path=store": Case("run"),
     "p3d-train -m mesh=dp2,tp2,pp2 train.steps=20": Case("run", then=("p3d-report multirun/2025-01-01/12-00-00",)),
+    # docs/precision.md; slow tier: kept: tests/e2e/test_float8.py trains the first through p3d-train in make test
+    "p3d-train mesh=tp2 schedule.sequence_parallel=true train.fp8=tensorwise": Case("run", slow=True),
+    "p3d-train model=moe_tiny mesh=dp2 mesh.ep=2 train.fp8=mxfp8": Case("run", slow=True),
+    "p3d-plan model=llama3_8b cluster=h100_sxm mesh.tp=2 mesh.pp=1 mesh.dp=auto zero=stage3 "
+    "schedule.micro_batch_size=1 schedule.global_batch_size=8 schedule.sequence_parallel=true "
+    "schedule.recompute=selective": Case("run", extra=()),
+    "p3d-plan model=llama70b cluster=h100_sxm cluster.nodes=16 mesh.tp=8 mesh.pp=1 mesh.dp=auto zero=stage3 "
+    "schedule.micro_batch_size=1 schedule.global_batch_size=128 schedule.sequence_parallel=true "
+    "schedule.recompute=full": Case("run", extra=()),
     # README, docs/clusters.md: Slurm
     # slow tier: kept: cluster/slurm/test_slurm_jobs.py submits p3d-train cluster=slurm
     "p3d-train cluster=slurm mesh=tp2_pp2 train.steps=200": Case("slurm", slow=True),
@@ -180,6 +191,10 @@ CASES: dict[str, Case] = {
         "not_here", expect="needs the Hugging Face Hub; this machine reaches package registries only"
     ),
     "p3d-train data=files data.path=corpus data.text_unit=paragraph": Case("run", setup="txt_corpus"),
+    # slow tier: kept: tests/unit/launch/test_override_keys.py composes the quoted form and refuses the bare one
+    "p3d-train data=files 'data.path=\"corpus/notes0.txt,corpus/notes1.txt\"'": Case(
+        "run", setup="txt_corpus", slow=True
+    ),
     # README, docs/checkpoints.md: HF import and export
     "p3d-train model.init_from=/models/Meta-Llama-3-8B mesh=tp2_pp2": Case(
         "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/Meta-Llama-3-8B .*"

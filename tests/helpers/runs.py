@@ -134,7 +134,9 @@ def suggested_fixes(message: str) -> list[list[str]]:
         return []
     tail = message[starts[-1].end() :]
     alternatives = re.split(r",? or |, ", tail)
-    return [words for alt in alternatives if (words := [w for w in alt.split() if re.fullmatch(r"[a-z_.]+=\S+", w)])]
+    return [
+        words for alt in alternatives if (words := [w for w in alt.split() if re.fullmatch(r"[a-z][a-z0-9_.]*=\S+", w)])
+    ]
 
 
 def assert_fixes_accepted(overrides: tuple[str, ...] | list[str], **kwargs) -> None:

@@ -26,10 +26,20 @@ class Component:
     nodes: int
     partition: str | None
     constraint: str | None
+    own: frozenset[str] = frozenset()  # the fields of partition and constraint the group sets itself
 
     @property
     def field(self) -> str:
         return f"cluster.groups[{self.index}]"
+
+    @property
+    def partition_field(self) -> str:
+        """The field that gave the partition: the group's, or the cluster's that every group takes."""
+        return f"{self.field}.partition" if "partition" in self.own else "cluster.partition"
+
+    @property
+    def constraint_field(self) -> str:
+        return f"{self.field}.constraint" if "constraint" in self.own else "cluster.constraint"
 
     @property
     def feature(self) -> str | None:
@@ -40,7 +50,14 @@ class Component:
 def components(c) -> list[Component]:
     """The components of cluster config ``c`` (none without groups), in the groups' order."""
     return [
-        Component(i, g.nodes, g.partition or c.partition, g.constraint or c.constraint) for i, g in enumerate(c.groups)
+        Component(
+            i,
+            g.nodes,
+            g.partition or c.partition,
+            g.constraint or c.constraint,
+            frozenset(f for f in ("partition", "constraint") if getattr(g, f)),
+        )
+        for i, g in enumerate(c.groups)
     ]
 
 
@@ -72,9 +89,13 @@ def refusal_fields(c, message: str) -> str | None:
     comps = components(c)
     for word, attr in (("feature", "constraint"), ("partition", "partition")):
         if word in message.lower():
-            named = [f"{comp.field}.{attr}={getattr(comp, attr)}" for comp in comps if getattr(comp, attr) is not None]
-            if named:
-                return ", ".join(named)
+            named = [
+                f"{getattr(comp, f'{attr}_field')}={getattr(comp, attr)}"
+                for comp in comps
+                if getattr(comp, attr) is not None
+            ]
+            if named:  # a cluster-wide field that every group takes: named once
+                return ", ".join(dict.fromkeys(named))
     return None
 
 

@@ -204,7 +204,7 @@ def _partition(rows: list[list[str]]) -> Partition:
 def component_partition(text: str, comp: Component) -> Partition:
     """The nodes a hetjob component may take: its partition's (``sinfo`` rows with features), less those without
     its constraint when that names one feature. Raises P3DConfigError naming the group's field."""
-    part = parse_sinfo(text, comp.partition, f"{comp.field}.partition")
+    part = parse_sinfo(text, comp.partition, comp.partition_field)
     feature = comp.feature
     if feature is None:
         return part
@@ -217,8 +217,8 @@ def component_partition(text: str, comp: Component) -> Partition:
     if not with_it:
         known = sorted({f for r in rows for f in r[4].split(",") if f and f != "(null)"})
         raise P3DConfigError(
-            f"{comp.field}.constraint={comp.constraint}: no node of partition {part.name} has that feature "
-            f"(its features: {', '.join(known) or 'none'}); set {comp.field}.constraint to one of them, or null"
+            f"{comp.constraint_field}={comp.constraint}: no node of partition {part.name} has that feature "
+            f"(its features: {', '.join(known) or 'none'}); set {comp.constraint_field} to one of them, or null"
         )
     found = _partition(with_it)
     if comp.nodes > found.nodes:
@@ -297,6 +297,18 @@ def inside_allocation() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
+def check_submittable(cfg, plan) -> None:
+    """Refuse (P3DConfigError, one line) a job the partition can never run (with groups: a group its partition or
+    constraint), from ``sinfo``: p3d-train asks before it writes the run's spec, and again as it submits."""
+    lay = job_shape(cfg, plan)
+    nodes = sinfo_nodes()
+    if cfg.cluster.groups:
+        for comp in components(cfg.cluster):
+            check_fits(dataclasses.replace(lay, nodes=comp.nodes), component_partition(nodes, comp), plan)
+    else:
+        check_fits(lay, parse_sinfo(nodes, cfg.cluster.partition), plan)
+
+
 def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
     """sbatch the recipe on the frozen spec; returns (job id, job log). Raises P3DConfigError when the
     job cannot fit the partition (with groups: a group its partition or constraint), RuntimeError when sbatch
@@ -305,12 +317,7 @@ def submit(cfg, plan, spec: Path) -> tuple[str, Path]:
     lay = job_shape(cfg, plan)
     args = sbatch_args(cfg, lay, run_dir)
     recipe = recipe_path(cfg)
-    nodes = sinfo_nodes()
-    if cfg.cluster.groups:
-        for comp in components(cfg.cluster):
-            check_fits(dataclasses.replace(lay, nodes=comp.nodes), component_partition(nodes, comp), plan)
-    else:
-        check_fits(lay, parse_sinfo(nodes, cfg.cluster.partition), plan)
+    check_submittable(cfg, plan)
     try:
         job_id = sbatch(cfg.cluster, args, recipe, [], P3D_RUN_DIR=str(run_dir))
     except RuntimeError as exc:

@@ -4,7 +4,8 @@ Each MoE feed-forward (p3d.model.moe.MoEFeedForward, its ``moe_index`` among the
 [balancing loss, micro batches, dropped (token, slot) pairs, tokens per expert (E)] over its micro batches,
 each divided by tp where every tp rank holds the same, so the sum over the world is the step's whole: one
 all-reduce of (MoE layers, 3 + E) figures per step, on every rank (a layer lives on one pp stage; the dp
-replicas' micro batches add up).
+replicas' micro batches add up, and the cp ranks' counts of their parts of the sequences; each cp rank's balancing
+loss is the whole sequence's, p3d.parallel.context.routing, with one micro batch each: their mean is the same).
 """
 
 from __future__ import annotations

@@ -55,8 +55,13 @@ class SlotOrder:
     kept: torch.Tensor
 
 
-def slot_order(idx: torch.Tensor, n_experts: int, capacity: int | None) -> SlotOrder:
-    """Sort the (token, slot) pairs of ``idx`` (N, k) by expert, counting them on the device (module doc, 1)."""
+def slot_order(
+    idx: torch.Tensor, n_experts: int, capacity: int | None, earlier: torch.Tensor | None = None
+) -> SlotOrder:
+    """Sort the (token, slot) pairs of ``idx`` (N, k) by expert, counting them on the device (module doc, 1).
+    ``earlier`` (N k,): for each pair, the pairs of its expert before it that other ranks hold (context
+    parallelism: p3d.parallel.context.routing), so that the capacity keeps each expert's first pairs of the whole
+    sequence; None: ``idx`` is the whole micro batch."""
     flat = idx.reshape(-1)
     counts = torch.zeros(n_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
     order = torch.argsort(flat, stable=True)
@@ -65,8 +70,15 @@ def slot_order(idx: torch.Tensor, n_experts: int, capacity: int | None) -> SlotO
     expert = flat.index_select(0, order)
     starts = torch.cumsum(counts, 0) - counts  # where each expert's run begins in the sorted order
     position = torch.arange(order.numel(), device=idx.device) - starts.index_select(0, expert)
-    key = torch.where(position < capacity, expert, n_experts)  # a dropped pair: after every expert
-    return SlotOrder(order.index_select(0, torch.argsort(key, stable=True)), counts, counts.clamp(max=capacity))
+    if earlier is not None:
+        position = position + earlier.index_select(0, order)
+    fits = position < capacity
+    key = torch.where(fits, expert, n_experts)  # a dropped pair: after every expert
+    if earlier is None:
+        kept = counts.clamp(max=capacity)
+    else:  # the pairs of an expert that fit need not be its first local ones: counted
+        kept = torch.zeros_like(counts).scatter_add_(0, expert, fits.long())
+    return SlotOrder(order.index_select(0, torch.argsort(key, stable=True)), counts, kept)
 
 
 class SharedExperts(Protocol):

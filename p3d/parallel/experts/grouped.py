@@ -78,26 +78,34 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_swiglu(
-    rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, groups: Groups, recompute: bool = False
+    rows: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    groups: Groups,
+    recompute: bool = False,
+    low_precision_mm=None,
 ) -> torch.Tensor:
     """rows (R, h) grouped as ``groups`` says -> (R, h): each row through its expert's SwiGLU (module doc), partial
-    over tp like the dense SwiGLU's row-parallel output."""
+    over tp like the dense SwiGLU's row-parallel output. ``low_precision_mm``: ``grouped_mm``'s twin in MXFP8
+    (p3d.parallel.experts.mxfp8), taken when no rows follow the last group."""
     dtype = compute_dtype(rows)
     x, w1, w2 = rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
     n_groups, two_f, h = w1.shape
+    if low_precision_mm is not None and not groups.tail:
+        return _grouped(x, w1, w2, groups, recompute, low_precision_mm)
     if grouped_mm_without_sync(x.device, dtype) and grouped_mm_fits(dtype, h, two_f, two_f // 2):
         return _grouped(x, w1, w2, groups, recompute)
     return _padded(x, w1, w2, groups, recompute)
 
 
-def _grouped(x, w1, w2, groups: Groups, recompute: bool) -> torch.Tensor:
+def _grouped(x, w1, w2, groups: Groups, recompute: bool, mm=grouped_mm) -> torch.Tensor:
     ends = groups.ends()
     live = None
     if groups.tail:  # rows after the last group are never computed: zero them going in and coming out
         live = (torch.arange(x.shape[0], device=x.device) < ends[-1]).unsqueeze(1)  # (R, 1)
         x = torch.where(live, x, 0)
-    hidden = grouped_mm(x, w1.transpose(1, 2), ends)  # (R, 2f)
-    out = grouped_mm(_activation(hidden, recompute), w2.transpose(1, 2), ends)  # (R, h)
+    hidden = mm(x, w1.transpose(1, 2), ends)  # (R, 2f)
+    out = mm(_activation(hidden, recompute), w2.transpose(1, 2), ends)  # (R, h)
     return out if live is None else torch.where(live, out, 0)
 
 

@@ -88,7 +88,11 @@ class ColumnParallelLinear(nn.Module):
 
         self.weight = mark_sharded(_new_param((sum(self.local_out), in_features), make))
 
+    float8 = None  # with train.fp8, a float8 matmul on this shard (p3d.parallel.tp.float8.convert_to_float8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float8 is not None:
+            return self.float8.column(x, self.weight, self.sequence_parallel)  # (b, s, sum(out)/tp)
         w = compute_weight(self.weight)  # under bf16 autocast: one bf16 copy a step (p3d.parallel.tp.precision)
         if self.sequence_parallel:  # x: (b, s/tp, in), gathered along the sequence, only the block kept
             return gathered_linear(x, w, self.group)  # (b, s, sum(out)/tp)
@@ -132,8 +136,13 @@ class RowParallelLinear(nn.Module):
             )
         )
 
+    float8 = None  # with train.fp8, a float8 matmul on this shard (p3d.parallel.tp.float8.convert_to_float8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, compute_weight(self.weight))  # (b, s, out), partial over tp
+        if self.float8 is not None:
+            y = self.float8.row(x, self.weight)  # (b, s, out), partial over tp
+        else:
+            y = F.linear(x, compute_weight(self.weight))  # (b, s, out), partial over tp
         return reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
 
     def shard_spec(self) -> dict:

@@ -92,6 +92,23 @@ class _ScatterToTP(torch.autograd.Function):
         return _gather_last(grad, ctx.group), None
 
 
+class _MaxOverTP(torch.autograd.Function):
+    """forward: the elementwise max over the TP group (all-reduce MAX, into a copy); backward: no gradient.
+
+    A float8 cast's amax (p3d.parallel.tp.float8): a scale is a constant of the cast, through which no gradient
+    flows (as in torchao); the Function keeps the collective visible to autograd and to torch.compile's tracing."""
+
+    @staticmethod
+    def forward(ctx, amax, group):
+        out = amax.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _CopyToTP.apply(x, group)
 
@@ -106,6 +123,10 @@ def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def max_over_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _MaxOverTP.apply(x, group)
 
 
 # ---- sequence parallelism: outside the TP regions activations are split along the sequence (dim 1)

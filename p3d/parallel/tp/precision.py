@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 CAST_ATTR = "_p3d_compute_cast"  # (version, dtype, bf16 copy) on the parameter
+FLOAT8_ATTR = "float8"  # a TP layer's float8 matmul (p3d.parallel.tp.float8), which keeps the step's weight casts
 
 
 class _CastOnce(torch.autograd.Function):
@@ -52,10 +53,15 @@ def compute_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def drop_weight_casts(module: nn.Module) -> None:
-    """Forget every parameter's cast copy (the executor, as a step starts and ends)."""
+    """Forget every parameter's cast copy, and every float8 layer's weight casts (the executor, as a step starts and
+    ends)."""
     for p in module.parameters():
         if hasattr(p, CAST_ATTR):
             delattr(p, CAST_ATTR)
+    for m in module.modules():
+        float8 = getattr(m, FLOAT8_ATTR, None)
+        if float8 is not None:
+            float8.drop()
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from p3d.compat.deepspeed_internals import PIPE_REPLICATED_ATTR
+from p3d.compat.fsdp_float8 import hp_tensor
 from p3d.parallel.experts.params import EXPERT_PARALLEL
 
 # The markers p3d reads on parameters (p3d.parallel.tp.layers, p3d.compat.deepspeed_internals); FSDP2 replaces
@@ -124,10 +125,11 @@ def is_sharded(t: torch.Tensor | None) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a sharded tensor (the tensor itself, no copy), or the tensor when it is not sharded."""
+    """This rank's piece of a sharded tensor (the tensor itself, no copy), or the tensor when it is not sharded; of
+    a weight gathered in float8 (p3d.parallel.zero.float8_gather), the fp32 piece inside."""
     if is_sharded(t):
         with torch.no_grad():
-            return t.to_local()  # type: ignore[attr-defined]
+            return hp_tensor(t.to_local())  # type: ignore[attr-defined]
     return t
 
 

@@ -66,7 +66,7 @@ class GradBuckets:
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}
         dense = (mesh.dp_cp_group, mesh.dp_cp, mesh.dp_cp)  # group, ranks, divisor: the mean over dp x cp
-        experts = (mesh.edp_group, mesh.edp, mesh.dp)  # an expert's mean over all replicas (torch_optim)
+        experts = (mesh.edp_group, mesh.edp, mesh.dp_cp)  # an expert's mean over all replicas (torch_optim)
         open_bucket: dict[bool, Bucket] = {}
         filled: dict[bool, float] = {}
         for p in order:

@@ -2,10 +2,10 @@
 
 Dense parameters are the same on every dp x cp rank of a (pp, tp) coordinate (cp: context parallelism, whose
 ranks read other tokens of the same sequences); a routed expert's weights only on the dp / ep ranks of its
-expert-data-parallel (edp) group (p3d.layout.dims; experts and cp are not combined). So:
+expert-data-parallel (edp) group, the dp / ep ranks with its ep rank times cp (p3d.layout.dims). So:
 - gradients (p3d.train.executors.grad_buckets): the dense ones are summed over dp x cp and divided by it (each rank's
   is the gradient of its own tokens' mean loss: their mean is the whole batch's), the experts' summed over edp and
-  divided by dp (the mean over all replicas: every replica's tokens reach every expert through the all-to-all,
+  divided by dp x cp (the mean over all replicas: every replica's tokens reach every expert through the all-to-all,
   p3d.parallel.experts.dispatch);
 - ZeRO-1: torch's ``ZeroRedundancyOptimizer`` over dp x cp for the dense parameters, and a second one over edp for
   the experts' (:class:`ExpertZero1` steps both as one optimizer).
@@ -53,8 +53,8 @@ class _JointState(MutableMapping):
 
 
 class ExpertZero1(torch.optim.Optimizer):
-    """ZeRO-1 of a model with routed experts: two ``ZeroRedundancyOptimizer``s, the dense parameters' over dp and
-    the experts' over edp, stepped as one (the LR schedule sets the lr of both through ``param_groups``)."""
+    """ZeRO-1 of a model with routed experts: two ``ZeroRedundancyOptimizer``s, the dense parameters' over dp x cp
+    and the experts' over edp, stepped as one (the LR schedule sets the lr of both through ``param_groups``)."""
 
     def __init__(self, dense, experts):
         self.parts = (dense, experts)
@@ -112,7 +112,7 @@ def build_torch_optimizer(module: nn.Module, cfg, mesh):
         _zero1(groups, mesh.dp_cp_group, t)
         if not experts
         else ExpertZero1(
-            _zero1([g for g in dense if g["params"]], mesh.dp_group, t), _zero1(experts, mesh.edp_group, t)
+            _zero1([g for g in dense if g["params"]], mesh.dp_cp_group, t), _zero1(experts, mesh.edp_group, t)
         )
     )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, t))

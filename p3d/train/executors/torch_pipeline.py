@@ -46,6 +46,7 @@ from p3d.compat.pipelining_internals import (
 )
 from p3d.config.schema import DType, Recompute
 from p3d.data.order import replica_rows
+from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import chunk_to_rank, rank_chunks, stage_bounds
 from p3d.model.moe import moe_blocks, set_micro_batches
 from p3d.parallel.context.chunks import take_local
@@ -171,6 +172,15 @@ class TorchPipeline:
             set_micro_batches(chunk, self.loss_divisor)  # a micro batch's balancing loss weighs as its LM loss
         if prepare is not None:  # before sharding: it writes whole tensors
             prepare(self.chunks)
+        self.precision_line: str | None = None  # train.fp8: what computes in float8 (the console's line)
+        self.float8_gathered: list[
+            nn.Module
+        ] = []  # ZeRO-2/3 tensorwise: the layers whose weights FSDP2 gathers in float8
+        fp8 = recipe(cfg)
+        if fp8 != "none":
+            from p3d.train.executors.float8 import apply_float8
+
+            self.precision_line = apply_float8(self.chunks, fp8, self.device)
         # ZeRO-2/3: FSDP2 over the dp (x cp) holders of the parameters, which reduces the grads itself
         self.sharded = cfg.zero.stage >= 2 and mesh.dp_cp > 1
         self.replicas = mesh.dp_cp // (cfg.zero.shard_size or mesh.dp_cp) if self.sharded else 1  # HSDP's copies
@@ -184,6 +194,10 @@ class TorchPipeline:
             dp_mesh = dp_device_mesh(mesh, self.device, cfg.zero.shard_size)
             self.dp_groups += [dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim)]
             experts_mesh = expert_device_mesh(mesh, self.device) if mesh.ep > 1 else None
+            if fp8 == "tensorwise":  # the float8 layers' weights gathered in float8 (p3d.parallel.zero.float8_gather)
+                from p3d.parallel.zero.float8_gather import gather_in_float8
+
+                self.float8_gathered = gather_in_float8(self.chunks)
             if experts_mesh is not None:
                 self.dp_groups.append(mesh.edp_group)
             for chunk in self.chunks:
@@ -296,6 +310,14 @@ class TorchPipeline:
         for unit in units[1:]:
             unit.unshard(async_op=True)
 
+    def float8_scales(self) -> None:
+        """ZeRO-2/3 tensorwise: the scales of the float8 gathers of the step to come, from the weights as the last
+        optimizer step (or a checkpoint's load) left them (p3d.parallel.zero.float8_gather)."""
+        if self.float8_gathered:
+            from p3d.parallel.zero.float8_gather import precompute_scales
+
+            precompute_scales(self.float8_gathered, self.mesh.dp_cp_group, self.mesh.tp_group)
+
     # ---- one step
     def replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This dp replica's rows of the global batch (gbs, s + 1), as ``loader.rank_slice`` takes them."""
@@ -335,6 +357,7 @@ class TorchPipeline:
         kwargs = dict(target=labels, losses=losses) if self.holds_last else {}
         drop_weight_casts(self.module)  # bf16: each weight cast once this step, for all its micro batches
         with device_checked(self.device), self.comm_timed():  # every dimension's collectives, into their clocks
+            self.float8_scales()
             self.prefetch_weights()
             with self.waits():
                 self.schedule.step(*args, return_outputs=False, **kwargs)
@@ -367,6 +390,7 @@ class TorchPipeline:
             kwargs = dict(target=self.local_tokens(rows[:, 1:]), losses=losses) if self.holds_last else {}
         drop_weight_casts(self.module)
         with device_checked(self.device), forward_only:
+            self.float8_scales()
             self.schedule.eval(*args, return_outputs=False, **kwargs)
             drop_weight_casts(self.module)
             if self.buckets is not None and not self.buckets.idle():  # it would corrupt the next step's gradients

@@ -43,6 +43,7 @@ class TorchExecutor:
             cfg, plan, mesh, s.pipeline.value, s.virtual_stages, device=device, prepare=self.init_from
         )
         self.module, self.scheduler = self.pipe.module, self.pipe.lr_scheduler
+        self.precision_line = self.pipe.precision_line  # train.fp8's console line
         add_block_seconds(self.module, rank_block_seconds(cfg.cluster, plan, rank))  # P3D_TEST_BLOCK_SECONDS
         self.timer = TorchStageTimer(self.pipe.stages, rank, device)
         self.pipe.clocks = self.timer  # the schedule's waits, the loss and the dp collectives: the same clocks

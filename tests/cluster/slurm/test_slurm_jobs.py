@@ -114,8 +114,12 @@ def test_a_mesh_larger_than_the_partition_is_refused_before_submitting(slurm_clu
         r"needs 16 tasks x 1 CPUs = 16 CPUs per node, but the nodes of partition \w+ have \d+", result.stderr
     ), result.stderr
     assert "nothing was submitted" in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before the spec is written (issue 64, item 21)
     assert run("squeue", "-h", "-n", name).stdout.strip() == ""
     assert run("sacct", "-n", "-X", "--name", name, "-S", "now-1hour").stdout.strip() == ""
+    nopart = p3d_train("cluster=slurm", "mesh=tp2_pp2", "cluster.partition=nopart", f"run.dir={tmp_path / 'run'}")
+    assert nopart.returncode == 2 and not (tmp_path / "run").exists(), nopart.stdout + nopart.stderr
+    assert "p3d: config error: cluster.partition=nopart (command line): Slurm lists no nodes there" in nopart.stderr
 
 
 @pytest.mark.slow  # 26 s: make test keeps a submitit sweep and its report in tests/cluster/multinode

@@ -17,7 +17,7 @@ import torch
 from p3d.checkpoint import find as checkpoint
 from p3d.config import resume_rules
 from p3d.config.resume_rules import Rule
-from p3d.config.schema import Config, DataConfig
+from p3d.config.schema import Config, DataConfig, MoEConfig
 from p3d.data.loader import micro_batches, sample_stream
 from p3d.rundir.spec import config_dict, read_spec, write_spec
 from tests.helpers.runs import ROOT, typed
@@ -31,7 +31,8 @@ B0, K = 16, 3  # the base run's global batch and steps: its checkpoint has consu
 
 
 def test_every_config_field_has_one_rule_and_every_rule_a_field():
-    fields = resume_rules.flatten(config_dict(Config()))
+    with_experts = Config(model=dataclasses.replace(Config().model, moe=MoEConfig()))  # model.moe's fields too
+    fields = resume_rules.flatten(config_dict(Config())) | resume_rules.flatten(config_dict(with_experts))
     for field in fields:
         resume_rules.rule(field)  # KeyError: a field with no rule
     groups = {f.split(".", 1)[0] for f in fields}
@@ -227,3 +228,29 @@ def test_sequence_parallelism_follows_the_mesh_on_a_resume():
     assert over_resumed_run(named, on, ["mesh=single", "schedule.sequence_parallel=false"], groups)["schedule"] == {
         "sequence_parallel": False
     }
+
+
+GROUPS = "cluster.groups=[{device: cpu, nodes: 1}, {device: cpu, nodes: 1, peak_tflops: 0.05}]"
+
+
+@pytest.mark.parametrize("direction", ["groups-to-one-node", "one-node-to-groups"])
+def test_a_resume_onto_or_off_groups_rederives_the_clusters_peak_and_memory(tmp_path, direction):
+    """Issue 64, item 4: a run over cluster.groups resumed by hand with ``cluster.groups=[] cluster.nodes=1`` divided
+    its MFU by the groups' mean peak (0.075), and the reverse resume kept the one device's (0.1). The figures that
+    stand for the groups follow them, as cluster.device's numbers follow the device."""
+    from p3d.launch.check import prepare
+    from p3d.rundir.spec import write_spec
+    from tests.helpers.runs import compose
+
+    run = str(tmp_path / "run")
+    first, then = ((GROUPS, "mesh=dp2"), ("cluster.groups=[]", "cluster.nodes=1"))
+    if direction == "one-node-to-groups":
+        first, then = ("mesh=dp2",), (GROUPS,)
+    cfg, plan = prepare(compose(*first, run_dir=run), [*first])
+    write_spec(cfg, plan, run)
+    assert cfg.cluster.peak_tflops == pytest.approx(0.075 if GROUPS in first else 0.1)
+    overrides = ["train.resume=auto", *then]
+    resumed, _ = prepare(compose(*overrides, run_dir=run), overrides)
+    assert resumed.mesh.dp == 2 and resumed.cluster.nodes == (2 if GROUPS in then else 1)
+    assert resumed.cluster.peak_tflops == pytest.approx(0.075 if GROUPS in then else 0.1)
+    assert resumed.cluster.memory_gb == cfg.cluster.memory_gb  # the same cpu devices: the same memory

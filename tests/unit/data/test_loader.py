@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from itertools import islice
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,3 +116,18 @@ def test_epochs_repeat_a_small_corpus(tmp_path):
     cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "a.jsonl"), val_fraction=0, shuffle_buffer=0)
     batches = list(islice(global_batches(cfg, 15, 2, seed=0), 6))  # 123 tokens = 7 windows of 16 per epoch
     assert len(batches) == 6 and all(b.shape == (2, 16) for b in batches)
+
+
+def test_the_shuffle_pool_holds_each_token_in_the_vocabularys_smallest_integer():
+    """Issue 64, item 24: the streaming reader's shuffle pool held data.shuffle_buffer windows as Python lists (8
+    bytes a token; 36 above id 256), 34 MB a rank at s=4096 that context parallelism never divides. Windows are
+    arrays of the smallest dtype (2 bytes for the byte tokenizer's 257 ids) and the samples are unchanged."""
+    from p3d.data.loader import sample_stream
+
+    docs = [[1, 2, 300], [4], [5, 6, 7, 8, 9]]
+    windows = list(pack(docs, 3, eos_id=0, dtype=np.uint16))
+    assert all(isinstance(w, np.ndarray) and w.dtype == np.uint16 for w in windows)
+    assert [t for w in windows for t in w.tolist()] == [1, 2, 300, 0, 4, 0, 5, 6, 7, 8, 9, 0]
+    cfg = DataConfig(shuffle_buffer=8)
+    sample = next(sample_stream(cfg, 64, seed=0))
+    assert sample.dtype == torch.int64 and sample.shape == (65,) and int(sample.max()) <= ByteTokenizer.eos_id

@@ -322,3 +322,58 @@ def test_a_bpe_store_holds_the_streaming_windows_of_that_tokenizer(tmp_path):
     a = next(global_batches(plain, SEQ, 16, seed=0))
     b = next(global_batches(prepared_config(out, shuffle_buffer=0, tokenizer=str(tok)), SEQ, 16, seed=0))
     assert torch.equal(a, b) and int(a.max()) > 256  # merged tokens, not bytes
+
+
+def test_a_prepared_run_with_data_tokenizer_auto_takes_the_stores_tokenizer(tmp_path, capsys):
+    """Issue 64, item 15: p3d-prepare's closing line says ``train with data=prepared data.path=<store>``; with a
+    tokenizer.json store that line was refused (this run's data.tokenizer=byte). ``auto`` (data=prepared's default)
+    is the stores' own tokenizer; stores of two tokenizers in one mixture, or a tokenizer file gone or edited since,
+    are one line each. And data.path beside data.mix (item 16) is refused, not ignored."""
+    from p3d.data.train_tokenizer import train_bpe
+    from p3d.launch.check import prepare
+    from p3d.layout.run_plan import P3DConfigError
+    from tests.helpers.runs import compose
+
+    corpus = write_corpus(tmp_path / "c", 300, seed=4)
+    tok = tmp_path / "tok.json"
+    train_bpe((json.loads(line)["text"] for line in corpus.read_text().splitlines()), 300, 1).save(str(tok))
+    bpe, _ = make_store(tmp_path, "bpe", corpus, f"data.tokenizer={tok}", "model.vocab_size=300")
+    byte, _ = make_store(tmp_path, "byte", corpus)
+
+    def prepared(*overrides: str):
+        line = ["data=prepared", "mesh=single", *overrides]
+        return prepare(compose(*line), line)[0]
+
+    assert prepared(f"data.path={bpe}").data.tokenizer == str(tok)
+    assert prepared(f"data.path={byte}").data.tokenizer == "byte"
+    mix = f"data.mix=[{{path: {bpe}, weight: 1}}, {{path: {byte}, weight: 1}}]"
+    refusals = {
+        (mix,): "the stores of data.mix were tokenized differently",
+        (f"data.path={bpe}", f"data.mix=[{{path: {bpe}, weight: 1}}, {{path: {bpe}, weight: 2}}]"): (
+            f"data.path={bpe} is set beside data.mix"
+        ),
+    }
+    for overrides, needle in refusals.items():
+        with pytest.raises(P3DConfigError) as err:
+            prepared(*overrides)
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+    tok.write_text(tok.read_text().replace('"<|endoftext|>"', '"<|end|>"'))  # edited since the prepare
+    with pytest.raises(P3DConfigError, match=f"was tokenized with {tok}, which is no longer there or has changed"):
+        prepared(f"data.path={bpe}")
+
+
+@pytest.mark.parametrize("command", ["prepare", "tokenizer"])
+def test_prepare_and_tokenizer_refuse_a_file_with_no_text_without_speaking_of_training(tmp_path, capsys, command):
+    """Issue 64, item 15: an empty file was refused with 'fewer than one window of model.seq_len+1=2; ... or lower
+    model.seq_len': a store and a tokenizer have no seq_len."""
+    from p3d.launch.prepare import prepare_task
+    from p3d.launch.tokenizer import tokenizer_task
+    from tests.helpers.runs import compose
+
+    (tmp_path / "empty.jsonl").write_text("")
+    out = "prepare.out" if command == "prepare" else "tokenizer.out"
+    task = prepare_task if command == "prepare" else tokenizer_task
+    assert task(compose("data=files", f"data.path={tmp_path / 'empty.jsonl'}", f"{out}={tmp_path / 'out'}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"data.path={tmp_path / 'empty.jsonl'} holds no text; point data.path at files with text")
+    assert "seq_len" not in err and len(err.splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -4,6 +4,8 @@ In-process; the real hetjob runs in tests/cluster/multinode/test_hetjob.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from p3d.jobs.slurm.hetjob import components, refusal_fields
@@ -167,3 +169,14 @@ def test_srun_numbers_each_components_tasks_from_0_and_the_rank_adds_the_compone
         7,
     ]
     assert step_rank("n1", 1, {}, expand) == 1  # an ordinary job: srun's task ids are the ranks
+
+
+def test_a_partition_or_feature_every_group_takes_from_the_cluster_is_named_as_the_cluster_field():
+    """Issue 64, item 21: cluster.partition=nopart with groups was named cluster.groups[0].partition."""
+    both = comps("cluster.groups=[{device: cpu, nodes: 1}, {device: cpu, nodes: 1}]")
+    cfg, _ = typed("cluster=slurm", "cluster.groups=[{device: cpu, nodes: 1}, {device: cpu, nodes: 1}]", "mesh=dp2")
+    nopart = [dataclasses.replace(c, partition="nopart") for c in both]
+    with pytest.raises(P3DConfigError, match=r"^cluster.partition=nopart: Slurm lists no nodes there"):
+        component_partition(SINFO, nopart[0])
+    cluster = dataclasses.replace(cfg.cluster, partition="nopart")
+    assert refusal_fields(cluster, "sbatch: error: invalid partition specified") == "cluster.partition=nopart"

@@ -102,3 +102,22 @@ def test_sweep_status_counts_points_not_done():
     assert sweep_status(rows[:2]) == (2, "p3d: 1 of 2 sweep points not done (1 skipped: point 1); exit status 2")
     status, line = sweep_status(rows)
     assert status == 1 and line.startswith("p3d: 2 of 3 sweep points not done (1 skipped, 1 failed: points 1, 2)")
+
+
+def test_p3d_plan_refuses_a_split_it_cannot_model_in_one_line(capsys):
+    """Issue 64, item 19: ``p3d-plan mesh=pp2 schedule.stage_blocks=[3,2]`` gave a traceback (the planner cut 4 blocks
+    into pieces of 3 and 2) where p3d-train refuses it in one line; other rules p3d-train would refuse stay
+    warnings of the plan. And [-1,5] is refused for its negative piece (it was: 'needs a block')."""
+    from p3d.launch.plan import plan_task
+    from tests.helpers.runs import compose
+
+    assert plan_task(compose("mesh=pp2", "schedule.stage_blocks=[3,2]")) == 2
+    assert capsys.readouterr().err.strip() == (
+        "p3d: config error: schedule.stage_blocks=[3, 2] holds 5 blocks, model.n_layers=4; try "
+        "schedule.stage_blocks=[2,2]"
+    )
+    assert plan_task(compose("mesh=dp2", "schedule.replica_micro_batches=[3,2]")) == 2
+    assert "schedule.replica_micro_batches=[3, 2] x schedule.micro_batch_size=2" in capsys.readouterr().err
+    assert plan_task(compose("mesh=pp2", "schedule.stage_blocks=[-1,5]")) == 2
+    assert "schedule.stage_blocks=[-1, 5]: a piece cannot hold -1 blocks; try" in capsys.readouterr().err
+    assert plan_task(compose("mesh=pp2", "schedule.stage_blocks=[3,1]")) == 0

@@ -186,7 +186,7 @@ def test_a_dry_run_refuses_what_the_launch_refuses_in_the_same_line(capsys, tmp_
     dry = train_task(compose(*TOO_BIG, "dry_run=true", run_dir=str(tmp_path / "b")))
     out = capsys.readouterr()
     assert dry == 2 and out.err.strip().splitlines() == [refusal], out.err
-    assert "  -> DOES NOT FIT: 386.36 GB of 24 GB for the 2 workers together" in out.out.splitlines(), out.out
+    assert "  -> DOES NOT FIT: 385.55 GB of 24 GB for the 2 workers together" in out.out.splitlines(), out.out
     forced = train_task(compose(*TOO_BIG, "dry_run=true", "plan.force=true", run_dir=str(tmp_path / "c")))
     out = capsys.readouterr()
     assert forced == 0 and not out.err.strip(), out.err

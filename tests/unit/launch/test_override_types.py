@@ -20,7 +20,11 @@ REFUSED = [
     ("logger.mode=bogus", "logger.mode=bogus (command line) must be one of auto, online, offline, disabled; try"),
     ("dry_run=maybe", "dry_run=maybe (command line) must be true or false; try dry_run=false"),
     ("train.steps=1e3", "train.steps=1e3 (command line) must be an integer; try train.steps=300"),
-    ("cluster.setup=3", "cluster.setup=3 (command line) must be a list of strings; try cluster.setup=[]"),
+    # a list field given one item that fits it: that item as a list (issue 64, item 23: not the default, [])
+    ("cluster.setup=3", "cluster.setup=3 (command line) must be a list of strings; try cluster.setup=[3]"),
+    ("train.trace_steps=2", "train.trace_steps=2 (command line) must be a list of integers; try train.trace_steps=[2]"),
+    # a mapping where a list of them goes (issue 64, item 19: OmegaConf's ConfigTypeError and a traceback)
+    ("cluster.groups={device: cpu, nodes: 1}", "cluster.groups={device: cpu, nodes: 1} (command line) must be a list"),
     ("model.moe.top_k=x", "model.moe.top_k=x (command line) must be an integer; try model.moe.top_k=2"),
 ]
 
@@ -31,6 +35,8 @@ def test_a_value_its_field_cannot_hold_is_one_line_with_a_fix_of_the_right_type(
     refused = wrong_type([*extra, override])
     assert refused is not None and "\n" not in refused and refused.startswith(line), refused
     fix = refused.rsplit("; try ", 1)[1]
+    if override.startswith("cluster.groups="):
+        assert fix == "cluster.groups=[{device: cpu, nodes: 1}]"
     assert wrong_type([*extra, fix]) is None
     compose(*extra, fix)  # Hydra composes the suggestion
 

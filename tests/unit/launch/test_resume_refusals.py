@@ -63,3 +63,22 @@ def test_a_value_this_command_line_gives_is_not_the_specs(tmp_path):
     with pytest.raises(P3DConfigError) as err:
         typed("train.resume=auto", "train.steps=2", "mesh.cp=4", "model.seq_len=36", run_dir=str(run))
     assert str(err.value).startswith("model.seq_len=36 must be"), str(err.value)  # with_source says: command line
+
+
+def test_trace_steps_named_on_a_resume_must_be_steps_it_trains(tmp_path, monkeypatch):
+    """Issue 64, item 22: ``train.trace_steps=[1]`` on a resume from step 1 was silently ignored, where a fresh run
+    refuses a step outside its own. Steps the resumed run's spec carries (traced before) are not asked again."""
+    import p3d.launch.check as check
+
+    run, spec, ckpt = _resumable(tmp_path, "mesh=single", "train.trace_steps=[1]")
+    line = ["train.resume=auto", "train.steps=3", "train.trace_steps=[1,3]"]
+    monkeypatch.setattr(check, "given_overrides", lambda: line)
+    cfg, _ = typed(*line, run_dir=str(run))
+    with pytest.raises(P3DConfigError) as err:
+        check_resume(cfg, ckpt, 1)
+    assert str(err.value) == (
+        f"train.trace_steps=[1, 3]: step 1 was trained before checkpoint {ckpt} (step 1), which this resume starts "
+        "from; try train.trace_steps=[3]"
+    )
+    monkeypatch.setattr(check, "given_overrides", lambda: line[:2])  # the spec's [1]: left to the run before
+    check_resume(typed(*line[:2], "train.trace_steps=[1]", run_dir=str(run))[0], ckpt, 1)

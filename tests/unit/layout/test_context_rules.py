@@ -15,11 +15,6 @@ RULES = [
         "model.seq_len=36 must be a multiple of 8 with mesh.cp=2",
         "try model.seq_len=32",
     ),
-    (
-        ("model=moe_tiny", "mesh=single", "mesh.cp=2"),
-        "mesh.cp=2 with model=moe_tiny, a mixture of experts",
-        "mesh.cp=1",
-    ),
     (("model=tiny", "mesh=single", "mesh.cp=0"), "mesh.cp=0 must be at least 1", "try mesh.cp=1"),
     (
         ("model=tiny", "mesh=dp2", "mesh.cp=2", "zero=stage3", "zero.shard_size=3"),
@@ -93,3 +88,26 @@ def test_cp_with_compile_is_allowed():
     no longer refused (its parity: tests/e2e/test_cp_parity.py, case cp2-compile)."""
     cfg, plan = typed("model=tiny", "mesh=single", "mesh.cp=2", "model.compile=true")
     assert cfg.model.compile and plan.cp == 2
+
+
+@pytest.mark.parametrize("extra", [(), ("model.moe.capacity_factor=1.0",)], ids=["dropless", "capacity"])
+def test_cp_with_experts_is_allowed(extra):
+    """Issue 62: a mixture of experts trains with cp, its balancing loss, capacity and routing figures over the
+    whole sequence (its parity: tests/e2e/test_moe_parity.py, the cp cases)."""
+    cfg, plan = typed("model=moe_tiny", "mesh=dp2", "mesh.ep=2", "mesh.cp=2", *extra)
+    assert (plan.dp, plan.ep, plan.cp, plan.world_size) == (2, 2, 2, 4)
+
+
+def test_the_holders_of_an_expert_are_its_dp_ranks_times_cp():
+    """With cp, an ep group is ep dp ranks of one cp coordinate (they exchange the tokens of the same chunks) and an
+    expert's holders (edp: gradients, ZeRO) are the dp ranks with its ep rank at every cp coordinate."""
+    dims = ParallelDims(tp=2, pp=1, dp=4, ep=2, cp=2)  # rank = (dp cp_size + cp) tp_size + tp
+    assert dims.ep_ranks()[0] == [0, 4]  # dp 0 and 1 at cp 0, tp 0
+    assert dims.edp_ranks()[0] == [0, 2, 8, 10]  # ep rank 0: dp 0 and 2, each at cp 0 and 1, tp 0
+    for lists in (dims.ep_ranks(), dims.edp_ranks()):
+        assert sorted(r for g in lists for r in g) == list(range(dims.world_size))
+    for group in dims.ep_ranks():
+        assert len({dims.cp_of(r) for r in group}) == 1 and len(group) == dims.ep
+    for group in dims.edp_ranks():
+        assert len({dims.ep_rank_of(dims.coords_of(r)[0]) for r in group}) == 1
+        assert len(group) == dims.dp // dims.ep * dims.cp

@@ -34,7 +34,7 @@ def _by_definition(moe, cfg, x, capacity=None):
     taken = [0] * e.n_experts
     for t in range(x.shape[0]):
         w = scores[t, top.indices[t]]
-        if e.norm_topk_prob or e.score.value == "sigmoid":
+        if e.norm_topk_prob:
             w = w / w.sum()
         for slot in range(e.top_k):
             j = int(top.indices[t, slot])

@@ -32,7 +32,14 @@ def _count_layer(n_experts: int, top_k: int, *overrides: str) -> KernelCounter:
     return counter
 
 
-@pytest.mark.parametrize("overrides", [(), ("model.moe.capacity_factor=1.0",)], ids=["dropless", "capacity"])
+GROUPED = ("model.moe.score=sigmoid", "model.moe.n_groups=4", "model.moe.topk_groups=2")  # DeepSeek-V3's router
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("model.moe.capacity_factor=1.0",), GROUPED],
+    ids=["dropless", "capacity", "grouped-router"],
+)
 def test_matmuls_do_not_grow_from_8_to_64_experts_and_nothing_waits_at_ep1(overrides):
     few, many = _count_layer(8, 6, *overrides), _count_layer(64, 6, *overrides)
     assert many.matmuls == few.matmuls, (few.matmuls, many.matmuls)

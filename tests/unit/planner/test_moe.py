@@ -5,6 +5,8 @@ p3d-train refuses ep by."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from p3d.layout.geometry import active_params, model_flops_per_token, total_params
@@ -188,3 +190,25 @@ def test_dense_models_are_unchanged(make_cfg):
     assert j["model"]["active_params"] == j["model"]["params"]
     assert all(s.params.experts == 0 and s.params.moe_blocks == 0 for s in r.stages)
     assert "mixture of experts" not in r.render() and "a2a_comm" not in r.render()
+
+
+@pytest.mark.parametrize("zero", ["stage0", "stage1", "stage3"])
+def test_with_cp_experts_shard_over_their_dp_x_cp_holders_and_move_a_ranks_tokens(make_cfg, zero):
+    """Issue 62, cp with experts: mixtral_8x7b on tp8 x cp2 x dp4 with ep2 holds each expert on dp / ep x cp = 4
+    ranks (edp), the model states of dp8 ep2's 4 holders; a rank's MoE activations and its all-to-alls are those of
+    its s / cp tokens (as cp1 at half the sequence), and an ep group spans ep x cp x tp ranks."""
+    from p3d.config.schema import Recompute
+    from p3d.planner import experts
+    from p3d.planner.memory import state_bytes
+
+    cfg = make_cfg(*MIXTRAL_64, "mesh.tp=8", "mesh.pp=1", "mesh.cp=2", "mesh.ep=2", f"zero={zero}")
+    lay = layout_of(cfg)
+    flat = dataclasses.replace(lay, dp=8, cp=1)
+    assert (lay.dp, lay.cp, lay.edp, flat.edp) == (4, 2, 4, 4)
+    for sp in stage_params(cfg, lay):
+        assert state_bytes(cfg, lay, sp) == state_bytes(cfg, flat, sp)
+    half = make_cfg(*MIXTRAL_64, "mesh.tp=8", "mesh.pp=1", "mesh.ep=2", f"zero={zero}", "model.seq_len=2048")
+    assert experts.dispatch_bytes(cfg, lay) == experts.dispatch_bytes(half, flat) > 0
+    for recompute in (Recompute.none, Recompute.selective):
+        assert experts.ffn_activation_bytes(cfg, lay, recompute) == experts.ffn_activation_bytes(half, flat, recompute)
+    assert experts.a2a_span(lay) == 2 * 2 * 8

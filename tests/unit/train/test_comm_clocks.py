@@ -105,3 +105,24 @@ def test_pp_figures_are_the_seconds_blocked_on_neighbours():
     got = clocks.take_comm(["dp", "pp"])
     assert got["pp_comm_s"] == got["pp_comm_exposed_s"] == 0.25
     assert got["dp_comm_s"] == got["dp_comm_exposed_s"] == 0.0
+
+
+def test_a_call_that_blocks_past_its_collectives_completion_is_own_time_too():
+    """Issue 64, item 6 (ep_comm_exposed_s 0.0775 > ep_comm_s 0.073): an asynchronous launch whose completion callback
+    fires before the launch returns (gloo's thread beat the caller to the GIL), then a wait() entered after the
+    completion that blocks a while: the step was blocked in the collective for 0.08 s of which it was in flight 0.02 s.
+    Exposed can never exceed own: what the step was blocked in is the collective's time."""
+    clocks = CommClocks(DeviceClock(), Seconds)
+    ep = clocks.dims["ep"]
+    future = FakeFuture()
+    with ep.exposed.timing():  # the launch
+        waited = ep.completes(FakeWork(future), ep.start())
+        time.sleep(0.02)
+        future.complete()  # done while the caller is still in the launch
+        time.sleep(0.03)
+    with ep.exposed.timing():  # the wait, after the completion: it still takes its time
+        time.sleep(0.03)
+        waited()
+    got = clocks.take(["ep"])
+    assert got["ep_comm_exposed_s"] == pytest.approx(0.08, abs=0.02), got
+    assert got["ep_comm_s"] >= got["ep_comm_exposed_s"], got
