@@ -41,7 +41,7 @@ def saved_bytes(pipe, ids, labels) -> tuple[int, int]:
     """(whole stage, attention only): bytes autograd keeps for one micro batch's forward and loss on this rank."""
     import torch
 
-    from p3d.model.llama import Attention
+    from p3d.model.attention import Attention
     from p3d.parallel.pipeline.specs import VocabParallelLoss
 
     params = {p.untyped_storage().data_ptr() for p in pipe.module.parameters()}

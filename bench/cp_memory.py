@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, overrides: list[str], variant: str, out_path:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from p3d.model.llama import Attention
+    from p3d.model.attention import Attention
     from p3d.parallel.context.attention import context_parallel_attention
     from p3d.parallel.mesh import Mesh
     from p3d.planner.context import attention_core_bytes

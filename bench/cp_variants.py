@@ -5,7 +5,7 @@ NIC).
 No run: the planner only, seconds on any machine.
 
     .venv/bin/python bench/cp_variants.py
-    .venv/bin/python bench/cp_variants.py --model llama3_405b --tp 8 --cp 16
+    .venv/bin/python bench/cp_variants.py --model llama3_1_405b --tp 8 --cp 16
 """
 
 from __future__ import annotations

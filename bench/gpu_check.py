@@ -5,8 +5,8 @@
     .venv/bin/python bench/gpu_check.py --out /tmp/gpu --budget-s 480
 
 Steps (each in its own time limit; one that fails is reported and the next one runs):
-  sdpa. The kernels p3d's attention core runs for llama3_1b's shapes in bf16 (profiled): flash expected.
-  a. ``mesh=single`` bf16 training of ``model=llama3_1b`` (16 layers, hidden 2048, 2k context) for 30
+  sdpa. The kernels p3d's attention core runs for llama3_2_1b's shapes in bf16 (profiled): flash expected.
+  a. ``mesh=single`` bf16 training of ``model=llama3_2_1b`` (16 layers, hidden 2048, 2k context) for 30
      steps: tokens/s, MFU and HFU against the device's dense bf16 peak (and against the ~790 TFLOP/s a
      bf16 8192^3 matmul reaches on an H200), peak allocated memory beside ``p3d-plan``'s prediction.
   b. bf16 on the GPU against fp32 on the CPU: ``model=small`` (256-token context) for 20 steps on the
@@ -51,7 +51,7 @@ NCCL_RTOL = 1e-4  # fp32 on GPUs (TF32 off) vs fp32 on the CPU, 10 steps
 MATMUL_CEILING_TFLOPS = {"h200": 790.0}  # bf16 8192^3 matmul measured on the lent H200 (shared notes)
 PRESETS = (("H200", "h200"), ("H100", "h100_sxm"), ("B200", "b200"), ("A100", "a100_80gb"))
 
-THROUGHPUT = ["model=llama3_1b", "mesh=single", "schedule.micro_batch_size=4", "schedule.global_batch_size=32"]
+THROUGHPUT = ["model=llama3_2_1b", "mesh=single", "schedule.micro_batch_size=4", "schedule.global_batch_size=32"]
 BF16_SMALL = ["model=small", "model.seq_len=256", "mesh=single", "schedule.micro_batch_size=4"]
 BF16_SMALL += ["schedule.global_batch_size=16", "train.dtype=bf16"]
 TORCH_EXECUTOR = [*BF16_SMALL, "zero=stage3"]  # one rank: torch's Schedule1F1B (DeepSpeed refuses ZeRO-3)
@@ -220,19 +220,20 @@ def step_nccl(step: Step, gpu: list[str], out: Path, dry: bool, timeout: float, 
 
 
 def step_sdpa(step: Step, dry: bool) -> None:
-    """Which kernel p3d's attention core runs for llama3_1b's shapes in bf16 (GQA 32/8, 2k): the flash one."""
+    """Which kernel p3d's attention core runs for llama3_2_1b's shapes in bf16 (GQA 32/8, 2k): the flash one."""
     if dry:
-        step.status = "dry: profiles p3d.model.llama's attention core on the GPU"
+        step.status = "dry: profiles p3d.model.attention's attention core on the GPU"
         return
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from p3d.model.llama import _attention_core, rope_cos_sin
+    from p3d.model.attention import _attention_core
+    from p3d.model.rope import rope_cos_sin
 
     b, nh, nkv, s, hd = 4, 32, 8, 2048, 64
     q = torch.randn(b, nh, s, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, nkv, s, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
-    cos, sin = rope_cos_sin(s, hd, 5e5, "cuda", torch.bfloat16)
+    cos, sin = rope_cos_sin(s, hd, 5e5, None, "cuda", torch.bfloat16)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _attention_core(q, k, v, cos, sin, True).sum().backward()
         torch.cuda.synchronize()
@@ -242,7 +243,7 @@ def step_sdpa(step: Step, dry: bool) -> None:
         raise RuntimeError(f"SDPA did not run a flash kernel for these shapes: {kernels}")
     # fp32 (train.dtype=fp32): GQA's kv heads expanded for the memory-efficient kernel, not the math one
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    cos32, sin32 = rope_cos_sin(s, hd, 5e5, "cuda", torch.float32)
+    cos32, sin32 = rope_cos_sin(s, hd, 5e5, None, "cuda", torch.float32)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         _attention_core(q32, k32, v32, cos32, sin32, True).sum().backward()
         torch.cuda.synchronize()
@@ -344,8 +345,8 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         return 1
     gpu = [f"cluster.device={preset or 'h200'}", f"cluster.gpus_per_node={max(n_gpus, 1)}"]
     steps = [
-        Step("sdpa", "the attention kernel of llama3_1b's shapes in bf16 (GQA 32/8, 2k): flash expected"),
-        Step("a", "mesh=single bf16 llama3_1b (2k context), 30 steps: tokens/s, MFU, HFU, peak memory vs p3d-plan"),
+        Step("sdpa", "the attention kernel of llama3_2_1b's shapes in bf16 (GQA 32/8, 2k): flash expected"),
+        Step("a", "mesh=single bf16 llama3_2_1b (2k context), 30 steps: tokens/s, MFU, HFU, peak memory vs p3d-plan"),
         Step("b", f"model=small bf16 on the GPU vs fp32 reference on the CPU, 20 steps, loss rtol {BF16_RTOL}"),
         Step("c", f"parity meshes {', '.join(PARITY_MESHES)} on NCCL (those the GPUs hold), fp32, rtol {NCCL_RTOL}"),
         Step("e", f"the torch executor on one rank (zero=stage3), model=small bf16 vs fp32 CPU, rtol {BF16_RTOL}"),

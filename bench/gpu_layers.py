@@ -8,7 +8,7 @@ executor runs, each in bf16 on the device against its fp32 twin on the host's CP
          autocast: the output and the input's and weights' gradients against the fp32 layer on the CPU;
   cp:    context-parallel attention, every rank of cp = 2 in turn on the one device (``one_rank_attention``: the
          per-chunk fused kernels and their log-sum-exp merge that each rank runs between its collectives), bf16,
-         llama3_1b's heads (32 over 8, head dim 64) at 2k tokens: the output and q/k/v gradients against SDPA on
+         llama3_2_1b's heads (32 over 8, head dim 64) at 2k tokens: the output and q/k/v gradients against SDPA on
          the whole sequence in fp32 on the CPU, and the attention kernels the device ran.
 
 Each returns its figures: relative errors ``|got - want| / |want|`` (norms over the whole tensor or model). Without

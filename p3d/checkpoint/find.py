@@ -4,6 +4,7 @@ The formats are in p3d.checkpoint.files; saving and loading in p3d.checkpoint.ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -60,7 +61,26 @@ def model_identity(cfg) -> dict:
         identity["moe"] = {
             k: getattr(e, k) for k in ("n_experts", "expert_ffn_size", "n_shared_experts", "first_dense_layers")
         }
+    for key, default in OPTIONAL.items():  # the families' fields: present only when set (older checkpoints: none)
+        value = getattr(m, key, default)
+        if key == "head_dim" and value == m.hidden_size // m.n_heads:
+            value = None  # hidden / heads, said or not: the same model
+        if key == "rope_scaling" and getattr(value, "rope_type", None) is None:
+            value = None  # plain RoPE
+        if value != default:
+            identity[key] = _plain(value)
     return identity
+
+
+# model fields a checkpoint's identity names only when they differ from these (p3d.config.schema.ModelConfig)
+OPTIONAL = {"head_dim": None, "qkv_bias": False, "qk_norm": False, "rope_scaling": None}
+
+
+def _plain(value):
+    """A JSON value of a model field: a dataclass as a dict, an enum as its value."""
+    if dataclasses.is_dataclass(value):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    return getattr(value, "value", value)
 
 
 def find(run_dir: str | Path, resume: str) -> Path | None:
@@ -167,7 +187,8 @@ def verify(path: Path) -> dict:
 def check_compatible(meta: dict, cfg, path: Path) -> None:
     """Refuse a checkpoint of another model or tokenizer; any mesh and ZeRO stage may resume it."""
     want = model_identity(cfg)
-    keys = [*want, *(["moe"] if "moe" in meta["model"] and "moe" not in want else [])]  # MoE vs dense either way
+    absent = [k for k in ("moe", *OPTIONAL) if k in meta["model"] and k not in want]  # MoE vs dense either way, ...
+    keys = [*want, *absent]
     diff = {k: (meta["model"].get(k), want.get(k)) for k in keys if meta["model"].get(k) != want.get(k)}
     if diff:
         k, (was, now) = next(iter(diff.items()))
@@ -175,6 +196,8 @@ def check_compatible(meta: dict, cfg, path: Path) -> None:
             was, now = was or {}, now or {}
             sub = next(f for f in (*was, *now) if was.get(f) != now.get(f))
             k, was, now = f"moe.{sub}", was.get(sub, "null (dense)"), now.get(sub, "null (dense)")
+        elif k in OPTIONAL:  # absent on one side: the default
+            was, now = (OPTIONAL[k] if v is None else v for v in (was, now))
         raise CheckpointError(
             f"checkpoint {path} holds another model: model.{k}={was} there, {now} here; "
             f"resume with model.{k}={was} or start a new run.dir"

@@ -31,6 +31,11 @@ def full_from_shards(shards: list[torch.Tensor], spec: dict) -> torch.Tensor:
     return torch.cat(blocks, dim=0)
 
 
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with ``rows`` zero rows appended along dim 0 (a matrix's vocab padding; a bias (n,) works alike)."""
+    return F.pad(t, (0, 0) * (t.ndim - 1) + (0, rows)) if rows else t
+
+
 def shard_from_full(full: torch.Tensor, spec: dict, tp: int, rank: int) -> torch.Tensor:
     """This rank's shard of a logical tensor under the (target) spec."""
     kind = spec["kind"]
@@ -40,7 +45,7 @@ def shard_from_full(full: torch.Tensor, spec: dict, tp: int, rank: int) -> torch
         return full.chunk(tp, dim=1)[rank]
     out, start = [], 0
     for real, padded in zip(spec["blocks"], spec["padded"]):
-        block = F.pad(full[start : start + real], (0, 0, 0, padded - real))
+        block = pad_rows(full[start : start + real], padded - real)
         out.append(block.chunk(tp, dim=0)[rank])
         start += real
     return torch.cat(out, dim=0).contiguous()

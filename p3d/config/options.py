@@ -13,6 +13,14 @@ class Arch(Enum):
     gpt = "gpt"  # planned by p3d-plan (published GPT runs); the trainer builds llama only
 
 
+class RopeType(Enum):
+    """How RoPE's frequencies are rescaled for a longer context (p3d/model/rope.py); HF's ``rope_type`` values."""
+
+    llama3 = "llama3"  # Llama 3.1-3.3: low frequencies divided by factor, the middle band blended
+    linear = "linear"  # every frequency divided by factor (position interpolation)
+    yarn = "yarn"  # YaRN: frequencies ramped between interpolation and extrapolation, cos/sin scaled
+
+
 class Recompute(Enum):
     none = "none"
     selective = "selective"  # RoPE + attention core recomputed in backward (torch.utils.checkpoint)

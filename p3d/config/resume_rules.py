@@ -51,6 +51,8 @@ RULES: dict[str, tuple[Rule, str]] = {
         "how the selection biases move in the steps to come; they keep their values (DeepSeek-V3 stopped moving "
         "them for its last 500B tokens)",
     ),
+    "model.family": (Rule.CHANGES, "only the architecture p3d-export writes"),
+    "model.max_position_embeddings": (Rule.CHANGES, "only the context length p3d-export writes"),
     "mesh.*": (Rule.CHANGES, "the checkpoint is re-cut for the new layout"),
     "schedule.*": (Rule.CHANGES, "micro batches, recompute and stage cuts of the steps to come"),
     "schedule.global_batch_size": (Rule.CHANGES, "the next step reads the samples after the last one trained"),

@@ -30,6 +30,7 @@ from p3d.config.options import (
     Pipeline,
     Progress,
     Recompute,
+    RopeType,
     RouterScore,
     TextUnit,
     WandbMode,
@@ -63,6 +64,26 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScaling:
+    """RoPE's frequencies rescaled for a longer context (p3d/model/rope.py, docs/models.md), the fields named as in
+    HF's config.json ``rope_parameters`` (the old ``rope_scaling``). ``rope_type: null`` (the default) is plain RoPE:
+    then no other field may be set. On the command line: ``model.rope_scaling.rope_type=linear
+    model.rope_scaling.factor=4``."""
+
+    rope_type: Optional[RopeType] = None  # null: plain RoPE; llama3, linear or yarn
+    factor: Optional[float] = None  # the context's growth over the pretraining context (required with a rope_type)
+    original_max_position_embeddings: Optional[int] = None  # llama3, yarn: the pretraining context (required)
+    low_freq_factor: Optional[float] = None  # llama3 (required): wavelengths above original / low are divided by factor
+    high_freq_factor: Optional[float] = None  # llama3 (required): below original / high they are kept
+    beta_fast: Optional[float] = None  # yarn: the ramp's extrapolation bound, in rotations (null: 32)
+    beta_slow: Optional[float] = None  # yarn: the ramp's interpolation bound (null: 1)
+    attention_factor: Optional[float] = None  # yarn: cos and sin scaled by it (null: 0.1 ln(factor) + 1, or mscale's)
+    mscale: Optional[float] = None  # yarn: attention_factor = mscale'(mscale) / mscale'(mscale_all_dim) when both set
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     arch: Arch = Arch.llama
@@ -75,9 +96,22 @@ class ModelConfig:
     seq_len: int = 64
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # rope_type null: plain RoPE; llama3, linear, yarn
+    head_dim: Optional[int] = None  # each attention head's width; null: hidden_size / n_heads (Qwen3: 128 always)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2/2.5), split by heads under tp
+    qk_norm: bool = False  # an RMSNorm over head_dim of every query and key head, before RoPE (Qwen3)
+    # the attention window: null, or at least seq_len, is none (p3d attends to the whole sequence; shorter is refused)
+    sliding_window: Optional[int] = None
+    # the context the model is made for (HF's max_position_embeddings, which p3d-export writes; null: seq_len)
+    max_position_embeddings: Optional[int] = None
+    # the Hugging Face architecture p3d-export writes, by its model_type (docs/models.md: llama, mistral, qwen2, qwen3,
+    # qwen3_moe, mixtral); null: llama, or mixtral for a model with experts
+    family: Optional[str] = None
     norm_eps: float = 1e-5
     init_std: float = 0.02  # std of every weight matrix at init; output projections scaled by 1/sqrt(2 L)
-    init_from: Optional[str] = None  # a HF Llama checkpoint dir: its config.json sets the shape, its weights the init
+    init_from: Optional[str] = (
+        None  # a HF checkpoint dir (docs/models.md): its config.json sets the shape, its weights the init
+    )
     compile: bool = False  # torch.compile each transformer block (inductor; GPU and CPU)
     moe: Optional[MoEConfig] = None  # null: dense; else a mixture-of-experts feed-forward (MoEConfig)
 

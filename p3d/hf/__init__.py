@@ -1,1 +1,2 @@
-"""Hugging Face: import a Llama checkpoint, export one, and the tokenizer files."""
+"""Hugging Face: the architectures p3d reads and writes (one description each, architectures/), the import (checked
+without torch before any worker starts, then read slice by slice), the export, and the tokenizer files."""

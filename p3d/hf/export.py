@@ -1,4 +1,5 @@
-"""``p3d-export``: a p3d checkpoint as a Hugging Face Llama (dense) or Mixtral (MoE) checkpoint.
+"""``p3d-export``: a p3d checkpoint as a Hugging Face checkpoint of its family's architecture (``model.family``:
+Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral; null: Llama for a dense model, Mixtral for an MoE one).
 
     p3d-export run.dir=outputs/run1 out=hf/run1              # the newest checkpoint
     p3d-export run.dir=outputs/run1 step=200 out=hf/run1-200 max_shard_gb=5
@@ -12,9 +13,11 @@ Tensors are the fp32 master weights, assembled from the (pp, tp) shards one at a
 the mode the umask gives (0644 under umask 022), the weights too.
 Everything is written into a new directory beside ``out`` that is renamed to ``out`` when complete:
 a failed export leaves no ``out``, and an existing ``out`` is never mixed with a new export.
-``transformers`` loads the result with ``LlamaForCausalLM.from_pretrained(out)`` (an MoE model:
-``MixtralForCausalLM``). An MoE model exports only with Mixtral's routing and without selection biases
-(p3d.hf.names.export_problem; otherwise a one-line refusal, and nothing written).
+``transformers`` loads the result with its architecture's class (``Qwen3ForCausalLM.from_pretrained(out)``, ...).
+config.json keeps the model's context (``max_position_embeddings``: the imported or preset one, or model.seq_len
+if that is longer), and so does the tokenizer's ``model_max_length``. A model its architecture cannot hold (an
+MoE model without Mixtral's or Qwen3-MoE's routing, selection biases, q/k norms written as Llama, ...) is refused
+in one line and nothing is written (p3d.hf.config_json.export_problem).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from pathlib import Path
 import torch
 
 from p3d.checkpoint import find as ckpt_find
-from p3d.hf.names import export_problem, hf_config, hf_names, twin_name
+from p3d.hf.architectures import Architecture, of_model
+from p3d.hf.config_json import context_length, export_problem, hf_config
+from p3d.hf.names import hf_names, twin_name
 
 USAGE = "usage: p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]"
 KEYS = ("run.dir", "out", "step", "max_shard_gb", "overwrite")
@@ -170,10 +175,12 @@ def _write_tokenizer(tmp: Path, tokenizer, max_length: int) -> dict[str, dict]:
     return tokenizer_configs(tok, tok_config, max_length)
 
 
-def hf_tensors(name: str, full: torch.Tensor, spec: dict, n_layers: int) -> list[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    name: str, full: torch.Tensor, spec: dict, n_layers: int, arch: Architecture
+) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of the whole p3d tensor ``full`` of parameter ``name`` (shard spec ``spec``): fused blocks
     (q|k|v, gate|up) split, a stacked routed experts' weight split by expert as well (p3d.hf.names)."""
-    names = hf_names(name, n_layers, range(spec["experts"]) if "experts" in spec else None)
+    names = hf_names(name, n_layers, arch, range(spec["experts"]) if "experts" in spec else None)
     parts = full.split(spec["blocks"], dim=0) if spec["kind"] == "rows" else full.chunk(len(names), dim=0)
     return list(zip(names, parts, strict=True))
 
@@ -186,24 +193,24 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
     tok = tokenizer[0]
     src = ShardedCheckpoint(ckpt, meta, checkpoint.reader(ckpt, meta))
     writer = _ShardWriter(tmp, max_shard_gb * 1e9)
-    L = cfg.model.n_layers
+    L, arch = cfg.model.n_layers, of_model(cfg.model)
     for name in src.names():
         spec = src.spec(name)
-        if not hf_names(name, L, range(spec.get("experts", 0))):  # a router's selection bias: Mixtral has none
+        if not hf_names(name, L, arch, range(spec.get("experts", 0))):  # a router's selection bias: HF has none
             if src.param(name).any():
                 raise ExportError(
                     f"{name} holds non-zero selection biases (model.moe.bias_update_rate="
-                    f"{cfg.model.moe.bias_update_rate}), which Mixtral cannot represent (its router chooses by "
+                    f"{cfg.model.moe.bias_update_rate}), which {arch.name} cannot represent (its router chooses by "
                     "score alone); only runs with model.moe.bias_update_rate=0 export; nothing was written"
                 )
             continue
-        for hf_name, tensor in hf_tensors(name, src.master(name), spec, L):
+        for hf_name, tensor in hf_tensors(name, src.master(name), spec, L, arch):
             writer.add(hf_name, tensor.float())
     files = writer.close()
     ids = special_ids(tok)
     config = {**hf_config(cfg.model, tok.eos_id), **ids}
     files_json = {"config.json": config, "generation_config.json": {**ids, "_from_model_config": False}}
-    files_json.update(_write_tokenizer(tmp, tokenizer, cfg.model.seq_len))
+    files_json.update(_write_tokenizer(tmp, tokenizer, context_length(cfg.model)))
     for name, body in files_json.items():
         (tmp / name).write_text(json.dumps(body, indent=2) + "\n")
     return files, writer.total

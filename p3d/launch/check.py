@@ -10,6 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from p3d.config.schema import RopeScaling
 from p3d.console import say
 from p3d.launch.compose import given_overrides
 from p3d.layout.elastic_rules import is_elastic
@@ -54,8 +55,10 @@ def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True, pins: P
     if cfg.model.init_from:
         cfg = with_hf_shape(cfg)
     cfg = with_tokenizer(cfg)
+    check_family(cfg.model)
     # field bounds and the model's shape: what p3d-plan cannot compute either
     check_config(cfg, pins if pins is not None else command_pins(given_overrides()))
+    warn_context(cfg.model)
     if cfg.calibration:  # a file of another machine or software is refused before the planner uses it
         from p3d.planner.calibration import check_file
 
@@ -68,16 +71,18 @@ def typed_config(cfg_node: DictConfig | dict, resolve_auto: bool = True, pins: P
 
 
 def with_hf_shape(cfg):
-    """``model.init_from``: the model shape comes from the HF config.json; a field also set on the
-    command line must agree with it."""
+    """``model.init_from``: the model shape comes from the HF config.json, once every tensor of the checkpoint is
+    checked to be one the model reads, of its shape (p3d.hf.check: headers only, no torch); a field also set on the
+    command line must agree with it, but for how the run trains the model (``TRAINING_CHOICES``: the experts'
+    balancing, and a context extension's RoPE scaling and context), where the command line's value wins."""
     import dataclasses
 
-    from p3d.hf.load import HFImportError, SafetensorsDir, model_fields, read_config
+    from p3d.hf.check import import_fields
+    from p3d.hf.names import HFImportError
 
     where = cfg.model.init_from
     try:
-        fields = model_fields(read_config(where), where)
-        SafetensorsDir(where)  # every shard present
+        fields = import_fields(where)
     except HFImportError as exc:
         raise P3DConfigError(str(exc)) from None
     overrides = given_overrides()
@@ -85,22 +90,59 @@ def with_hf_shape(cfg):
         given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"model.{key}=")]
         if not given:
             continue
-        if key in MOE_TRAINING:  # how the experts are trained, not their shape: the command line's
-            assert fields["moe"] is not None and cfg.model.moe is not None
-            name = key.split(".", 1)[1]
-            fields["moe"] = dataclasses.replace(fields["moe"], **{name: getattr(cfg.model.moe, name)})
+        if key in TRAINING_CHOICES:  # how the model is trained, not its shape: the command line's
+            group, name = key.split(".", 1) if "." in key else (None, key)
+            if group is None:
+                fields[name] = getattr(cfg.model, name)
+            else:
+                assert fields[group] is not None and getattr(cfg.model, group) is not None
+                chosen = getattr(getattr(cfg.model, group), name)
+                fields[group] = dataclasses.replace(fields[group], **{name: chosen})
         elif str(_get(cfg.model, key)) != str(value):
+            shown = "null" if value is None else getattr(value, "value", value)
             raise P3DConfigError(
-                f"model.{key}={given[-1]} disagrees with {where}/config.json ({value}); drop the "
-                f"override or set model.{key}={value}"
+                f"model.{key}={given[-1]} disagrees with {where}/config.json ({shown}); drop the "
+                f"override or set model.{key}={shown}"
             )
     name = f"hf:{Path(where).name}"
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, **fields))
 
 
-# model.moe fields a run may set beside model.init_from: how the experts are trained (config.json holds their shape
-# and routing, which must agree with it)
-MOE_TRAINING = ("moe.aux_loss_coef", "moe.bias_update_rate", "moe.capacity_factor")
+def check_family(m) -> None:
+    """``model.family`` names an architecture p3d knows (p3d.hf.architectures), or is null."""
+    from p3d.hf.architectures import BY_FAMILY
+
+    if m.family is not None and m.family not in BY_FAMILY:
+        raise P3DConfigError(
+            f"model.family={m.family} is not an architecture p3d knows ({', '.join(BY_FAMILY)}, docs/models.md); "
+            "try model.family=null (Llama, or Mixtral with experts)"
+        )
+
+
+def warn_context(m) -> None:
+    """One line when model.seq_len is longer than the context the model is made for (``max_position_embeddings``,
+    the imported checkpoint's or the preset's). A warning, not a refusal: training past it is how a context is
+    extended (with a RoPE scaling to match); the export then writes model.seq_len as the model's context."""
+    if m.max_position_embeddings is not None and m.seq_len > m.max_position_embeddings:
+        source = f"{m.init_from}/config.json's" if m.init_from else "the model's"
+        say(
+            f"warning: model.seq_len={m.seq_len} is longer than {source} max_position_embeddings="
+            f"{m.max_position_embeddings}: positions past {m.max_position_embeddings} were never trained (a context "
+            "extension sets model.rope_scaling to match); p3d-export will write max_position_embeddings="
+            f"{m.seq_len}",
+            stream=sys.stderr,
+        )
+
+
+# model fields a run may set beside model.init_from: how the experts are trained (config.json holds their shape
+# and routing, which must agree with it), and a context extension's RoPE scaling and context (docs/models.md)
+TRAINING_CHOICES = (
+    "moe.aux_loss_coef",
+    "moe.bias_update_rate",
+    "moe.capacity_factor",
+    "max_position_embeddings",
+    *(f"rope_scaling.{f}" for f in RopeScaling.__dataclass_fields__),
+)
 
 
 def _flat(fields: dict) -> list[tuple[str, object]]:
@@ -131,7 +173,7 @@ def with_tokenizer(cfg):
     from p3d.config.schema import DataSource
     from p3d.data.store import StoreError, stores_tokenizer
     from p3d.data.tokenizer import AUTO
-    from p3d.hf.load import HFImportError
+    from p3d.hf.names import HFImportError
     from p3d.hf.tokenizer import import_tokenizer
 
     spec = cfg.data.tokenizer

@@ -1,7 +1,7 @@
 """``p3d-plan``: memory per GPU and step time of a config, composed exactly as p3d-train composes it.
 
     p3d-plan mesh=tp8_pp8 model=llama70b cluster.device=h100_sxm cluster.nodes=8
-    p3d-plan model=llama3_405b mesh=auto cluster.device=h100_sxm cluster.nodes=1024 format=json
+    p3d-plan model=llama3_1_405b mesh=auto cluster.device=h100_sxm cluster.nodes=1024 format=json
     p3d-plan -m mesh=tp2_pp2,tp4_pp2 model=small          # one plan per point
 
 Exit status: 0 a plan was made (whether or not it fits: read ``fits``); 2 a config error, one line,

@@ -4,9 +4,9 @@ Validation, the run plan, the planner, the dry run, metrics (MFU, bubble) and HF
 import these; nothing computes them a second time. Pure arithmetic on the config dataclasses: no
 torch, no processes.
 
-Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = h / a, q = a * hd,
-kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded to a multiple of tp), s sequence,
-t = tp, p = pp, m micro batches per replica per step, v virtual stages per device.
+Notation (docs/planner.md uses the same): L layers, h hidden, a = n_heads, hd = head_dim (h / a unless
+``model.head_dim`` says otherwise), q = a * hd, kv = n_kv_heads * hd, f = ffn_hidden_size, V vocab (V_pad: padded
+to a multiple of tp), s sequence, t = tp, p = pp, m micro batches per replica per step, v virtual stages per device.
 Mixture of experts (``model.moe``): E routed experts of inner size f_e, k of them per token, S shared experts;
 blocks i >= first_dense_layers are MoE blocks, the others dense. "Total" counts every expert, "active" the
 k routed and S shared experts a token goes through (docs/moe.md).
@@ -148,9 +148,14 @@ def stage_bounds(
     return bounds
 
 
+def head_dim(m: ModelConfig) -> int:
+    """hd: one attention head's width, ``model.head_dim`` or h / a."""
+    return m.head_dim or m.hidden_size // m.n_heads
+
+
 def head_dims(m: ModelConfig) -> tuple[int, int]:
     """(q, kv): widths of the query and of each of the key/value projections."""
-    hd = m.hidden_size // m.n_heads
+    hd = head_dim(m)
     return m.n_heads * hd, m.n_kv_heads * hd
 
 
@@ -206,11 +211,13 @@ def block_matmul_params(m: ModelConfig, tp: int = 1, layer: int | None = None, a
 
 
 def block_vector_params(m: ModelConfig, tp: int = 1) -> int:
-    """Norm weights and biases of one block on one tp rank (llama: two RMSNorm weights)."""
+    """Norm weights and biases of one block on one tp rank. llama: two RMSNorm weights (2 h), the q|k|v biases
+    split by heads ((q + 2 kv) / t, ``model.qkv_bias``), the q and k norms' weights, replicated (2 hd,
+    ``model.qk_norm``)."""
     h = m.hidden_size
-    if m.arch == Arch.llama:
-        return 2 * h
     q, kv = head_dims(m)
+    if m.arch == Arch.llama:
+        return 2 * h + ((q + 2 * kv) // tp if m.qkv_bias else 0) + (2 * head_dim(m) if m.qk_norm else 0)
     return (q + 2 * kv) // tp + m.ffn_hidden_size // tp + 2 * h + 4 * h
 
 

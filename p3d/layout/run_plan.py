@@ -31,6 +31,7 @@ from p3d.layout.geometry import (
 )
 from p3d.layout.hetero import check_group_ranks, fill_groups
 from p3d.layout.mesh_fixes import fewer_stages, finer_cuts, suggest_mesh
+from p3d.layout.model_rules import check_model
 from p3d.layout.schedule_rules import V_SHAPED, check_schedule, chunks_per_rank
 
 __all__ = ["P3DConfigError", "RunPlan", "build_plan"]  # P3DConfigError lives in p3d.config.errors
@@ -245,31 +246,6 @@ def check_faults(cfg: Config) -> None:
             f"train.spike_factor={f:g} flags every loss above {f:g} x the recent median, nearly every step; it is a "
             f"multiple of the median: try train.spike_factor={1 + f:g} ({1 + f:g} x the median), or 0 (off)"
         )
-
-
-def check_model(cfg: Config) -> None:
-    m = cfg.model
-    if m.hidden_size % m.n_heads:
-        raise P3DConfigError(
-            f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size}",
-            lambda: [f"model.n_heads={d}" for d in _nearest_divisors(m.hidden_size, m.n_heads)],
-        )
-    if (m.hidden_size // m.n_heads) % 2:
-        raise P3DConfigError(
-            f"model.hidden_size/model.n_heads={m.hidden_size // m.n_heads} (head dim) must be even "
-            "for rotary embeddings; change model.n_heads"
-        )
-    if m.n_heads % m.n_kv_heads:
-        raise P3DConfigError(
-            f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (grouped-query attention)",
-            [f"model.n_kv_heads={d}" for d in _nearest_divisors(m.n_heads, m.n_kv_heads)],
-        )
-
-
-def _nearest_divisors(n: int, given: int) -> list[int]:
-    """The divisors of ``n``, the nearest below ``given`` first, then the nearest above (a fix for a count that must
-    divide n; p3d.layout.fixes keeps those every other rule accepts)."""
-    return sorted((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (d > given, abs(d - given)))
 
 
 def check_mesh(cfg: Config, tp: int, pp: int) -> None:

@@ -36,6 +36,8 @@ what the p3d model saves for backward, checked against torch's saved-tensor hook
                             2 (2 c h + 4)            bf16: x, 1/rms (fp32), the output (the next matmul's input)
                  attention  c (3 q + 3 kv) / t + 4 a / t     q|k|v, rotated q and k, output,
                                                               flash log-sum-exp (fp32)
+                 q/k norms  (c (q + kv) + 4 (a + a_kv)) / t   fp32: x_hat, 1/rms (fp32); bf16: 1/rms only
+                            + c (q + kv) / t          selective recompute: their output, the checkpoint's input
                  mlp        4 c f / t                 gate|up, silu(gate), silu(gate) * up
                  rope       2 s hd c per micro batch  cos, sin (since they are built once, a buffer per
                                                   block: an over-count of (in flight - 1) x 2 s hd c per
@@ -92,7 +94,7 @@ import math
 from dataclasses import dataclass, field
 
 from p3d.config.schema import Arch, Config, DataSource, DType, Recompute
-from p3d.layout.geometry import head_dims, padded_vocab, token_bytes
+from p3d.layout.geometry import head_dim, head_dims, padded_vocab, token_bytes
 from p3d.planner import experts
 from p3d.planner.context import attention_working_bytes, local_tokens
 from p3d.planner.shapes import Layout, StageParams, dtype_bytes, stage_params
@@ -172,11 +174,23 @@ def step_buffer_bytes(cfg: Config, layout: Layout, sp: StageParams) -> float:
 
 def _norm_bytes(cfg: Config) -> float:
     """One norm per token: llama RMSNorm keeps, in fp32, x, rsqrt, x_hat and x_hat * w; in bf16 x, 1/rms (fp32) and
-    its output, the next matmul's input (p3d.model.llama._LowPrecisionRMSNorm); gpt LayerNorm its input."""
+    its output, the next matmul's input (p3d.model.norms._LowPrecisionRMSNorm); gpt LayerNorm its input."""
     h, c = cfg.model.hidden_size, dtype_bytes(cfg)
     if cfg.model.arch != Arch.llama:
         return c * h
     return 4 * h + 4 + 2 * c * h if c == 4 else 2 * c * h + 4
+
+
+def _qk_norm_bytes(cfg: Config, selective: bool) -> float:
+    """Qwen3's q and k norms per token (x t): what the RMSNorm of each head keeps beside its input (q|k|v's rows):
+    1/rms in fp32 per head, and in fp32 x_hat (the product with w needs it); the output only under selective
+    recompute (the checkpoint's input: RoPE's products with cos and sin keep only the tables)."""
+    m = cfg.model
+    if not m.qk_norm:
+        return 0.0
+    q, kv = head_dims(m)
+    c = dtype_bytes(cfg)
+    return ((c == 4) + selective) * c * (q + kv) + 4 * (m.n_heads + m.n_kv_heads)
 
 
 def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None, moe: bool = False) -> float:
@@ -194,7 +208,8 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None,
         return b * s * c * h / sp
     if m.arch == Arch.llama:
         ffn = experts.ffn_activation_bytes(cfg, layout, recompute) if moe else 0.0
-        per_token = 2 * _norm_bytes(cfg) / sp + (0 if moe else c * 4 * f / t)
+        selective = recompute == Recompute.selective
+        per_token = 2 * _norm_bytes(cfg) / sp + (0 if moe else c * 4 * f / t) + _qk_norm_bytes(cfg, selective) / t
         if recompute == Recompute.selective:  # RoPE + attention core recomputed: q|k|v and the output stay
             if sched.recompute_swiglu and not moe:  # silu(gate) recomputed too: gate|up and the product stay
                 per_token -= c * f / t
@@ -203,7 +218,7 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None,
             per_token += c * (3 * q + 3 * kv) / t + 4 * a / t
         else:  # math attention: no log-sum-exp, a contiguous output copy, and the probabilities
             per_token += c * (4 * q + 3 * kv) / t + c * a * s / t
-        return b * s * per_token + 2 * s * (h // a) * c + ffn
+        return b * s * per_token + 2 * s * head_dim(m) * c + ffn
     per_token = (4 * c + 2) * h / sp + c * (2 * q + 2 * kv + 2 * f) / t
     if recompute != Recompute.selective:
         per_token += 4 * a / t if flash else (2 * c + 1) * a * s / t

@@ -144,6 +144,8 @@ def block_work(cfg: Config, layout: Layout, moe: bool = False) -> BlockWork:
     if m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up (MoE: the experts', the permutation)
         ffn = experts.ffn_side_elements(cfg, layout) if moe else 5 * f / t
         side = 10 * h / sp + 4 * (q + kv) / t + ffn
+        # the families' pieces: the q|k|v bias add (read, write), the q and k heads' norms (as a block's norm)
+        side += (2 * (q + 2 * kv) if m.qkv_bias else 0) / t + (5 * (q + kv) if m.qk_norm else 0) / t
     else:  # 2 layer norms + 2 bias-dropout-adds; qkv bias; bias-gelu
         side = 13 * h / sp + (2 * (q + 2 * kv) + 2 * f) / t
     act_bytes = b * s * h * c

@@ -64,6 +64,11 @@ def reference_run(
     ``model.moe.bias_update_rate``."""
     torch.manual_seed(cfg.train.seed)
     model = to_sequential(cfg.model, padded_vocab(cfg.model.vocab_size, 1), cfg.train.seed)
+    if cfg.model.init_from:  # the HF weights, as the workers load them (p3d.hf.load)
+        from p3d.hf.load import load_into
+        from p3d.parallel.mesh import Mesh
+
+        load_into(model, cfg.model.init_from, cfg.model, Mesh(tp=1, pp=1, dp=1), twin=True)
     opt, sched = build_optimizer(model, cfg.train)
     batches = batches or global_batches(cfg.data, cfg.model.seq_len, cfg.schedule.global_batch_size, cfg.train.seed)
     mbs = cfg.schedule.micro_batch_size

@@ -46,7 +46,7 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run_of_every_step(tmp_path):
 def test_a_refused_config_fails_its_step_and_the_table_says_why(tmp_path, monkeypatch):
     gpu_check = load_gpu_check()
     step = gpu_check.Step("a", "a step")
-    monkeypatch.setattr(gpu_check, "THROUGHPUT", ["model=llama3_1b", "mesh=tp3"])
+    monkeypatch.setattr(gpu_check, "THROUGHPUT", ["model=llama3_2_1b", "mesh=tp3"])
     with pytest.raises(RuntimeError, match="p3d-plan refused"):
         gpu_check.step_throughput(step, ["cluster.device=h200", "cluster.gpus_per_node=1"], tmp_path, True, 120)
     step.status = "failed: p3d-plan refused"

@@ -134,7 +134,7 @@ def _pipeline_logits_match(rank, world, hf_dir):
 
     def init_from(chunks):
         for chunk in chunks:
-            load_into(chunk, hf_dir, cfg.model.n_layers, mesh)
+            load_into(chunk, hf_dir, cfg.model, mesh)
 
     pipe = TorchPipeline(cfg, plan, mesh, cfg.schedule.pipeline.value, chunks_per_rank(cfg), prepare=init_from)
     (chunk,) = pipe.chunks  # pp = 1: the whole model
@@ -208,15 +208,15 @@ def _one_line(result: subprocess.CompletedProcess) -> str:
     [
         pytest.param(  # a shared expert and a dense first block
             ["model=moe_tiny"],
-            "model.moe.n_shared_experts=1: p3d-export writes an MoE model as MixtralForCausalLM, and Mixtral has "
-            "no shared experts",
+            "model.moe.n_shared_experts=1: p3d-export writes an MoE model as MixtralForCausalLM, and it has no "
+            "shared experts",
             id="shared",
         ),
         pytest.param(
             ["model=moe_tiny", "model.moe.n_shared_experts=0", "model.moe.first_dense_layers=0"]
             + ["model.moe.bias_update_rate=0.01"],
             "1.mlp.router.expert_bias holds non-zero selection biases (model.moe.bias_update_rate=0.01), which "
-            "Mixtral cannot represent",
+            "MixtralForCausalLM cannot represent",
             id="selection-bias",
         ),
     ],

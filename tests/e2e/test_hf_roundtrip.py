@@ -405,10 +405,17 @@ def test_init_from_refuses_another_tokenizer_in_one_line(exported, tmp_path):
 
 
 def test_init_from_checks_the_vocab_against_the_tokenizer(exported, tmp_path):
+    """A checkpoint of 256 words (its config.json and its embedding and head) beside a 300-token tokenizer.json."""
+    from safetensors.torch import load_file, save_file
+
     small = tmp_path / "small"
     shutil.copytree(exported, small)
     config = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    tensors = load_file(small / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:256].contiguous()
+    save_file(tensors, small / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(
         P3DConfigError,
         match=rf"tokenizer.json has {VOCAB} tokens, more than the vocab_size=256 "

@@ -4,10 +4,12 @@ launcher's checks import neither torch nor datasets."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers.runs import ROOT, p3d_train
 
@@ -46,5 +48,43 @@ for data in (["data=stdlib"], ["data=files", "data.path={notes}"]):
     check_run(cfg)
 print(sorted({{"torch", "datasets", "deepspeed", "transformers"}} & set(sys.modules)))
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_the_launchers_checkpoint_check_imports_no_torch(tmp_path):
+    """model.init_from: the launcher checks every tensor's name and shape from the safetensors headers (issue 61)
+    without torch: a Qwen3 checkpoint is read whole, and one relabelled llama refused, in a process that never
+    imports it."""
+    from safetensors.torch import save_file
+
+    from p3d.config.schema import ModelConfig
+    from p3d.hf.architectures import BY_FAMILY
+    from p3d.hf.check import expected_tensors
+    from p3d.hf.config_json import hf_config
+
+    m = ModelConfig(family="qwen3", qk_norm=True, head_dim=16)
+    hf = tmp_path / "qwen3"
+    hf.mkdir()
+    save_file({n: torch.zeros(s) for n, s in expected_tensors(m, BY_FAMILY["qwen3"]).items()}, hf / "model.safetensors")
+    config = hf_config(m)
+    (hf / "config.json").write_text(json.dumps(config))
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(hf, relabelled)
+    (relabelled / "config.json").write_text(
+        json.dumps(config | {"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    code = f"""
+import sys
+from p3d.layout.run_plan import P3DConfigError
+from tests.helpers.runs import typed
+cfg, _ = typed("model.init_from={hf}", run_dir="{tmp_path / "run"}")
+assert cfg.model.qk_norm and cfg.model.head_dim == 16
+try:
+    typed("model.init_from={relabelled}", run_dir="{tmp_path / "run"}")
+except P3DConfigError as exc:
+    assert "k_norm.weight" in str(exc), exc
+print(sorted({{"torch", "deepspeed", "safetensors.torch"}} & set(sys.modules)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr[-2000:]

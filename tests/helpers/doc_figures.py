@@ -170,7 +170,7 @@ def _dry_405b_bare(_cfg, r) -> list[str]:
 
 PLAN_70B = "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large"
 DRY_405B = (  # docs/context.md's line
-    "p3d-train model=llama3_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
+    "p3d-train model=llama3_1_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
     "cluster.nodes=2048 schedule.micro_batch_size=1 schedule.global_batch_size=128 schedule.sequence_parallel=true "
     "zero=stage1 schedule.recompute=full dry_run=true"
 )
@@ -179,7 +179,7 @@ DP_LINE = (
     "zero=stage1"
 )
 PLAN_405B_131K = (
-    "p3d-plan model=llama3_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
+    "p3d-plan model=llama3_1_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
     "cluster.nodes=2048 schedule.micro_batch_size=1 schedule.global_batch_size=128 schedule.pipeline=interleaved_1f1b "
     "schedule.virtual_stages=8 zero=stage1 plan.overlap_pp=true plan.overlap_dp=true"
 )
@@ -199,7 +199,7 @@ QUOTES = [
     # docs/planner.md
     Quote(
         "docs/planner.md",
-        "p3d-plan model=llama3_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json",
+        "p3d-plan model=llama3_1_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json",
         lambda _c, r: [_layout(r), *_throughput(r), f"{_most_loaded(r)} on the most loaded GPU"],
         slow=True,
     ),

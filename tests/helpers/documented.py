@@ -112,7 +112,7 @@ CASES: dict[str, Case] = {
     "p3d-train mesh=tp2 mesh.cp=2 schedule.sequence_parallel=true": Case("run", slow=True),
     "p3d-train mesh=pp2 mesh.cp=2 schedule.pipeline=interleaved_1f1b": Case("run", slow=True),
     "p3d-plan model=llama3_8b model.seq_len=131072 cluster=h100_sxm cluster.nodes=4 mesh=auto": Case("run", extra=()),
-    "p3d-train model=llama3_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
+    "p3d-train model=llama3_1_405b model.seq_len=131072 mesh.tp=8 mesh.cp=16 mesh.pp=16 mesh.dp=8 cluster=h100_sxm "
     "cluster.nodes=2048 schedule.micro_batch_size=1 schedule.global_batch_size=128 schedule.sequence_parallel=true "
     "zero=stage1 schedule.recompute=full dry_run=true": Case("run", extra=()),
     "p3d-train data=files data.path='/data/*.jsonl'": Case(
@@ -202,9 +202,24 @@ CASES: dict[str, Case] = {
     "p3d-export run.dir=outputs/run1 out=hf/run1 [step=N] [max_shard_gb=5] [overwrite=true]": Case(
         "not_here", expect="run after its resume line above (its `then`), once bare and once with every option"
     ),
+    # docs/models.md: the families
+    "p3d-train model.init_from=/models/Qwen3-8B mesh=tp2_pp2": Case(
+        "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/Qwen3-8B .*no config.json there"
+    ),
+    "p3d-train model=tiny model.head_dim=12 model.qkv_bias=true model.qk_norm=true model.rope_scaling.rope_type=yarn "
+    "model.rope_scaling.factor=4 model.rope_scaling.original_max_position_embeddings=16": Case(
+        "run",
+        slow=True,  # tests/e2e/test_family_parity.py trains this model on tp2_pp2 in make test
+    ),
+    "p3d-train model=qwen3_235b_a22b cluster=h100_sxm cluster.nodes=16 mesh=auto dry_run=true "
+    "schedule.global_batch_size=1024": Case(
+        "run",
+        extra=(),
+        slow=True,  # mesh=auto's search of a 94-block MoE; make test builds its layout's model
+    ),  # (tests/unit/launch/test_dryrun.py)
     # README, docs/planner.md: planner
     "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large": Case("run", extra=()),
-    "p3d-plan model=llama3_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json": Case(
+    "p3d-plan model=llama3_1_405b mesh=auto cluster=h100_sxm cluster.nodes=1024 schedule=large format=json": Case(
         "run", extra=()
     ),
     "p3d-plan mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 schedule=large plan.efficiency=0.55": Case(

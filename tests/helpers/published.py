@@ -272,14 +272,14 @@ ROWS = {
     # Llama 3: 16M-token batches of 8192 tokens, sequence parallel; assumed: micro batch 1, 8 virtual
     # stages (one layer per chunk), no recompute, FSDP-style overlapped dp traffic
     "L3-405B-8192": Published(
-        ["model=llama3_405b"] + run(8, 16, 64, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True, True),
+        ["model=llama3_1_405b"] + run(8, 16, 64, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True, True),
         430,
         "tflops",
         "p3d",
         "L3 Table 4",
     ),
     "L3-405B-16384": Published(
-        ["model=llama3_405b"] + run(8, 16, 128, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True, True),
+        ["model=llama3_1_405b"] + run(8, 16, 128, 1, 2048, "h100_sxm", "none", True, 8, 1, True, True, True),
         400,
         "tflops",
         "p3d",

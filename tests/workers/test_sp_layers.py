@@ -165,7 +165,7 @@ def _check_tied_head(rank, world):
 
 
 def _check_norm(rank, world):
-    from p3d.model.llama import RMSNorm
+    from p3d.model.norms import RMSNorm
 
     full, shard = RMSNorm(8, 1e-5), RMSNorm(8, 1e-5, sp_group=dist.group.WORLD)
     with torch.no_grad():

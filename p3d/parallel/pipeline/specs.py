@@ -18,7 +18,8 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from p3d.config.schema import Recompute
-from p3d.model.llama import RMSNorm, TransformerBlock
+from p3d.model.llama import TransformerBlock
+from p3d.model.norms import RMSNorm
 from p3d.parallel.tp.cross_entropy import vocab_parallel_cross_entropy
 from p3d.parallel.tp.layers import ColumnParallelLinear, VocabParallelEmbedding
 

@@ -62,7 +62,7 @@ def build_engine(cfg, plan, mesh: Mesh):
     if cfg.model.init_from and cfg.train.resume == "none":
         from p3d.hf.load import load_into
 
-        load_into(module, cfg.model.init_from, cfg.model.n_layers, mesh)  # only this rank's slices
+        load_into(module, cfg.model.init_from, cfg.model, mesh)  # only this rank's slices
     clip_here = cfg.zero.stage == 0 and cfg.train.dtype == DType.fp32
     optimizer, scheduler = build_optimizer(module, cfg.train, mesh, clip_here=clip_here)
     with quiet_stdout():

@@ -67,7 +67,7 @@ class TorchExecutor:
             from p3d.hf.load import load_into
 
             for chunk in chunks:  # a V placement's shared tied table is set twice, to the same values
-                load_into(chunk, cfg.model.init_from, cfg.model.n_layers, self.mesh)
+                load_into(chunk, cfg.model.init_from, cfg.model, self.mesh)
 
     @property
     def chunks(self) -> tuple[list[int], list]:

@@ -7,6 +7,7 @@ import pytest
 
 from p3d.layout.geometry import total_params
 from tests.helpers.runs import typed
+from tests.helpers.tiers import with_slow
 
 
 def _expected_rank_params(m, tp, pp_rank, n_blocks, last):
@@ -265,3 +266,35 @@ def test_a_plan_above_90_percent_of_a_device_is_warned_about_in_one_line(capsys)
     text = dry_run(tight, plan).render().splitlines()
     warned = [x for x in text if x.startswith("warning: the 2 cpu workers together use")]
     assert len(warned) == 1 and "(95%), more than 90%" in warned[0], text[-3:]
+
+
+# Qwen/Qwen3-235B-A22B: "235B in total, 22B activated"; Llama 3.1 405B: its safetensors' count
+QWEN3_235B, LLAMA31_405B = (235_093_634_560, 22_190_763_520), (405_853_388_800, 405_853_388_800)
+PLANNED = {
+    # mesh=auto's layout of 16 nodes (its search takes the slow tier's time): the model built on it
+    "qwen3_235b_a22b-tp1_pp32_dp4": ("qwen3_235b_a22b", 16, ["mesh.tp=1", "mesh.pp=32", "mesh.dp=4"], QWEN3_235B),
+    "qwen3_235b_a22b-auto": ("qwen3_235b_a22b", 16, ["mesh=auto"], QWEN3_235B),
+    "llama3_1_405b-auto": ("llama3_1_405b", 128, ["mesh=auto"], LLAMA31_405B),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", with_slow(PLANNED, {"qwen3_235b_a22b-auto", "llama3_1_405b-auto"}))
+def test_the_published_models_are_planned_and_built_as_their_closed_form(case):
+    """``p3d-train model=<preset> cluster=h100_sxm cluster.nodes=N mesh=auto dry_run=true``: the planner picks a
+    layout, and the model built on the meta device on every rank of it holds the closed form's parameters (head_dim
+    128 apart from 4096 / 64, q/k norms, 128 routed experts in every block; Llama 3.1's scaled RoPE), the active
+    count beside it."""
+    from p3d.launch.dryrun import dry_run
+    from p3d.layout.geometry import active_params
+
+    preset, nodes, mesh, (total, active) = PLANNED[case]
+    cfg, plan = typed(
+        f"model={preset}", "cluster=h100_sxm", f"cluster.nodes={nodes}", *mesh, "dry_run=true",
+        "schedule.global_batch_size=1024",
+    )  # fmt: skip
+    report = dry_run(cfg, plan)
+    assert report.total == total_params(cfg.model) == total
+    assert active_params(cfg.model) == plan.n_active_params == active
+    if cfg.model.moe is not None:
+        assert f"active per token (top-8 routed experts): {active:,}" in report.render()

@@ -15,7 +15,7 @@ GROUP_FILES = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
 # Valid companions so that each file composes into a config that passes validation.
 COMPANIONS = {
     ("mesh", "tp8_pp8"): ["model=llama70b", "schedule=large"],
-    ("mesh", "tp8_pp16"): ["model=llama3_405b", "schedule=large"],
+    ("mesh", "tp8_pp16"): ["model=llama3_1_405b", "schedule=large"],
     ("mesh", "tp4_pp4"): ["model=llama3_8b", "schedule=large"],
     ("mesh", "tp8_pp1"): ["model=llama3_8b"],
     ("mesh", "tp4_pp2"): ["model=llama3_8b"],
@@ -244,7 +244,7 @@ def _busiest_rank(costs, bounds, pp, style="loop"):
         ("tiny", 4, 1, "loop"),
         ("llama3_8b", 4, 1, "loop"),
         ("llama70b", 8, 1, "loop"),
-        ("llama3_1b", 5, 1, "loop"),
+        ("llama3_2_1b", 5, 1, "loop"),
         ("small", 2, 2, "loop"),
         ("small", 3, 2, "loop"),
         ("small", 2, 3, "loop"),
@@ -305,11 +305,11 @@ def test_stage_bounds():
 @pytest.mark.parametrize(
     "model,published",
     [
-        ("llama3_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B (tied embeddings)
+        ("llama3_2_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B (tied embeddings)
         ("llama2_7b", 6_738_415_616),  # meta-llama/Llama-2-7b-hf, safetensors total
         ("llama3_8b", 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
         ("llama70b", 70_553_706_496),  # meta-llama/Meta-Llama-3-70B ("70.6B")
-        ("llama3_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
+        ("llama3_1_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
     ],
 )
 def test_closed_form_parameter_counts_match_published(model, published):

@@ -43,17 +43,18 @@ def test_rope_tables_are_built_once_and_equal_the_per_forward_ones():
     """Each attention holds cos/sin for positions 0..seq_len-1 as non-persistent buffers (issue 16):
     the same numbers the forward used to compute every call, in fp32 and rounded once to bf16, never
     in a state dict; a longer input than model.seq_len gets tables of its own length."""
-    from p3d.model.llama import Attention, rope_cos_sin
+    from p3d.model.attention import Attention
+    from p3d.model.rope import rope_cos_sin
 
     cfg = ModelConfig()
     model = to_sequential(cfg, cfg.vocab_size, seed=3)
     attn = next(m for m in model.modules() if isinstance(m, Attention))
-    cos, sin = rope_cos_sin(cfg.seq_len, attn.head_dim, cfg.rope_theta, "cpu", torch.float32)
+    cos, sin = rope_cos_sin(cfg.seq_len, attn.head_dim, cfg.rope_theta, None, "cpu", torch.float32)
     assert torch.equal(attn.rope_cos, cos) and torch.equal(attn.rope_sin, sin)
     assert not any("rope" in k for k in model.state_dict())
     assert torch.equal(
         attn.rope_cos.to(torch.bfloat16),
-        rope_cos_sin(cfg.seq_len, attn.head_dim, cfg.rope_theta, "cpu", torch.bfloat16)[0],
+        rope_cos_sin(cfg.seq_len, attn.head_dim, cfg.rope_theta, None, "cpu", torch.bfloat16)[0],
     )
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 8), generator=torch.Generator().manual_seed(0))
     short = model(ids[:, : cfg.seq_len])
@@ -66,7 +67,7 @@ def test_fp32_gqa_on_cuda_expands_kv_heads_for_the_efficient_kernel():
     (the efficient kernel takes fp32) instead of falling to the math kernel. Same attention, same gradients."""
     import torch.nn.functional as F
 
-    from p3d.model.llama import kv_for_fused_kernel
+    from p3d.model.attention import kv_for_fused_kernel
 
     torch.manual_seed(0)
     q = torch.randn(2, 8, 16, 4, requires_grad=True)

@@ -68,6 +68,7 @@ def saved_bytes(cfg, checkpoint_blocks: bool = False) -> int:
     return sum(held.values())
 
 
+FAMILY = ("model.head_dim=12", "model.qkv_bias=true", "model.qk_norm=true")
 CASES = [
     ("model=tiny", "mesh=single"),
     ("model=tiny", "mesh=single", "train.dtype=bf16"),  # fp32 norm internals, bf16 elsewhere
@@ -76,13 +77,17 @@ CASES = [
     ("model=tiny", "mesh=single", "schedule.recompute=selective", "train.dtype=bf16"),
     ("model=tiny", "mesh=single", "schedule.recompute=selective", "schedule.recompute_swiglu=true"),  # + silu(gate)
     ("model=tiny", "mesh=single", "schedule.micro_batch_size=4", "model.n_kv_heads=8"),  # no GQA
+    # the families' pieces: head_dim 12 of a 64 hidden over 8 heads, q|k|v biases, q/k norms (Qwen2, Qwen3)
+    ("model=tiny", "mesh=single", *FAMILY),
+    ("model=tiny", "mesh=single", *FAMILY, "train.dtype=bf16"),
+    ("model=tiny", "mesh=single", *FAMILY, "schedule.recompute=selective"),
     ("model=small", "mesh=single", "schedule.micro_batch_size=1"),  # seq 1024, vocab 50304, tied
     ("model=small", "mesh=single", "schedule.micro_batch_size=1", "train.dtype=bf16", "model.seq_len=256"),
     ("model=small", "mesh=single", "schedule.micro_batch_size=1", "schedule.recompute=selective"),
 ]
 # slow tier (3-8 s each): model=small's inventories (a tied 50,304-token vocabulary, 12 blocks); model=tiny's cases
-# above run every path (fp32, bf16, full and selective recompute, GQA and not)
-SLOW = {CASES[-3], CASES[-2], CASES[-1]}
+# above run every path (fp32, bf16, full and selective recompute, GQA and not), the family pieces in fp32
+SLOW = {CASES[-3], CASES[-2], CASES[-1], CASES[8], CASES[9]}  # and the family pieces in bf16, under selective
 
 
 def _case_id(o: tuple[str, ...]) -> str:

@@ -23,7 +23,7 @@ from tests.helpers.runs import typed
 # Llama 3 405B's long-context layout (The Llama 3 Herd of Models, Table 4): tp 8 x cp 16 x pp 16 x dp 8 on 16,384
 # H100, sequences of 131,072 tokens, 16 per dp replica
 LLAMA3_131K = (
-    "model=llama3_405b",
+    "model=llama3_1_405b",
     "model.seq_len=131072",
     "mesh.tp=8",
     "mesh.cp=16",
@@ -191,7 +191,7 @@ def test_mesh_auto_splits_a_long_sequence_over_cp_ranks(make_cfg, monkeypatch):
 
 
 def test_dry_run_of_llama3_405b_at_131k_tokens_on_16k_ranks_prints_memory_per_rank():
-    """The issue's dry run: llama3_405b, model.seq_len=131072, tp 8 x cp 16 x pp 16 x dp 8 = 16,384 ranks, every
+    """The issue's dry run: llama3_1_405b, model.seq_len=131072, tp 8 x cp 16 x pp 16 x dp 8 = 16,384 ranks, every
     stage built on the meta device (the shards add up), the mesh map with each rank's cp coordinate, and each
     stage's memory per rank: the planner's figures for the very run p3d-train accepted."""
     from p3d.launch.dryrun import dry_run
@@ -200,7 +200,7 @@ def test_dry_run_of_llama3_405b_at_131k_tokens_on_16k_ranks_prints_memory_per_ra
     report = dry_run(cfg, plan)
     text = report.render()
     assert plan.world_size == len(report.mesh_map) == 16384 and report.total == report.closed_form
-    assert "dry run: llama3_405b on dp=8 x pp=16 x cp=16 x tp=8 (16384 ranks), 8 per node" in text
+    assert "dry run: llama3_1_405b on dp=8 x pp=16 x cp=16 x tp=8 (16384 ranks), 8 per node" in text
     assert "  rank     8: dp   0 pp   0 cp   1 tp  0 -> node   1 device 0" in text
     assert "rank = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp" in text
     lines = text.splitlines()
@@ -217,7 +217,7 @@ def test_layout_reads_mesh_cp(make_cfg):
     """dp=auto is world / (tp cp pp); the layout runs on the torch executor and names cp; apply_layout writes it
     back (and names the mesh with it)."""
     cfg = make_cfg(
-        "model=llama3_405b",
+        "model=llama3_1_405b",
         "model.seq_len=131072",
         "mesh.tp=8",
         "mesh.cp=16",

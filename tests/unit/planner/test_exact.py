@@ -33,7 +33,7 @@ def test_params_per_rank_match_the_dry_run(make_cfg, overrides):
 def test_published_parameter_counts(make_cfg):
     """Llama 3 405B: 405.9 B (Meta's model card: 405B; HF config -> 405,853,388,800); GPT-NeoX-20B:
     20,556,201,984 (EleutherAI model card); GPT-3 175B shape: 174.6 B plus positions (Brown et al. 2020)."""
-    assert total_params(make_cfg("model=llama3_405b").model) == 405_853_388_800
+    assert total_params(make_cfg("model=llama3_1_405b").model) == 405_853_388_800
     neox = make_cfg("model=gpt_neox_20b").model
     # NeoX puts rotary positions (no learned table) and biases everywhere; our gpt shape has a learned
     # table of s h = 12.6 M: within 0.1 % of the card

@@ -41,7 +41,7 @@ def random_case(seed: int) -> tuple[str, ...]:
         groups.append(f"{{device: {device}, nodes: {nodes}, peak_tflops: {rng.randint(100, 989)}}}")
         gpus += 4 * nodes
     batch = max(1, int(gpus * rng.choice((0.5, 1, 2, 4, 8))))
-    model = rng.choice(("llama3_8b", "llama3_1b"))
+    model = rng.choice(("llama3_8b", "llama3_2_1b"))
     return (
         f"cluster.groups=[{', '.join(groups)}]",
         "cluster.gpus_per_node=4",

@@ -77,7 +77,7 @@ def test_the_documented_plans_are_of_configs_p3d_train_accepts(make_cfg):
 
 def test_nothing_fits_is_a_config_error(make_cfg):
     cfg = make_cfg(
-        "model=llama3_405b",
+        "model=llama3_1_405b",
         "mesh=auto",
         "cluster.device=a100_40gb",
         "cluster.launcher=slurm",

@@ -1,6 +1,6 @@
-"""Mixtral's names and config.json fields (p3d.hf.names) and the per-rank import of an MoE block's experts, without
-transformers: an HF directory written from p3d's own twin by the name table is read back whole, and on every
-(tp, ep) rank of dp2_tp2 / ep2 as the slices of the whole (``test_*_matches_unsharded``)."""
+"""Mixtral's names and config.json fields (p3d.hf.names, p3d.hf.config_json) and the per-rank import of an MoE
+block's experts, without transformers: an HF directory written from p3d's own twin by the name table is read back
+whole, and on every (tp, ep) rank of dp2_tp2 / ep2 as the slices of the whole (``test_*_matches_unsharded``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from p3d.config.schema import ModelConfig, MoEConfig, RouterScore
-from p3d.hf.names import HFImportError, export_problem, global_name, hf_config, hf_names, model_fields, twin_name
+from p3d.hf.architectures import MIXTRAL
+from p3d.hf.config_json import export_problem, hf_config, model_fields
+from p3d.hf.names import HFImportError, global_name, hf_names, twin_name
 from tests.helpers.runs import compose_config
 
 MOE = ModelConfig(ffn_hidden_size=32, moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_size=32, aux_loss_coef=0.02))
@@ -19,20 +21,19 @@ MOE = ModelConfig(ffn_hidden_size=32, moe=MoEConfig(n_experts=4, top_k=2, expert
 
 def test_an_moe_blocks_tensors_have_mixtrals_names():
     layer = "model.layers.2.block_sparse_moe"
-    assert hf_names("3.mlp.router.weight", 4) == [f"{layer}.gate.weight"]
-    assert hf_names("3.mlp.experts.w_gate_up.weight", 4, range(6, 8)) == [
+    assert hf_names("3.mlp.router.weight", 4, MIXTRAL) == [f"{layer}.gate.weight"]
+    assert hf_names("3.mlp.experts.w_gate_up.weight", 4, MIXTRAL, range(6, 8)) == [
         f"{layer}.experts.6.w1.weight",
         f"{layer}.experts.6.w3.weight",
         f"{layer}.experts.7.w1.weight",
         f"{layer}.experts.7.w3.weight",
     ]
-    assert hf_names("3.mlp.experts.w_down.weight", 4, [7]) == [f"{layer}.experts.7.w2.weight"]
+    assert hf_names("3.mlp.experts.w_down.weight", 4, MIXTRAL, [7]) == [f"{layer}.experts.7.w2.weight"]
     with pytest.raises(ValueError, match="needs which experts"):
-        hf_names("3.mlp.experts.w_down.weight", 4)
-    assert hf_names("3.mlp.router.expert_bias", 4) == []  # Mixtral has none
-    assert hf_names("3.mlp.w_down.weight", 4) == ["model.layers.2.mlp.down_proj.weight"]  # dense: unchanged
-    with pytest.raises(HFImportError, match="3.mlp.shared.w_down.weight has no Hugging Face"):
-        hf_names("3.mlp.shared.w_down.weight", 4)
+        hf_names("3.mlp.experts.w_down.weight", 4, MIXTRAL)
+    assert hf_names("3.mlp.router.expert_bias", 4, MIXTRAL) == []  # Mixtral has none
+    with pytest.raises(HFImportError, match="3.mlp.shared.w_down.weight has no Hugging Face MixtralForCausalLM"):
+        hf_names("3.mlp.shared.w_down.weight", 4, MIXTRAL)
 
 
 def test_twin_names_are_the_global_names_under_the_twins_prefixes():
@@ -63,8 +64,8 @@ def test_a_dense_import_is_a_dense_model():
 @pytest.mark.parametrize(
     "change,needle",
     [
-        ({"sliding_window": 4096}, "sliding_window=4096 is not supported (p3d attends to the whole sequence)"),
-        ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "p3d imports LlamaForCausalLM and"),
+        ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+        ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "p3d imports LlamaForCausalLM, "),
         ({"hidden_act": "gelu"}, "hidden_act=gelu is not supported"),
     ],
 )
@@ -90,8 +91,9 @@ def test_export_names_what_mixtral_cannot_hold(moe, needle):
     assert export_problem(MOE) is None and export_problem(ModelConfig()) is None
 
 
-def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5):
-    """An HF directory written from p3d's twin by the name table (what p3d-export does from a checkpoint)."""
+def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5, arch=MIXTRAL, bias: torch.Tensor | None = None):
+    """An HF directory written from p3d's twin by the name table (what p3d-export does from a checkpoint); ``bias``:
+    the routers' selection biases, written where ``arch`` names a tensor for them."""
     from safetensors.torch import save_file
 
     from p3d.checkpoint.checkpointer import shard_specs
@@ -102,7 +104,13 @@ def _hf_dir(tmp_path, m: ModelConfig, seed: int = 5):
     specs = shard_specs(twin)
     tensors = {}
     for name, p in twin.named_parameters():
-        tensors |= {hf: t.contiguous() for hf, t in hf_tensors(global_name(name), p.detach(), specs[name], m.n_layers)}
+        parts = hf_tensors(global_name(name), p.detach(), specs[name], m.n_layers, arch)
+        tensors |= {hf: t.contiguous() for hf, t in parts}
+    for name, buf in twin.named_buffers():
+        if name.endswith("expert_bias") and bias is not None:
+            buf.copy_(bias)
+            parts = hf_tensors(global_name(name), buf, {"kind": "replicated"}, m.n_layers, arch)
+            tensors |= {hf: t.contiguous() for hf, t in parts}
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf_config(m)))
     return twin, tensors
@@ -145,8 +153,31 @@ def test_each_ranks_import_matches_unsharded(tmp_path, rank):
 def test_fused_experts_are_refused_with_the_conversion(tmp_path):
     from safetensors.torch import save_file
 
-    from p3d.hf.load import SafetensorsDir
+    from p3d.hf.check import import_fields
 
     save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 32)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(MOE)))
     with pytest.raises(HFImportError, match=r"fused \(model.layers.0.mlp.experts.gate_up_proj\).*save_pretrained"):
-        SafetensorsDir(tmp_path)
+        import_fields(tmp_path)
+
+
+def test_an_architecture_that_names_the_selection_biases_reads_and_writes_them(tmp_path, monkeypatch):
+    """A router buffer mapped to an HF tensor (as DeepSeek-V3's ``e_score_correction_bias`` will be) is expected by
+    the launcher's check, written by the export's name table and read back whole by the import."""
+    from p3d.hf.architectures import BY_FAMILY
+    from p3d.hf.check import expected_tensors
+    from p3d.hf.load import sequential_from_hf
+
+    biased = dataclasses.replace(
+        MIXTRAL,
+        model_type="biased_mixtral",
+        block={**MIXTRAL.block, "mlp.router.expert_bias": ("block_sparse_moe.gate.e_score_correction_bias",)},
+    )
+    monkeypatch.setitem(BY_FAMILY, "biased_mixtral", biased)
+    m = dataclasses.replace(MOE, family="biased_mixtral")
+    name = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
+    assert expected_tensors(m, biased)[name] == (4,) and name not in expected_tensors(MOE, MIXTRAL)
+    twin, tensors = _hf_dir(tmp_path, m, arch=biased, bias=torch.arange(4.0))
+    assert torch.equal(tensors[name], torch.arange(4.0))
+    imported = sequential_from_hf(tmp_path)
+    assert torch.equal(dict(imported.named_buffers())["layers.2.mlp.router.expert_bias"], torch.arange(4.0))
