@@ -14,7 +14,7 @@ memory (model states, activations), gemms (a block's matmuls and each one's time
 rates: the device table or a calibration), step_time (compute, communication, bubble), verdict (warnings and
 notes), hetero (a cluster of groups: the split of the blocks and micro batches over them), render (text), predict
 (Prediction, evaluate), hetero_search (mesh=auto on a cluster of groups: the split of every layout), search
-(mesh=auto, predict); float8 (what float8 matmuls change) where its own docstring says.
+(mesh=auto, predict).
 Formulas and sources: docs/planner.md. Nothing here imports torch or deepspeed.
 """
 
