@@ -41,6 +41,7 @@ SERIAL = (
     "tests/workers/test_overlap.py",  # sleep-timed blocks: the exposed share of the dp reduction
     "tests/e2e/test_observe.py::test_time_blocked_in_dp_collectives_is_measured",  # a slowed rank's seconds
     "tests/e2e/test_trace.py",  # a traced step's span and waits against step_time_s and the bubble, within 5%
+    "tests/e2e/test_hetero_timing.py",  # a simulated mixed cluster's step against p3d-plan's, within 15%
     "tests/e2e/test_run_lock.py::test_ctrl_c",  # Ctrl-C at chosen delays
     "tests/e2e/test_run_lock.py::test_the_lease_of_a_sigkilled_run",  # SIGKILL mid-run
     "tests/e2e/test_elastic_local.py",  # a node lost mid-step, the survivors' timeouts

@@ -140,7 +140,9 @@ class ScheduleConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all dp replicas
     recompute: Recompute = Recompute.none
     partition: Partition = Partition.cost
-    sequence_parallel: bool = False  # split the sequence over tp outside the TP regions (needs tp > 1)
+    # split the sequence over tp outside the TP regions (needs tp > 1); null: on wherever mesh.tp > 1 and the sequence
+    # divides over it (p3d.layout.run_plan.sequence_parallel_default; docs/schedules.md), false: off
+    sequence_parallel: Optional[bool] = None
     recompute_swiglu: bool = False  # with recompute=selective: silu(gate) * up recomputed in backward too
     # chunks per pp rank: >= 2 with interleaved_*, exactly 2 with zbv / dualpipev, 1 with 1f1b / gpipe;
     # null: derived from the pipeline (its fewest: 2 for the interleaved and V schedules, else 1)
@@ -349,8 +351,9 @@ class PlanConfig:
     overlap_pp: bool = False  # pipeline sends overlap compute (DeepSpeed's pipeline engine blocks on them)
     p2p_scatter: bool = False  # pipeline sends carry 1/tp of the activations (Megatron); p3d's send the full copy
     top: int = 5  # mesh=auto: how many ranked layouts to print
-    # sleep-timed blocks (P3D_TEST_BLOCK_SECONDS, p3d.train.block_seconds): each block's seconds per piece on the
-    # fastest group, added to the modelled compute (a simulated mixed cluster's plan, bench/hetero.py); null: none
+    # sleep-timed blocks (P3D_TEST_BLOCK_SECONDS, p3d.train.block_seconds): each block's seconds per piece (forward,
+    # input gradient, weight gradient, a full recompute's forward) on the fastest group, added to every block's
+    # modelled time in every section of a plan (a run timed like another device, bench/hetero.py); null: none
     block_seconds: Optional[float] = None
 
 

@@ -28,7 +28,7 @@ from p3d.config.schema import ClusterGroup, Config, ElasticVary
 from p3d.layout.elastic import fit_dp, largest_fit, loss_line, pinned, resize_line, split_text, stop_line, summary
 from p3d.layout.elastic_rules import is_elastic
 from p3d.layout.hetero import describe_groups, first_nodes, group_of_node, groups_left, regrouped
-from p3d.layout.run_plan import RunPlan
+from p3d.layout.run_plan import RunPlan, sequence_parallel_default
 from p3d.rundir.files import METRICS
 
 
@@ -58,6 +58,11 @@ def refit(cfg: Config, nodes: int) -> Config:
             )
         cfg = dataclasses.replace(cfg, cluster=regrouped(c, first_nodes(c.groups, nodes)))
     if cfg.cluster.elastic.vary == ElasticVary.any:
+        sched = cfg.schedule
+        if sched.sequence_parallel == sequence_parallel_default(cfg, cfg.mesh.tp, cfg.mesh.cp):
+            # the spec's value is what the old layout derived: unset again, the new layout derives its own
+            sched = dataclasses.replace(sched, sequence_parallel=None)
+            cfg = dataclasses.replace(cfg, schedule=sched)
         even = dataclasses.replace(cfg.schedule, stage_blocks=[], replica_micro_batches=[])
         there = dataclasses.replace(
             cfg,

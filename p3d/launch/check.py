@@ -217,14 +217,19 @@ def _prepared(node: DictConfig | dict, pins: Pins):
 
 
 def preflight(cfg, run_plan) -> None:
-    """Refuse a layout the planner predicts not to fit device memory (plan.force=true skips this); the planner
-    models ``run_plan``, the run plan already built for ``cfg``."""
+    """Refuse a layout the planner predicts not to fit device memory (plan.force=true skips this), and warn in one
+    line of one that fits with less than 10 % to spare; the planner models ``run_plan``, the run plan already built
+    for ``cfg``."""
+    from p3d.console import error
     from p3d.planner import predict
-    from p3d.planner.verdict import fit_refusal
+    from p3d.planner.verdict import fit_refusal, headroom_warning
 
     report = predict(cfg, run_plan)
     refused = fit_refusal(report)
     if refused is None:
+        crowded = headroom_warning(report)
+        if crowded is not None:  # it launches, with one line on what the plan leaves out
+            error(f"warning: {crowded}")
         return
     print(report.render(), file=sys.stderr)
     raise P3DConfigError(refused)

@@ -23,6 +23,7 @@ import torch
 from p3d.config.schema import Launcher
 from p3d.console import human_count
 from p3d.layout.geometry import active_params, rank_chunks, stage_bounds, total_params
+from p3d.layout.hetero import group_of_node
 from p3d.parallel.experts.params import is_expert_param
 from p3d.parallel.mesh import Mesh
 from p3d.parallel.tp.layers import owned_by_tp_rank
@@ -31,7 +32,7 @@ from p3d.planner import predict
 from p3d.planner.memory import StageMemory
 from p3d.planner.predict import Prediction
 from p3d.planner.render import memory_table, memory_unit
-from p3d.planner.verdict import fit_refusal
+from p3d.planner.verdict import fit_refusal, headroom_warning
 
 if TYPE_CHECKING:
     from p3d.config.schema import Config
@@ -81,8 +82,13 @@ class DryRunReport:
         ]
         if self.node_names:
             out[-1] += f"; node i is host i of the allocation: {' '.join(self.node_names)}"
+        groups = cfg.cluster.groups
+        if groups:  # a heterogeneous cluster: the groups take the nodes in order (p3d.layout.hetero)
+            out[-2:-2] = [f"cluster.groups: {_nodes_of_groups(cfg.cluster)}"]
         for rank, dp, pp, c, tp, node, local in self.mesh_map[:MAX_MAP_ROWS]:
             host = f" ({self.node_names[node]})" if self.node_names else ""
+            if groups:
+                host += f" group {group_of_node(cfg.cluster, node)}"
             where = f"dp {dp:>3} pp {pp:>3}" + (f" cp {c:>3}" if cp else "") + f" tp {tp:>2}"
             out.append(f"  rank {rank:>5}: {where} -> node {node:>3}{host} device {local}")
         if len(self.mesh_map) > MAX_MAP_ROWS:
@@ -155,7 +161,24 @@ class DryRunReport:
                 f"for the {plan.world_size} workers together" if p.shared_host else "on the most loaded rank"
             )
             out.append(f"  -> {verdict}: {where}")
+            crowded = headroom_warning(p)
+            if crowded is not None:
+                out.append(f"warning: {crowded}")
+            if p.hetero is not None:  # the split over the groups that this run starts with, and its prediction
+                out += ["", p.hetero.render(cfg.model.seq_len)]
         return out
+
+
+def _nodes_of_groups(c) -> str:
+    """``nodes 0-0: group 0 (1 x h100_sxm); nodes 1-1: group 1 (1 x a100_80gb)``."""
+    parts, first = [], 0
+    for i, g in enumerate(c.groups):
+        parts.append(
+            f"node{'s' if g.nodes > 1 else ''} {first}{f'-{first + g.nodes - 1}' if g.nodes > 1 else ''}: "
+            f"group {i} ({g.nodes} x {g.device})"
+        )
+        first += g.nodes
+    return "; ".join(parts)
 
 
 def _compact(names: list[str]) -> str:

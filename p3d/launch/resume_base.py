@@ -9,8 +9,8 @@ own copy for a checkpoint path), and only what the command line names is taken f
 - a group (``mesh=pp4``): that whole section, as the group file gives it with the dotted overrides on it;
 - a field (``train.steps=8``, ``~train.foo``): that field;
 - a field that follows from another (``FOLLOWS``: a preset's numbers from ``cluster.device``, the chunks per rank
-  from ``schedule.pipeline``), when its source changed and the command line does not name it: re-derived, as
-  a fresh launch would;
+  from ``schedule.pipeline``, sequence parallelism from ``mesh.tp``), when its source changed and the command line
+  does not name it: re-derived, as a fresh launch would;
 - ``run.dir``, ``train.resume`` and ``dry_run`` always: they describe this launch;
 - an elastic run (``cluster.elastic.min_nodes``) resumed on another ``cluster.nodes`` with no mesh named: the layout
   follows the nodes (``mesh.dp=auto`` over the pinned node size; the planner's with ``vary=any``), as after a lost node.
@@ -54,6 +54,10 @@ FOLLOWS = {
         "cluster.inter_node_gbps",
     ),
     "mesh.pp": ("schedule.stage_blocks",),
+    # sequence parallelism unset is on wherever tp > 1 (run_plan.sequence_parallel_default): the spec holds what it
+    # came to, which another tp or cp derives again, as a fresh launch would (an old spec's false stays on its mesh)
+    "mesh.tp": ("schedule.sequence_parallel",),
+    "mesh.cp": ("schedule.sequence_parallel",),
     "schedule.virtual_stages": ("schedule.stage_blocks",),
     "mesh.dp": ("schedule.replica_micro_batches",),
     "schedule.global_batch_size": ("schedule.replica_micro_batches",),

@@ -22,7 +22,7 @@ def check_context(cfg: Config, tp: int) -> None:
     cp, m, s = cfg.mesh.cp, cfg.model, cfg.schedule
     if cp == 1:
         return
-    multiple = sequence_multiple(cp, tp, s.sequence_parallel)
+    multiple = sequence_multiple(cp, tp, bool(s.sequence_parallel))
     if m.seq_len % multiple:
         fix = max(multiple, m.seq_len // multiple * multiple)
         why = (

@@ -176,6 +176,18 @@ def slowdown(c: ClusterConfig, node: int) -> float:
     return max(rates) / rates[group_of_node(c, node)]
 
 
+def mean_slowdown(c: ClusterConfig) -> float:
+    """How many times longer the cluster's mean device takes for the same work than its fastest group's: the fastest
+    group's nominal rate over the GPU-weighted mean rate (1.0 without groups). The planner's homogeneous model of a
+    cluster of groups runs at the groups' mean peak (``cluster.peak_tflops``); its ``plan.block_seconds`` sleeps are
+    stretched by this."""
+    if not c.groups:
+        return 1.0
+    rates = [nominal_tflops(g) for g in c.groups]
+    mean = sum(g.nodes * r for g, r in zip(c.groups, rates)) / sum(g.nodes for g in c.groups)
+    return max(rates) / mean
+
+
 def describe_groups(c: ClusterConfig) -> str:
     """``1 x h100_sxm + 1 x a100_80gb`` (nodes x device of each group)."""
     return " + ".join(f"{g.nodes} x {g.device}" for g in c.groups)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from p3d.config.bounds import BOUNDS, Bound
 from p3d.config.errors import P3DConfigError
 from p3d.config.schema import Arch, Config, DataSource, DType
-from p3d.layout.context_rules import check_context
+from p3d.layout.context_rules import check_context, sequence_multiple
 from p3d.layout.dims import ParallelDims, degrees_that_fill, largest_divisor_at_most, resolve_dp
 from p3d.layout.elastic_rules import check_elastic
 from p3d.layout.expert_rules import check_experts
@@ -81,13 +81,16 @@ class RunPlan:
 
 def fill_derived(cfg: Config) -> Config:
     """The config with what follows from other fields filled in: the cluster numbers and dtype
-    (:func:`fill_cluster`), and ``schedule.virtual_stages`` from the pipeline when unset."""
+    (:func:`fill_cluster`), ``schedule.virtual_stages`` from the pipeline and ``schedule.sequence_parallel`` from
+    the mesh (:func:`sequence_parallel_default`) when unset."""
     from p3d.layout.schedule_rules import fewest_chunks_per_rank
 
     cfg = fill_cluster(cfg)
     s = cfg.schedule
     if s.virtual_stages is None:
         s = dataclasses.replace(s, virtual_stages=fewest_chunks_per_rank(str(s.pipeline.value)))
+    if s.sequence_parallel is None and cfg.mesh.name != "auto":  # mesh=auto: per layout (p3d.planner apply_layout)
+        s = dataclasses.replace(s, sequence_parallel=sequence_parallel_default(cfg, cfg.mesh.tp, cfg.mesh.cp))
     return dataclasses.replace(cfg, schedule=s)
 
 
@@ -281,6 +284,18 @@ def _fewer_stages_or_finer_cuts(cfg: Config, tp: int, pp: int, pieces: int) -> l
     """Fixes for more stages than pieces: fewer stages, a partition that cuts finer, more blocks (the model last)."""
     finer, more_blocks = finer_cuts(cfg, pp)
     return [*fewer_stages(cfg, tp, pieces), *finer, more_blocks]
+
+
+def sequence_parallel_default(cfg: Config, tp: int, cp: int) -> bool:
+    """``schedule.sequence_parallel`` when unset: on wherever tp > 1 and the sequence divides over it (and, with
+    cp > 1, a rank's s / cp tokens over tp: ``sequence_multiple``), as Megatron-LM's and torchtitan's recipes pair it
+    with tensor parallelism. It divides the activations outside the TP regions (norms, residual adds, a stage's
+    input) by tp for the same bytes of TP traffic (two all-gathers and two reduce-scatters in place of two
+    all-reduces); docs/schedules.md says what it costs on CPU."""
+    seq = cfg.model.seq_len
+    if not all(isinstance(n, int) and n >= 1 for n in (tp, cp, seq)):
+        return False  # a degree the field bounds refuse (check_config), in one line of their own
+    return tp > 1 and seq % tp == 0 and (cp == 1 or seq % sequence_multiple(cp, tp, True) == 0)
 
 
 def check_sequence_parallel(cfg: Config, tp: int) -> None:

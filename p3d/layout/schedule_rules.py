@@ -29,20 +29,31 @@ def pipeline_name(cfg: Config) -> str:
 
 
 def runs_on_deepspeed(cfg: Config) -> bool:
+    """Whether DeepSpeed's pipeline engine runs ``cfg`` (else torch's pipelining): ``engine_runs`` of its schedule,
+    ZeRO stage, ep, cp, micro batches per replica and float8, the one rule the launcher, the run spec's DeepSpeed
+    JSON and the planner (``p3d.planner.shapes.Layout.torch_executor``) all follow."""
+    fp8 = recipe(cfg) != "none"
+    return engine_runs(pipeline_name(cfg), cfg.zero.stage, cfg.mesh.ep, cfg.mesh.cp, uneven_micro_batches(cfg), fp8)
+
+
+def engine_runs(pipeline: str, zero: int, ep: int, cp: int, uneven: bool, fp8: bool) -> bool:
     """The executor follows from the config: DeepSpeed's engine runs ``1f1b`` with ZeRO 0-1; torch's pipelining
     runs every other schedule, and ``1f1b`` (its Schedule1F1B) with ZeRO-2/3, which DeepSpeed's pipeline engine
     refuses (FSDP2 shards over dp there: p3d.parallel.zero.fsdp), and with expert parallelism (mesh.ep > 1):
     DeepSpeed's engine reduces every gradient over the whole dp group and shards ZeRO-1 over it, and does it
     over expert groups only for its own MoE layer class and group registry (docs/moe.md); and with context
     parallelism (mesh.cp > 1), whose gradients reduce over dp x cp ranks that its topology has no axis for; and
-    with uneven micro batches per replica (``schedule.replica_micro_batches``): DeepSpeed's engine scales the loss
-    by one accumulation count and averages the gradients over dp, which weighs a micro batch of a replica that runs
-    fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself); and with float8
-    matmuls (``train.fp8``): DeepSpeed's bf16 engine keeps bf16 weights in its modules, the torch executor fp32
-    masters under autocast, which each float8 weight cast reads once a step (p3d.parallel.tp.float8)."""
-    if uneven_micro_batches(cfg) or recipe(cfg) != "none":
-        return False
-    return pipeline_name(cfg) == "1f1b" and cfg.zero.stage < 2 and cfg.mesh.ep == 1 and cfg.mesh.cp == 1
+    with uneven micro batches per replica (``uneven``: ``schedule.replica_micro_batches``): DeepSpeed's engine scales
+    the loss by one accumulation count and averages the gradients over dp, which weighs a micro batch of a replica
+    that runs fewer more heavily (torch's schedules take one count per replica, p3d weighs the loss itself); and with
+    float8 matmuls (``fp8``: ``train.fp8``): DeepSpeed's bf16 engine keeps bf16 weights in its modules, the torch
+    executor fp32 masters under autocast, which each float8 weight cast reads once a step (p3d.parallel.tp.float8)."""
+    return not uneven and not fp8 and pipeline == "1f1b" and zero < 2 and ep == 1 and cp == 1
+
+
+def executor_name(deepspeed: bool) -> str:
+    """How messages name the executor (``runs_on_deepspeed``'s answer)."""
+    return "DeepSpeed's engine" if deepspeed else "torch's executor"
 
 
 def fewest_chunks_per_rank(pipeline: str) -> int:

@@ -11,9 +11,10 @@ Modules, each importing only those before it: shapes (layout, parameters per ran
 closed forms are p3d.layout.geometry's), experts (what a mixture of experts adds: its activations, the
 all-to-all's rows), context (what context parallelism adds: s / cp tokens per rank, the key/value collectives),
 memory (model states, activations), gemms (a block's matmuls and each one's time from its shape), machine (the
-rates: the device table or a calibration), step_time (compute, communication, bubble), render
-(text), verdict (warnings and notes), predict (Prediction, evaluate), hetero (a cluster of groups: the split of
-the blocks and micro batches over them), search (mesh=auto, predict).
+rates: the device table or a calibration), step_time (compute, communication, bubble), verdict (warnings and
+notes), hetero (a cluster of groups: the split of the blocks and micro batches over them), render (text), predict
+(Prediction, evaluate), hetero_search (mesh=auto on a cluster of groups: the split of every layout), search
+(mesh=auto, predict).
 Formulas and sources: docs/planner.md. Nothing here imports torch or deepspeed.
 """
 

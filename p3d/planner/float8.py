@@ -64,4 +64,4 @@ def gathered_in_float8(cfg: Config, tp: int, blocks: int, moe_blocks: int) -> in
 
 def sp_gathers_in_float8(cfg: Config) -> bool:
     """Tensorwise under sequence parallelism: the column-parallel layers' inputs all-gathered in float8."""
-    return recipe(cfg) == "tensorwise" and cfg.schedule.sequence_parallel
+    return recipe(cfg) == "tensorwise" and bool(cfg.schedule.sequence_parallel)

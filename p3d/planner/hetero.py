@@ -5,7 +5,7 @@ Ranks fill the nodes block by block and the groups take the nodes in order (p3d.
 the group of every (replica, stage) pair: the slowest group among its tp x cp ranks. Each pair's seconds per micro
 batch come from the homogeneous model (p3d.planner.step_time) run on its group's device, for the layers the split
 gives it; under ``plan.block_seconds`` (the sleep-timed blocks of ``P3D_TEST_BLOCK_SECONDS``) every block also
-takes 3 x that x the group's slowdown (its F, B and W sleeps, p3d.train.block_seconds).
+takes that x the group's slowdown in each of its F, B and W pieces (p3d.planner.step_time.block_sleep_seconds).
 
 One replica of stage times t_s running m micro batches takes sum(t_s) + (m - 1) max(t_s) (fill, then the slowest
 stage paces the rest: a flow shop of identical jobs); the step is the slowest replica's, plus the slowest rank's
@@ -30,8 +30,8 @@ from p3d.config.schema import ClusterGroup, Config
 from p3d.layout.dims import ParallelDims
 from p3d.layout.hetero import group_of_node, nominal_tflops
 from p3d.planner import memory, step_time
-from p3d.planner.predict import apply_layout
-from p3d.planner.shapes import Layout, stage_params
+from p3d.planner.shapes import Layout, apply_layout, stage_params
+from p3d.planner.verdict import HEADROOM
 
 GB = 1e9
 
@@ -54,6 +54,12 @@ class HeteroPlan:
     @property
     def fits(self) -> bool:
         return all(used <= cap for _, used, cap in self.group_memory)
+
+    @property
+    def crowded(self) -> bool:
+        """Some group's most loaded rank uses more than ``verdict.HEADROOM`` of its memory (mesh=auto ranks these
+        last: what the plan leaves out takes some GB)."""
+        return any(used > HEADROOM * cap for _, used, cap in self.group_memory)
 
     @property
     def gap(self) -> float:
@@ -95,8 +101,11 @@ class HeteroPlan:
 
 
 def group_config(cfg: Config, g: ClusterGroup) -> Config:
-    """``cfg`` as a homogeneous cluster of group ``g``'s device (its numbers, its links, its calibration)."""
+    """``cfg`` as a homogeneous cluster of group ``g``'s device (its numbers, its links, its calibration, and its
+    ranks' ``plan.block_seconds``: the fastest group's stretched by its slowdown, as P3D_TEST_BLOCK_SECONDS is)."""
     preset = DEVICES[str(g.device)]
+    fastest = max(nominal_tflops(other) for other in cfg.cluster.groups)
+    sleep = cfg.plan.block_seconds and cfg.plan.block_seconds * fastest / nominal_tflops(g)
     cluster = dataclasses.replace(
         cfg.cluster,
         groups=[],
@@ -106,7 +115,8 @@ def group_config(cfg: Config, g: ClusterGroup) -> Config:
         intra_node_gbps=preset.intra_node_gbps,
         inter_node_gbps=preset.inter_node_gbps,
     )
-    return dataclasses.replace(cfg, cluster=cluster, calibration=g.calibration or cfg.calibration)
+    plan = dataclasses.replace(cfg.plan, block_seconds=sleep)
+    return dataclasses.replace(cfg, cluster=cluster, plan=plan, calibration=g.calibration or cfg.calibration)
 
 
 def pair_groups(cfg: Config, layout: Layout) -> list[list[int]]:
@@ -137,6 +147,8 @@ class Costs:
         rate = [nominal_tflops(g) for g in cfg.cluster.groups]
         self.slowdown = [max(rate) / r for r in rate]
         self._cache: dict[tuple, tuple[list[float], list[float], list[float]]] = {}
+        # the tied embedding's all-reduce between the first and the last stage, on the slowest group's links
+        self.tied = max(step_time.tied_seconds(g, layout) for g in self.group_cfgs)
 
     def stages(self, blocks: tuple[int, ...], group: int, m: int) -> tuple[list[float], list[float], list[float]]:
         """(seconds per micro batch, seconds of dp reduction and optimizer, bytes) of each stage on ``group``
@@ -149,8 +161,7 @@ class Costs:
             params = stage_params(cfg, lay)
             mems = memory.stage_memory(cfg, lay, params)
             times = step_time.stage_times(cfg, lay, params)
-            sleep = 3 * (cfg.plan.block_seconds or 0.0) * self.slowdown[group]  # F, B and W sleeps per block
-            per_mb = [t.total + sleep * p.blocks for t, p in zip(times, params)]
+            per_mb = [t.total for t in times]  # the blocks' sleeps (plan.block_seconds) included
             tails = []
             for p, t in zip(params, times):
                 dp = step_time.dp_exposed(cfg, lay, p, step_time.dp_seconds(cfg, lay, p), t)
@@ -169,7 +180,18 @@ class Costs:
                 tails.append(tail_s[s])
             replicas.append(sum(t) + (m - 1) * max(t))
             tail = max(tail, *tails)
-        return max(replicas) + tail
+        return max(replicas) + tail + self.tied
+
+    def even_step(self, blocks: list[int], m: float, groups: list[list[int]]) -> float:
+        """The step of every replica running ``m`` micro batches, m the global batch's share of a replica (a fraction
+        where the batch does not divide over dp: the layout's throughput as if it did)."""
+        whole = max(1, round(m))
+        replicas, tail = [], 0.0
+        for row in groups:
+            t = [self.stages(tuple(blocks), g, whole)[0][s] for s, g in enumerate(row)]
+            replicas.append(sum(t) + (m - 1) * max(t))
+            tail = max(tail, *(self.stages(tuple(blocks), g, whole)[1][s] for s, g in enumerate(row)))
+        return max(replicas) + tail + self.tied
 
     def memory(self, blocks: list[int], counts: list[int], groups: list[list[int]]) -> list[tuple[str, float, float]]:
         """Each group's most loaded rank (bytes) and capacity."""
@@ -242,40 +264,42 @@ def share_micro_batches(costs: Costs, blocks: list[int], groups: list[list[int]]
     return counts
 
 
-def plan_layout(cfg: Config, layout: Layout) -> HeteroPlan:
+def plan_layout(cfg: Config, layout: Layout, as_given: bool = False) -> HeteroPlan:
     """The split of ``layout`` on cfg's groups (``schedule.stage_blocks`` / ``replica_micro_batches`` as given, or
-    planned where empty), its step, the uniform split's and the ideal's."""
-    costs = Costs(cfg, layout)
+    planned where empty; ``as_given``: the even split where empty, the run p3d-train starts), its step, the uniform
+    split's and the ideal's. Uneven micro batch counts run on torch's executor (``schedule_rules.engine_runs``), so
+    a split that gives the replicas different counts is costed on it, and an even one on the layout's own."""
+    costs = {uneven: Costs(cfg, dataclasses.replace(layout, uneven=uneven)) for uneven in (False, True)}
+
+    def costs_of(counts: list[int]) -> Costs:
+        return costs[len(set(counts)) > 1]
+
     groups = pair_groups(cfg, layout)
     total = cfg.schedule.global_batch_size // layout.micro_batch_size
     least = 2 * layout.pp if layout.pipeline == "dualpipev" else layout.pp
     uniform_blocks, uniform_counts = even_counts(cfg.model.n_layers, layout.pp), even_counts(total, layout.dp)
-    uniform = costs.step(uniform_blocks, uniform_counts, groups)
+    uniform = costs_of(uniform_counts).step(uniform_blocks, uniform_counts, groups)
     blocks, counts = list(cfg.schedule.stage_blocks), list(cfg.schedule.replica_micro_batches)
-    if not blocks:
-        blocks = cut_blocks(costs, groups, total // layout.dp) if layout.virtual_stages == 1 else uniform_blocks
+    if as_given:
+        blocks, counts = blocks or uniform_blocks, counts or uniform_counts
     # p3d-train refuses uneven counts under ZeRO-3 and expert parallelism; interleaving's rounds need m % (m // pp)
     splits_batch = layout.zero < 3 and layout.ep == 1 and layout.virtual_stages == 1 and total >= least * layout.dp
+    planning = costs[bool(counts and len(set(counts)) > 1) or (not counts and splits_batch)]
+    if not blocks:
+        blocks = cut_blocks(planning, groups, total // layout.dp) if layout.virtual_stages == 1 else uniform_blocks
     if not counts:
-        counts = share_micro_batches(costs, blocks, groups, total, least) if splits_batch else uniform_counts
-    step = costs.step(blocks, counts, groups)
+        counts = share_micro_batches(planning, blocks, groups, total, least) if splits_batch else uniform_counts
+    step = costs_of(counts).step(blocks, counts, groups)
     if not (cfg.schedule.stage_blocks or cfg.schedule.replica_micro_batches) and step >= uniform:
         blocks, counts, step = uniform_blocks, uniform_counts, uniform  # the uniform split is always a candidate
-    # the ideal: each group's throughput on the homogeneous layout, in proportion to its share of the ranks
-    nodes = sum(g.nodes for g in cfg.cluster.groups)
+    # the ideal: each group's throughput on the homogeneous layout (the batch's share of a replica, even where it
+    # does not divide over dp) and the split's executor, in proportion to its share of the ranks
+    nodes, share = sum(g.nodes for g in cfg.cluster.groups), total / layout.dp
     rate = sum(
-        g.nodes / nodes / costs.step(uniform_blocks, uniform_counts, [[i] * layout.pp] * layout.dp)
+        g.nodes / nodes / costs_of(counts).even_step(uniform_blocks, share, [[i] * layout.pp] * layout.dp)
         for i, g in enumerate(cfg.cluster.groups)
     )
     tokens = cfg.schedule.global_batch_size * cfg.model.seq_len
-    mem = costs.memory(blocks, counts, groups)
-    return HeteroPlan(layout, blocks, counts, step, uniform, 1 / rate, tokens, groups, mem)
-
-
-def plan_groups(cfg: Config, layouts: list[Layout], top: int = 20) -> HeteroPlan:
-    """The best split of the first ``top`` layouts (the homogeneous ranking's, best first) and of the first ``top``
-    with one chunk per rank (whose blocks the planner cuts), that fits every group."""
-    single = [lay for lay in layouts if lay.virtual_stages == 1][:top]
-    plans = [plan_layout(cfg, lay) for lay in dict.fromkeys([*layouts[:top], *single])]
-    fitting = [p for p in plans if p.fits] or plans
-    return min(fitting, key=lambda p: p.step_s)
+    mem = costs_of(counts).memory(blocks, counts, groups)
+    ran = dataclasses.replace(layout, micro_batches=max(counts), uneven=len(set(counts)) > 1)
+    return HeteroPlan(ran, blocks, counts, step, uniform, 1 / rate, tokens, groups, mem)

@@ -7,11 +7,10 @@ has accepted, with the layout its run plan derived.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from p3d.config.schema import Config, Pipeline, Recompute
+from p3d.config.schema import Config
 from p3d.layout.geometry import (
     active_params,
     model_flops_per_token,
@@ -22,7 +21,7 @@ from p3d.layout.geometry import (
 from p3d.planner import context, experts, memory, step_time
 from p3d.planner.machine import executor_of, machine_of
 from p3d.planner.render import render
-from p3d.planner.shapes import Layout, StageParams, layout_of
+from p3d.planner.shapes import Layout, StageParams, apply_layout, layout_of  # noqa: F401 - apply_layout: p3d.planner's
 from p3d.planner.step_time import assumptions
 from p3d.planner.verdict import verdict
 
@@ -48,6 +47,7 @@ class Prediction:
     ranking: list[Prediction] = field(default_factory=list)  # mesh=auto: the best layouts, best first
     dp_traffic_s: float = 0.0  # the slowest tail's dp collectives, whole; breakdown["dp_comm"] is their exposed part
     hetero: Any = None  # cluster.groups: the split on the groups (p3d.planner.hetero.HeteroPlan)
+    hetero_ranking: list[Any] = field(default_factory=list)  # mesh=auto on groups: the best splits, best first
     float8_speedup: float | None = None  # tokens/s in float8 over bf16 on the layout (search.with_float8_speedup)
 
     # ---- figures
@@ -196,6 +196,8 @@ class Prediction:
         out["float8_speedup"] = self.float8_speedup
         if self.ranking:
             out["ranking"] = [{**r.to_json()["layout"], **r.summary()} for r in self.ranking]
+        if self.hetero_ranking:
+            out["heterogeneous_ranking"] = [p.to_json() for p in self.hetero_ranking]
         return out
 
     def render(self) -> str:
@@ -272,27 +274,3 @@ def busy_seconds(
     ranks = layout.tp * layout.dp_cp
     work = sum(layout.micro_batches * t.total + tail for t, (tail, *_) in zip(times, tails))
     return ranks * work + (2 * tied if tied else 0.0) + layout.world_size * overhead
-
-
-def apply_layout(cfg: Config, layout: Layout) -> Config:
-    """``cfg`` with the mesh (ep and cp too), micro batch, pipeline schedule and chunks, recompute and ZeRO stage of
-    ``layout`` (what p3d-train runs for mesh=auto)."""
-    name = (
-        f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}"
-        + (f"_ep{layout.ep}" if layout.ep > 1 else "")
-        + (f"_cp{layout.cp}" if layout.cp > 1 else "")
-    )
-    mesh = dataclasses.replace(
-        cfg.mesh, name=name, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp
-    )
-    sched = dataclasses.replace(
-        cfg.schedule,
-        micro_batch_size=layout.micro_batch_size,
-        pipeline=Pipeline[layout.pipeline],
-        virtual_stages=layout.virtual_stages,
-        recompute=Recompute(layout.recompute),
-    )
-    zero = cfg.zero
-    if zero.stage != layout.zero:
-        zero = dataclasses.replace(zero, name=f"stage{layout.zero}", stage=layout.zero)
-    return dataclasses.replace(cfg, mesh=mesh, schedule=sched, zero=zero)

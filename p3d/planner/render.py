@@ -5,6 +5,8 @@ from __future__ import annotations
 from p3d.config.schema import Recompute
 from p3d.layout.float8_rules import recipe
 from p3d.layout.geometry import active_params, moe_layers, total_params
+from p3d.layout.hetero import describe_groups
+from p3d.layout.schedule_rules import executor_name
 from p3d.planner import calibration, context
 from p3d.planner.machine import machine_of
 from p3d.planner.memory import GB, StageMemory
@@ -121,7 +123,7 @@ def render(report) -> str:
         # a cp column for a long sequence (where mesh=auto tries cp > 1) or a ranking that holds one
         cp = m.seq_len >= context.LONG_SEQUENCE or any(r.layout.cp > 1 for r in report.ranking)
         out += [
-            f"mesh=auto: {len(report.ranking)} best of the layouts that fit {lay.world_size} x {cfg.cluster.device}",
+            f"mesh=auto: {len(report.ranking)} best of the layouts that fit {_devices(cfg, lay.world_size)}",
             f"  {'tp':>3}"
             + (f" {'cp':>3}" if cp else "")
             + f" {'pp':>3} {'dp':>5}"
@@ -142,9 +144,16 @@ def render(report) -> str:
                 f"{lo.zero}"
             )
         out.append("")
+    elif report.hetero_ranking:  # mesh=auto on a cluster of groups: the layouts ranked by their splits' steps
+        out += [
+            f"mesh=auto: {len(report.hetero_ranking)} best splits over {_devices(cfg, lay.world_size)}, by the "
+            "split's step",
+            *ranking_table(report.hetero_ranking),
+            "",
+        ]
     out.append(
         f"p3d-plan: {m.name} ({m.arch.value}, {m.n_layers} layers, h={m.hidden_size}) on "
-        f"{lay.describe(m.seq_len)}, {cfg.cluster.device}"
+        f"{lay.describe(m.seq_len)}, {_devices(cfg)}"
     )
     out.append(
         f"  {cfg.train.dtype.value}{_float8(cfg)}, "
@@ -231,6 +240,19 @@ def render(report) -> str:
     return "\n".join(out)
 
 
+def _devices(cfg, world: int | None = None) -> str:
+    """The devices a plan is for: ``64 x h100_sxm`` (``h100_sxm`` without ``world``), or on a cluster of groups the
+    groups, and how the homogeneous model stands for them (their mean peak, their smallest memory)."""
+    c = cfg.cluster
+    if not c.groups:
+        return f"{world} x {c.device}" if world else str(c.device)
+    gpus = f"the {world} GPUs of " if world else ""
+    return (
+        f"{gpus}cluster.groups {describe_groups(c)} (timed at their mean peak, {c.peak_tflops:g} TFLOP/s, in their "
+        f"smallest memory, {c.memory_gb:g} GB)"
+    )
+
+
 def _float8(cfg) -> str:
     name = recipe(cfg)
     return "" if name == "none" else f" + float8 {name} matmuls"
@@ -246,11 +268,35 @@ def _dp_overlap(report) -> str:
     total, exposed = report.dp_traffic_s, report.breakdown.get("dp_comm", 0.0)
     if total <= 0:
         return ""
-    who = (
-        "DeepSpeed's engine reduces after the last backward"
-        if exposed >= total
-        else "issued in the last backward"
-        if report.cfg.plan.overlap_dp is None
-        else "plan.overlap_dp=true"
-    )
+    stated = report.cfg.plan.overlap_dp
+    if stated is not None:
+        who = f"plan.overlap_dp={str(stated).lower()}"
+    elif not report.layout.torch_executor:
+        who = f"{executor_name(True)} reduces after the last backward"
+    elif report.layout.zero >= 2:
+        who = f"{executor_name(False)}: FSDP2 reduce-scatters in the last backward and prefetches its gathers"
+    else:  # its buckets go out in the last backward as their gradients are final (docs/overlap.md)
+        who = f"{executor_name(False)} issues its buckets in the last backward, the last one exposed"
     return f"  (exposed, of {total:.4f} s of dp traffic: overlap {1 - exposed / total:.0%}; {who})"
+
+
+def ranking_table(plans: list) -> list[str]:
+    """mesh=auto's table on a cluster of groups: each layout with its split, its step, the uniform split's, the
+    ideal's and the gap, best first."""
+    out = [
+        f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'mbs':>4}  {'schedule':<22} {'recompute':<9} {'zero':>4}  "
+        f"{'step s':>9} {'uniform s':>9} {'ideal s':>9} {'gap':>7}  blocks per stage / micro batches per replica"
+    ]
+    for p in plans:
+        lo = p.layout
+        out.append(
+            f"  {lo.tp:>3} {lo.cp:>3} {lo.pp:>3} {lo.dp:>4} {lo.micro_batch_size:>4}  {lo.schedule_name:<22} "
+            f"{lo.recompute:<9} {lo.zero:>4}  {p.step_s:>9.4f} {p.uniform_step_s:>9.4f} {p.ideal_step_s:>9.4f} "
+            f"{p.gap:>+7.1%}  {_listed(p.stage_blocks)} / {_listed(p.replica_micro_batches)}"
+            + ("" if p.fits else "  (does not fit)")
+        )
+    return out
+
+
+def _listed(values: list[int]) -> str:
+    return "[" + ",".join(map(str, values)) + "]"

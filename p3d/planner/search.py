@@ -18,7 +18,8 @@ chunks per rank v, recompute and the ZeRO stage. The search tries every combinat
 and keeps those that pass p3d-train's own rules (``validate.check_mesh``, ``validate_schedule.check_schedule``,
 ``check_sequence_parallel``, ``check_recompute_swiglu``, ``check_zero``, ``check_experts``, ``check_context``: the
 functions p3d-train calls, so the two cannot drift). Layouts predicted not to fit device memory are dropped; the rest
-are sorted by predicted tokens/s (ties: less memory first).
+are sorted by predicted tokens/s (ties: less memory first), those that use more than 90 % of a device's memory last
+(``verdict.headroom_warning``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from p3d.layout.run_plan import (
 from p3d.layout.schedule_rules import check_schedule
 from p3d.planner.context import LONG_SEQUENCE
 from p3d.planner.float8 import PUBLISHED
-from p3d.planner.hetero import HeteroPlan, plan_groups, plan_layout
+from p3d.planner.hetero import HeteroPlan, plan_layout
+from p3d.planner.hetero_search import plan_groups
 from p3d.planner.predict import Prediction, apply_layout, evaluate
 from p3d.planner.shapes import (
     Layout,
@@ -55,7 +57,7 @@ from p3d.planner.shapes import (
     stage_params,
     world_size,
 )
-from p3d.planner.verdict import check_options
+from p3d.planner.verdict import check_options, headroom_warning
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -104,7 +106,7 @@ def context_degrees(cfg: Config, tp: int, gpus: int) -> list[int]:
         return [1]
     out, cp = [1], 2
     while gpus % cp == 0 and s // cp >= MIN_TOKENS_PER_RANK:
-        if s % sequence_multiple(cp, tp, sched.sequence_parallel) == 0:
+        if s % sequence_multiple(cp, tp, bool(sched.sequence_parallel)) == 0:  # unset: on where it divides
             out.append(cp)
         cp *= 2
     return out
@@ -127,7 +129,7 @@ def candidates(cfg: Config) -> list[Layout]:
         for cp in context_degrees(cfg, tp, world // tp):
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                if pp > max_pp or gbs % dp:
+                if pp > max_pp or (gbs % dp and not cfg.cluster.groups):  # groups: uneven splits of the batch
                     continue
                 mesh = dataclasses.replace(cfg.mesh, tp=tp, pp=pp, dp=dp, cp=cp)
                 try:
@@ -140,17 +142,32 @@ def candidates(cfg: Config) -> list[Layout]:
 
 def _layouts(cfg: Config, tp: int, pp: int, dp: int, cp: int) -> list[Layout]:
     """Every micro batch, schedule, recompute, ZeRO stage and ep of the degrees tp x cp x pp x dp that p3d-train
-    accepts."""
+    accepts. On a cluster of groups also the micro batches that do not divide the batch evenly over dp, which only an
+    uneven split of the replicas' micro batches runs (``schedule.replica_micro_batches``, at least pp each; one chunk
+    per rank, ZeRO < 3, ep 1: p3d.planner.hetero)."""
     gbs, out = cfg.schedule.global_batch_size, []
-    for mbs in divisors(gbs // dp):
-        micro = gbs // (dp * mbs)
+    sizes = divisors(gbs) if cfg.cluster.groups else divisors(gbs // dp)
+    for mbs in sizes:
+        total = gbs // mbs
+        uneven = total % dp != 0
+        if uneven and total < pp * dp:
+            continue
+        counts = [total // dp + (1 if d < total % dp else 0) for d in range(dp)] if uneven else []
         for pipeline, v in schedules(cfg, pp):
+            if uneven and (v > 1 or pipeline == "dualpipev"):
+                continue
             for recompute in RECOMPUTE:
                 for zero in ZERO_STAGES:
                     for ep in expert_degrees(cfg, dp):
-                        layout = Layout(tp, pp, dp, mbs, micro, v, pipeline, recompute, zero, ep, cp, float8_on(cfg))
+                        layout = Layout(
+                            tp, pp, dp, mbs, total // dp, v, pipeline, recompute, zero, ep, cp, float8_on(cfg), uneven
+                        )
+                        applied = apply_layout(cfg, layout)
+                        if uneven:
+                            sched = dataclasses.replace(applied.schedule, replica_micro_batches=counts)
+                            applied = dataclasses.replace(applied, schedule=sched)
                         try:
-                            check_layout(apply_layout(cfg, layout), layout)
+                            check_layout(applied, layout)
                         except P3DConfigError:
                             continue
                         out.append(layout)
@@ -185,7 +202,8 @@ def search(cfg: Config) -> list[Prediction]:
             f"({lean.describe(cfg.model.seq_len)}, recompute={lean.recompute}, zero.stage={lean.zero}) needs "
             f"{smallest.worst.total / 1e9:.1f} GB; try more cluster.nodes"
         )
-    reports.sort(key=lambda r: (-r.tokens_per_s, r.worst.total))
+    # above 90 % of a device's memory last (verdict.headroom_warning: what the plan leaves out takes some GB)
+    reports.sort(key=lambda r: (headroom_warning(r) is not None, -r.tokens_per_s, r.worst.total))
     return reports
 
 
@@ -202,20 +220,23 @@ def predict(cfg: Config, run_plan=None) -> Prediction:
     or mesh=auto without a fitting layout)."""
     check_options(cfg)
     if run_plan is not None:
-        return evaluate(cfg, layout_of_run_plan(cfg, run_plan), accepted=True)
+        report = evaluate(cfg, layout_of_run_plan(cfg, run_plan), accepted=True)
+        if cfg.cluster.groups:  # the split the run starts with, on its groups
+            report.hetero = plan_layout(cfg, report.layout, as_given=True)
+        return report
     return with_float8_speedup(_predict(cfg))
 
 
 def _predict(cfg: Config) -> Prediction:
     if cfg.mesh.name == "auto":
         ranked = search(cfg)
-        if cfg.cluster.groups:  # a heterogeneous cluster: the best split of the best homogeneous layouts
-            plan = plan_groups(cfg, [r.layout for r in ranked])
-            best = evaluate(with_split(apply_layout(cfg, plan.layout), plan))
-            best.hetero = plan
+        if cfg.cluster.groups:  # a heterogeneous cluster: the split of every layout, searched (plan_groups)
+            splits = plan_groups(cfg, ranked)
+            best = evaluate(with_split(apply_layout(cfg, splits[0].layout), splits[0]))
+            best.hetero, best.hetero_ranking = splits[0], splits[: max(1, cfg.plan.top)]
         else:
             best = evaluate(apply_layout(cfg, ranked[0].layout))
-        best.ranking = ranked[: max(1, cfg.plan.top)]
+            best.ranking = ranked[: max(1, cfg.plan.top)]
         return best
     report = evaluate(cfg)
     if cfg.cluster.groups:
@@ -247,7 +268,7 @@ def resolve_auto(cfg: Config) -> Config:
     """``mesh=auto`` as p3d-train runs it: the best layout, and on a heterogeneous cluster its split."""
     if not cfg.cluster.groups:
         return apply_layout(cfg, best_layout(cfg))
-    plan = plan_groups(cfg, [r.layout for r in search(cfg)])
+    plan = plan_groups(cfg, search(cfg))[0]
     return with_split(apply_layout(cfg, plan.layout), plan)
 
 

@@ -35,10 +35,11 @@ keeps the routed experts' share apart: they reduce and shard over edp = (dp / ep
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from p3d.config.schema import Arch, Config, DType, ModelConfig
+from p3d.config.schema import Arch, Config, DType, ModelConfig, Pipeline, Recompute
 from p3d.layout.dims import resolve_dp
 from p3d.layout.expert_rules import check_expert_degree
 from p3d.layout.float8_rules import recipe
@@ -54,8 +55,8 @@ from p3d.layout.geometry import (
     rank_chunks,
     stage_bounds,
 )
-from p3d.layout.run_plan import P3DConfigError
-from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, virtual_stages
+from p3d.layout.run_plan import P3DConfigError, sequence_parallel_default
+from p3d.layout.schedule_rules import INTERLEAVED, V_SHAPED, engine_runs, uneven_micro_batches, virtual_stages
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Layout:
     ep: int = 1
     cp: int = 1
     fp8: bool = False  # train.fp8 set: the torch executor runs it (schedule_rules.runs_on_deepspeed)
+    uneven: bool = False  # the dp replicas run different micro batch counts (schedule.replica_micro_batches)
 
     @property
     def world_size(self) -> int:
@@ -94,10 +96,9 @@ class Layout:
 
     @property
     def torch_executor(self) -> bool:
-        """Whether torch's pipelining runs it (``schedule_rules.runs_on_deepspeed`` for a layout): every schedule
-        but 1f1b, ZeRO-2/3, expert parallelism (DeepSpeed's engine reduces every gradient over all of dp) and
-        context parallelism (its engine knows no cp ranks)."""
-        return self.pipeline != "1f1b" or self.zero >= 2 or self.ep > 1 or self.cp > 1 or self.fp8
+        """Whether torch's pipelining runs it: ``schedule_rules.engine_runs``, the launcher's rule, for its schedule,
+        ZeRO stage, ep, cp, micro batches per replica and float8."""
+        return not engine_runs(self.pipeline, self.zero, self.ep, self.cp, self.uneven, self.fp8)
 
     def describe(self, seq_len: int) -> str:
         """``tp=8 pp=8 dp=1 (64 ranks), 1024 micro batches of 1 x 8192 per replica, 1f1b``: the micro batches
@@ -161,9 +162,48 @@ def layout_of(cfg: Config) -> Layout:
     if cfg.model.moe is not None:
         check_expert_degree(cfg, dp)
         ep = cfg.mesh.ep
+    uneven = uneven_micro_batches(cfg)
     return Layout(
-        tp, pp, dp, s.micro_batch_size, m, v, pipeline, s.recompute.value, cfg.zero.stage, ep, cp, float8_on(cfg)
+        tp,
+        pp,
+        dp,
+        s.micro_batch_size,
+        m,
+        v,
+        pipeline,
+        s.recompute.value,
+        cfg.zero.stage,
+        ep,
+        cp,
+        float8_on(cfg),
+        uneven,
     )
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    """``cfg`` with the mesh (ep and cp too), micro batch, pipeline schedule and chunks, recompute and ZeRO stage of
+    ``layout`` (what p3d-train runs for mesh=auto), and sequence parallelism where unset: the layout's default."""
+    name = (
+        f"tp{layout.tp}_pp{layout.pp}_dp{layout.dp}"
+        + (f"_ep{layout.ep}" if layout.ep > 1 else "")
+        + (f"_cp{layout.cp}" if layout.cp > 1 else "")
+    )
+    mesh = dataclasses.replace(
+        cfg.mesh, name=name, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp
+    )
+    sp = cfg.schedule.sequence_parallel
+    sched = dataclasses.replace(
+        cfg.schedule,
+        micro_batch_size=layout.micro_batch_size,
+        pipeline=Pipeline[layout.pipeline],
+        virtual_stages=layout.virtual_stages,
+        recompute=Recompute(layout.recompute),
+        sequence_parallel=sequence_parallel_default(cfg, layout.tp, layout.cp) if sp is None else sp,
+    )
+    zero = cfg.zero
+    if zero.stage != layout.zero:
+        zero = dataclasses.replace(zero, name=f"stage{layout.zero}", stage=layout.zero)
+    return dataclasses.replace(cfg, mesh=mesh, schedule=sched, zero=zero)
 
 
 def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
@@ -185,6 +225,7 @@ def layout_of_run_plan(cfg: Config, run_plan) -> Layout:
         run_plan.ep if cfg.model.moe is not None else 1,
         run_plan.cp,
         float8_on(cfg),
+        len(set(run_plan.replica_micro_batches)) > 1,
     )
 
 

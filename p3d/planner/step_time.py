@@ -67,6 +67,7 @@ from p3d.layout.geometry import (
     moe_layers,
     padded_vocab,
 )
+from p3d.layout.hetero import mean_slowdown
 from p3d.layout.schedule_rules import V_SHAPED
 from p3d.planner import context, experts, float8
 from p3d.planner.gemms import Gemm, block_gemms, head_gemm
@@ -214,6 +215,25 @@ def _probed(analytic: dict[str, float], probed: dict[str, float] | None) -> dict
     return out
 
 
+def block_sleep_seconds(cfg: Config) -> float:
+    """``plan.block_seconds``: the seconds each block sleeps per piece under ``P3D_TEST_BLOCK_SECONDS``
+    (p3d.train.block_seconds) on this cluster's devices: the fastest group's seconds stretched to the groups' mean
+    device (``hetero.mean_slowdown``; a group's own config, p3d.planner.hetero, carries its own). 0: none."""
+    return (cfg.plan.block_seconds or 0.0) * mean_slowdown(cfg.cluster)
+
+
+def _slept(block: dict[str, float], cfg: Config, sleep: float) -> dict[str, float]:
+    """A block's seconds with its sleep-timed pieces: the forward's, the backward's input- and weight-gradient pieces
+    (B and W), and a full recompute's forward again (its pre-hook runs again under torch's and DeepSpeed's
+    checkpoint)."""
+    if sleep <= 0:
+        return block
+    out = dict(block, fwd=block["fwd"] + sleep, bwd=block["bwd"] + 2 * sleep)
+    out["rec"] = block["rec"] + (sleep if cfg.schedule.recompute == Recompute.full else 0.0)
+    out["both"] = out["fwd"] + out["bwd"]
+    return out
+
+
 def a2a_seconds(cfg: Config, layout: Layout) -> float:
     """Seconds of one MoE block's all-to-alls per micro batch on one rank (0 with ep = 1: every expert is local):
     ``experts.all_to_alls`` of the rows and of the row counts, over the ep group's link."""
@@ -267,12 +287,14 @@ def stage_times(cfg: Config, layout: Layout, stages: list[StageParams]) -> list[
     def gemm(g: Gemm) -> float:
         return mach.gemm(g, layout)
 
-    dense = _probed(_per_block(cfg, block_work(cfg, layout), gemm, mem_s), mach.block(layout, False))
-    moe = (
-        _probed(_per_block(cfg, block_work(cfg, layout, moe=True), gemm, mem_s), mach.block(layout, True))
-        if moe_layers(m)
-        else dense
-    )
+    sleep = block_sleep_seconds(cfg)
+
+    def timed(moe: bool) -> dict[str, float]:
+        block = _probed(_per_block(cfg, block_work(cfg, layout, moe=moe), gemm, mem_s), mach.block(layout, moe))
+        return _slept(block, cfg, sleep)
+
+    dense = timed(False)
+    moe = timed(True) if moe_layers(m) else dense
     probed_head, probed_embed = mach.head(layout), mach.embedding(layout)
     a2a, kv = a2a_seconds(cfg, layout), kv_seconds(cfg, layout)
     b, s, t, c = layout.micro_batch_size, context.local_tokens(cfg, layout), layout.tp, dtype_bytes(cfg)

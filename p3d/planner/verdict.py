@@ -13,6 +13,36 @@ from p3d.planner.memory import GB
 from p3d.planner.shapes import Layout
 from p3d.planner.step_time import a2a_link, kv_link
 
+# a plan above this share of a device's memory is warned about: the CUDA context, NCCL's buffers and the caching
+# allocator's fragmentation are not in the model (docs/planner.md, Known limits), and take some GB of it
+HEADROOM = 0.9
+
+
+def headroom_warning(r) -> str | None:
+    """One line when prediction ``r`` fits but uses more than ``HEADROOM`` of a device's memory (cpu workers: of the
+    host's, together), with what to change; None otherwise. p3d-plan, the dry run and the launch's pre-flight say it."""
+    if not r.fits:
+        return None
+    used, cap = (r.all_ranks_bytes if r.shared_host else r.worst.total), r.capacity_bytes
+    if used <= HEADROOM * cap:
+        return None
+    lay = r.layout
+    who = f"the {lay.world_size} cpu workers together use" if r.shared_host else f"stage {r.worst.stage} uses"
+    fixes = [f"schedule.micro_batch_size={lay.micro_batch_size // 2}"] if lay.micro_batch_size > 1 else []
+    recompute = r.cfg.schedule.recompute
+    if recompute != Recompute.full:
+        fixes.append(f"schedule.recompute={'selective' if recompute == Recompute.none else 'full'}")
+    if not r.cfg.schedule.sequence_parallel and lay.tp > 1:
+        fixes.append("schedule.sequence_parallel=true")
+    fixes.append("more pipeline stages")
+    return (
+        f"{who} {used / GB:.1f} GB of {r.cfg.cluster.memory_gb:g} GB ({used / cap:.0%}), more than {HEADROOM:.0%}: "
+        "the CUDA context, NCCL's buffers and the allocator's fragmentation (not in the plan) may not fit; try "
+        + ", ".join(fixes[:-1])
+        + (" or " if len(fixes) > 1 else "")
+        + fixes[-1]
+    )
+
 
 def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
     """(warnings, notes) of prediction ``r``; ``accepted``: p3d-train has built its run plan (no refusal to check)."""
@@ -34,6 +64,9 @@ def verdict(r, accepted: bool) -> tuple[list[str], list[str]]:
             f"(params {w.params_bytes / GB:.1f}, grads {w.grads_bytes / GB:.1f}, optimizer "
             f"{w.optimizer_bytes / GB:.1f}, activations {w.activations_total / GB:.1f})"
         )
+    crowded = headroom_warning(r)
+    if crowded is not None:
+        warnings.append(crowded)
     gpn = cfg.cluster.gpus_per_node
     if gpn is not None and lay.tp > gpn:
         warnings.append(f"mesh.tp={lay.tp} > {gpn} GPUs per node: tensor-parallel traffic crosses the inter-node link")

@@ -25,19 +25,20 @@ COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2")
 CASES = {
     "single": ["mesh=single"],
     "dp2": ["mesh=dp2"],
-    "tp2": ["mesh=tp2"],
+    "tp2": ["mesh=tp2"],  # sequence parallelism on: the default wherever tp > 1
+    "tp2-nosp": ["mesh=tp2", "schedule.sequence_parallel=false"],
     "pp2": ["mesh=pp2"],
     "tp2_pp2": ["mesh=tp2_pp2"],
+    "tp2_pp2-nosp": ["mesh=tp2_pp2", "schedule.sequence_parallel=false"],  # DeepSpeed's partitioned pipe sends
     "pp4": ["mesh=pp4"],
     "dp2_pp2_tp2": ["mesh=dp2_pp2_tp2"],
-    "dp2_pp2_tp2-zero1": ["mesh=dp2_pp2_tp2", "zero=stage1"],
+    "dp2_pp2_tp2-zero1-nosp": ["mesh=dp2_pp2_tp2", "zero=stage1", "schedule.sequence_parallel=false"],
     "tp2_pp2-tied": ["mesh=tp2_pp2", "model.tie_embeddings=true"],
     "pp2-recompute": ["mesh=pp2", "schedule=recompute"],
     "tp4-padded-vocab": ["mesh=tp4", "model.vocab_size=258"],  # 258 -> 260 rows: padding masked
-    # sequence parallelism (the stages exchange (b, s/tp, h) blocks) and selective recompute
-    "tp2-sp": ["mesh=tp2", "schedule.sequence_parallel=true"],
+    # sequence parallelism (the stages exchange (b, s/tp, h) blocks; on by default with tp > 1, named here) and
+    # selective recompute
     "tp4-sp": ["mesh=tp4", "schedule.sequence_parallel=true"],
-    "tp2_pp2-sp": ["mesh=tp2_pp2", "schedule.sequence_parallel=true"],
     "tp2_pp2-tied-sp": ["mesh=tp2_pp2", "model.tie_embeddings=true", "schedule.sequence_parallel=true"],
     "dp2_pp2_tp2-zero1-sp": ["mesh=dp2_pp2_tp2", "zero=stage1", "schedule.sequence_parallel=true"],
     "single-selective": ["mesh=single", "schedule.recompute=selective"],
@@ -78,16 +79,16 @@ def reference(model_overrides: tuple[str, ...]) -> list[dict]:
     return reference_run(cfg)
 
 
-# slow tier (56 + 40 + 38 + 36 + 21 s); kept: tp2-sp and tp4-padded-vocab, tp2-compile-recompute, single-fused-adamw
-# and dp2_pp2_tp2-zero1, tp2_pp2-sp and dp2_pp2_tp2-sp-selective, tp2_pp2-tied and tp2_pp2-sp
+# slow tier (56 + 40 + 38 + 36 + 21 s); kept: tp2 (sp) and tp4-padded-vocab, tp2-compile-recompute, single-fused-adamw
+# and dp2_pp2_tp2-zero1-nosp, tp2_pp2 (sp) and dp2_pp2_tp2-sp-selective, tp2_pp2-tied and tp2_pp2 (sp)
 SLOW = ("tp4-sp", "single-compile", "dp2_pp2_tp2-zero1-fused-adamw", "dp2_pp2_tp2-zero1-sp", "tp2_pp2-tied-sp")
-# and the plain meshes that a variant on the same mesh runs in make test (10 + 10 + 7 s): dp2_pp2_tp2 (its -zero1 and
-# -sp-selective), tp2_pp2 (its -tied, -sp, -selective), tp2 (its -sp and -compile-recompute)
+# and the plain meshes that a variant on the same mesh runs in make test (10 + 10 + 7 s): dp2_pp2_tp2 (its -zero1-nosp
+# and -sp-selective), tp2_pp2 (its -tied, -sp-selective-swiglu, -selective), tp2 (its -compile-recompute)
 SLOW += ("dp2_pp2_tp2", "tp2_pp2", "tp2")
-# and the variants whose switches a fuller case in make test combines (10 + 10 + 9 + 8 + 5 s): tp2-sp and tp2_pp2-sp
-# (sp: tp2_pp2-sp-selective-swiglu, dp2_pp2_tp2-sp-selective), tp2_pp2-selective and single-selective (selective:
-# the same two), tp2_pp2-tied (a tied head on another stage: pp2-cost-tied)
-SLOW += ("tp2-sp", "tp2_pp2-sp", "tp2_pp2-selective", "single-selective", "tp2_pp2-tied")
+# and the variants whose switches a fuller case in make test combines (10 + 10 + 9 + 8 + 5 s): tp2-nosp and
+# tp2_pp2-nosp (sp off: dp2_pp2_tp2-zero1-nosp), tp2_pp2-selective and single-selective (selective: the sp cases
+# tp2_pp2-sp-selective-swiglu and dp2_pp2_tp2-sp-selective), tp2_pp2-tied (a tied head on another stage: pp2-cost-tied)
+SLOW += ("tp2-nosp", "tp2_pp2-nosp", "tp2_pp2-selective", "single-selective", "tp2_pp2-tied")
 # and (33 s): tp4-padded-vocab (the padding rows: tests/workers/test_tp_layers.py's vocab-parallel embedding and
 # loss at a vocabulary tp does not divide)
 SLOW += ("tp4-padded-vocab",)

@@ -209,6 +209,27 @@ def test_a_resume_takes_the_resumed_runs_fields_and_only_what_the_command_line_n
     assert kept["schedule"]["virtual_stages"] == 2
 
 
+def test_sequence_parallelism_follows_the_mesh_on_a_resume():
+    """Issue 64, item 12: the spec holds what sequence parallelism came to (specs before it was on by default hold
+    false). A resume on the same tp keeps it, an older spec's false included; one on another tp or cp derives it again
+    (unset: on wherever tp > 1), as a fresh launch would; one that names it takes the command line's."""
+    from p3d.launch.resume_base import over_resumed_run
+
+    groups = {"mesh", "schedule", "train"}
+    resumed = {"mesh": {"name": "tp2", "tp": 2, "pp": 1, "cp": 1}, "schedule": {"sequence_parallel": False}}
+    composed = {"mesh": {"name": "tp2", "tp": 2, "pp": 1, "cp": 1}, "schedule": {"sequence_parallel": None}}
+    same = over_resumed_run(composed, resumed, ["train.steps=8"], groups)
+    assert same["schedule"]["sequence_parallel"] is False  # an older spec's false, on its own mesh
+    on = {**resumed, "schedule": {"sequence_parallel": True}}  # what tp2 derived
+    single = {"mesh": {"name": "single", "tp": 1, "pp": 1, "cp": 1}, "schedule": {"sequence_parallel": None}}
+    assert over_resumed_run(single, on, ["mesh=single"], groups)["schedule"]["sequence_parallel"] is None
+    assert over_resumed_run(single, on, ["mesh.tp=1"], groups)["schedule"]["sequence_parallel"] is None
+    named = {**single, "schedule": {"sequence_parallel": False}}
+    assert over_resumed_run(named, on, ["mesh=single", "schedule.sequence_parallel=false"], groups)["schedule"] == {
+        "sequence_parallel": False
+    }
+
+
 GROUPS = "cluster.groups=[{device: cpu, nodes: 1}, {device: cpu, nodes: 1, peak_tflops: 0.05}]"
 
 

@@ -220,3 +220,21 @@ def test_a_requeued_elastic_job_is_fitted_to_the_nodes_it_got(tmp_path, monkeypa
     cfg, plan = read_spec(run)
     assert (cfg.cluster.nodes, plan.dp, plan.micro_batches) == (2, 2, 4)
     assert pending_layout_change(run, 6)["kind"] == "grow"
+
+
+def test_vary_any_plans_sequence_parallelism_with_the_new_layout():
+    """Issue 64, item 12: sequence parallelism that the old layout derived (tp 2: on) does not hold the re-plan to
+    layouts with tp > 1: ``vary=any`` on the nodes left plans as a fresh mesh=auto launch there would."""
+    import dataclasses
+
+    from p3d.layout.elastic import pinned
+
+    over = ("model=tiny", "mesh=dp2_tp2", "cluster.nodes=2", "cluster.elastic.min_nodes=1", "cluster.elastic.vary=any")
+    cfg = compose_config(*over, "train.save_every=3")
+    cfg = pinned(cfg, build_plan(cfg))
+    assert cfg.schedule.sequence_parallel is True
+    fresh = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, sequence_parallel=None))
+    refit, expected = elastic.refit(cfg, 1), elastic.refit(fresh, 1)
+    assert (refit.mesh, refit.schedule.sequence_parallel) == (expected.mesh, expected.schedule.sequence_parallel)
+    assert refit.schedule.sequence_parallel is (refit.mesh.tp > 1)
+    build_plan(refit)  # p3d-train accepts it

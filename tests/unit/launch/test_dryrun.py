@@ -43,7 +43,7 @@ def test_dry_run_with_sp_and_recompute_counts_the_same_parameters():
     from p3d.launch.dryrun import dry_run
 
     base = ("model=tiny", "mesh=tp2_pp2", "model.tie_embeddings=true", "dry_run=true")
-    plain = dry_run(*typed(*base))
+    plain = dry_run(*typed(*base, "schedule.sequence_parallel=false"))
     sp = dry_run(
         *typed(
             *base,
@@ -202,6 +202,70 @@ def test_a_dry_run_that_fits_says_so_and_exits_0(capsys):
     assert train_task(compose("model=small", "mesh=dp2", "dry_run=true")) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("  -> fits: ") and last.endswith("of 24 GB for the 2 workers together"), last
+
+
+def test_a_dry_run_over_groups_shows_each_ranks_group_and_the_split_it_runs():
+    """Issue 64, item 10: ``p3d-train cluster=mixed_h100_a100 model=llama3_8b mesh=auto dry_run=true`` shows which
+    group each node and rank is on, the blocks and micro batches the planner split over the groups (what the run
+    starts with), each group's memory and the split's predicted step against the uniform one."""
+    from p3d.launch.dryrun import dry_run
+
+    cfg, plan = typed("cluster=mixed_h100_a100", "model=llama3_8b", "mesh=auto", "dry_run=true")
+    text = dry_run(cfg, plan).render()
+    lines = text.splitlines()
+    assert "cluster.groups: node 0: group 0 (1 x h100_sxm); node 1: group 1 (1 x a100_80gb)" in lines
+    per_node = plan.world_size // 2
+    for rank in (0, plan.world_size - 1):
+        row = next(x for x in lines if x.startswith(f"  rank {rank:>5}:"))
+        assert row.split("-> ")[1].startswith(f"node {rank // per_node:>3} group {rank // per_node}"), row
+    assert cfg.schedule.stage_blocks or cfg.schedule.replica_micro_batches  # mesh=auto planned an uneven split
+    split = [x for x in lines if x.strip().startswith("schedule.stage_blocks=")]
+    assert len(split) == 1 and split[0].endswith(f" schedule.replica_micro_batches={plan.replica_micro_batches}")
+    if cfg.schedule.stage_blocks:
+        assert split[0].startswith(f"  schedule.stage_blocks={cfg.schedule.stage_blocks} ")
+    assert "    0: 1 x h100_sxm" in text and "    1: 1 x a100_80gb" in text and "uniform split" in text
+
+
+CARD_70B = ("mesh=tp8_pp8", "model=llama70b", "cluster=h100_sxm", "cluster.nodes=8")
+
+
+@pytest.mark.parametrize("extra", [(), ("schedule=large",)], ids=["default", "large"])
+def test_the_design_cards_70b_line_fits_with_headroom_by_default(extra):
+    """Issue 64, item 12: ``p3d-train mesh=tp8_pp8 model=llama70b cluster=h100_sxm cluster.nodes=8 dry_run=true``
+    (and the README's line, with schedule=large) fits its own cluster as it stands, below 90 % of an H100's memory:
+    sequence parallelism is on with tp 8, and the preset's schedule takes one sequence per micro batch."""
+    from p3d.planner import predict
+    from p3d.planner.verdict import fit_refusal, headroom_warning
+
+    cfg, plan = typed(*CARD_70B, "dry_run=true", *extra)
+    report = predict(cfg, plan)  # what the dry run's verdict and the launch's pre-flight read
+    assert cfg.schedule.sequence_parallel and fit_refusal(report) is None
+    assert report.worst.total <= 0.9 * report.capacity_bytes and headroom_warning(report) is None
+
+
+def test_a_plan_above_90_percent_of_a_device_is_warned_about_in_one_line(capsys):
+    """Issue 64, item 12: a layout that fits with less than 10 % of a device to spare gets one warning line, in
+    p3d-plan's warnings, before a launch (the pre-flight, which still launches it) and in the dry run."""
+    import dataclasses
+
+    from p3d.launch.check import preflight
+    from p3d.launch.dryrun import dry_run
+    from p3d.planner import predict
+
+    crowded = (*CARD_70B, "schedule.micro_batch_size=2")  # 79.4 GB of 80
+    line = "stage 0 uses 79.4 GB of 80 GB (99%), more than 90%"
+    cfg, plan = typed(*crowded)
+    assert [w for w in predict(cfg).warnings if "more than 90%" in w][0].startswith(line)
+    preflight(cfg, plan)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"p3d: warning: {line}"), err
+    # the dry run, of 2 cpu workers on a host with 5 % more memory than they need together
+    cfg, plan = typed("model=tiny", "mesh=dp2", "dry_run=true")
+    need = predict(cfg, plan).all_ranks_bytes / 1e9
+    tight = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, memory_gb=need * 1.05))
+    text = dry_run(tight, plan).render().splitlines()
+    warned = [x for x in text if x.startswith("warning: the 2 cpu workers together use")]
+    assert len(warned) == 1 and "(95%), more than 90%" in warned[0], text[-3:]
 
 
 # Qwen/Qwen3-235B-A22B: "235B in total, 22B activated"; Llama 3.1 405B: its safetensors' count

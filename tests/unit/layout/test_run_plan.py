@@ -328,3 +328,25 @@ def test_run_spec_round_trip(tmp_path):
     cfg2, plan2 = read_spec(path)
     assert cfg2 == cfg and plan2 == plan
     assert "${" not in path.read_text()  # fully resolved
+
+
+def test_sequence_parallelism_is_on_wherever_tp_is_unless_set():
+    """Issue 64, item 12: ``schedule.sequence_parallel`` unset is on wherever mesh.tp > 1 and the sequence divides over
+    it (docs/schedules.md), off at tp 1 or where it does not divide (rather than a refusal); an explicit false stays
+    false, and runs DeepSpeed's partitioned pipe sends as before."""
+    from p3d.layout.run_plan import build_plan
+    from p3d.train.executors.deepspeed_config import deepspeed_config
+    from tests.helpers.runs import compose_config
+
+    def sp(*overrides: str):
+        return compose_config("model=tiny", *overrides).schedule.sequence_parallel
+
+    assert sp("mesh=tp2") is True and sp("mesh=tp2_pp2") is True and sp("mesh=dp2_pp2_tp2") is True
+    assert sp("mesh=pp2") is False and sp("mesh=single") is False
+    assert sp("mesh=tp4", "model.seq_len=66") is False  # 66 tokens do not split over 4 ranks: off, not refused
+    assert sp("mesh=tp2", "mesh.cp=2", "model.seq_len=66") is False  # 33 tokens a cp rank: not over tp 2
+    assert sp("mesh=tp2", "schedule.sequence_parallel=false") is False
+    off = compose_config("model=tiny", "mesh=tp2_pp2", "schedule.sequence_parallel=false")
+    on = compose_config("model=tiny", "mesh=tp2_pp2")
+    assert deepspeed_config(off, build_plan(off))["pipeline"]["pipe_partitioned"] is True
+    assert deepspeed_config(on, build_plan(on))["pipeline"]["pipe_partitioned"] is False

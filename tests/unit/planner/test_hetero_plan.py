@@ -86,3 +86,13 @@ def test_mixed_h100_a100_llama3_8b_is_planned_with_each_groups_memory_and_the_ga
 def test_pairs_take_the_slowest_group_of_their_ranks():
     cfg = compose_config(CPU2, "mesh=tp2", "cluster.gpus_per_node=1")
     assert pair_groups(cfg, dataclasses.replace(layout_of(cfg))) == [[1]]  # tp spans both nodes: the slow one paces
+
+
+def test_the_ranking_of_a_cluster_of_groups_names_the_groups():
+    """Issue 64, item 9: the mesh=auto table of a mixed cluster and the plan's header name its groups, not the first
+    group's device for all its GPUs."""
+    text = predict(compose_config("cluster=mixed_h100_a100", "model=llama3_8b", "mesh=auto")).render()
+    heading = next(line for line in text.splitlines() if line.startswith("mesh=auto:"))
+    header = next(line for line in text.splitlines() if line.startswith("p3d-plan:"))
+    for line in (heading, header):
+        assert "1 x h100_sxm + 1 x a100_80gb" in line and "16 x h100_sxm" not in line, line

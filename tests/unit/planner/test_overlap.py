@@ -143,3 +143,29 @@ def test_p2p_scatter_sends_one_tp_share(make_cfg):
     full = evaluate(make_cfg(*base, "plan.overlap_pp=false"), check=False).breakdown["pp_comm"]
     scattered = evaluate(make_cfg(*base, "plan.overlap_pp=false", "plan.p2p_scatter=true"), check=False)
     assert 0 < scattered.breakdown["pp_comm"] < full / 4
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("mesh=dp2",),  # DeepSpeed's 1F1B
+        ("mesh=dp2", "mesh.cp=2"),
+        ("model=moe_tiny", "mesh=dp2", "mesh.ep=2"),
+        ("mesh=dp2_pp2", "schedule.pipeline=interleaved_1f1b"),
+        ("mesh=dp2", "zero=stage2"),
+        ("mesh=dp2", "schedule.replica_micro_batches=[3,5]"),  # uneven micro batches: torch's Schedule1F1B
+    ],
+    ids=["deepspeed", "cp2", "ep2", "interleaved", "zero2", "uneven"],
+)
+def test_the_dp_line_names_the_executor_the_launcher_runs(make_cfg, overrides):
+    """Issue 64, item 14: p3d-plan's dp_comm line names the executor p3d-train would start, as the launcher decides
+    it (``schedule_rules.runs_on_deepspeed``), and the planner's layout follows the same rule."""
+    from p3d.layout.schedule_rules import runs_on_deepspeed
+    from p3d.planner import predict
+
+    cfg = make_cfg(*overrides)
+    line = next(x for x in predict(cfg).render().splitlines() if x.strip().startswith("dp_comm"))
+    deepspeed = runs_on_deepspeed(cfg)
+    named = ("DeepSpeed's engine", "torch's executor")
+    assert named[not deepspeed] in line and named[deepspeed] not in line, line
+    assert layout_of(cfg).torch_executor is not deepspeed
