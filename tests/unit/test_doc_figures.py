@@ -49,10 +49,10 @@ def test_a_quoted_output_block_is_what_its_command_prints(block):
 
 @pytest.mark.slow
 def test_the_published_runs_table_is_what_the_bench_prints():
-    """docs/planner.md's table of published runs is bench/planner_published.py's output, line for line."""
+    """docs/planner.md's table of published runs is `bench/planner.py published`'s output, line for line."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("planner_published", ROOT / "bench" / "planner_published.py")
+    spec = importlib.util.spec_from_file_location("bench_planner", ROOT / "bench" / "planner.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from tests.helpers import published
