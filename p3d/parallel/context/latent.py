@@ -101,9 +101,9 @@ class LatentKV:
 
 def _gather_by_rank(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """(n, 1, sl, w) of every cp rank -> (cp, n, 1, sl, w), rank r's at index r."""
-    out = x.new_empty((cp, *x.shape))
+    out = x.new_empty((cp * x.shape[0], *x.shape[1:]))  # rank r's at rows r n.. (gloo takes the flat layout)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+    return out.unflatten(0, (cp, x.shape[0]))
 
 
 def _whole_sequence(latent: torch.Tensor, codec: LatentKV, group, cp: int):
