@@ -24,7 +24,7 @@ class RopeType(Enum):
 class AttentionType(Enum):
     """``model.attention``: the attention of every block (docs/models.md)."""
 
-    gqa = "gqa"  # grouped-query attention: q, k, v of model.head_dim per head (Llama, Mistral, Qwen; p3d/model/attention.py)
+    gqa = "gqa"  # grouped-query attention: q, k, v of model.head_dim per head (Llama, Mistral, Qwen)
     mla = "mla"  # multi-head latent attention (DeepSeek-V2/V3): keys and values from a latent (p3d/model/mla.py)
 
 

@@ -94,9 +94,9 @@ def check_tensors(
     if extra.layers:
         mtp = [n for n in held if m.n_layers <= _order(n)[0] < m.n_layers + extra.layers]
         if mtp and not extra.drop:
-            layers = sorted({_order(n)[0] for n in mtp})
+            first = min(_order(n)[0] for n in mtp)
             raise HFImportError(
-                f"model.init_from={where}: model.layers.{layers[0]}.* ({len(mtp)} tensors) is the multi-token "
+                f"model.init_from={where}: model.layers.{first}.* ({len(mtp)} tensors) is the multi-token "
                 f"prediction module ({extra.key}={extra.layers}), which p3d does not train: p3d would drop it; "
                 "add model.drop_mtp=true to import the model without it"
             )

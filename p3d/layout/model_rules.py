@@ -1,5 +1,6 @@
-"""The model group's own rules (``model.*``): head shapes (GQA's, or MLA's widths), RoPE scaling, the attention window. Each raises
-:class:`P3DConfigError` with one line naming the field and a fix; run_plan.check_config runs them with the rest."""
+"""The model group's own rules (``model.*``): head shapes (GQA's, or MLA's widths), RoPE scaling, the attention
+window. Each raises :class:`P3DConfigError` with one line naming the field and a fix; run_plan.check_config runs them
+with the rest."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ ROPE_NEEDS = {
 
 # MLA's widths it cannot do without (q_lora_rank null: no q compression)
 MLA_NEEDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-V3_MLA = "model.mla.kv_lora_rank=512 model.mla.qk_nope_head_dim=128 model.mla.qk_rope_head_dim=64 model.mla.v_head_dim=128"
+V3_MLA = " ".join(
+    f"model.mla.{k}={v}" for k, v in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64),
+                                      ("v_head_dim", 128))
+)  # fmt: skip
 
 
 def check_model(cfg: Config) -> None:

@@ -63,7 +63,7 @@ def attention_tensors(m: ModelConfig) -> dict[str, Tensor]:
     if is_mla(m):
         x = m.mla
         assert x.kv_lora_rank is not None and x.qk_nope_head_dim is not None and x.qk_rope_head_dim is not None
-        out = {}
+        out: dict[str, Tensor] = {}
         if x.q_lora_rank:
             out |= {
                 "attn.wq_a.weight": _whole(x.q_lora_rank, h),

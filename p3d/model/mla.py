@@ -90,7 +90,8 @@ def _mla_context_core(q, c, k_rot, cos, sin, weight, scale: float, nope_dim: int
     latent [c | rope(k_r)] (b, 1, s/cp, r + d_r) exchanged over the cp group and expanded by ``weight`` (W_kvb)."""
     q, k_rot = _rotate(q, k_rot, cos, sin, nope_dim)
     latent = torch.cat([c.unsqueeze(1), k_rot], dim=-1)
-    return latent_context_attention(q, latent, weight, *cp_args, scale, nope_dim, v_dim)
+    group, cp, cp_rank, variant = cp_args
+    return latent_context_attention(q, latent, weight, group, cp, cp_rank, variant, scale, nope_dim, v_dim)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -110,7 +111,8 @@ class MultiHeadLatentAttention(nn.Module):
         x = cfg.mla
         h, a = cfg.hidden_size, cfg.n_heads
         self.recompute, self.cp_attention = recompute, cp_attention
-        self.nope_dim, self.rope_dim, self.v_dim, self.latent = x.qk_nope_head_dim, rope_dim(cfg), x.v_head_dim, x.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = x.qk_nope_head_dim, rope_dim(cfg), x.v_head_dim
+        self.latent = x.kv_lora_rank
         self.local_heads = a // mesh.tp
         self.sp = sequence_parallel and mesh.tp > 1
         self.tp_group = mesh.tp_group

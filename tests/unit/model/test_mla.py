@@ -37,7 +37,9 @@ def _pair(q_lora_rank, seed=0):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "layernorm" in name else 0.2 * torch.randn_like(p))
-    scaling = RopeScaling(rope_type=RopeType.yarn, **{k: v for k, v in YARN.items() if k not in ("rope_type", "rope_theta")})
+    scaling = RopeScaling(
+        rope_type=RopeType.yarn, **{k: v for k, v in YARN.items() if k not in ("rope_type", "rope_theta")}
+    )
     cfg = ModelConfig(
         hidden_size=32, n_heads=4, n_kv_heads=4, seq_len=S, attention=AttentionType.mla, rope_scaling=scaling,
         mla=MLAConfig(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
@@ -96,7 +98,11 @@ def test_narrow_values_run_on_the_flash_kernel():
     from p3d.model.mla import sdpa_narrow_values
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 3, 16, 12, generator=g), torch.randn(2, 3, 16, 12, generator=g), torch.randn(2, 3, 16, 8, generator=g)
+    q, k, v = (
+        torch.randn(2, 3, 16, 12, generator=g),
+        torch.randn(2, 3, 16, 12, generator=g),
+        torch.randn(2, 3, 16, 8, generator=g),
+    )
     with sdpa_kernel([SDPBackend.MATH]):
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -114,8 +120,8 @@ MLA = ("model=tiny", "model.attention=mla", "model.mla.kv_lora_rank=16", "model.
 @pytest.mark.parametrize(
     "overrides,needle,fix",
     [
-        (("model=tiny", "model.mla.kv_lora_rank=16"), "model.mla.kv_lora_rank=16 has no effect with model.attention=gqa",
-         "try model.mla.kv_lora_rank=null"),
+        (("model=tiny", "model.mla.kv_lora_rank=16"), "model.mla.kv_lora_rank=16 has no effect with "
+         "model.attention=gqa", "try model.mla.kv_lora_rank=null"),
         (("model=tiny", "model.attention=mla"), "model.mla.kv_lora_rank is null: model.attention=mla needs it",
          "set model.mla.kv_lora_rank"),
         ((*MLA, "model.n_kv_heads=4"), "model.n_kv_heads=4 must equal model.n_heads=8 under model.attention=mla",
