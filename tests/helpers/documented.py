@@ -206,6 +206,9 @@ CASES: dict[str, Case] = {
     "p3d-train model.init_from=/models/Qwen3-8B mesh=tp2_pp2": Case(
         "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/Qwen3-8B .*no config.json there"
     ),
+    "p3d-train model.init_from=/models/DeepSeek-V3 model.drop_mtp=true mesh=auto cluster=h100_sxm cluster.nodes=256": Case(
+        "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/DeepSeek-V3 .*no config.json there"
+    ),
     "p3d-train model=tiny model.head_dim=12 model.qkv_bias=true model.qk_norm=true model.rope_scaling.rope_type=yarn "
     "model.rope_scaling.factor=4 model.rope_scaling.original_max_position_embeddings=16": Case(
         "run",
