@@ -33,8 +33,14 @@ CASES = {
     "tp2_pp2": ["mesh=tp2_pp2", FIXED_BIASES],  # DeepSpeed's 1F1B: the stages cut by MLA's costs
     "dp2-ep2": ["mesh=dp2", "mesh.ep=2"],  # the selection biases moving
     "dp2_tp2-ep2-cp2": ["mesh=dp2_tp2", "mesh.ep=2", "mesh.cp=2", FIXED_BIASES],  # tp, ep, cp: the latent gathered
-    "tp2-cp2-ring-sp-selective": ["mesh=tp2", "mesh.cp=2", "context.attention=ring", "schedule.sequence_parallel=true",
-                                  "schedule.recompute=selective", FIXED_BIASES],  # fmt: skip
+    "tp2-cp2-ring-sp-selective": [
+        "mesh=tp2",
+        "mesh.cp=2",
+        "context.attention=ring",
+        "schedule.sequence_parallel=true",
+        "schedule.recompute=selective",
+        FIXED_BIASES,
+    ],  # fmt: skip
     "dp2-zero3-ep2": ["mesh=dp2", "mesh.ep=2", "zero=stage3"],  # FSDP2 over the MLA block and the experts
 }
 FAST = ("tp2-sp",)  # make test keeps MLA on tp2 with SP; the other layouts are the slow tier's
