@@ -20,6 +20,8 @@ Steps (each in its own time limit; one that fails is reported and the next one r
      twins on the CPU (bench/gpu_layers.py).
   h. cp = 2 attention: each rank's fused kernels and log-sum-exp merge in bf16 on the GPU against SDPA on the
      whole sequence in fp32 on the CPU, and the kernels it ran (bench/gpu_layers.py).
+  j. A DeepSeek-V3 block: multi-head latent attention at V3's head dims (q, k 192, v 128 padded for the flash
+     kernel) and the grouped sigmoid router, bf16 on the GPU against its fp32 twin on the CPU; flash expected.
   Then it writes the figures to docs/gpu.md (and to --out, so they come back from a device lease).
 
 Without a CUDA device (or with --dry) it prints that it found none and which steps it would run, checks each
@@ -354,6 +356,7 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         Step("g", "an MoE layer (moe_tiny) in bf16 vs its fp32 CPU twin: output and gradients"),
         Step("h", "cp = 2 attention, each rank's fused kernels and LSE merge, bf16 vs SDPA fp32 on the CPU (2k)"),
         Step("i", f"train.fp8=tensorwise vs bf16, llama3_1b 30 steps: speedup vs p3d-plan's, loss rtol {FLOAT8_RTOL}"),
+        Step("j", "a DeepSeek-V3 block (MLA at 192/128 head dims, grouped router) bf16 vs fp32 CPU twin; flash"),
     ]
     runs = [
         lambda s, t: step_sdpa(s, dry),
@@ -365,9 +368,10 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         lambda s, t: step_layer(s, "moe", dry),
         lambda s, t: step_layer(s, "cp", dry),
         lambda s, t: step_float8(s, gpu, out, dry, t),
+        lambda s, t: step_layer(s, "mla", dry),
     ]
     deadline = time.monotonic() + args.budget_s
-    shares = (0.04, 0.26, 0.16, 0.15, 0.15, 0.04, 0.04, 0.04, 0.12)
+    shares = (0.04, 0.25, 0.15, 0.15, 0.14, 0.04, 0.04, 0.04, 0.11, 0.04)
     for step, run, share in zip(steps, runs, shares, strict=True):
         print(f"gpu-check step {step.name}: {step.what}", flush=True)
         # a dry step only composes configs, slowly on a loaded CPU machine: no budget to keep there

@@ -9,7 +9,9 @@ executor runs, each in bf16 on the device against its fp32 twin on the host's CP
   cp:    context-parallel attention, every rank of cp = 2 in turn on the one device (``one_rank_attention``: the
          per-chunk fused kernels and their log-sum-exp merge that each rank runs between its collectives), bf16,
          llama3_2_1b's heads (32 over 8, head dim 64) at 2k tokens: the output and q/k/v gradients against SDPA on
-         the whole sequence in fp32 on the CPU, and the attention kernels the device ran.
+         the whole sequence in fp32 on the CPU, and the attention kernels the device ran;
+  mla:   one DeepSeek-V3 block (multi-head latent attention at V3's head dims, 192 for q and k, 128 for v, padded
+         for the flash kernel; the grouped sigmoid router) in bf16 against its fp32 twin on the CPU, and the kernels.
 
 Each returns its figures: relative errors ``|got - want| / |want|`` (norms over the whole tensor or model). Without
 a GPU (gpu-check's dry mode) the same steps run with the CPU as the device, in bf16 autocast: that checks the code
@@ -160,7 +162,50 @@ def cp(device: torch.device, cp: int = 2) -> dict:
     }
 
 
-STEPS = {"fsdp2": fsdp2, "moe": moe, "cp": cp}
+def mla(device: torch.device) -> dict:
+    """One DeepSeek-V3 block, multi-head latent attention at V3's head dims (d_qk 128 + 64, d_v 128: v padded for
+    the flash kernel, p3d.model.mla) and the grouped sigmoid router with its selection biases (8 experts in 4 groups,
+    top-2 of the best 2), under bf16 autocast on the device against the same block in fp32 on the CPU: the output,
+    the input's and the weights' gradients, and the attention kernels the device ran."""
+    from p3d.model.llama import TransformerBlock
+    from p3d.parallel.mesh import Mesh
+
+    s = 2048 if device.type == "cuda" else 256  # the dry mode's CPU run checks the path
+    v3_heads = ("model.mla.qk_nope_head_dim=128", "model.mla.qk_rope_head_dim=64", "model.mla.v_head_dim=128")
+    cfg, _ = typed_run("model=deepseek_v3_tiny", "mesh=single", "model.hidden_size=512", "model.n_heads=8",
+                       "model.n_kv_heads=8", "model.mla.q_lora_rank=256", "model.mla.kv_lora_rank=128", *v3_heads,
+                       f"model.seq_len={s}")  # fmt: skip
+    layer = cfg.model.moe.first_dense_layers  # an MoE block
+    one = Mesh(tp=1, pp=1, dp=1)
+    want = TransformerBlock(cfg.model, one, layer, SEED)
+    got = TransformerBlock(cfg.model, one, layer, SEED).to(device)
+    bias = torch.randn(cfg.model.moe.n_experts, generator=torch.Generator().manual_seed(SEED)) * 0.01
+    want.mlp.router.expert_bias.copy_(bias), got.mlp.router.expert_bias.copy_(bias.to(device))
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(1, s, cfg.model.hidden_size, generator=g)
+    dy = torch.randn(1, s, cfg.model.hidden_size, generator=g)
+    x_want = x.clone().requires_grad_()
+    y_want = want(x_want)
+    (y_want * dy).sum().backward()
+    x_got = x.to(device).requires_grad_()
+    with torch.profiler.profile() as prof, torch.autocast(device.type, dtype=torch.bfloat16):
+        y_got = got(x_got)
+        (y_got.float() * dy.to(device)).sum().backward()
+    grads = dict(got.named_parameters())
+    worst = max(relative(grads[n].grad, p.grad) for n, p in want.named_parameters() if p.grad is not None)
+    fused = ("flash", "efficient", "cudnn")
+    kernels = {e.name for e in prof.events() if "attention" in e.name and any(f in e.name for f in fused)}
+    if device.type == "cuda" and not any("flash" in k for k in kernels):
+        raise RuntimeError(f"mla: the attention core did not run a flash kernel: {sorted(kernels)}")
+    return {
+        "out_rel": relative(y_got, y_want),
+        "input_grad_rel": relative(x_got.grad, x_want.grad),
+        "worst_weight_grad_rel": worst,
+        "kernels": ", ".join(sorted(kernels))[:200] or "no fused attention kernel",
+    }
+
+
+STEPS = {"fsdp2": fsdp2, "moe": moe, "cp": cp, "mla": mla}
 
 
 def check(name: str, device: torch.device) -> dict:

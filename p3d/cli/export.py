@@ -1,5 +1,5 @@
-"""``p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]``: a checkpoint as a Hugging
-Face Llama or Mixtral directory (p3d.hf.export)."""
+"""``p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false] [dtype=fp32|bf16]``: a
+checkpoint as a Hugging Face directory of its family's architecture (p3d.hf.export)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,14 @@ def parse_args(argv: list[str]) -> dict:
         if flag not in ("true", "false"):
             raise ExportError(f"overwrite={raw['overwrite']} must be true or false")
         args["overwrite"] = flag == "true"
+    if "dtype" in raw:
+        args["dtype"] = raw["dtype"]
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console script ``p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]``."""
+    """Console script ``p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]
+    [dtype=fp32|bf16]``."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help", "help") for a in argv):
         print(USAGE)

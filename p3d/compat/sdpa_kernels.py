@@ -22,6 +22,14 @@ The touchpoints (each checked by tests/unit/compat/test_sdpa_kernels.py):
 - cuda otherwise (fp32): ``aten._scaled_dot_product_efficient_attention`` (memory-efficient, cutlass) and its
   ``_backward``, whose log-sum-exp is padded to a multiple of 32 queries (cut here, padded again for backward).
 cuDNN's attention is not used: its log-sum-exp layout differs by version and flash covers bf16.
+
+A value head narrower than the query and key heads (MLA: d_qk 192, d_v 128): torch 2.13's flash kernels, cpu's and
+FlashAttention-2, take one head dim for q, k and v (sdp_utils ``check_head_dim_size_flash``: "Q/K/V should have the
+same head size"), and SDPA falls back to the memory-efficient kernel on cuda and to the math kernel on cpu (its
+(s, s) scores). The memory-efficient kernel takes v's own width (a multiple of 8 in bf16, 4 in fp32), and cuDNN's
+(not chosen by default) 192 / 128 on sm90 from cuDNN 9.10 and on sm100 from 9.11. ``value_padding`` says how many
+zero columns v gets to run on the flash kernels: its output's extra columns are zeros and cut off, the gradient of
+the padded v is cut back, and the backward's rowsum(grad_out * out) is the same with zeros in both.
 """
 
 from __future__ import annotations
@@ -58,6 +66,15 @@ def choose_kernel(device: str, dtype: torch.dtype, head_dim: int) -> str:
         raise NotImplementedError(f"context-parallel attention on {device}: p3d calls the cpu and cuda kernels")
     flash = dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
     return "flash" if flash else "efficient"
+
+
+def value_padding(device: str, dtype: torch.dtype, qk_dim: int, v_dim: int) -> int:
+    """Zero columns to add to v (b, h, s, d_v) for the kernel the block runs on (``choose_kernel``): d_qk - d_v where
+    that kernel is a flash kernel (one head dim for q, k and v), 0 where it takes v's width (memory-efficient), and
+    0 when v is not narrower or the device is neither cpu nor cuda (SDPA chooses there)."""
+    if v_dim >= qk_dim or device not in ("cpu", "cuda"):
+        return 0
+    return qk_dim - v_dim if choose_kernel(device, dtype, qk_dim) in ("cpu_flash", "flash") else 0
 
 
 def attention_forward(

@@ -21,6 +21,13 @@ class RopeType(Enum):
     yarn = "yarn"  # YaRN: frequencies ramped between interpolation and extrapolation, cos/sin scaled
 
 
+class AttentionType(Enum):
+    """``model.attention``: the attention of every block (docs/models.md)."""
+
+    gqa = "gqa"  # grouped-query attention: q, k, v of model.head_dim per head (Llama, Mistral, Qwen)
+    mla = "mla"  # multi-head latent attention (DeepSeek-V2/V3): keys and values from a latent (p3d/model/mla.py)
+
+
 class Recompute(Enum):
     none = "none"
     selective = "selective"  # RoPE + attention core recomputed in backward (torch.utils.checkpoint)

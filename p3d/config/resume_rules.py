@@ -46,6 +46,7 @@ RULES: dict[str, tuple[Rule, str]] = {
     "model.seq_len": (Rule.REFUSED, "the data position counts windows of model.seq_len + 1 tokens"),
     "model.init_std": (Rule.UNUSED, "only initialises a fresh run"),
     "model.init_from": (Rule.UNUSED, "only initialises a fresh run"),
+    "model.drop_mtp": (Rule.UNUSED, "only says how a fresh run imports its checkpoint"),
     "model.moe.bias_update_rate": (
         Rule.CHANGES,
         "how the selection biases move in the steps to come; they keep their values (DeepSeek-V3 stopped moving "

@@ -15,6 +15,7 @@ from p3d.config.devices import DeviceName
 from p3d.config.options import (
     AdamWImpl,
     Arch,
+    AttentionType,
     ContextAttention,
     DataSource,
     DType,
@@ -84,6 +85,18 @@ class RopeScaling:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-head latent attention's widths (``model.attention=mla``; p3d/model/mla.py, docs/models.md), named as
+    DeepSeek's config.json names them; all null under ``model.attention=gqa``. DeepSeek-V3: 1536, 512, 128, 64, 128."""
+
+    q_lora_rank: Optional[int] = None  # the queries' latent width; null: q straight from the hidden (DeepSeek-V2-Lite)
+    kv_lora_rank: Optional[int] = None  # the keys' and values' latent width (required under mla)
+    qk_nope_head_dim: Optional[int] = None  # each query and key head's width without RoPE (required)
+    qk_rope_head_dim: Optional[int] = None  # ... and with RoPE: one rotated key shared by every head (required, even)
+    v_head_dim: Optional[int] = None  # each value head's width (required)
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     arch: Arch = Arch.llama
@@ -100,6 +113,8 @@ class ModelConfig:
     head_dim: Optional[int] = None  # each attention head's width; null: hidden_size / n_heads (Qwen3: 128 always)
     qkv_bias: bool = False  # biases on q, k and v (Qwen2/2.5), split by heads under tp
     qk_norm: bool = False  # an RMSNorm over head_dim of every query and key head, before RoPE (Qwen3)
+    attention: AttentionType = AttentionType.gqa  # gqa, or mla: multi-head latent attention of model.mla's widths
+    mla: MLAConfig = field(default_factory=MLAConfig)  # MLA's widths (model.attention=mla; DeepSeek-V3)
     # the attention window: null, or at least seq_len, is none (p3d attends to the whole sequence; shorter is refused)
     sliding_window: Optional[int] = None
     # the context the model is made for (HF's max_position_embeddings, which p3d-export writes; null: seq_len)
@@ -112,6 +127,9 @@ class ModelConfig:
     init_from: Optional[str] = (
         None  # a HF checkpoint dir (docs/models.md): its config.json sets the shape, its weights the init
     )
+    # model.init_from: import a DeepSeek-V3 checkpoint without its multi-token prediction layers, which p3d does not
+    # train (without it such a checkpoint is refused: p3d drops no tensor unasked)
+    drop_mtp: bool = False
     compile: bool = False  # torch.compile each transformer block (inductor; GPU and CPU)
     moe: Optional[MoEConfig] = None  # null: dense; else a mixture-of-experts feed-forward (MoEConfig)
 

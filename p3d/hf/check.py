@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from p3d.config.schema import ModelConfig
 from p3d.hf.architectures import ARCHITECTURES, Architecture
 from p3d.hf.config_json import architecture_of, check_keys, model_fields
 from p3d.hf.files import FLOAT_DTYPES, CheckpointFiles, read_config
+from p3d.hf.fp8 import FP8_DTYPE, SCALE, block_size, check_quantized
 from p3d.hf.names import EMBED, FINAL_NORM, HEAD, HFImportError, layer_prefix
 from p3d.layout.tensors import block_buffers, block_tensors, end_tensors
 
@@ -20,16 +22,29 @@ _EXPERT = re.compile(r"experts\.\d+\.")
 FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")  # transformers 5's module tensors, not its files'
 
 
-def import_fields(hf_dir: str | Path) -> dict:
+def import_fields(hf_dir: str | Path, drop_mtp: bool = False) -> dict:
     """The model fields of the checkpoint in ``hf_dir`` (p3d.hf.config_json.model_fields), once its tensors and
-    its config.json keys are checked: what ``model.init_from`` sets, or a one-line HFImportError."""
+    its config.json keys are checked: what ``model.init_from`` sets, or a one-line HFImportError. ``drop_mtp``
+    (``model.drop_mtp``): a DeepSeek-V3 checkpoint's multi-token prediction layers are left out, not refused."""
     where = str(hf_dir)
     hf = read_config(hf_dir)
     fields = model_fields(hf, where, keys=False)
     files = CheckpointFiles(hf_dir)
-    check_tensors(ModelConfig(**fields), architecture_of(hf, where), files, where)
+    arch = architecture_of(hf, where)
+    block = block_size(hf, where) if arch.fp8_blocks else None
+    mtp = int(hf.get(arch.mtp_key) or 0) if arch.mtp_key else 0
+    check_tensors(ModelConfig(**fields), arch, files, where, block, Extra(arch.mtp_key, mtp, drop_mtp))
     check_keys(hf, where)  # after the tensors: a mislabelled checkpoint is named by the tensor p3d would drop
     return fields
+
+
+class Extra(NamedTuple):
+    """Layers after the blocks that a checkpoint may hold: config.json's ``key`` says how many (DeepSeek-V3's
+    multi-token prediction, ``num_nextn_predict_layers``); ``drop``: leave them out (``model.drop_mtp``)."""
+
+    key: str | None = None
+    layers: int = 0
+    drop: bool = False
 
 
 def expected_tensors(m, arch: Architecture) -> dict[str, tuple[int, ...]]:
@@ -68,17 +83,33 @@ def _owners(name: str, arch: Architecture) -> list[str]:
     return [a.name for a in ARCHITECTURES if a is not arch and suffix in a.hf_block_names()]
 
 
-def check_tensors(m, arch: Architecture, files: CheckpointFiles, where: str | Path) -> None:
+def check_tensors(
+    m, arch: Architecture, files: CheckpointFiles, where: str | Path, block=None, extra: Extra | None = None
+) -> None:
     """Refuse, in one line, a checkpoint with a tensor the model would not use (a mislabelled architecture, more
-    layers than config.json says), a missing one, one of another shape, or a quantized one."""
-    held, expected = files.headers, expected_tensors(m, arch)
+    layers than config.json says, multi-token prediction layers unless ``extra.drop``), a missing one, one of
+    another shape, or a quantized one (but block FP8 with its scales where ``block``, p3d.hf.fp8)."""
+    held, expected = dict(files.headers), expected_tensors(m, arch)
+    extra = extra or Extra()
+    if extra.layers:
+        mtp = [n for n in held if m.n_layers <= _order(n)[0] < m.n_layers + extra.layers]
+        if mtp and not extra.drop:
+            first = min(_order(n)[0] for n in mtp)
+            raise HFImportError(
+                f"model.init_from={where}: model.layers.{first}.* ({len(mtp)} tensors) is the multi-token "
+                f"prediction module ({extra.key}={extra.layers}), which p3d does not train: p3d would drop it; "
+                "add model.drop_mtp=true to import the model without it"
+            )
+        for name in mtp:  # model.drop_mtp=true: left out, as the import then reads none of them
+            held.pop(name)
+    scales = {name + SCALE for name in expected if name in held and held[name][0] == FP8_DTYPE}
     fused = sorted(n for n in held if n.endswith(FUSED_EXPERTS))
     if fused:
         raise HFImportError(
             f"model.init_from={where} holds the experts fused ({fused[0]}), not per expert as the Hub's checkpoints; "
             f"load it with transformers' {arch.name}.from_pretrained and save_pretrained it into a new directory"
         )
-    unused = sorted(set(held) - set(expected), key=_order)
+    unused = sorted(set(held) - set(expected) - scales, key=_order)
     deeper = [n for n in unused if _order(n)[0] >= m.n_layers]
     if deeper:
         layers = max(_order(n)[0] for n in deeper) + 1
@@ -114,7 +145,9 @@ def check_tensors(m, arch: Architecture, files: CheckpointFiles, where: str | Pa
                 f"model.init_from={where}: {name} is {list(shape)} in {files.where[name]}, but config.json's shape "
                 f"makes it {list(expected[name])}"
             )
-        if dtype not in FLOAT_DTYPES:
+        if dtype == FP8_DTYPE and arch.fp8_blocks:
+            check_quantized(name, shape, held, block, where)
+        elif dtype not in FLOAT_DTYPES:
             raise HFImportError(
                 f"model.init_from={where}: {name} is stored as {dtype}: p3d imports unquantized weights "
                 f"({', '.join(FLOAT_DTYPES)}) only"

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from p3d.config.options import RopeType
-from p3d.config.schema import MoEConfig, RopeScaling
+from p3d.config.schema import MLAConfig, MoEConfig, RopeScaling
 from p3d.hf.architectures import ARCHITECTURES, BY_FAMILY, Architecture, Field, of_model
 from p3d.hf.architectures.base import REQUIRED
 from p3d.hf.names import HFImportError
@@ -69,8 +69,9 @@ def model_fields(hf: dict, where: str, keys: bool = True) -> dict:
         except ValueError as exc:
             raise HFImportError(f"model.init_from={where}: {exc}") from None
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
+    values.setdefault("head_dim", None)  # an architecture without one (DeepSeek-V3's MLA): not the preset's
     if (
-        values["head_dim"] == values["hidden_size"] // values["n_heads"]
+        values.get("head_dim") == values["hidden_size"] // values["n_heads"]
         and not values["hidden_size"] % values["n_heads"]
     ):
         values["head_dim"] = None  # the derived width: the same model as a preset that leaves it null
@@ -82,6 +83,8 @@ def model_fields(hf: dict, where: str, keys: bool = True) -> dict:
         values[field] = fixed.value
     moe = {k.removeprefix("moe."): values.pop(k) for k in list(values) if k.startswith("moe.")}
     values["moe"] = MoEConfig(**moe) if arch.moe else None
+    mla = {k.removeprefix("mla."): values.pop(k) for k in list(values) if k.startswith("mla.")}
+    values["mla"] = MLAConfig(**mla)
     if values["moe"] is not None:
         values["moe"].aux_loss_coef = float(values["moe"].aux_loss_coef)
     values["family"] = arch.model_type
@@ -148,7 +151,9 @@ def check_keys(hf: dict, where: str) -> None:
     read = {_key(s) for s in arch.fields.values()} | {
         a for k in arch.fields.values() for a in arch.aliases.get(_key(k), ())
     }
-    known = read | set(ROPE_KEYS) | set(arch.window_keys) | arch.ignored
+    known = read | set(ROPE_KEYS) | set(arch.window_keys) | arch.ignored | {arch.mtp_key}
+    if arch.fp8_blocks:  # its quantization_config is read where the scales are (p3d.hf.check), refused there if odd
+        known.add("quantization_config")
     for key, value in hf.items():
         if key in known:
             continue
@@ -190,8 +195,8 @@ def model_value(m, field: str) -> Any:
         return context_length(m)
     if field == "moe.expert_ffn_size":
         return expert_ffn_size(m)
-    owner, name = (m.moe, field.removeprefix("moe.")) if field.startswith("moe.") else (m, field)
-    return getattr(owner, name)
+    group, _, name = field.rpartition(".")
+    return getattr(getattr(m, group) if group else m, name)
 
 
 def context_length(m) -> int:
@@ -222,15 +227,15 @@ def _holds(arch: Architecture, m) -> bool:
     return arch.moe == (m.moe is not None) and all(model_value(m, f) == x.value for f, x in arch.fixed.items())
 
 
-def hf_config(m, eos_id: int | None = None) -> dict:
-    """config.json of the model ``m`` (a ModelConfig; see :func:`export_problem` first)."""
+def hf_config(m, eos_id: int | None = None, dtype: str = "fp32") -> dict:
+    """config.json of the model ``m`` (a ModelConfig; see :func:`export_problem` first), its weights in ``dtype``."""
     arch = of_model(m)
     config: dict[str, Any] = {"architectures": [arch.name], "model_type": arch.model_type}
     for field, spec in arch.fields.items():
         value = model_value(m, field)
         config[_key(spec)] = spec.write(value) if isinstance(spec, Field) and spec.write else value
     config |= rope_json(m) | window_json(m, arch) | COMMON_WRITTEN | dict(arch.written)
-    return config | {"torch_dtype": "float32", "eos_token_id": eos_id}
+    return config | {"torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype], "eos_token_id": eos_id}
 
 
 def rope_json(m) -> dict:

@@ -9,7 +9,9 @@ Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` when larger than
 ``max_shard_gb``), and the run's tokenizer: its ``tokenizer.json``, or for the built-in byte tokenizer
 the HF tokenizer that gives the same ids, with ``tokenizer_config.json`` naming its end-of-text token.
-Tensors are the fp32 master weights, assembled from the (pp, tp) shards one at a time. Every file gets
+Tensors are the fp32 master weights, assembled from the (pp, tp) shards one at a time (``dtype=bf16``: cast to bf16,
+the routers' weights and selection biases kept fp32, as transformers keeps DeepSeek-V3's; never float8 blocks: an
+imported FP8 checkpoint comes back unquantized, p3d.hf.fp8). Every file gets
 the mode the umask gives (0644 under umask 022), the weights too.
 Everything is written into a new directory beside ``out`` that is renamed to ``out`` when complete:
 a failed export leaves no ``out``, and an existing ``out`` is never mixed with a new export.
@@ -33,10 +35,14 @@ import torch
 from p3d.checkpoint import find as ckpt_find
 from p3d.hf.architectures import Architecture, of_model
 from p3d.hf.config_json import context_length, export_problem, hf_config
-from p3d.hf.names import hf_names, twin_name
+from p3d.hf.names import hf_names, row_order, twin_name
+from p3d.hf.rope_rows import inverse
+from p3d.layout.tensors import block_buffers
 
-USAGE = "usage: p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false]"
-KEYS = ("run.dir", "out", "step", "max_shard_gb", "overwrite")
+USAGE = "usage: p3d-export run.dir=<run> out=<dir> [step=N] [max_shard_gb=5] [overwrite=false] [dtype=fp32|bf16]"
+KEYS = ("run.dir", "out", "step", "max_shard_gb", "overwrite", "dtype")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KEPT_FP32 = ".mlp.router."  # the routers' weights and selection biases stay fp32 in a bf16 export (as HF keeps them)
 
 
 class ExportError(ValueError):
@@ -176,16 +182,27 @@ def _write_tokenizer(tmp: Path, tokenizer, max_length: int) -> dict[str, dict]:
 
 
 def hf_tensors(
-    name: str, full: torch.Tensor, spec: dict, n_layers: int, arch: Architecture
+    name: str, full: torch.Tensor, spec: dict, n_layers: int, arch: Architecture, order: list[int] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of the whole p3d tensor ``full`` of parameter ``name`` (shard spec ``spec``): fused blocks
-    (q|k|v, gate|up) split, a stacked routed experts' weight split by expert as well (p3d.hf.names)."""
+    (q|k|v, gate|up) split, a stacked routed experts' weight split by expert as well (p3d.hf.names). ``order``: the
+    HF row each row came from at import (p3d.hf.names.row_order): written back to it."""
+    if order is not None:
+        full = full[inverse(order)]
     names = hf_names(name, n_layers, arch, range(spec["experts"]) if "experts" in spec else None)
     parts = full.split(spec["blocks"], dim=0) if spec["kind"] == "rows" else full.chunk(len(names), dim=0)
     return list(zip(names, parts, strict=True))
 
 
-def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: float) -> tuple[list[str], float]:
+def _is_buffer(name: str, m) -> bool:
+    """Whether global ``name`` is a persistent buffer (a router's selection bias), which has no fp32 master."""
+    head, _, rest = name.partition(".")
+    return head.isdigit() and 1 <= int(head) <= m.n_layers and rest in block_buffers(m, int(head) - 1)
+
+
+def _write(
+    tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: float, dtype: str = "fp32"
+) -> tuple[list[str], float]:
     from p3d.checkpoint import checkpointer as checkpoint
     from p3d.checkpoint.reshard import ShardedCheckpoint
     from p3d.hf.tokenizer import special_ids
@@ -204,11 +221,12 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
                     "score alone); only runs with model.moe.bias_update_rate=0 export; nothing was written"
                 )
             continue
-        for hf_name, tensor in hf_tensors(name, src.master(name), spec, L, arch):
-            writer.add(hf_name, tensor.float())
+        full = src.param(name).float() if _is_buffer(name, cfg.model) else src.master(name)
+        for hf_name, tensor in hf_tensors(name, full, spec, L, arch, row_order(name, arch, cfg.model)):
+            writer.add(hf_name, tensor.float() if KEPT_FP32 in f".{name}" else tensor.to(DTYPES[dtype]))
     files = writer.close()
     ids = special_ids(tok)
-    config = {**hf_config(cfg.model, tok.eos_id), **ids}
+    config = {**hf_config(cfg.model, tok.eos_id, dtype), **ids}
     files_json = {"config.json": config, "generation_config.json": {**ids, "_from_model_config": False}}
     files_json.update(_write_tokenizer(tmp, tokenizer, context_length(cfg.model)))
     for name, body in files_json.items():
@@ -217,10 +235,16 @@ def _write(tmp: Path, ckpt: Path, meta: dict, cfg, tokenizer, max_shard_gb: floa
 
 
 def export(
-    run_dir: str | Path, out: str | Path, step: int | None = None, max_shard_gb: float = 5.0, overwrite: bool = False
+    run_dir: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    max_shard_gb: float = 5.0,
+    overwrite: bool = False,
+    dtype: str = "fp32",
 ) -> Path:
     """Export the checkpoint of ``step`` (default: the newest) of ``run_dir`` to ``out``; relative paths
-    are taken from the working directory. Raises ExportError (bad input, with a one-line message)."""
+    are taken from the working directory. ``dtype``: fp32 (the master weights) or bf16. Raises ExportError (bad
+    input, with a one-line message)."""
     from p3d.rundir.paths import absolute
     from p3d.rundir.spec import SPEC_NAME, read_spec
 
@@ -228,6 +252,8 @@ def export(
     run_dir, out = absolute(run_dir), absolute(out)  # against the directory the command ran from, ~ expanded
     if max_shard_gb <= 0:
         raise ExportError(f"max_shard_gb={max_shard_gb} must be a positive number of GB; try max_shard_gb=5")
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype={dtype} is not one p3d-export writes; try dtype=fp32 (or dtype=bf16)")
     ckpt = _checkpoint(run_dir, step, given_run)
     _check_out(out, given_out, overwrite, run_dir)
     step_name = f"step {int(ckpt.name.removeprefix('step_'))}"
@@ -246,7 +272,7 @@ def export(
     tmp.mkdir()
     old = None
     try:
-        files, total = _write(tmp, ckpt, meta, cfg, tokenizer, max_shard_gb)
+        files, total = _write(tmp, ckpt, meta, cfg, tokenizer, max_shard_gb, dtype)
         if out.exists():  # an empty directory, or an earlier export (overwrite=true): replaced whole
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
@@ -260,7 +286,7 @@ def export(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     print(
-        f"p3d-export: {step_name} of {given_run} -> {given_out} ({', '.join(files)}, {total / 1e9:.2f} GB fp32)",
+        f"p3d-export: {step_name} of {given_run} -> {given_out} ({', '.join(files)}, {total / 1e9:.2f} GB {dtype})",
         flush=True,
     )
     return out

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p3d.hf.architectures import Architecture, of_model
-from p3d.hf.files import CheckpointFiles
-from p3d.hf.names import HFImportError, global_name, hf_names
+from p3d.hf.files import CheckpointFiles, read_config
+from p3d.hf.fp8 import FP8_DTYPE, SCALE, block_size, dequantize
+from p3d.hf.names import HFImportError, global_name, hf_names, row_order
 
 if TYPE_CHECKING:  # torch is imported where weights are read: the launcher checks HF dirs without it
     import torch
@@ -24,11 +25,14 @@ if TYPE_CHECKING:  # torch is imported where weights are read: the launcher chec
 
 
 class SafetensorsDir(CheckpointFiles):
-    """The tensors of a HF checkpoint directory, read slice by slice (safetensors' lazy slices)."""
+    """The tensors of a HF checkpoint directory, read slice by slice (safetensors' lazy slices); a block FP8 tensor
+    (p3d.hf.fp8) dequantized to fp32, from its slice and the scales of the blocks that cover it."""
 
     def __init__(self, hf_dir: str | Path):
         super().__init__(hf_dir)
         self._open: dict[str, Any] = {}  # file name -> open safetensors handle
+        config = read_config(hf_dir)
+        self.block = block_size(config, str(hf_dir)) if "quantization_config" in config else None
 
     def _file(self, name: str):
         from safetensors import safe_open
@@ -40,13 +44,27 @@ class SafetensorsDir(CheckpointFiles):
             self._open[file] = safe_open(self.dir / file, framework="pt")
         return self._open[file]
 
+    def _quantized(self, name: str) -> bool:
+        return self.block is not None and self.headers[name][0] == FP8_DTYPE
+
+    def _dequantized(self, name: str, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        weight8 = self._file(name).get_slice(name)[rows[0] : rows[1], cols[0] : cols[1]]
+        scale = name + SCALE
+        return dequantize(weight8, self._file(scale).get_slice(scale), rows, cols, self.block)
+
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if self._quantized(name):
+            return self._dequantized(name, (start, stop), (0, self.shape(name)[1]))
         return self._file(name).get_slice(name)[start:stop]
 
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if self._quantized(name):
+            return self._dequantized(name, (0, self.shape(name)[0]), (start, stop))
         return self._file(name).get_slice(name)[:, start:stop]
 
     def whole(self, name: str) -> torch.Tensor:
+        if self._quantized(name):
+            return self.rows(name, 0, self.shape(name)[0])
         return self._file(name).get_tensor(name)
 
 
@@ -59,16 +77,26 @@ def local_from_hf(
     tp: int,
     rank: int,
     experts: range | None = None,
+    order: list[int] | None = None,
 ) -> torch.Tensor:
     """This rank's shard of p3d parameter ``name``, read slice by slice from the HF tensors (of a stacked routed
-    experts' weight: only the ``experts`` this rank holds, one HF tensor each)."""
+    experts' weight: only the ``experts`` this rank holds, one HF tensor each). ``order``: the HF row of each of the
+    whole p3d tensor's rows (p3d.hf.names.row_order), a permutation within the rows each tp rank holds."""
     import torch
 
     from p3d.checkpoint.reshard import pad_rows
 
     parts = hf_names(name, n_layers, arch, experts)
     if spec["kind"] == "replicated":
-        return src.whole(parts[0])
+        whole = src.whole(parts[0])
+        return whole if order is None else whole[order]
+    if order is not None:  # one HF tensor split by whole heads: this rank's rows, reordered among themselves
+        per_rank = spec["padded"][0] // tp
+        start, stop = rank * per_rank, (rank + 1) * per_rank
+        local = torch.tensor(order[start:stop]) - start
+        if local.min() < 0 or local.max() >= per_rank:
+            raise ValueError(f"{name}: its row order crosses the tp ranks' rows")
+        return src.rows(parts[0], start, stop)[local]
     if spec["kind"] == "cols":
         width = src.shape(parts[0])[1] // tp
         return torch.cat([src.cols(part, rank * width, (rank + 1) * width) for part in parts])
@@ -106,7 +134,8 @@ def load_into(module: torch.nn.Module, hf_dir: str | Path, model, mesh, twin: bo
         for name, p in module.named_parameters():
             gname = global_name(name) if twin else name
             experts = held_experts(specs[name], mesh)
-            local = local_from_hf(src, gname, specs[name], n_layers, arch, mesh.tp, mesh.tp_rank, experts)
+            order = row_order(gname, arch, model)
+            local = local_from_hf(src, gname, specs[name], n_layers, arch, mesh.tp, mesh.tp_rank, experts, order)
             if tuple(local.shape) != tuple(p.shape):
                 raise HFImportError(
                     f"model.init_from={hf_dir}: {hf_names(gname, n_layers, arch, experts)} gives {tuple(local.shape)} "
@@ -123,7 +152,9 @@ def load_into(module: torch.nn.Module, hf_dir: str | Path, model, mesh, twin: bo
     return n
 
 
-def sequential_from_hf(hf_dir: str | Path, mesh=None, seed: int = 0, seq_len: int = 64) -> SequentialModel:
+def sequential_from_hf(
+    hf_dir: str | Path, mesh=None, seed: int = 0, seq_len: int = 64, drop_mtp: bool = False
+) -> SequentialModel:
     """The single-process twin (p3d.pipeline.specs.to_sequential) of a HF checkpoint, checked as the
     launcher checks it, with its weights, in eval mode: for comparisons with transformers on one process. ``mesh``:
     the twin of that rank instead (its tp and ep share of every weight), without process groups. ``seq_len``: the
@@ -135,7 +166,7 @@ def sequential_from_hf(hf_dir: str | Path, mesh=None, seed: int = 0, seq_len: in
     from p3d.pipeline.specs import to_sequential
 
     mesh = mesh or Mesh(tp=1, pp=1, dp=1)
-    cfg = ModelConfig(name=f"hf:{Path(hf_dir).name}", seq_len=seq_len, **import_fields(hf_dir))
+    cfg = ModelConfig(name=f"hf:{Path(hf_dir).name}", seq_len=seq_len, **import_fields(hf_dir, drop_mtp))
     model = to_sequential(cfg, padded_vocab(cfg.vocab_size, mesh.tp), seed, mesh=mesh)
     load_into(model, hf_dir, cfg, mesh, twin=True)
     return model.eval()

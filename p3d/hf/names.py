@@ -17,7 +17,10 @@ fused matrices are split into their HF parts, as the architecture's ``block`` ma
     <i+1>.mlp.router.weight                         block_sparse_moe.gate.weight (Mixtral), mlp.gate.weight (Qwen3-MoE)
     <i+1>.mlp.experts.w_gate_up.weight              each expert's gate and up, expert by expert: (g_0 | u_0 | g_1 ...)
     <i+1>.mlp.experts.w_down.weight                 each expert's down, expert by expert: (d_0 ; d_1 ...)
-    <i+1>.mlp.router.expert_bias (a buffer)         none: import leaves it zero, export refuses a non-zero one
+    <i+1>.mlp.router.expert_bias (a buffer)         none: import leaves it zero, export refuses a non-zero one;
+                                                    mlp.gate.e_score_correction_bias (DeepSeek-V3)
+    <i+1>.attn.{wq_a,wq_b,wkv_a,wkv_b}.weight      self_attn.{q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj}.weight
+                                                    (DeepSeek-V3's MLA; the rotated rows permuted, ``row_order``)
     <L+1>.weight                                    model.norm.weight
     <L+2>.weight (untied)                           lm_head.weight
 
@@ -65,6 +68,15 @@ def hf_names(name: str, n_layers: int, arch: Architecture, experts: Sequence[int
     if rest not in arch.block:  # export checks the model against the architecture first (config_json.export_problem)
         raise HFImportError(f"{name} has no Hugging Face {arch.name} tensor")
     return [prefix + part for part in arch.block[rest]]
+
+
+def row_order(name: str, arch: Architecture, m) -> list[int] | None:
+    """The HF row each row of the p3d parameter ``name`` (global) is read from, where ``arch`` reorders them (DeepSeek's
+    interleaved rotary rows, p3d.hf.rope_rows); None: the same order."""
+    head, _, rest = name.partition(".")
+    if not head.isdigit() or rest not in arch.row_orders:
+        return None
+    return arch.row_orders[rest](m)
 
 
 def twin_name(name: str) -> str:

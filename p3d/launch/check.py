@@ -82,7 +82,7 @@ def with_hf_shape(cfg):
 
     where = cfg.model.init_from
     try:
-        fields = import_fields(where)
+        fields = import_fields(where, drop_mtp=cfg.model.drop_mtp)
     except HFImportError as exc:
         raise P3DConfigError(str(exc)) from None
     overrides = given_overrides()

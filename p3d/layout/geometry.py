@@ -10,13 +10,17 @@ to a multiple of tp), s sequence, t = tp, p = pp, m micro batches per replica pe
 Mixture of experts (``model.moe``): E routed experts of inner size f_e, k of them per token, S shared experts;
 blocks i >= first_dense_layers are MoE blocks, the others dense. "Total" counts every expert, "active" the
 k routed and S shared experts a token goes through (docs/moe.md).
+Multi-head latent attention (``model.attention=mla``, ``model.mla``): r_q, r_kv the query and key/value latents, d_n,
+d_r, d_v the heads' widths without RoPE, with it, and of the values; a query and key head is d_qk = d_n + d_r wide.
+The attention core's "q" in the 12 s q term is then a (d_qk + d_v) / 2 (``core_width``): its scores are a d_qk wide
+and its weighted sum a d_v wide.
 """
 
 from __future__ import annotations
 
 import math
 
-from p3d.config.schema import Arch, ModelConfig, Partition
+from p3d.config.schema import Arch, AttentionType, ModelConfig, Partition
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -34,7 +38,7 @@ def layer_costs(m: ModelConfig) -> list[float]:
     ``model_flops_per_token``: a block 6 * (its active) matmul params + 12 s q, the head 6 h V; the embedding
     (a lookup) and the final norm count 0. The head of a large vocabulary weighs several blocks: 5.5 for
     model=small (V = 50,304, h = 768)."""
-    q, _ = head_dims(m)
+    q = core_width(m)
     blocks = [6.0 * block_matmul_params(m, layer=i, active=True) + 12.0 * m.seq_len * q for i in range(m.n_layers)]
     return [0.0, *blocks, 0.0, 6.0 * m.hidden_size * m.vocab_size]
 
@@ -154,9 +158,64 @@ def head_dim(m: ModelConfig) -> int:
 
 
 def head_dims(m: ModelConfig) -> tuple[int, int]:
-    """(q, kv): widths of the query and of each of the key/value projections."""
+    """(q, kv): widths of the query and of each of the key/value projections (grouped-query attention)."""
     hd = head_dim(m)
     return m.n_heads * hd, m.n_kv_heads * hd
+
+
+def is_mla(m: ModelConfig) -> bool:
+    """Whether the blocks' attention is multi-head latent attention (``model.attention=mla``)."""
+    return m.attention == AttentionType.mla
+
+
+def qk_head_dim(m: ModelConfig) -> int:
+    """A query and key head's width: d_n + d_r under MLA, else hd."""
+    if is_mla(m):
+        assert m.mla.qk_nope_head_dim is not None and m.mla.qk_rope_head_dim is not None  # model_rules
+        return m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+    return head_dim(m)
+
+
+def v_head_dim(m: ModelConfig) -> int:
+    """A value head's width (and the attention output's): d_v under MLA, else hd."""
+    if is_mla(m):
+        assert m.mla.v_head_dim is not None  # model_rules
+        return m.mla.v_head_dim
+    return head_dim(m)
+
+
+def rope_dim(m: ModelConfig) -> int:
+    """The width RoPE rotates: d_r under MLA (the rest of a head is not rotated), else the whole head hd."""
+    return m.mla.qk_rope_head_dim if is_mla(m) and m.mla.qk_rope_head_dim else head_dim(m)
+
+
+def core_width(m: ModelConfig) -> float:
+    """The attention core's width per token as the 12 s q FLOP term reads it: q = a hd, or a (d_qk + d_v) / 2 under
+    MLA (scores over d_qk, the weighted sum over d_v: 2 s a d_qk + 2 s a d_v FLOPs forward, 4 s q)."""
+    if is_mla(m):
+        return m.n_heads * (qk_head_dim(m) + v_head_dim(m)) / 2
+    return float(head_dims(m)[0])
+
+
+def mla_params(m: ModelConfig, tp: int = 1) -> tuple[int, int]:
+    """(replicated, split) matrix weights of one MLA block on one tp rank: the down-projections to the latents,
+    h r_q and h (r_kv + d_r), replicated over tp; the up-projections r_q a d_qk and r_kv a (d_n + d_v) and the
+    output a d_v h, split by heads (/ t). Without q compression (r_q null) the queries' h a d_qk is split."""
+    a, h, x = m.n_heads, m.hidden_size, m.mla
+    assert x.kv_lora_rank is not None and x.qk_nope_head_dim is not None and x.qk_rope_head_dim is not None
+    replicated = h * (x.kv_lora_rank + x.qk_rope_head_dim)
+    split = x.kv_lora_rank * a * (x.qk_nope_head_dim + v_head_dim(m)) + a * v_head_dim(m) * h
+    if x.q_lora_rank:
+        replicated += h * x.q_lora_rank
+        split += x.q_lora_rank * a * qk_head_dim(m)
+    else:
+        split += h * a * qk_head_dim(m)
+    return replicated, split // tp
+
+
+def mla_norm_params(m: ModelConfig) -> int:
+    """The latents' RMSNorm weights of one MLA block, replicated: r_kv, and r_q with q compression."""
+    return (m.mla.kv_lora_rank or 0) + (m.mla.q_lora_rank or 0)
 
 
 def is_moe_layer(m: ModelConfig, layer: int) -> bool:
@@ -181,7 +240,9 @@ def expert_params(m: ModelConfig, tp: int = 1) -> int:
 
 
 def attention_params(m: ModelConfig, tp: int = 1) -> int:
-    """q|k|v and o of one block on one tp rank: h (q + 2 kv) + h q, over t."""
+    """q|k|v and o of one block on one tp rank: h (q + 2 kv) + h q, over t; under MLA ``mla_params``."""
+    if is_mla(m):
+        return sum(mla_params(m, tp))
     q, kv = head_dims(m)
     return (m.hidden_size * (q + 2 * kv) + m.hidden_size * q) // tp
 
@@ -216,6 +277,8 @@ def block_vector_params(m: ModelConfig, tp: int = 1) -> int:
     ``model.qk_norm``)."""
     h = m.hidden_size
     q, kv = head_dims(m)
+    if is_mla(m):  # the two block norms and the latents' (replicated)
+        return 2 * h + mla_norm_params(m)
     if m.arch == Arch.llama:
         return 2 * h + ((q + 2 * kv) // tp if m.qkv_bias else 0) + (2 * head_dim(m) if m.qk_norm else 0)
     return (q + 2 * kv) // tp + m.ffn_hidden_size // tp + 2 * h + 4 * h
@@ -252,7 +315,7 @@ def model_flops_per_token(m: ModelConfig) -> float:
     without the recompute term: 72 L h^2 (1 + s / 6h + V / 12 L h) per token. An MoE block counts the
     router and the experts a token goes through (k routed, S shared), not the others.
     """
-    q, _ = head_dims(m)
+    q = core_width(m)
     matmul = sum(block_matmul_params(m, layer=i, active=True) for i in range(m.n_layers))
     return 6.0 * (matmul + m.hidden_size * m.vocab_size) + 12.0 * m.n_layers * m.seq_len * q
 
@@ -263,7 +326,7 @@ def recompute_flops_per_token(m: ModelConfig, recompute: str) -> float:
     full: every block's forward again, 2 * L * block_matmul_params + 4 * L * s * q (Narayanan Eq. 3
     counts exactly this: its factor 96 = 4 x 24). selective: the attention core, 4 * L * s * q.
     """
-    q, _ = head_dims(m)
+    q = core_width(m)
     attn = 4.0 * m.n_layers * m.seq_len * q
     if recompute == "full":
         return 2.0 * sum(block_matmul_params(m, layer=i, active=True) for i in range(m.n_layers)) + attn
@@ -292,13 +355,13 @@ def flops_per_token(m: ModelConfig, convention: str = "p3d", recompute: str = "n
     if convention not in FLOP_CONVENTIONS:
         raise ValueError(f"FLOP convention {convention!r}: expected one of {', '.join(FLOP_CONVENTIONS)}")
     base = model_flops_per_token(m)
-    q, kv = head_dims(m)
+    q, kv = (0, 0) if is_mla(m) else head_dims(m)  # MLA: every head its own key and value (no grouping)
     if convention == "eq3":
         return base + recompute_flops_per_token(m, recompute)
     if convention == "nemo_mha":
         return base + 12.0 * m.n_layers * m.hidden_size * (q - kv)
     if convention == "causal":
-        return base - 6.0 * m.n_layers * m.seq_len * q
+        return base - 6.0 * m.n_layers * m.seq_len * core_width(m)
     return base
 
 

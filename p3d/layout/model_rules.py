@@ -1,12 +1,13 @@
-"""The model group's own rules (``model.*``): head shapes, RoPE scaling, the attention window. Each raises
-:class:`P3DConfigError` with one line naming the field and a fix; run_plan.check_config runs them with the rest."""
+"""The model group's own rules (``model.*``): head shapes (GQA's, or MLA's widths), RoPE scaling, the attention
+window. Each raises :class:`P3DConfigError` with one line naming the field and a fix; run_plan.check_config runs them
+with the rest."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from p3d.config.errors import P3DConfigError
-from p3d.config.schema import Config, RopeScaling, RopeType
+from p3d.config.schema import AttentionType, Config, MLAConfig, RopeScaling, RopeType
 from p3d.layout.geometry import head_dim
 
 # the RopeScaling fields each rope_type needs (HF's rope init functions read them; p3d.model.rope likewise)
@@ -17,8 +18,70 @@ ROPE_NEEDS = {
 }
 
 
+# MLA's widths it cannot do without (q_lora_rank null: no q compression)
+MLA_NEEDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+V3_MLA = " ".join(
+    f"model.mla.{k}={v}" for k, v in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64),
+                                      ("v_head_dim", 128))
+)  # fmt: skip
+
+
 def check_model(cfg: Config) -> None:
     m = cfg.model
+    if m.attention == AttentionType.mla:
+        check_mla(cfg)
+    else:
+        check_gqa(cfg)
+    check_rope_scaling(cfg)
+    if m.sliding_window is not None and m.sliding_window < m.seq_len:
+        raise P3DConfigError(
+            f"model.sliding_window={m.sliding_window} is shorter than model.seq_len={m.seq_len}: p3d attends to the "
+            f"whole sequence (no windowed attention); try model.seq_len={m.sliding_window}"
+        )
+
+
+def check_mla(cfg: Config) -> None:
+    """Multi-head latent attention: its widths given (the rotated part even), and none of GQA's pieces."""
+    m, a = cfg.model, cfg.model.mla
+    for name in MLA_NEEDS:
+        if getattr(a, name) is None:
+            raise P3DConfigError(
+                f"model.mla.{name} is null: model.attention=mla needs it (DeepSeek-V3's: {V3_MLA}); set "
+                f"model.mla.{name}, or try model.attention=gqa"
+            )
+    if a.qk_rope_head_dim % 2:  # type: ignore[operator]  # checked non-null above
+        raise P3DConfigError(
+            f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim} must be even for rotary embeddings",
+            [f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim + 1}"],  # type: ignore[operator]
+        )
+    if m.n_kv_heads != m.n_heads:
+        raise P3DConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} must equal model.n_heads={m.n_heads} under model.attention=mla (every "
+            "head expands its own key and value from the latent)",
+            [f"model.n_kv_heads={m.n_heads}"],
+        )
+    for name, why in (("head_dim", "model.mla's widths"), ("qkv_bias", "no q, k, v projections"),
+                      ("qk_norm", "norms over its latents, not over heads")):  # fmt: skip
+        value = getattr(m, name)
+        if value not in (None, False):
+            off = "null" if name == "head_dim" else "false"
+            raise P3DConfigError(
+                f"model.{name}={str(value).lower()} has no effect under model.attention=mla ({why})",
+                [f"model.{name}={off}"],
+            )
+
+
+def check_gqa(cfg: Config) -> None:
+    """Grouped-query attention: the heads' widths, the kv heads dividing the heads; model.mla unset."""
+    m = cfg.model
+    set_fields = [f.name for f in dataclasses.fields(m.mla) if getattr(m.mla, f.name) != getattr(MLAConfig(), f.name)]
+    if set_fields:
+        name = set_fields[0]
+        raise P3DConfigError(
+            f"model.mla.{name}={getattr(m.mla, name)} has no effect with model.attention=gqa (an MLA width: "
+            "model.attention=mla takes it, with the others)",
+            [f"model.mla.{name}=null"],
+        )
     if m.head_dim is None and m.hidden_size % m.n_heads:
         raise P3DConfigError(
             f"model.n_heads={m.n_heads} must divide model.hidden_size={m.hidden_size} (model.head_dim=null: "
@@ -35,12 +98,6 @@ def check_model(cfg: Config) -> None:
         raise P3DConfigError(
             f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (grouped-query attention)",
             [f"model.n_kv_heads={d}" for d in nearest_divisors(m.n_heads, m.n_kv_heads)],
-        )
-    check_rope_scaling(cfg)
-    if m.sliding_window is not None and m.sliding_window < m.seq_len:
-        raise P3DConfigError(
-            f"model.sliding_window={m.sliding_window} is shorter than model.seq_len={m.seq_len}: p3d attends to the "
-            f"whole sequence (no windowed attention); try model.seq_len={m.sliding_window}"
         )
 
 

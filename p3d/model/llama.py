@@ -1,5 +1,6 @@
 """The transformer block every family shares, tensor-parallel: RMSNorm, attention (p3d.model.attention: GQA split
-by heads, with the families' biases, q/k norms and RoPE scalings), and SwiGLU or the mixture of experts
+by heads, with the families' biases, q/k norms and RoPE scalings; or p3d.model.mla: multi-head latent attention,
+``model.attention=mla``), and SwiGLU or the mixture of experts
 (p3d.model.moe). The families differ in fields of the model group, never in branches here (docs/models.md).
 
 Shapes use b = micro batch, s = sequence, h = hidden. The MLP: gate|up column-parallel, down row-parallel.
@@ -21,8 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from p3d.layout.geometry import is_moe_layer
+from p3d.layout.geometry import is_mla, is_moe_layer
 from p3d.model.attention import Attention
+from p3d.model.mla import MultiHeadLatentAttention
 from p3d.model.moe import MoEFeedForward
 from p3d.model.norms import RMSNorm
 from p3d.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
@@ -87,7 +89,8 @@ class TransformerBlock(nn.Module):
         prefix = f"block{layer_idx}"
         sp_group = mesh.tp_group if sequence_parallel else None
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
-        self.attn = Attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention, cp_attention)
+        attention = MultiHeadLatentAttention if is_mla(cfg) else Attention  # model.attention: gqa or mla
+        self.attn = attention(cfg, mesh, f"{prefix}.attn", seed, sequence_parallel, recompute_attention, cp_attention)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, sp_group)
         self.mlp: nn.Module
         if is_moe_layer(cfg, layer_idx):

@@ -60,6 +60,18 @@ def yarn_attention_factor(r: RopeScaling) -> float:
     return _mscale(r.factor)
 
 
+def mla_scale_factor(r: RopeScaling | None) -> float:
+    """What multi-head latent attention multiplies its softmax scale 1/sqrt(d_qk) by (DeepSeek-V2/V3; transformers'
+    ``yarn_apply_mscale``): under a RoPE scaling with ``mscale_all_dim``, yarn's mscale(factor, mscale_all_dim)
+    squared, 1 otherwise. Yarn multiplies cos and sin by the attention factor mscale / mscale_all_dim's (1 for
+    DeepSeek-V3, whose two are equal), so q.k by its square; this restores the full mscale^2 on every score,
+    the rotated part and the rest alike."""
+    if r is None or r.rope_type is None or not r.mscale_all_dim:
+        return 1.0
+    assert r.factor is not None  # model_rules
+    return _mscale(r.factor, r.mscale_all_dim) ** 2
+
+
 def _yarn(head_dim: int, theta: float, r: RopeScaling) -> torch.Tensor:
     old, factor = r.original_max_position_embeddings, r.factor
     assert old and factor  # model_rules

@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 from p3d.config.schema import Config, Recompute
-from p3d.layout.geometry import head_dims
+from p3d.layout.geometry import head_dims, is_mla, v_head_dim
+from p3d.planner import mla
 from p3d.planner.shapes import Layout, dtype_bytes
 
 LONG_SEQUENCE = 16384  # mesh=auto tries cp > 1 from this model.seq_len on (p3d.planner.search); a cp column
@@ -49,6 +50,8 @@ def kv_bytes(cfg: Config, layout: Layout) -> float:
     """b s 2 kv / t c: the keys and values of a micro batch's whole sequences on one tp rank, what one all-gather
     assembles; (cp - 1) / cp of them leave the rank. A ring message is 1/cp of it."""
     m = cfg.model
+    if is_mla(m):  # MLA: the latent travels, the same on every tp rank (p3d.planner.mla)
+        return mla.latent_bytes(cfg, layout)
     _, kv = head_dims(m)
     return layout.micro_batch_size * m.seq_len * 2 * kv / layout.tp * dtype_bytes(cfg)
 
@@ -168,6 +171,8 @@ def attention_working_bytes(cfg: Config, layout: Layout) -> float:
     if cp == 1:
         return 0.0
     m = cfg.model
+    if is_mla(m):
+        return mla.working_bytes(cfg, layout)
     q_width, kv_width = head_dims(m)
     t, b, c = layout.tp, layout.micro_batch_size, dtype_bytes(cfg)
     sl = m.seq_len / cp
@@ -190,7 +195,7 @@ def attention_core_bytes(cfg: Config, layout: Layout) -> float:
     """The cp attention core's peak for one layer's forward and backward, from its q, k, v in (bench/cp.py attention
     measures it): the output (c bytes) and log-sum-exp (fp32) it saves and its working set at the peak."""
     m = cfg.model
-    q_width, _ = head_dims(m)
+    q_width = m.n_heads * v_head_dim(m) if is_mla(m) else head_dims(m)[0]  # the output's width
     t, b, c = layout.tp, layout.micro_batch_size, dtype_bytes(cfg)
     saved = b * local_tokens(cfg, layout) * (q_width / t * c + 4 * m.n_heads / t)
     return saved + attention_working_bytes(cfg, layout)

@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass
 
 from p3d.config.schema import Arch, Config
-from p3d.layout.geometry import expert_ffn_size, head_dims, is_moe_layer, moe_layers, padded_vocab
-from p3d.planner import context, float8
+from p3d.layout.geometry import expert_ffn_size, head_dims, is_mla, is_moe_layer, moe_layers, padded_vocab, qk_head_dim
+from p3d.planner import context, float8, mla
 from p3d.planner.shapes import Layout
 
 # output tiles (rows x columns) a GEMM is cut into; the fastest for each shape is taken
@@ -119,6 +119,13 @@ def block_gemms(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, lis
         "qkv": [Gemm(rows, (q + 2 * kv) / t, h, fp8=float8.fits(dense8, h, (q + 2 * kv) / t))],
         "proj": [Gemm(rows, h, q / t, fp8=float8.fits(dense8, h, q / t))],
     }
+    if is_mla(m):  # MLA's projections (p3d.planner.mla): the replicated down-projections stay bf16
+        out["qkv"] = [
+            Gemm(m_rows, n, k, fp8=float8.fits(dense8, k, n) if split else float8.BF16)
+            for m_rows, n, k, split in mla.projections(cfg, layout, rows)
+        ]
+        width = a / t * mla.widths(cfg)[4]
+        out["proj"] = [Gemm(rows, h, width, fp8=float8.fits(dense8, h, width))]
     layer = moe_layers(m)[0] if moe else 0
     if is_moe_layer(m, layer):
         assert m.moe is not None
@@ -134,8 +141,8 @@ def block_gemms(cfg: Config, layout: Layout, moe: bool = False) -> dict[str, lis
         width = (2 if swiglu else 1) * f / t
         out["fc1"] = [Gemm(rows, width, h, fp8=float8.fits(dense8, h, width))]
         out["fc2"] = [Gemm(rows, h, f / t, fp8=float8.fits(dense8, h, f / t))]
-    flash = cfg.plan.flash_attention or layout.cp > 1
-    hd, heads = q / a, b * a / t
+    flash = cfg.plan.flash_attention or layout.cp > 1 or is_mla(m)
+    hd, heads = (qk_head_dim(m) if is_mla(m) else q / a), b * a / t  # MLA: v padded to d_qk for the flash kernel
     s_q, s_kv = s, m.seq_len
     if flash:  # one kernel: a tile of 128 queries loops over the keys, both products per step; half the tiles causal
         out["attn"] = [Gemm(s_q, hd, 2 * s_kv, heads / 2, io=False)]

@@ -94,8 +94,8 @@ import math
 from dataclasses import dataclass, field
 
 from p3d.config.schema import Arch, Config, DataSource, DType, Recompute
-from p3d.layout.geometry import head_dim, head_dims, padded_vocab, token_bytes
-from p3d.planner import experts
+from p3d.layout.geometry import head_dim, head_dims, is_mla, padded_vocab, token_bytes
+from p3d.planner import experts, mla
 from p3d.planner.context import attention_working_bytes, local_tokens
 from p3d.planner.shapes import Layout, StageParams, dtype_bytes, stage_params
 
@@ -206,6 +206,14 @@ def block_bytes(cfg: Config, layout: Layout, recompute: Recompute | None = None,
     flash = cfg.plan.flash_attention or layout.cp > 1
     if recompute == Recompute.full:
         return b * s * c * h / sp
+    if m.arch == Arch.llama and is_mla(m):  # multi-head latent attention (p3d.planner.mla), always on a fused kernel
+        ffn = experts.ffn_activation_bytes(cfg, layout, recompute) if moe else 0.0
+        selective = recompute == Recompute.selective
+        per_token = 2 * _norm_bytes(cfg) / sp + (0 if moe else c * 4 * f / t)
+        per_token += mla.attention_bytes_per_token(cfg, layout, selective)
+        if selective and sched.recompute_swiglu and not moe:
+            per_token -= c * f / t
+        return b * s * per_token + (0 if selective else mla.rope_table_bytes(cfg, layout)) + ffn
     if m.arch == Arch.llama:
         ffn = experts.ffn_activation_bytes(cfg, layout, recompute) if moe else 0.0
         selective = recompute == Recompute.selective

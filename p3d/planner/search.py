@@ -191,10 +191,12 @@ def search(cfg: Config) -> list[Prediction]:
             smallest = r
     if not reports:
         if smallest is None:
+            gbs = cfg.schedule.global_batch_size
+            larger = batch_with_layouts(cfg)
+            fix = f"try schedule.global_batch_size={larger}" if larger else "change the batch size or cluster.nodes"
             raise P3DConfigError(
                 f"mesh=auto: no valid layout of {world_size(cfg)} GPUs for model={cfg.model.name} "
-                f"with schedule.global_batch_size={cfg.schedule.global_batch_size}; change the "
-                "batch size or cluster.nodes"
+                f"with schedule.global_batch_size={gbs} (each replica's micro batches must fill its pipeline); {fix}"
             )
         lean = smallest.layout
         raise P3DConfigError(
@@ -205,6 +207,17 @@ def search(cfg: Config) -> list[Prediction]:
     # above 90 % of a device's memory last (verdict.headroom_warning: what the plan leaves out takes some GB)
     reports.sort(key=lambda r: (headroom_warning(r) is not None, -r.tokens_per_s, r.worst.total))
     return reports
+
+
+def batch_with_layouts(cfg: Config, doublings: int = 12) -> int | None:
+    """The smallest global batch of the given one times 2, 4, ... that the cluster has a valid layout for (so many
+    GPUs need as many sequences: a pipeline's micro batches, the dp replicas), or None within ``doublings``."""
+    gbs = cfg.schedule.global_batch_size
+    for k in range(1, doublings + 1):
+        trial = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, global_batch_size=gbs << k))
+        if candidates(trial):
+            return gbs << k
+    return None
 
 
 def best_layout(cfg: Config) -> Layout:

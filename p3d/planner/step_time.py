@@ -64,12 +64,14 @@ from p3d.config.schema import Arch, Config, Recompute
 from p3d.layout.geometry import (
     chunk_to_rank,
     head_dims,
+    is_mla,
     moe_layers,
     padded_vocab,
+    qk_head_dim,
 )
 from p3d.layout.hetero import mean_slowdown
 from p3d.layout.schedule_rules import V_SHAPED
-from p3d.planner import context, experts, float8
+from p3d.planner import context, experts, float8, mla
 from p3d.planner.gemms import Gemm, block_gemms, head_gemm
 from p3d.planner.machine import (  # noqa: F401 - HBM_EFFICIENCY, COMM_EFFICIENCY, ...: importers read them here
     COMM_EFFICIENCY,
@@ -141,7 +143,12 @@ def block_work(cfg: Config, layout: Layout, moe: bool = False) -> BlockWork:
     sp = t if sched.sequence_parallel else 1
     flash = cfg.plan.flash_attention or layout.cp > 1
     core = (2 * q + 2 * kv) / t + (0 if flash else (2 if m.arch == Arch.llama else 4.5) * a * s / t)
-    if m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up (MoE: the experts', the permutation)
+    if is_mla(m):  # q, k, v padded and the output, d_qk wide each (p3d.planner.mla)
+        core = 4 * a * qk_head_dim(m) / t
+    if m.arch == Arch.llama and is_mla(m):  # 2 norms + 2 residual adds; MLA's latents' norms, rope, assembly
+        ffn = experts.ffn_side_elements(cfg, layout) if moe else 5 * f / t
+        side = 10 * h / sp + mla.side_elements(cfg, layout) + ffn
+    elif m.arch == Arch.llama:  # 2 norms + 2 residual adds; rope; silu(gate) * up (MoE: the experts', the permutation)
         ffn = experts.ffn_side_elements(cfg, layout) if moe else 5 * f / t
         side = 10 * h / sp + 4 * (q + kv) / t + ffn
         # the families' pieces: the q|k|v bias add (read, write), the q and k heads' norms (as a block's norm)

@@ -37,7 +37,7 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run_of_every_step(tmp_path):
     assert "no CUDA GPU found" in out
     for step in ("a", "b", "c", "e", "i"):  # i: float8 (train.fp8=tensorwise) on the preset's GPU
         assert f"gpu-check step {step}: dry: config ok" in out, out[-3000:]
-    for step in ("f", "g", "h"):  # the layer steps run with the CPU as the device: the code path, not only a config
+    for step in ("f", "g", "h", "j"):  # the layer steps run with the CPU as the device: the code path, not a config
         assert f"gpu-check step {step}: dry: ran on the cpu" in out, out[-3000:]
     assert "predicted_peak_gb" in out and "predicted_speedup" in out and "all steps passed (dry)" in out
     assert not docs.exists()  # figures are written only by a run on a GPU

@@ -212,6 +212,26 @@ CASES: dict[str, Case] = {
     "p3d-train model.init_from=/models/Qwen3-8B mesh=tp2_pp2": Case(
         "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/Qwen3-8B .*no config.json there"
     ),
+    "p3d-train model.init_from=/models/DeepSeek-V3 model.drop_mtp=true mesh=auto cluster=h100_sxm "
+    "cluster.nodes=256": Case(
+        "refused", expect=r"^p3d: (config|input) error: model.init_from=/models/DeepSeek-V3 .*no config.json there"
+    ),
+    "p3d-train model=deepseek_v3 cluster=h100_sxm cluster.nodes=256 mesh=auto dry_run=true": Case(
+        "refused",
+        expect=r"^p3d: config error: mesh=auto: no valid layout of 2048 GPUs .*try schedule.global_batch_size=256$",
+    ),
+    "p3d-train model=deepseek_v3 cluster=h100_sxm cluster.nodes=256 mesh=auto dry_run=true "
+    "schedule.global_batch_size=15360": Case(
+        "run",
+        extra=(),
+        slow=True,  # mesh=auto's search over 2048 GPUs (minutes); tests/unit/layout/test_tensors.py
+    ),  # holds the closed form it prints
+    "p3d-plan model=deepseek_v3 cluster=h100_sxm cluster.nodes=256 mesh=auto schedule.global_batch_size=15360": Case(
+        "run", extra=(), slow=True
+    ),
+    "p3d-plan model=deepseek_v3 cluster=h100_sxm cluster.nodes=256 mesh.tp=1 mesh.pp=16 mesh.dp=128 mesh.ep=64 "
+    "zero=stage1 schedule.global_batch_size=15360 schedule.micro_batch_size=1 schedule.pipeline=1f1b "
+    "schedule.recompute=full": Case("run", extra=()),
     "p3d-train model=tiny model.head_dim=12 model.qkv_bias=true model.qk_norm=true model.rope_scaling.rope_type=yarn "
     "model.rope_scaling.factor=4 model.rope_scaling.original_max_position_embeddings=16": Case(
         "run",

@@ -4,6 +4,7 @@ docs/models.md). To add one: a module beside these with its :class:`Architecture
 from __future__ import annotations
 
 from p3d.hf.architectures.base import Architecture, Field, Fixed
+from p3d.hf.architectures.deepseek_v3 import DEEPSEEK_V3
 from p3d.hf.architectures.llama import LLAMA
 from p3d.hf.architectures.mistral import MISTRAL
 from p3d.hf.architectures.mixtral import MIXTRAL
@@ -11,10 +12,20 @@ from p3d.hf.architectures.qwen2 import QWEN2
 from p3d.hf.architectures.qwen3 import QWEN3
 from p3d.hf.architectures.qwen3_moe import QWEN3_MOE
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL)
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3)
 BY_FAMILY = {a.model_type: a for a in ARCHITECTURES}  # model.family is the architecture's model_type
 
-__all__ = ["ARCHITECTURES", "BY_FAMILY", "LLAMA", "MIXTRAL", "Architecture", "Field", "Fixed", "of_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "BY_FAMILY",
+    "DEEPSEEK_V3",
+    "LLAMA",
+    "MIXTRAL",
+    "Architecture",
+    "Field",
+    "Fixed",
+    "of_model",
+]
 
 
 def of_model(m) -> Architecture:

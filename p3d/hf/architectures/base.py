@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from p3d.config.options import AttentionType
+
 
 @dataclass(frozen=True)
 class Field:
@@ -47,7 +49,10 @@ class Architecture:
     config.json key. ``fixed``: model fields the architecture implies. ``accepted``: config.json keys p3d does not
     map, with the values that change nothing in p3d's model (any other value is refused: p3d would ignore it).
     ``ignored``: keys that never change the computation (token ids, caching, init). ``window_keys``: the keys of its
-    attention window. ``written``: constants the export adds to config.json."""
+    attention window. ``written``: constants the export adds to config.json. ``row_orders``: p3d tensor -> a function of
+    the model giving, for each of its rows, the HF row it is read from (DeepSeek's interleaved rotary rows,
+    p3d.hf.rope_rows; the export writes them back). ``fp8_blocks``: it may come block-quantized (float8 weights with a
+    ``weight_scale_inv`` each, as config.json's ``quantization_config`` says; p3d.hf.fp8), dequantized at import."""
 
     name: str  # config.json "architectures": ["<name>"]
     model_type: str  # config.json "model_type", and p3d's model.family
@@ -62,11 +67,17 @@ class Architecture:
     ignored: frozenset[str] = frozenset()
     window_keys: tuple[str, ...] = ()
     written: Mapping[str, Any] = field(default_factory=dict)
+    row_orders: Mapping[str, Callable[[Any], list[int]]] = field(default_factory=dict)
+    fp8_blocks: bool = False
+    mtp_key: str | None = None  # config.json's count of multi-token prediction layers after the blocks (DeepSeek-V3)
 
     def hf_block_names(self) -> set[str]:
         """Every HF tensor name below ``model.layers.<i>.`` this architecture has (experts' with ``{j}``)."""
         return {n for names in (*self.block.values(), *self.expert.values()) for n in names}
 
+
+# every architecture but DeepSeek-V3's: q, k, v projections of model.head_dim per head
+GQA = Fixed(AttentionType.gqa, "its attention is grouped-query attention (q, k, v projections), not MLA")
 
 # ---- the tensors of a Llama-like block (p3d name below "<layer>." -> HF names below "model.layers.<i>.")
 

@@ -7,6 +7,7 @@ from p3d.hf.architectures.base import (
     COMMON_DEFAULTS,
     COMMON_FIELDS,
     DENSE_BLOCK,
+    GQA,
     METADATA,
     Architecture,
     Fixed,
@@ -20,7 +21,7 @@ LLAMA = Architecture(
     model_type="llama",
     block=DENSE_BLOCK,
     fields=COMMON_FIELDS,
-    fixed={"qkv_bias": NO_QKV_BIAS, "qk_norm": NO_QK_NORM},
+    fixed={"attention": GQA, "qkv_bias": NO_QKV_BIAS, "qk_norm": NO_QK_NORM},
     defaults={**COMMON_DEFAULTS, "max_position_embeddings": 2048},
     accepted={**COMMON_ACCEPTED, "attention_bias": (False,), "mlp_bias": (False,)},
     ignored=METADATA | {"pretraining_tp"},  # transformers 5 computes the same with any value

@@ -8,6 +8,7 @@ from p3d.hf.architectures.base import (
     COMMON_DEFAULTS,
     COMMON_FIELDS,
     DENSE_BLOCK,
+    GQA,
     METADATA,
     Architecture,
 )
@@ -18,7 +19,7 @@ MISTRAL = Architecture(
     model_type="mistral",
     block=DENSE_BLOCK,
     fields=COMMON_FIELDS,
-    fixed={"qkv_bias": NO_QKV_BIAS, "qk_norm": NO_QK_NORM},
+    fixed={"attention": GQA, "qkv_bias": NO_QKV_BIAS, "qk_norm": NO_QK_NORM},
     defaults={**COMMON_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096},
     accepted=COMMON_ACCEPTED,
     ignored=METADATA,

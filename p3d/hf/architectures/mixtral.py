@@ -10,6 +10,7 @@ from p3d.hf.architectures.base import (
     COMMON_ACCEPTED,
     COMMON_DEFAULTS,
     COMMON_FIELDS,
+    GQA,
     METADATA,
     NORMS,
     Architecture,
@@ -22,6 +23,7 @@ SOFTMAX_ROUTER = {
     "moe.score": Fixed(RouterScore.softmax, "its router takes a softmax over the experts' logits"),
     "moe.n_shared_experts": Fixed(0, "it has no shared experts"),
     "moe.route_scale": Fixed(1.0, "it does not scale its experts' output"),
+    "moe.n_groups": Fixed(1, "its router chooses among all the experts (DeepSeek-V3's grouping would be lost)"),
 }
 ROUTER_FIELDS = {"moe.top_k": "num_experts_per_tok", "moe.aux_loss_coef": "router_aux_loss_coef"}
 MOE_IGNORED = frozenset({"output_router_logits"})  # whether transformers returns the router's logits
@@ -50,6 +52,7 @@ MIXTRAL = Architecture(
         **ROUTER_FIELDS,
     },
     fixed={
+        "attention": GQA,
         "qkv_bias": NO_QKV_BIAS,
         "qk_norm": NO_QK_NORM,
         **SOFTMAX_ROUTER,

@@ -8,6 +8,7 @@ from p3d.hf.architectures.base import (
     COMMON_DEFAULTS,
     COMMON_FIELDS,
     DENSE_BLOCK,
+    GQA,
     METADATA,
     QK_NORM,
     Architecture,
@@ -16,6 +17,7 @@ from p3d.hf.architectures.base import (
 from p3d.hf.architectures.qwen2 import QWEN_WINDOW
 
 QWEN3_ATTENTION = {
+    "attention": GQA,
     "qkv_bias": Fixed(False, "its q, k and v have no biases (attention_bias=true would add one to o_proj too)"),
     "qk_norm": Fixed(True, "Qwen3 normalises every query and key head (q_norm, k_norm)"),
 }

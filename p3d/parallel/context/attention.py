@@ -16,6 +16,10 @@ All-gather backward: k and v are gathered again; each block's kernel backward ru
 log-sum-exp (the flash identity, p3d.compat.sdpa_kernels); dq sums over a chunk's blocks, and dK, dV, (b, nkv, s, hd)
 fp32 partial sums on every rank, accumulated in rank order, are reduce-scattered back to the ranks that hold each
 chunk. Which of the two variants wins where: docs/context.md.
+
+The softmax scale is an argument (None: 1/sqrt(hd); MLA's is DeepSeek's), and the values may be narrower than the
+keys (MLA: v (b, nkv, sl, d_v) beside k (b, nkv, sl, d_qk)); the output then has the values' width. MLA's own
+variant, whose keys and values travel as their latent, is p3d.parallel.context.latent.
 """
 
 from __future__ import annotations
@@ -66,22 +70,28 @@ def chunk_blocks(k_all: torch.Tensor, v_all: torch.Tensor, chunk: int, c: int) -
     return blocks
 
 
-def empty_output(q: torch.Tensor) -> torch.Tensor:
-    """(b, nh, sl, hd) stored as (b, sl, nh, hd), as flash attention stores its output: the block's (b, sl, nh hd)
-    view for the output projection is then this storage, not a copy kept beside it."""
+def empty_output(q: torch.Tensor, v_dim: int | None = None) -> torch.Tensor:
+    """(b, nh, sl, d_v) stored as (b, sl, nh, d_v), as flash attention stores its output: the block's
+    (b, sl, nh d_v) view for the output projection is then this storage, not a copy kept beside it. ``v_dim``:
+    the values' width (None: q's hd)."""
     b, nh, sl, hd = q.shape
-    return q.new_empty(b, sl, nh, hd).transpose(1, 2)
+    return q.new_empty(b, sl, nh, v_dim or hd).transpose(1, 2)
+
+
+def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
+    """``scale``, or 1/sqrt(hd) of q's heads when None (SDPA's default)."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
 class _AllGatherKVAttention(torch.autograd.Function):
     """forward: (q, k, v) of this rank's tokens -> the attention output (b, nh, sl, hd); backward: module doc."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, cp: int, cp_rank: int):
-        ctx.group, ctx.cp, ctx.cp_rank = group, cp, cp_rank
+    def forward(ctx, q, k, v, group, cp: int, cp_rank: int, scale: float):
+        ctx.group, ctx.cp, ctx.cp_rank, ctx.scale = group, cp, cp_rank, scale
         with torch.autocast(q.device.type, enabled=False):
             k_all, v_all = gather_sequence(k, group, cp), gather_sequence(v, group, cp)  # (b, nkv, s, hd)
-            out, lse, ctx.rng = _gathered_forward(q, k_all, v_all, cp, cp_rank)
+            out, lse, ctx.rng = gathered_forward(q, k_all, v_all, cp, cp_rank, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -93,7 +103,7 @@ class _AllGatherKVAttention(torch.autograd.Function):
             dk = reduce_scatter_ranks(dk_by_rank, ctx.group).to(k.dtype)
             del dk_by_rank  # one partial sum of the whole sequence at a time
             dv = reduce_scatter_ranks(dv_by_rank, ctx.group).to(v.dtype)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _gathered_backward(grad_out, q, k, v, out, lse, ctx):
@@ -101,14 +111,14 @@ def _gathered_backward(grad_out, q, k, v, out, lse, ctx):
     rank order (what the reduce-scatter takes, no copy). The gathered keys and values are freed on return."""
     cp = ctx.cp
     k_all, v_all = gather_sequence(k, ctx.group, cp), gather_sequence(v, ctx.group, cp)
-    return _blocks_backward(grad_out, q, k_all, v_all, out, lse, cp, ctx.cp_rank, ctx.rng)
+    return blocks_backward(grad_out, q, k_all, v_all, out, lse, cp, ctx.cp_rank, ctx.rng, ctx.scale)
 
 
-def _gathered_forward(q, k_all, v_all, cp: int, cp_rank: int):
-    """This rank's queries q (b, nh, sl, hd) over the whole sequence's k_all, v_all (b, nkv, s, hd) -> (out
-    (b, nh, sl, hd) in q's dtype, lse (b, nh, sl) fp32, the kernels' rng state)."""
-    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
-    out = empty_output(q)
+def gathered_forward(q, k_all, v_all, cp: int, cp_rank: int, scale: float):
+    """This rank's queries q (b, nh, sl, hd) over the whole sequence's k_all (b, nkv, s, hd), v_all (b, nkv, s, d_v)
+    -> (out (b, nh, sl, d_v) in q's dtype, lse (b, nh, sl) fp32, the kernels' rng state)."""
+    c = q.shape[2] // 2
+    out = empty_output(q, v_all.shape[-1])
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # (b, nh, sl)
     rng = ()
     for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
@@ -117,13 +127,14 @@ def _gathered_forward(q, k_all, v_all, cp: int, cp_rank: int):
     return out, lse, rng
 
 
-def _blocks_backward(grad_out, q, k_all, v_all, out, lse, cp: int, cp_rank: int, rng):
-    """The backward of ``_gathered_forward``: dq (b, nh, sl, hd), dK, dV (cp, b, nkv, sl, hd) fp32 in rank order."""
-    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+def blocks_backward(grad_out, q, k_all, v_all, out, lse, cp: int, cp_rank: int, rng, scale: float):
+    """The backward of ``gathered_forward``: dq (b, nh, sl, hd), dK (cp, b, nkv, sl, hd), dV (cp, b, nkv, sl, d_v)
+    fp32 in rank order."""
+    c = q.shape[2] // 2
     dq = torch.empty_like(q)
     b, nkv, s, hd = k_all.shape
     dk_by_rank = torch.zeros((cp, b, nkv, s // cp, hd), dtype=torch.float32, device=k_all.device)
-    dv_by_rank = torch.zeros_like(dk_by_rank)
+    dv_by_rank = torch.zeros((cp, b, nkv, s // cp, v_all.shape[-1]), dtype=torch.float32, device=v_all.device)
     for half, chunk in enumerate(chunk_ids(cp, cp_rank)):
         rows = slice(half * c, (half + 1) * c)
         blocks = chunk_blocks(k_all, v_all, chunk, c)
@@ -150,10 +161,10 @@ class _OneRankAttention(torch.autograd.Function):
     """``one_rank_attention``: the all-gather variant's forward and backward with the sequence already whole."""
 
     @staticmethod
-    def forward(ctx, q, k_all, v_all, cp: int, cp_rank: int):
-        ctx.cp, ctx.cp_rank = cp, cp_rank
+    def forward(ctx, q, k_all, v_all, cp: int, cp_rank: int, scale: float):
+        ctx.cp, ctx.cp_rank, ctx.scale = cp, cp_rank, scale
         with torch.autocast(q.device.type, enabled=False):
-            out, lse, ctx.rng = _gathered_forward(q, k_all, v_all, cp, cp_rank)
+            out, lse, ctx.rng = gathered_forward(q, k_all, v_all, cp, cp_rank, scale)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
         return out
 
@@ -161,36 +172,47 @@ class _OneRankAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k_all, v_all, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk_by_rank, dv_by_rank = _blocks_backward(grad_out, q, k_all, v_all, out, lse, ctx.cp, ctx.cp_rank,
-                                                          ctx.rng)  # fmt: skip
+            dq, dk_by_rank, dv_by_rank = blocks_backward(grad_out, q, k_all, v_all, out, lse, ctx.cp, ctx.cp_rank,
+                                                         ctx.rng, ctx.scale)  # fmt: skip
             dk = to_global_order(list(dk_by_rank), dim=2).to(k_all.dtype)
             dv = to_global_order(list(dv_by_rank), dim=2).to(v_all.dtype)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def one_rank_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, cp: int, cp_rank: int):
+def one_rank_attention(
+    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, cp: int, cp_rank: int, scale: float | None = None
+):
     """What cp rank ``cp_rank`` of ``cp`` computes, in one process and without a process group (checks on one
     device, e.g. bench/gpu_layers.py): its queries q (b, nh, s / cp, hd) in local order (chunks.take_local) over the
     whole sequence's k_all, v_all (b, nkv, s, hd), through the same blocks, fused kernels and log-sum-exp merge as
     the all-gather variant, in the dtype they come in. Out: (b, nh, s / cp, hd). Backward: q's gradient, and k_all's
     and v_all's from this rank's queries only (the sum over the cp ranks is the whole attention's, what the
-    reduce-scatter forms)."""
-    return _OneRankAttention.apply(q, k_all, v_all, cp, cp_rank)
+    reduce-scatter forms). ``scale``: the softmax scale (None: 1/sqrt(hd))."""
+    return _OneRankAttention.apply(q, k_all, v_all, cp, cp_rank, softmax_scale(q, scale))
 
 
 def context_parallel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int, cp_rank: int, variant: str = "allgather"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    cp: int,
+    cp_rank: int,
+    variant: str = "allgather",
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries q (b, nh, sl, hd) over the whole sequence's keys and values, of
-    which this rank holds k, v (b, nkv, sl, hd); the cp ranks of ``group`` call it together. ``variant``: how the
-    keys travel, "allgather" or "ring" (docs/context.md). Under autocast the kernels run in its dtype (the run's
-    bf16), as SDPA would. Out: (b, nh, sl, hd)."""
+    which this rank holds k (b, nkv, sl, hd) and v (b, nkv, sl, d_v); the cp ranks of ``group`` call it together.
+    ``variant``: how the keys travel, "allgather" or "ring" (docs/context.md). ``scale``: the softmax scale (None:
+    1/sqrt(hd)). Under autocast the kernels run in its dtype (the run's bf16), as SDPA would. Out:
+    (b, nh, sl, d_v)."""
     device = q.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    scale = softmax_scale(q, scale)
     if variant == "ring":
-        return ring_attention(q, k, v, group, cp, cp_rank)
+        return ring_attention(q, k, v, group, cp, cp_rank, scale)
     if variant != "allgather":
         raise ValueError(f"context-parallel attention {variant!r}: one of {', '.join(VARIANTS)}")
-    return _AllGatherKVAttention.apply(q, k, v, group, cp, cp_rank)
+    return _AllGatherKVAttention.apply(q, k, v, group, cp, cp_rank, scale)

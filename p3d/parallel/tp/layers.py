@@ -149,6 +149,27 @@ class RowParallelLinear(nn.Module):
         return {"kind": "cols"}
 
 
+class ReplicatedLinear(nn.Module):
+    """Y = X A with A (out, in) whole on every tp rank (no bias): MLA's down-projections to its latents, small beside
+    the heads' matrices. Without sequence parallelism every tp rank computes the same Y from the same X; its
+    gradient then arrives summed over tp by the column-parallel layer Y enters (copy_to_tp), so A's gradient is the
+    same on every rank. With ``sp_group`` (sequence parallelism) X is this rank's (b, s/tp, in) block: A enters
+    through copy_to_tp, so its gradient, partial over the sequence blocks, is summed over tp (as the norms' are).
+    Not float8 under ``train.fp8`` (p3d.parallel.tp.float8 converts the column and row layers)."""
+
+    def __init__(self, in_features: int, out_features: int, key: str, std: float, seed: int, sp_group=None):
+        super().__init__()
+        self.sp_group = sp_group
+        self.weight = _new_param((out_features, in_features), lambda: master_normal((out_features, in_features), std,
+                                                                                    key, seed))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is None:
+            return F.linear(x, compute_weight(self.weight))  # (b, s, out)
+        # the fp32 weight enters the sum over tp (autocast casts it after): its gradient is summed in fp32
+        return F.linear(x, copy_to_tp(self.weight, self.sp_group))  # (b, s/tp, out)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table E (V_pad, h) split by vocab rows: rank r holds rows [r V_pad/tp, (r+1) V_pad/tp).
 

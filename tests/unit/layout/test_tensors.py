@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from p3d.config.schema import ModelConfig, MoEConfig
+from p3d.config.options import AttentionType
+from p3d.config.schema import MLAConfig, ModelConfig, MoEConfig
 from p3d.layout.geometry import active_params, total_params
 from p3d.layout.tensors import block_tensors, end_tensors, numel
 from tests.helpers.runs import compose_config
@@ -52,7 +53,26 @@ def _summed(m: ModelConfig) -> int:
     return blocks + sum(numel(t) for t in end_tensors(m).values())
 
 
-@pytest.mark.parametrize("preset", [*PUBLISHED, "mixtral_8x7b", "moe_tiny", "tiny", "small"])
+def test_deepseek_v3_is_671b_with_37b_active():
+    """The preset's closed form against DeepSeek-V3's, written out from its config.json (arXiv 2412.19437: "671B
+    total parameters with 37B activated for each token", without the 14B of its multi-token prediction module): per
+    block MLA's W_qa h r_q, its norm r_q, W_qb r_q a (d_n + d_r), W_kva h (r_kv + d_r), its norm r_kv, W_kvb r_kv
+    a (d_n + d_v), W_o a d_v h, and two norms h; 3 dense blocks of 3 h f; 58 MoE blocks of a router E h, E routed and 1
+    shared expert of 3 h f_e (active: 8 routed and the shared one); the embedding and the head V h, the final norm."""
+    m = compose_config("model=deepseek_v3").model
+    h, a, r_q, r_kv, d_n, d_r, d_v = 7168, 128, 1536, 512, 128, 64, 128
+    V, f, f_e, E, k, L, dense = 129280, 18432, 2048, 256, 8, 61, 3
+    attention = h * r_q + r_q + r_q * a * (d_n + d_r) + h * (r_kv + d_r) + r_kv + r_kv * a * (d_n + d_v) + a * d_v * h
+    blocks = L * (attention + 2 * h) + dense * 3 * h * f
+    ends = 2 * V * h + h
+    assert total_params(m) == blocks + (L - dense) * (E * h + (E + 1) * 3 * h * f_e) + ends == 671_026_404_352
+    assert active_params(m) == blocks + (L - dense) * (E * h + (k + 1) * 3 * h * f_e) + ends == 37_552_282_624
+    assert round(total_params(m) / 1e9) == 671 and int(active_params(m) / 1e9) == 37  # the report's 671B and 37B
+
+
+@pytest.mark.parametrize(
+    "preset", [*PUBLISHED, "mixtral_8x7b", "moe_tiny", "tiny", "small", "deepseek_v3", "deepseek_v3_tiny"]
+)
 def test_the_tensors_add_up_to_the_closed_form(preset):
     m = compose_config(f"model={preset}").model
     assert _summed(m) == total_params(m)
@@ -63,7 +83,14 @@ MOE = dataclasses.replace(WIDE, moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_s
                                               first_dense_layers=1))  # fmt: skip
 
 
-@pytest.mark.parametrize("m", [WIDE, MOE, ModelConfig()], ids=["head_dim-bias-qk_norm", "moe", "tiny"])
+MLA = dataclasses.replace(MOE, head_dim=None, qkv_bias=False, qk_norm=False, n_kv_heads=4,
+                          attention=AttentionType.mla, mla=MLAConfig(12, 10, 6, 4, 8))  # fmt: skip
+MLA_NO_Q_LATENT = dataclasses.replace(MLA, mla=MLAConfig(None, 10, 6, 4, 8))
+
+
+@pytest.mark.parametrize(
+    "m", [WIDE, MOE, ModelConfig(), MLA, MLA_NO_Q_LATENT], ids=["head_dim-bias-qk_norm", "moe", "tiny", "mla", "mla-q"]
+)
 def test_the_built_blocks_hold_exactly_these_tensors(m):
     """head_dim 16 of a 48 hidden (not 12), biases, q/k norms, a dense and MoE blocks: names and shapes of the
     single-process twin's parameters are block_tensors' (and the count the closed form)."""

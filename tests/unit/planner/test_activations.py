@@ -69,6 +69,8 @@ def saved_bytes(cfg, checkpoint_blocks: bool = False) -> int:
 
 
 FAMILY = ("model.head_dim=12", "model.qkv_bias=true", "model.qk_norm=true")
+MLA = ("model.attention=mla", "model.n_kv_heads=8", "model.mla.q_lora_rank=24", "model.mla.kv_lora_rank=16",
+       "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6")  # fmt: skip
 CASES = [
     ("model=tiny", "mesh=single"),
     ("model=tiny", "mesh=single", "train.dtype=bf16"),  # fp32 norm internals, bf16 elsewhere
@@ -81,6 +83,11 @@ CASES = [
     ("model=tiny", "mesh=single", *FAMILY),
     ("model=tiny", "mesh=single", *FAMILY, "train.dtype=bf16"),
     ("model=tiny", "mesh=single", *FAMILY, "schedule.recompute=selective"),
+    # multi-head latent attention (DeepSeek-V3's, p3d.planner.mla): its latents, the core with v padded for the kernel
+    ("model=tiny", "mesh=single", *MLA),
+    ("model=tiny", "mesh=single", *MLA, "train.dtype=bf16"),
+    ("model=tiny", "mesh=single", *MLA, "schedule.recompute=selective"),
+    ("model=tiny", "mesh=single", *MLA, "model.mla.q_lora_rank=null", "schedule.micro_batch_size=4"),
     ("model=small", "mesh=single", "schedule.micro_batch_size=1"),  # seq 1024, vocab 50304, tied
     ("model=small", "mesh=single", "schedule.micro_batch_size=1", "train.dtype=bf16", "model.seq_len=256"),
     ("model=small", "mesh=single", "schedule.micro_batch_size=1", "schedule.recompute=selective"),
@@ -88,6 +95,7 @@ CASES = [
 # slow tier (3-8 s each): model=small's inventories (a tied 50,304-token vocabulary, 12 blocks); model=tiny's cases
 # above run every path (fp32, bf16, full and selective recompute, GQA and not), the family pieces in fp32
 SLOW = {CASES[-3], CASES[-2], CASES[-1], CASES[8], CASES[9]}  # and the family pieces in bf16, under selective
+SLOW |= {CASES[11], CASES[13]}  # MLA in bf16, and without q compression
 
 
 def _case_id(o: tuple[str, ...]) -> str:

@@ -89,6 +89,22 @@ def test_nothing_fits_is_a_config_error(make_cfg):
         best_layout(cfg)
 
 
+def test_a_batch_too_small_for_the_cluster_is_refused_naming_one_it_has_layouts_for(make_cfg):
+    """DeepSeek-V3 on 2048 H100s with the default 16 sequences: no layout fills its pipelines; the refusal names the
+    smallest doubling of the batch that has layouts (with 256: tp8 x pp16 x dp16, a micro batch per stage)."""
+    from p3d.planner.search import candidates
+
+    cfg = make_cfg("model=deepseek_v3", "mesh=auto", "cluster=h100_sxm", "cluster.nodes=256")
+    with pytest.raises(P3DConfigError) as err:
+        best_layout(cfg)
+    assert str(err.value).endswith("(each replica's micro batches must fill its pipeline); try "
+                                   "schedule.global_batch_size=256"), str(err.value)  # fmt: skip
+    assert candidates(make_cfg("model=deepseek_v3", "mesh=auto", "cluster=h100_sxm", "cluster.nodes=256",
+                               "schedule.global_batch_size=256"))  # fmt: skip
+    assert not candidates(make_cfg("model=deepseek_v3", "mesh=auto", "cluster=h100_sxm", "cluster.nodes=256",
+                                   "schedule.global_batch_size=128"))  # fmt: skip
+
+
 def test_auto_on_cpu_needs_a_gpu_count(make_cfg):
     with pytest.raises(P3DConfigError, match="mesh=auto needs the number of GPUs"):
         best_layout(make_cfg("mesh=auto"))
