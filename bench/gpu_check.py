@@ -58,7 +58,7 @@ BF16_SMALL = ["model=small", "model.seq_len=256", "mesh=single", "schedule.micro
 BF16_SMALL += ["schedule.global_batch_size=16", "train.dtype=bf16"]
 TORCH_EXECUTOR = [*BF16_SMALL, "zero=stage3"]  # one rank: torch's Schedule1F1B (DeepSpeed refuses ZeRO-3)
 PARITY_MESHES = {"dp2": 2, "tp2": 2, "pp2": 2, "tp2_pp2": 4, "dp2_pp2_tp2": 8}
-# float8 (train.fp8, docs/precision.md): llama3_1b on the torch executor (one rank: zero=stage3), bf16 then tensorwise
+# float8 (train.fp8, docs/precision.md): llama3_2_1b on the torch executor (one rank: zero=stage3), bf16 then tensorwise
 FLOAT8_BASE = [*THROUGHPUT, "zero=stage3", "train.dtype=bf16"]
 FLOAT8_RTOL = 0.02  # per-step loss, float8 vs bf16 on the GPU, 30 steps
 
@@ -355,7 +355,7 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         Step("f", "FSDP2: a model=tiny chunk under ZeRO-3 on a one-rank mesh, bf16 vs its fp32 CPU twin"),
         Step("g", "an MoE layer (moe_tiny) in bf16 vs its fp32 CPU twin: output and gradients"),
         Step("h", "cp = 2 attention, each rank's fused kernels and LSE merge, bf16 vs SDPA fp32 on the CPU (2k)"),
-        Step("i", f"train.fp8=tensorwise vs bf16, llama3_1b 30 steps: speedup vs p3d-plan's, loss rtol {FLOAT8_RTOL}"),
+        Step("i", f"train.fp8=tensorwise vs bf16, llama3_2_1b 30 steps: speedup vs p3d-plan's, loss rtol {FLOAT8_RTOL}"),
         Step("j", "a DeepSeek-V3 block (MLA at 192/128 head dims, grouped router) bf16 vs fp32 CPU twin; flash"),
     ]
     runs = [
