@@ -355,7 +355,7 @@ def check(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         Step("f", "FSDP2: a model=tiny chunk under ZeRO-3 on a one-rank mesh, bf16 vs its fp32 CPU twin"),
         Step("g", "an MoE layer (moe_tiny) in bf16 vs its fp32 CPU twin: output and gradients"),
         Step("h", "cp = 2 attention, each rank's fused kernels and LSE merge, bf16 vs SDPA fp32 on the CPU (2k)"),
-        Step("i", f"train.fp8=tensorwise vs bf16, llama3_2_1b 30 steps: speedup vs p3d-plan's, loss rtol {FLOAT8_RTOL}"),
+        Step("i", f"train.fp8=tensorwise vs bf16, llama3_2_1b 30 steps: speedup vs the plan, loss rtol {FLOAT8_RTOL}"),
         Step("j", "a DeepSeek-V3 block (MLA at 192/128 head dims, grouped router) bf16 vs fp32 CPU twin; flash"),
     ]
     runs = [
