@@ -152,7 +152,7 @@ def render(report) -> str:
             "",
         ]
     out.append(
-        f"p3d-plan: {m.name} ({m.arch.value}, {m.n_layers} layers, h={m.hidden_size}) on "
+        f"p3d-plan: {m.name} ({m.arch.value}{', ' + m.attention.value if m.attention.value != 'gqa' else ''}, {m.n_layers} layers, h={m.hidden_size}) on "
         f"{lay.describe(m.seq_len)}, {_devices(cfg)}"
     )
     out.append(

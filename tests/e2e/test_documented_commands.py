@@ -66,8 +66,10 @@ def check_ran(command: str, cwd: Path, started: float, result: subprocess.Comple
         elif "zero=stage3" in command:  # docs/precision.md: the float8 speedup beside the published figures
             assert "note: float8: train.fp8=tensorwise predicts" in out and "published (torchao" in out, out[-2000:]
             assert "does not fit" not in out and "would refuse" not in out, out[-2000:]
-        else:
-            assert "tp=8 pp=8" in out and "bubble" in out
+        else:  # the layout the line names (the README's: tp8_pp8), and its bubble
+            tp, pp = (re.search(rf"mesh\.{d}=(\d+)", command) for d in ("tp", "pp"))
+            layout = f"tp={tp[1]} pp={pp[1]}" if tp and pp else "tp=8 pp=8"
+            assert layout in out and "bubble" in out, out[-2000:]
         assert not any(cwd.iterdir()), "p3d-plan wrote files"
         return
     if "dry_run=true" in command:
