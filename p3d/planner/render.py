@@ -151,8 +151,9 @@ def render(report) -> str:
             *ranking_table(report.hetero_ranking),
             "",
         ]
+    mla = ", mla" if m.attention.value == "mla" else ""  # the block's attention where it is not the default
     out.append(
-        f"p3d-plan: {m.name} ({m.arch.value}{', ' + m.attention.value if m.attention.value != 'gqa' else ''}, {m.n_layers} layers, h={m.hidden_size}) on "
+        f"p3d-plan: {m.name} ({m.arch.value}{mla}, {m.n_layers} layers, h={m.hidden_size}) on "
         f"{lay.describe(m.seq_len)}, {_devices(cfg)}"
     )
     out.append(
