@@ -280,6 +280,8 @@ CASES: dict[str, Case] = {
             ".venv/bin/python bench/cp.py layouts",
             ".venv/bin/python bench/cp.py runs",
             ".venv/bin/python bench/cp.py runs --extra model=small",
+            ".venv/bin/python bench/cp.py runs --host-memory release --added-over 256",
+            ".venv/bin/python bench/cp.py runs --host-memory release --added-over 256 --extra context.attention=ring",
             ".venv/bin/python bench/cp.py attention",
             ".venv/bin/python bench/cp.py rss --cp 1 2 4",
             ".venv/bin/python bench/cp.py rss --cp 1 2 4 --extra model.seq_len=16384",
