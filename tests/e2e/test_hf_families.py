@@ -151,7 +151,8 @@ def _export(*args: str):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("family", with_slow(list(FAMILIES), {"llama", "mistral", "qwen2", "qwen3_moe"}))
+# make test exports DeepSeek-V3 (MLA, the grouped router, bf16 routers); the others (15 s each) in the slow tier
+@pytest.mark.parametrize("family", with_slow(list(FAMILIES), {"llama", "mistral", "qwen2", "qwen3_moe", "qwen3"}))
 def test_an_imported_run_exports_under_its_own_architecture(hf, tmp_path, family):
     from safetensors.torch import load_file
 

@@ -94,6 +94,8 @@ SLOW += ("tp2-nosp", "tp2_pp2-nosp", "tp2_pp2-selective", "single-selective", "t
 SLOW += ("tp4-padded-vocab",)
 # and (10 s): FSDP2 validating (the torch executor's case in make test is tests/e2e/test_cp_parity.py's cp2-validating)
 SLOW += ("dp2-zero3-validating",)
+# and (20 s): pp2-recompute (full recompute: tp2-compile-recompute runs it in make test, with tp)
+SLOW += ("pp2-recompute",)
 
 
 @pytest.mark.timeout(300)

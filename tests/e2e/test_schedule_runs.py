@@ -219,7 +219,9 @@ VALIDATING_LAYOUTS = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", with_slow(VALIDATING_LAYOUTS, ["dp2_pp2-interleaved"]))
+# slow tier, both (35 + 30 s): make test keeps validation on torch's executor in tests/e2e/test_cp_parity.py's
+# cp2-validating (the issue's own line) and on DeepSpeed's in tests/e2e/test_parity.py's dp2_pp2_tp2-zero1-validating
+@pytest.mark.parametrize("layout", with_slow(VALIDATING_LAYOUTS, ["dp2_pp2-interleaved", "dp2_pp2-dualpipev"]))
 def test_validation_under_a_torch_schedule_matches_the_reference(layout, tmp_path):
     """p3d-train mesh=dp2_pp2 schedule.pipeline=dualpipev train.eval_every=2: the held-out losses after steps 2 and 4
     are the single-process run's within 1e-5, and the training steps after each validation pass still follow the

@@ -127,6 +127,8 @@ SLOW += ("interleaved_1f1b-pp2-v2", "interleaved_1f1b-dp2_pp2-v2-zero1")
 # and (64 + 32 s): pp4-v2 and pp2-v3 (more stages and more chunks of the kept pp2-v2-tied; pp4 runs in tests/e2e/
 # test_parity.py)
 SLOW += ("interleaved_1f1b-pp4-v2", "interleaved_1f1b-pp2-v3")
+# and (39 s): zbv-pp4 (more stages of the kept zbv-pp2, -tied and -selective)
+SLOW += ("zbv-pp4",)
 
 
 @pytest.mark.timeout(600)
